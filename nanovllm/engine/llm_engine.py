@@ -1,0 +1,152 @@
+"""The step API: add requests, abort them, advance the whole batch one step at a time.
+
+This is what the engine stage wraps and what the offline `LLM` drives in a loop. Every request
+ends with exactly one output whose `finished` is True: on a stop token, on a length limit, or
+(reported by the next `step()`) after `abort`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from nanovllm.config import Config
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.models.loader import is_gguf, read_hf_config, resolve_model_path
+from nanovllm.models.model_config import ModelConfig
+from nanovllm.sampling_params import SamplingParams
+
+MAX_DEFAULT_MODEL_LEN = 4096
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    """"stop", "length" or "abort" once finished."""
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: Config | None = None, **kwargs):
+        self.config = config = config or Config(**kwargs)
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
+        self.max_model_len = self._max_model_len()
+        self.runner = ModelRunner(config, self.model_config, self.model_path)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.eos_token_ids = self.model_config.eos_token_ids + self._generation_eos_ids()
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, self.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+        self._arrivals = 0
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.config.max_model_len is None:
+            return min(limit, MAX_DEFAULT_MODEL_LEN)
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's context length {limit}")
+        return self.config.max_model_len
+
+    def _generation_eos_ids(self) -> tuple[int, ...]:
+        path = os.path.join(self.model_path, "generation_config.json")
+        if is_gguf(self.model_path) or not os.path.isfile(path):
+            return ()
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        return tuple(i for i in ids if i not in self.model_config.eos_token_ids)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; raises ValueError naming the problem if it can never be served."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._validate_prompt(prompt_token_ids)
+        longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        if self.block_manager.blocks_for(longest) > self.block_manager.num_total_blocks:
+            raise ValueError(
+                f"request needs up to {longest} tokens of KV cache but the cache holds only "
+                f"{self.block_manager.num_total_blocks * self.config.block_size}; lower max_tokens or enlarge the cache"
+            )
+        seq = Sequence(request_id, prompt_token_ids, params, self._arrivals)
+        self._arrivals += 1
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len} "
+                "(prompt plus at least one output token must fit)"
+            )
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
+            bad = next(t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab))
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks now; idempotent. True if it was live."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self._aborted.append(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    # -- stepping ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that advanced or ended."""
+        outputs = [self._output(seq) for seq in self._aborted]
+        self._aborted.clear()
+        scheduled = self.scheduler.schedule()
+        if scheduled:
+            sampled = self.runner.run(scheduled)
+            self.scheduler.postprocess(scheduled, sampled)
+        for item in scheduled:
+            seq = item.seq
+            if seq.num_output_tokens > seq.num_sent_tokens or seq.is_finished:
+                outputs.append(self._output(seq))
+                if seq.is_finished:
+                    del self.requests[seq.request_id]
+        return outputs
+
+    @staticmethod
+    def _output(seq: Sequence) -> RequestOutput:
+        new = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
+        seq.num_sent_tokens = seq.num_output_tokens
+        return RequestOutput(seq.request_id, new, seq.is_finished, seq.finish_reason,
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_total_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+        }

@@ -1,0 +1,133 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+Each step has a token budget (`max_num_batched_tokens`). Running sequences go first (one token
+each when decoding, or the next chunk of an unfinished prompt); the rest of the budget admits
+waiting sequences, whose prompts may be split across steps (chunked prefill). When the KV cache
+runs out, the most recently admitted sequence is preempted: its blocks are freed and it is
+recomputed later (the prefix cache usually makes that cheap).
+
+Finished or aborted sequences are dropped from the queues lazily, so an abort is O(1).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a token is sampled after it."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...]):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for s in self.waiting if not s.is_finished)
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for s in self.running if not s.is_finished)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (stop, length or abort) and free its blocks at once."""
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def schedule(self) -> list[ScheduledSeq]:
+        self.running = [s for s in self.running if not s.is_finished]
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = self._schedule_running(scheduled, budget)
+        budget -= sum(s.num_new_tokens for s in scheduled)
+        if not preempted:
+            self._schedule_waiting(scheduled, budget)
+        return scheduled
+
+    def _schedule_running(self, scheduled: list[ScheduledSeq], budget: int) -> bool:
+        """Schedule running sequences in admission order; returns whether any was preempted."""
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_new):
+                victim = self.running.pop()  # the latest admitted; never one already scheduled
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    return True
+            self.block_manager.append_slots(seq, num_new)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            i += 1
+        return preempted
+
+    def _schedule_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.is_finished:  # aborted while waiting
+                self.waiting.popleft()
+                continue
+            hits = self.block_manager.match_prefix(seq)
+            num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_allocate(num_new, hits):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_new, hits)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> None:
+        """Advance sequences past the step: record computed tokens, append samples, finish."""
+        samples = iter(sampled)
+        for item in scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prompt chunk that does not reach the end yet
+            token = next(samples)
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None

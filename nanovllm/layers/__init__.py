@@ -1,0 +1,1 @@
+"""Building blocks of the model: paged attention, rotary embedding, sampler."""

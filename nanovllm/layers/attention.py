@@ -1,0 +1,98 @@
+"""Paged attention over the block-structured KV cache, torch ops (the CPU path).
+
+Each step the model runner builds one `AttentionMetadata` that every layer shares. The batch is
+ordered decode tokens first (one token per sequence, attended as one padded batch), then prefill
+chunks (attended per sequence, since their lengths differ a lot). New K/V are written into the
+cache before attention, so a chunk attends to its cached prefix and to itself alike.
+
+Cache layout per layer: (num_blocks, block_size, num_kv_heads, head_dim); a token at position p
+lives in slot `block_table[p // block_size] * block_size + p % block_size`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillSpan:
+    """The new tokens of one sequence: rows [start, start + q_len) of the batch."""
+    start: int
+    q_len: int
+    num_cached: int
+    """Tokens already in the cache before this chunk (prefix hits or earlier chunks)."""
+    context_slots: torch.Tensor | None = None
+    """(num_cached + q_len,) cache slots to attend over; None when num_cached == 0."""
+    mask: torch.Tensor | None = None
+    """(q_len, num_cached + q_len) bool, True where a query may attend; None when num_cached == 0."""
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    """(T,) cache slot of every new token."""
+    num_decode: int = 0
+    decode_block_tables: torch.Tensor | None = None
+    """(num_decode, max_blocks) block ids, padded with 0 (masked out)."""
+    decode_mask: torch.Tensor | None = None
+    """(num_decode, 1, 1, max_blocks * block_size) bool, True for positions < context length."""
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        # Views into the engine's cache tensor, assigned by the model runner.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)  # (slots, KVH, D)
+        v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)  # (T, H, D)
+        if meta.num_decode:
+            out[: meta.num_decode] = self._decode(q[: meta.num_decode], meta)
+        for span in meta.prefills:
+            rows = slice(span.start, span.start + span.q_len)
+            if span.context_slots is None:
+                out[rows] = self._attend(q[rows], k[rows], v[rows], mask=None)
+            else:
+                out[rows] = self._attend(q[rows], k_flat[span.context_slots], v_flat[span.context_slots], span.mask)
+        return out
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        batch, max_blocks = meta.decode_block_tables.shape
+        block_size = self.k_cache.shape[1]
+        length = max_blocks * block_size
+        # Gather whole blocks (contiguous rows), then attend as one padded batch.
+        k = self.k_cache[meta.decode_block_tables].view(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_cache[meta.decode_block_tables].view(batch, length, self.num_kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # (B, H, 1, D)
+            k.transpose(1, 2),  # (B, KVH, L, D)
+            v.transpose(1, 2),
+            attn_mask=meta.decode_mask,  # (B, 1, 1, L)
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)  # (B, H, D)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of one sequence's chunk: q (Q, H, D) over k/v (K, KVH, D)."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),  # (1, H, Q, D)
+            k.transpose(0, 1).unsqueeze(0),  # (1, KVH, K, D)
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(0).transpose(0, 1)  # (Q, H, D)

