@@ -1,0 +1,190 @@
+"""asyncio client (works under uvloop): many concurrent streams from many tasks on one object.
+
+All socket work happens on the event loop (zmq.asyncio), so no thread is needed: one reader task
+per socket routes deltas into per-request asyncio queues, one task sends heartbeats.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from . import protocol as p
+from .client_state import ENGINE_DEAD, ClientState, Delta, Result, build_request, merge
+from .endpoints import default_url, service_endpoints
+from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceUnavailableError
+
+
+class AsyncStream:
+    """Async iterator over one request's deltas; `cancel()` (or dropping it unfinished) aborts it."""
+
+    def __init__(self, client: AsyncClient, request_id: str, deltas: asyncio.Queue, deadline: float,
+                 raise_on_error: bool):
+        self.request_id = request_id
+        self._client, self._deltas, self._deadline = client, deltas, deadline
+        self._raise_on_error = raise_on_error
+        self._done = False
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            delta = await asyncio.wait_for(self._deltas.get(), max(0.0, self._deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            self.cancel()
+            raise RequestTimeoutError(f"request {self.request_id} did not finish within its timeout") from None
+        if delta.finished:
+            self._done = True
+            self._client._streams.pop(self.request_id, None)
+            if delta.finish_reason == "error" and self._raise_on_error:
+                error = EngineDeadError if delta.engine_dead else RequestError
+                raise error(delta.error or "request failed", self.request_id)
+        return delta
+
+    def cancel(self) -> None:
+        """Abort the request in the engine (idempotent); the iterator ends."""
+        if not self._done:
+            self._done = True
+            self._client.abort_nowait(self.request_id)
+
+    def __del__(self) -> None:
+        try:
+            self.cancel()
+        except Exception:  # loop already closed at interpreter exit
+            pass
+
+
+class AsyncClient:
+    """`async with AsyncClient(url) as c: async for d in await c.stream("hi"): ...`"""
+
+    def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
+                 connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000):
+        self.url = url or default_url()
+        self.endpoints = service_endpoints(self.url)
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self._heartbeat_interval, self._hwm = heartbeat_interval, hwm
+        self._identity = uuid.uuid4().bytes
+        self._state = ClientState()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stats: asyncio.Queue | None = None
+        self._ready: asyncio.Event | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        if self._ctx is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.asyncio.Context()
+        self._ready, self._stats = asyncio.Event(), asyncio.Queue()
+        self._tok = self._ctx.socket(zmq.DEALER)
+        self._out = self._ctx.socket(zmq.DEALER)
+        for sock in (self._tok, self._out):
+            sock.setsockopt(zmq.ROUTING_ID, self._identity)
+            sock.setsockopt(zmq.SNDHWM, self._hwm)
+            sock.setsockopt(zmq.RCVHWM, self._hwm)
+            sock.setsockopt(zmq.LINGER, 1000)
+        self._tok.connect(self.endpoints.tokenizer)
+        self._out.connect(self.endpoints.stream)
+        self._tasks = [asyncio.ensure_future(self._read(self._tok)), asyncio.ensure_future(self._read(self._out)),
+                       asyncio.ensure_future(self._heartbeat())]
+
+    async def stream(self, prompt: Any = None, *, timeout: float | None = None, raise_on_error: bool = True,
+                     **kwargs: Any) -> AsyncStream:
+        """Start a request; `async for` over the result. See `build_request` for arguments."""
+        req = build_request(prompt, **kwargs)
+        await self._wait_ready()
+        if self._state.engine_alive is False:
+            raise EngineDeadError(ENGINE_DEAD, req.request_id)
+        if req.request_id in self._streams:
+            raise ValueError(f"request id {req.request_id!r} is already in flight on this client")
+        deltas: asyncio.Queue = asyncio.Queue()
+        self._streams[req.request_id] = deltas
+        await self._tok.send(req.encode())  # waits (backpressure) while the tokenizer's pipe is full
+        limit = timeout if timeout is not None else self.timeout
+        deadline = time.monotonic() + (limit if limit is not None else 1e9)
+        return AsyncStream(self, req.request_id, deltas, deadline, raise_on_error)
+
+    async def generate(self, prompt: Any = None, **kwargs: Any) -> Result:
+        s = await self.stream(prompt, **kwargs)
+        return merge([d async for d in s], s.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        await self._tok.send(p.AbortReq(request_id).encode())
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort from synchronous code (a finalizer, another thread)."""
+        self._streams.pop(request_id, None)
+        if self._loop is not None and not self._loop.is_closed() and self._ctx is not None:
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._safe_abort(request_id)))
+
+    async def server_stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        await self._wait_ready()
+        await self._out.send(p.StatsReq().encode())
+        try:
+            return await asyncio.wait_for(self._stats.get(), timeout)
+        except asyncio.TimeoutError:
+            raise ServiceUnavailableError(f"no stats reply within {timeout}s") from None
+
+    async def close(self) -> None:
+        if self._ctx is None:
+            return
+        for rid in list(self._streams):
+            await self.abort(rid)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tok.close(linger=1000)
+        self._out.close(linger=1000)
+        self._ctx.term()
+        self._ctx = None
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    async def _safe_abort(self, request_id: str) -> None:
+        if self._ctx is not None:
+            await self._tok.send(p.AbortReq(request_id).encode())
+
+    async def _wait_ready(self) -> None:
+        await self.start()
+        try:
+            await asyncio.wait_for(self._ready.wait(), self.connect_timeout)
+        except asyncio.TimeoutError:
+            raise ServiceUnavailableError(
+                f"no answer from the service's detokenizer at {self.endpoints.stream} "
+                f"within {self.connect_timeout}s") from None
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await self._out.send(p.Ping().encode())
+            await asyncio.sleep(self._heartbeat_interval if self._ready.is_set() else 0.1)
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frame = await sock.recv()
+            deltas, stats = self._state.handle(frame, list(self._streams))
+            if self._state.ready:
+                self._ready.set()
+            if stats is not None:
+                self._stats.put_nowait(stats)
+            for delta in deltas:
+                target = self._streams.get(delta.request_id)
+                if target is not None:
+                    target.put_nowait(delta)

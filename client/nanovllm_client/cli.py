@@ -1,0 +1,51 @@
+"""`nanovllm-client "prompt"`: stream one answer from a running service to the terminal."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .endpoints import default_url
+from .errors import NanovllmError
+from .sync_client import Client
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nanovllm-client", description=__doc__)
+    parser.add_argument("prompt", help="the user message (sent through the model's chat template)")
+    parser.add_argument("--url", default=default_url(),
+                        help="service address, ipc://DIR or tcp://HOST:PORT (default: $NANOVLLM_URL or %(default)s)")
+    parser.add_argument("--system", help="an optional system message")
+    parser.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the request is aborted")
+    parser.add_argument("--usage", action="store_true", help="print token usage to stderr at the end")
+    args = parser.parse_args(argv)
+
+    if args.raw:
+        prompt = args.prompt
+    else:
+        prompt = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt.append({"role": "user", "content": args.prompt})
+    try:
+        with Client(args.url, timeout=args.timeout, connect_timeout=10.0) as client:
+            last = None
+            for delta in client.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                       stop=args.stop):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                last = delta
+            sys.stdout.write("\n")
+            if args.usage and last is not None:
+                print(f"[{last.finish_reason}] {last.usage}", file=sys.stderr)
+    except NanovllmError as e:
+        print(f"nanovllm-client: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""Blocking client: one object carries many concurrent streams from many threads.
+
+ZeroMQ sockets are not thread-safe, so one background I/O thread owns both sockets (DEALER to
+the tokenizer for requests/aborts, DEALER to the detokenizer for outputs). User threads hand it
+frames through a lock-guarded inproc PUSH and read their deltas from a per-request queue.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from . import protocol as p
+from .client_state import ENGINE_DEAD, ClientState, Delta, Result, build_request, merge
+from .endpoints import default_url, service_endpoints
+from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceUnavailableError
+
+log = logging.getLogger("nanovllm_client")
+
+_TO_TOKENIZER, _TO_STREAM, _STOP = b"t", b"s", b"x"
+_instances = itertools.count()
+
+
+class Stream:
+    """Iterator over one request's deltas. Breaking out, `cancel()` or garbage collection aborts it."""
+
+    def __init__(self, client: Client, request_id: str, deltas: queue.SimpleQueue, deadline: float,
+                 raise_on_error: bool):
+        self.request_id = request_id
+        self._client, self._deltas, self._deadline = client, deltas, deadline
+        self._raise_on_error = raise_on_error
+        self._done = False
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Delta:
+        if self._done:
+            raise StopIteration
+        try:
+            delta = self._deltas.get(timeout=max(0.0, self._deadline - time.monotonic()))
+        except queue.Empty:
+            self.cancel()
+            raise RequestTimeoutError(f"request {self.request_id} did not finish within its timeout") from None
+        if delta.finished:
+            self._done = True
+            self._client._forget(self.request_id)
+            if delta.finish_reason == "error" and self._raise_on_error:
+                error = EngineDeadError if delta.engine_dead else RequestError
+                raise error(delta.error or "request failed", self.request_id)
+        return delta
+
+    def cancel(self) -> None:
+        """Abort the request in the engine (idempotent); the iterator ends."""
+        if not self._done:
+            self._done = True
+            self._client._forget(self.request_id)
+            self._client._send(_TO_TOKENIZER, p.AbortReq(self.request_id).encode())
+
+    def __del__(self) -> None:
+        try:
+            self.cancel()
+        except Exception:
+            pass
+
+
+class Client:
+    """`Client("ipc:///run/nanovllm")` or `Client("tcp://127.0.0.1:5550")`; a context manager."""
+
+    def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
+                 connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000):
+        self.url = url or default_url()
+        self.endpoints = service_endpoints(self.url)
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self._heartbeat_interval, self._hwm = heartbeat_interval, hwm
+        self._identity = uuid.uuid4().bytes
+        self._state = ClientState()
+        self._ready = threading.Event()
+        self._streams: dict[str, queue.SimpleQueue] = {}
+        self._stats: queue.SimpleQueue = queue.SimpleQueue()
+        self._ctx = zmq.Context()
+        self._cmd_endpoint = f"inproc://nanovllm-client-{next(_instances)}"
+        self._cmd_lock = threading.Lock()
+        self._cmd = self._ctx.socket(zmq.PUSH)
+        self._cmd.bind(self._cmd_endpoint)
+        self._closed = False
+        self._io = threading.Thread(target=self._io_loop, name="nanovllm-client-io", daemon=True)
+        self._io.start()
+
+    # ------------------------------------------------------------------ public API
+
+    def stream(self, prompt: Any = None, *, timeout: float | None = None, raise_on_error: bool = True,
+               **kwargs: Any) -> Stream:
+        """Start a request; iterate the result for `Delta`s. See `build_request` for arguments."""
+        req = build_request(prompt, **kwargs)
+        self._wait_ready()
+        if self._state.engine_alive is False:
+            raise EngineDeadError(ENGINE_DEAD, req.request_id)
+        deltas: queue.SimpleQueue = queue.SimpleQueue()
+        if req.request_id in self._streams:
+            raise ValueError(f"request id {req.request_id!r} is already in flight on this client")
+        self._streams[req.request_id] = deltas
+        self._send(_TO_TOKENIZER, req.encode())
+        limit = timeout if timeout is not None else self.timeout
+        deadline = time.monotonic() + (limit if limit is not None else 1e9)
+        return Stream(self, req.request_id, deltas, deadline, raise_on_error)
+
+    def generate(self, prompt: Any = None, **kwargs: Any) -> Result:
+        """Run a request to completion and return the whole answer."""
+        s = self.stream(prompt, **kwargs)
+        return merge(list(s), s.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._forget(request_id)
+        self._send(_TO_TOKENIZER, p.AbortReq(request_id).encode())
+
+    def server_stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The detokenizer's state sizes and the engine's latest stats (from its heartbeat)."""
+        self._wait_ready()
+        self._send(_TO_STREAM, p.StatsReq().encode())
+        try:
+            return self._stats.get(timeout=timeout)
+        except queue.Empty:
+            raise ServiceUnavailableError(f"no stats reply within {timeout}s") from None
+
+    def wait_engine(self, timeout: float = 60.0) -> None:
+        """Block until the engine is up (e.g. right after starting the service)."""
+        deadline = time.monotonic() + timeout
+        self._wait_ready()
+        while self._state.engine_alive is not True:
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"engine not available after {timeout}s")
+            time.sleep(0.05)
+
+    @property
+    def engine_alive(self) -> bool | None:
+        return self._state.engine_alive
+
+    def close(self, linger: float = 1.0) -> None:
+        """Abort every request in flight, flush, and stop the I/O thread."""
+        if self._closed:
+            return
+        for rid in list(self._streams):
+            self.abort(rid)
+        self._send(_STOP, b"")
+        self._io.join(timeout=linger + 5)
+        self._closed = True
+        self._cmd.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _wait_ready(self) -> None:
+        if not self._ready.wait(self.connect_timeout):
+            raise ServiceUnavailableError(
+                f"no answer from the service's detokenizer at {self.endpoints.stream} within {self.connect_timeout}s")
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def _send(self, target: bytes, frame: bytes) -> None:
+        if self._closed:
+            raise RuntimeError("client is closed")
+        with self._cmd_lock:
+            self._cmd.send_multipart([target, frame])
+
+    def _io_loop(self) -> None:
+        tok = self._ctx.socket(zmq.DEALER)
+        out = self._ctx.socket(zmq.DEALER)
+        cmd = self._ctx.socket(zmq.PULL)
+        for sock in (tok, out):
+            sock.setsockopt(zmq.ROUTING_ID, self._identity)
+            sock.setsockopt(zmq.SNDHWM, self._hwm)
+            sock.setsockopt(zmq.RCVHWM, self._hwm)
+            sock.setsockopt(zmq.LINGER, 1000)
+        tok.connect(self.endpoints.tokenizer)
+        out.connect(self.endpoints.stream)
+        cmd.connect(self._cmd_endpoint)
+        pending_tok: collections.deque[bytes] = collections.deque()  # held while the tokenizer pushes back
+        poller = zmq.Poller()
+        for sock in (tok, out, cmd):
+            poller.register(sock, zmq.POLLIN)
+        next_ping = 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_ping:
+                    if out.poll(0, zmq.POLLOUT):  # a full pipe means the detokenizer is gone; skip
+                        out.send(p.Ping().encode(), zmq.NOBLOCK)
+                    next_ping = now + (self._heartbeat_interval if self._ready.is_set() else 0.1)
+                poller.modify(tok, zmq.POLLIN | (zmq.POLLOUT if pending_tok else 0))
+                events = dict(poller.poll(max(1, int((next_ping - time.monotonic()) * 1000))))
+                if cmd in events and self._drain_commands(cmd, out, pending_tok):
+                    break
+                while pending_tok and tok.poll(0, zmq.POLLOUT):
+                    tok.send(pending_tok.popleft(), zmq.NOBLOCK)
+                for sock in (tok, out):
+                    if sock in events:
+                        self._drain_incoming(sock)
+        finally:
+            for sock in (tok, out, cmd):
+                sock.close()
+
+    def _drain_commands(self, cmd: zmq.Socket, out: zmq.Socket, pending_tok: collections.deque) -> bool:
+        while True:
+            try:
+                target, frame = cmd.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            if target == _STOP:
+                return True
+            if target == _TO_TOKENIZER:
+                pending_tok.append(frame)
+            else:
+                out.send(frame)
+
+    def _drain_incoming(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            deltas, stats = self._state.handle(frame, list(self._streams))
+            if self._state.ready:
+                self._ready.set()
+            if stats is not None:
+                self._stats.put(stats)
+            for delta in deltas:
+                target = self._streams.get(delta.request_id)
+                if target is not None:
+                    target.put(delta)
