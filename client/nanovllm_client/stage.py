@@ -1,0 +1,130 @@
+"""Plumbing the three service stages share: flags with NANOVLLM_* environment defaults, socket
+setup (bounded queues, ROUTER_MANDATORY), signal handling. Kept here, next to the protocol, so
+each stage package holds only its own job. Imports nothing heavy.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import uuid
+
+import zmq
+
+from .endpoints import Endpoints, default_url, ensure_ipc_dir, service_endpoints
+from .protocol import MAX_FRAME_BYTES
+
+DEFAULT_HWM = 10_000
+"""Messages queued per peer before senders see backpressure (EAGAIN / a blocking send)."""
+
+
+def env_name(flag: str) -> str:
+    return "NANOVLLM_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_flag(parser: argparse.ArgumentParser, flag: str, help: str, default=None, type=str, **kwargs) -> None:
+    """A flag whose default comes from NANOVLLM_<FLAG> when that variable is set."""
+    env = env_name(flag)
+    value = os.environ.get(env)
+    if value is not None:
+        if type is bool:
+            default = value.lower() in ("1", "true", "yes", "on")
+        else:
+            default = type(value)
+    if type is bool:
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=bool(default),
+                            help=f"{help} (env {env})", **kwargs)
+    else:
+        parser.add_argument(flag, type=type, default=default, help=f"{help} (env {env}; default %(default)s)", **kwargs)
+
+
+def add_endpoint_flags(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--url", "service address from which all endpoints are derived: ipc://DIR or tcp://HOST:PORT",
+             default=default_url())
+    for name, what in (("tokenizer", "tokenizer ROUTER (client requests)"), ("stream", "detokenizer ROUTER (client outputs)"),
+                       ("engine", "engine PULL (tokenized requests, aborts)"), ("detok", "detokenizer PULL (engine steps)")):
+        add_flag(parser, f"--{name}-endpoint", f"override the {what} endpoint")
+    add_flag(parser, "--log-level", "logging level", default="INFO")
+
+
+def resolve_endpoints(args: argparse.Namespace) -> Endpoints:
+    derived = service_endpoints(args.url)
+    return Endpoints(args.tokenizer_endpoint or derived.tokenizer, args.stream_endpoint or derived.stream,
+                     args.engine_endpoint or derived.engine, args.detok_endpoint or derived.detok)
+
+
+def setup_logging(level: str, role: str) -> logging.Logger:
+    logging.basicConfig(level=level.upper(), format=f"%(asctime)s {role}[%(process)d] %(levelname)s %(message)s")
+    return logging.getLogger(role)
+
+
+def stop_event() -> threading.Event:
+    """An event set by SIGINT/SIGTERM; the handler only sets state (the loop does the cleanup)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def new_instance_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> None:
+    ensure_ipc_dir(endpoint)
+    sock.bind(endpoint)
+
+
+def client_router(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM) -> zmq.Socket:
+    """A client-facing ROUTER: sends to a vanished or slow peer fail loudly, never silently."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH / EAGAIN instead of a silent drop
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.LINGER, 0)
+    bind(sock, endpoint)
+    return sock
+
+
+def pipeline_push(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM) -> zmq.Socket:
+    """A PUSH to the next stage: IMMEDIATE so nothing queues for a peer that is not there."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(endpoint)
+    return sock
+
+
+def pipeline_pull(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.LINGER, 0)
+    bind(sock, endpoint)
+    return sock
+
+
+class PeerMonitor:
+    """Counts the connected peers of a connecting socket (e.g. is an engine there at all?)."""
+
+    def __init__(self, sock: zmq.Socket):
+        self.socket = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.num_peers = 0
+
+    def poll(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.socket.poll(0):
+            event = recv_monitor_message(self.socket)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.num_peers += 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.num_peers = max(0, self.num_peers - 1)
+
+    @property
+    def connected(self) -> bool:
+        self.poll()
+        return self.num_peers > 0

@@ -1,0 +1,1 @@
+"""Detokenizer stage of the nanovllm service: `python -m detok_proc --help`."""

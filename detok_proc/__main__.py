@@ -1,0 +1,38 @@
+"""`python -m detok_proc`: turn engine steps into streamed text deltas for each client, apply stop
+strings, and detect vanished clients and a dead engine."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from nanovllm_client.stage import add_endpoint_flags, add_flag, resolve_endpoints, setup_logging, stop_event
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m detok_proc", description=__doc__)
+    add_flag(parser, "--model", "model whose tokenizer to use: 'default', an HF folder or a .gguf file", default="default")
+    add_flag(parser, "--client-timeout-s", "abort the requests of a client silent this long", default=5.0, type=float)
+    add_flag(parser, "--engine-timeout-s", "declare the engine dead after this long without a heartbeat",
+             default=3.0, type=float)
+    add_flag(parser, "--max-pending-frames", "frames held for a client that is not reading before its requests "
+             "are aborted", default=1000, type=int)
+    add_endpoint_flags(parser)
+    args = parser.parse_args(argv)
+    log = setup_logging(args.log_level, "detok")
+    endpoints = resolve_endpoints(args)
+    stop = stop_event()
+
+    from nanovllm.models.tokenizer import load_tokenizer
+
+    from .server import DetokStage
+
+    stage = DetokStage(load_tokenizer(args.model), endpoints.stream, endpoints.detok, endpoints.engine,
+                       client_timeout_s=args.client_timeout_s, engine_timeout_s=args.engine_timeout_s,
+                       max_pending_frames=args.max_pending_frames)
+    log.info("model %s; clients at %s; engine outputs at %s", args.model, endpoints.stream, endpoints.detok)
+    stage.run(stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

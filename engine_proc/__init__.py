@@ -1,0 +1,1 @@
+"""Engine stage of the nanovllm service: `python -m engine_proc --help`."""

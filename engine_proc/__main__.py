@@ -1,0 +1,63 @@
+"""`python -m engine_proc`: run the model (scheduler, paged KV cache) on tokenized requests and
+push one batched output message per step to the detokenizer. Every engine `Config` field is a
+flag (and a NANOVLLM_* variable)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from nanovllm_client.stage import add_endpoint_flags, add_flag, resolve_endpoints, setup_logging, stop_event
+
+_SKIP_FIELDS = {"model"}
+
+
+def _flag_type(annotation: str):
+    for name, kind in (("bool", bool), ("float", float), ("int", int)):
+        if name in str(annotation):
+            return kind
+    return str
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> list[str]:
+    names = []
+    for f in dataclasses.fields(config_cls):
+        if f.name in _SKIP_FIELDS:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        doc = "engine Config." + f.name
+        add_flag(parser, "--" + f.name.replace("_", "-"), doc, default=default, type=_flag_type(f.type))
+        names.append(f.name)
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nanovllm.config import Config
+
+    parser = argparse.ArgumentParser(prog="python -m engine_proc", description=__doc__)
+    add_flag(parser, "--model", "'default', an HF folder or a .gguf file", default="default")
+    add_flag(parser, "--heartbeat-s", "seconds between engine heartbeats to the detokenizer", default=0.25, type=float)
+    add_flag(parser, "--max-live", "most requests held by the engine before it stops taking new ones",
+             default=4096, type=int)
+    add_endpoint_flags(parser)
+    config_names = add_config_flags(parser, Config)
+    args = parser.parse_args(argv)
+    log = setup_logging(args.log_level, "engine")
+    endpoints = resolve_endpoints(args)
+    stop = stop_event()
+
+    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.sampling_params import SamplingParams
+
+    from .server import EngineStage
+
+    overrides = {n: getattr(args, n) for n in config_names if getattr(args, n) is not None}
+    engine = LLMEngine(Config(model=args.model, **overrides))
+    log.info("model %s loaded; input at %s; outputs to %s", args.model, endpoints.engine, endpoints.detok)
+    stage = EngineStage(engine, SamplingParams, endpoints.engine, endpoints.detok,
+                        heartbeat_s=args.heartbeat_s, max_live=args.max_live)
+    return stage.run(stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

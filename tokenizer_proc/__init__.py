@@ -1,0 +1,1 @@
+"""Tokenizer stage of the nanovllm service: `python -m tokenizer_proc --help`."""

@@ -1,0 +1,33 @@
+"""`python -m tokenizer_proc`: validate, chat-template and tokenize client requests for the engine."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from nanovllm_client.stage import add_endpoint_flags, add_flag, resolve_endpoints, setup_logging, stop_event
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tokenizer_proc", description=__doc__)
+    add_flag(parser, "--model", "model whose tokenizer to use: 'default', an HF folder or a .gguf file", default="default")
+    add_endpoint_flags(parser)
+    args = parser.parse_args(argv)
+    log = setup_logging(args.log_level, "tokenizer")
+    endpoints = resolve_endpoints(args)
+    stop = stop_event()
+
+    from nanovllm.models.tokenizer import load_tokenizer
+    from nanovllm.sampling_params import SamplingParams
+
+    from .server import TokenizerStage, sampling_fields
+
+    tokenizer = load_tokenizer(args.model)
+    stage = TokenizerStage(tokenizer, sampling_fields(SamplingParams), SamplingParams,
+                           frontend=endpoints.tokenizer, engine=endpoints.engine)
+    log.info("model %s; clients at %s; engine at %s", args.model, endpoints.tokenizer, endpoints.engine)
+    stage.run(stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The tokenizer stage: first hop of the pipeline.
+
+client --DEALER--> [ROUTER] tokenizer [PUSH] --> engine
+
+Validates each request (an error naming the problem goes straight back to its sender, and the
+stage carries on), applies the chat template, tokenizes, and forwards a `TokenizedReq` to the
+engine. Aborts travel the same PUSH, so they always arrive after their request. Holds no
+per-request state: a restarted tokenizer loses nothing that is already past it.
+
+Backpressure: while the engine pipe is full, the stage stops reading clients, so their sockets
+fill up and their sends wait. With no engine connected at all, requests are refused at once.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from nanovllm_client import protocol as p
+from nanovllm_client.stage import PeerMonitor, client_router, new_instance_id, pipeline_push
+
+log = logging.getLogger("tokenizer_proc")
+
+NO_ENGINE = "engine is not available (dead, restarting or not started yet); retry later"
+ENGINE_STALL_S = 10.0
+"""A request waiting this long for room in the engine pipe is failed instead of held."""
+
+
+class RequestRejected(ValueError):
+    """A request the stage refuses; the text goes back to the client."""
+
+
+class TokenizerStage:
+    def __init__(self, tokenizer: Any, sampling_fields: set[str], make_sampling, frontend: str,
+                 engine: str, ctx: zmq.Context | None = None):
+        self.tokenizer = tokenizer
+        self.sampling_fields = sampling_fields
+        self.make_sampling = make_sampling
+        self.instance_id = new_instance_id()
+        self.ctx = ctx or zmq.Context.instance()
+        self.frontend = client_router(self.ctx, frontend)
+        self.to_engine = pipeline_push(self.ctx, engine)
+        self.engine_peers = PeerMonitor(self.to_engine)
+        self.pending: collections.deque[tuple[float, bytes, str, bytes]] = collections.deque()
+        """(time, client identity, client request id or "", frame) waiting for room in the engine pipe."""
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, stop) -> None:
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.to_engine, 0)
+        log.info("tokenizer stage %s serving", self.instance_id)
+        while not stop.is_set():
+            poller.modify(self.frontend, 0 if self.pending else zmq.POLLIN)
+            poller.modify(self.to_engine, zmq.POLLOUT if self.pending else 0)
+            events = dict(poller.poll(100))
+            self._flush_pending()
+            if self.frontend in events:
+                self._drain_frontend()
+        self.close()
+
+    def close(self) -> None:
+        self.engine_peers.socket.close(linger=0)
+        self.frontend.close(linger=0)
+        self.to_engine.close(linger=500)
+
+    def _drain_frontend(self, budget: int = 256) -> None:
+        for _ in range(budget):
+            if self.pending:
+                return
+            try:
+                parts = self.frontend.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle(parts[0], parts[1:])
+
+    # ------------------------------------------------------------------ messages
+
+    def handle(self, identity: bytes, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self._reply(identity, p.ErrorOutput(f"expected exactly one frame per message, got {len(frames)}"))
+            return
+        try:
+            msg = p.decode(frames[0])
+        except p.ProtocolError as e:
+            self._reply(identity, p.ErrorOutput(str(e), p.peek_request_id(frames[0])))
+            return
+        if isinstance(msg, p.GenerateReq):
+            self._on_generate(identity, msg)
+        elif isinstance(msg, p.AbortReq):
+            self._forward(identity, "", p.AbortReq(engine_request_id(identity, msg.request_id)).encode())
+        elif isinstance(msg, p.Ping):
+            self._reply(identity, p.Pong("tokenizer", self.instance_id, self.engine_peers.connected))
+        else:
+            self._reply(identity, p.ErrorOutput(f"the tokenizer does not accept {msg.TYPE!r} messages; "
+                                                "send 'generate', 'abort' or 'ping'"))
+
+    def _on_generate(self, identity: bytes, req: p.GenerateReq) -> None:
+        try:
+            tokenized = self.tokenize(identity, req)
+        except RequestRejected as e:
+            self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, str(e))]))
+            return
+        if not self.engine_peers.connected:
+            self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, NO_ENGINE)]))
+            return
+        self._forward(identity, req.request_id, tokenized.encode())
+
+    def tokenize(self, identity: bytes, req: p.GenerateReq) -> p.TokenizedReq:
+        """Validate and tokenize; `RequestRejected` says what was wrong."""
+        unknown = set(req.sampling) - self.sampling_fields
+        if unknown:
+            raise RequestRejected(f"unknown sampling parameter(s) {sorted(unknown)}; "
+                                  f"allowed: {sorted(self.sampling_fields)}")
+        try:
+            self.make_sampling(**req.sampling)
+        except (ValueError, TypeError) as e:
+            raise RequestRejected(f"invalid sampling parameters: {e}") from None
+        if req.prompt_token_ids is not None:
+            ids = req.prompt_token_ids
+        elif req.messages is not None:
+            try:
+                text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # template errors come in many types
+                raise RequestRejected(f"cannot apply the model's chat template: {e}") from None
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode(req.prompt)
+        if not ids:
+            raise RequestRejected("prompt is empty: at least one token is needed")
+        meta = {"client": identity, "rid": req.request_id, "stop": req.stop,
+                "skip": req.skip_special_tokens, "tail": p.pack_token_ids(ids[-8:]), "t": time.time()}
+        return p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), req.sampling, meta)
+
+    def _forward(self, identity: bytes, request_id: str, frame: bytes) -> None:
+        self.pending.append((time.monotonic(), identity, request_id, frame))
+        self._flush_pending()
+
+    def _flush_pending(self) -> None:
+        while self.pending:
+            queued_at, identity, request_id, frame = self.pending[0]
+            try:
+                self.to_engine.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                stalled = time.monotonic() - queued_at > ENGINE_STALL_S
+                if not (stalled or not self.engine_peers.connected):
+                    return  # engine is there but busy: hold (backpressure)
+                self.pending.popleft()
+                if request_id:  # aborts for a dead engine need no answer
+                    self._reply(identity, p.StreamOutput([p.error_delta(request_id, NO_ENGINE)]))
+                continue
+            self.pending.popleft()
+
+    def _reply(self, identity: bytes, msg: p.Message) -> None:
+        try:
+            self.frontend.send_multipart([identity, msg.encode()], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: client gone; EAGAIN: it is not reading
+            log.info("could not reply to client %s: %s", identity.hex(), e)
+
+
+def engine_request_id(identity: bytes, request_id: str) -> str:
+    """Client request ids are only unique per client; the engine sees '<client>:<request>'."""
+    return f"{identity.hex()}:{request_id}"
+
+
+def sampling_fields(params_cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(params_cls)}
