@@ -23,6 +23,14 @@ MAX_DEFAULT_MODEL_LEN = 4096
 
 
 @dataclass(slots=True)
+class StepStats:
+    """What the last step computed."""
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_seqs: int = 0
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
@@ -48,6 +56,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._arrivals = 0
+        self.last_step = StepStats()
 
     @property
     def eos_token_id(self) -> int | None:
@@ -121,6 +130,8 @@ class LLMEngine:
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted.clear()
         scheduled = self.scheduler.schedule()
+        decode_tokens = sum(1 for s in scheduled if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
+        self.last_step = StepStats(sum(s.num_new_tokens for s in scheduled) - decode_tokens, decode_tokens, len(scheduled))
         if scheduled:
             sampled = self.runner.run(scheduled)
             self.scheduler.postprocess(scheduled, sampled)

@@ -1,0 +1,116 @@
+"""Offline throughput: nanovllm's engine and HF transformers `generate`, same weights, same run.
+
+Workload (nano-vllm's shape, scaled for a CPU): N requests of random token ids with random
+prompt lengths, a fixed number of output tokens each with EOS ignored, all submitted at once.
+Prints a JSON line and a table; `ratio` is nanovllm / HF output tokens per second.
+
+    python -m bench.offline --shape tiny            # the 2x-HF target
+    python -m bench.offline --shape mid --skip-hf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+
+import torch
+
+from bench.models import make_bench_model
+from nanovllm.config import Config
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.sampling_params import SamplingParams
+
+
+def make_workload(num_seqs: int, min_input: int, max_input: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(rng.randint(min_input, max_input))] for _ in range(num_seqs)]
+
+
+def run_nanovllm(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"b{time.perf_counter_ns()}-{i}", prompt, params)
+    produced = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    return time.perf_counter() - start, produced
+
+
+def run_hf(path: str, prompts: list[list[int]], output_len: int, sampling: dict | None) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    longest = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = 1
+    kwargs = dict(do_sample=True, **sampling) if sampling else dict(do_sample=False)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                             pad_token_id=0, **kwargs)
+    elapsed = time.perf_counter() - start
+    return elapsed, (out.shape[1] - longest) * len(prompts)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="tiny", choices=["tiny", "mid", "qwen3-0.6b"])
+    ap.add_argument("--num-seqs", type=int, default=64)
+    ap.add_argument("--min-input", type=int, default=64)
+    ap.add_argument("--max-input", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--sampling", action="store_true", help="temperature 0.8, top_p 0.95, top_k 50 instead of greedy")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs of each engine; the best is reported")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench-models"))
+    args = ap.parse_args(argv)
+
+    path = make_bench_model(args.shape, args.model_dir)
+    vocab = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
+    prompts = make_workload(args.num_seqs, args.min_input, args.max_input, vocab, seed=0)
+    sampling = dict(temperature=0.8, top_p=0.95, top_k=50) if args.sampling else None
+    params = SamplingParams(temperature=0.8, max_tokens=args.output_len, ignore_eos=True, **_extra(sampling)) if sampling \
+        else SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+
+    engine = LLMEngine(Config(model=path, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gib=2.0))
+    run_nanovllm(engine, prompts[:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
+    ours = min((run_nanovllm(engine, prompts, params) for _ in range(args.repeats)), key=lambda r: r[0])
+    result = {
+        "bench": "offline", "shape": args.shape, "num_seqs": args.num_seqs,
+        "prompt_tokens": sum(map(len, prompts)), "output_len": args.output_len,
+        "mode": "sampling" if sampling else "greedy", "threads": torch.get_num_threads(),
+        "nanovllm_s": round(ours[0], 3), "nanovllm_out_tok_s": round(ours[1] / ours[0], 1),
+    }
+    if not args.skip_hf:
+        run_hf(path, prompts[:4], 8, sampling)  # warm-up
+        hf = min((run_hf(path, prompts, args.output_len, sampling) for _ in range(args.repeats)), key=lambda r: r[0])
+        result.update(hf_s=round(hf[0], 3), hf_out_tok_s=round(hf[1] / hf[0], 1),
+                      ratio=round((ours[1] / ours[0]) / (hf[1] / hf[0]), 2))
+    print(json.dumps(result))
+    print_table(result)
+    return result
+
+
+def _extra(sampling: dict | None) -> dict:
+    """Sampling knobs beyond temperature, where this engine's SamplingParams has them."""
+    fields = SamplingParams.__dataclass_fields__
+    return {k: v for k, v in (sampling or {}).items() if k in fields and k != "temperature"}
+
+
+def print_table(r: dict) -> None:
+    print(f"\n{'engine':<16}{'seconds':>10}{'out tok/s':>12}")
+    print(f"{'nanovllm':<16}{r['nanovllm_s']:>10.2f}{r['nanovllm_out_tok_s']:>12.1f}")
+    if "hf_s" in r:
+        print(f"{'hf transformers':<16}{r['hf_s']:>10.2f}{r['hf_out_tok_s']:>12.1f}")
+        print(f"ratio nanovllm / hf: {r['ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

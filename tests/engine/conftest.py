@@ -1,0 +1,29 @@
+"""Engine-test helpers: HF transformers greedy references on the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF transformers greedy continuations, one prompt at a time (no padding), fp32."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    return hf_greedy
