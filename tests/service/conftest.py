@@ -1,0 +1,55 @@
+"""Service fixtures: real stage processes over real sockets, torn down even when a test fails."""
+from __future__ import annotations
+
+import pytest
+
+from nanovllm_client import Client
+from tests.service.chain_model import make_chain_model
+from tests.service.harness import ServiceProcs, free_tcp_base_port, short_tmpdir
+
+START_TIMEOUT = 120.0
+"""Three processes importing torch/transformers on two busy cores can take a while."""
+TINY_ENGINE_ARGS = ["--num-kvcache-blocks", "512", "--max-num-seqs", "64", "--num-threads", "1"]
+FAST_FAILURE_ARGS = ["--client-timeout-s", "3", "--engine-timeout-s", "1.5"]
+
+
+def start_service(model: str, url: str, engine_args=TINY_ENGINE_ARGS, detok_args=FAST_FAILURE_ARGS) -> ServiceProcs:
+    procs = ServiceProcs(model, url, engine_args, detok_args).start()
+    try:
+        with Client(url, connect_timeout=START_TIMEOUT) as c:
+            c.wait_engine(timeout=START_TIMEOUT)
+    except BaseException:
+        print(procs.logs())
+        procs.stop()
+        raise
+    return procs
+
+
+@pytest.fixture(scope="session")
+def service(tiny_model_dir):
+    """The shared tiny-model service over ipc:// (tests here must leave it healthy)."""
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc")
+    yield procs
+    procs.stop()
+
+
+@pytest.fixture
+def client(service):
+    with Client(service.url, timeout=60, connect_timeout=30) as c:
+        yield c
+    service.assert_running()
+
+
+@pytest.fixture(scope="session")
+def chain_model(tmp_path_factory, tokenizer_dir):
+    path = str(tmp_path_factory.mktemp("chain-model"))
+    return path, make_chain_model(path, tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tcp_chain_service(chain_model):
+    """The scripted chain model served over tcp://127.0.0.1."""
+    path, _ = chain_model
+    procs = start_service(path, f"tcp://127.0.0.1:{free_tcp_base_port()}")
+    yield procs
+    procs.stop()

@@ -1,0 +1,128 @@
+"""Run the three service stages as real processes for tests; always clean up.
+
+`ServiceProcs` starts `python -m tokenizer_proc|engine_proc|detok_proc` with their own logs,
+can SIGKILL and restart a single stage, and on `stop()` terminates whatever is left (SIGTERM,
+then SIGKILL). Every wait has a timeout.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STAGES = ("tokenizer_proc", "engine_proc", "detok_proc")
+
+
+def short_tmpdir() -> str:
+    """ipc:// paths must stay under ~100 bytes, so not pytest's long tmp_path."""
+    return tempfile.mkdtemp(prefix="nv-", dir="/tmp")
+
+
+def free_tcp_base_port() -> int:
+    """A base port with the next three ports free too (the service uses four)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base > 65000:
+            continue
+        try:
+            socks = []
+            for off in range(4):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + off))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no four consecutive free tcp ports")
+
+
+class ServiceProcs:
+    def __init__(self, model: str, url: str, engine_args: list[str] | None = None,
+                 detok_args: list[str] | None = None, log_dir: str | None = None):
+        self.model, self.url = model, url
+        self.args = {"tokenizer_proc": [], "engine_proc": list(engine_args or []), "detok_proc": list(detok_args or [])}
+        self.log_dir = log_dir or short_tmpdir()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._logs: list = []
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ, NANOVLLM_URL=self.url, NANOVLLM_MODEL=self.model, PYTHONUNBUFFERED="1",
+                   NANOVLLM_LOG_LEVEL="INFO")
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        return env
+
+    def start(self, stage: str | None = None) -> ServiceProcs:
+        for name in ([stage] if stage else STAGES):
+            log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+            self._logs.append(log)
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", name, *self.args[name]], cwd=REPO,
+                                                env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def pid(self, stage: str) -> int:
+        return self.procs[stage].pid
+
+    def kill(self, stage: str, sig: int = signal.SIGKILL, timeout: float = 10.0) -> int:
+        proc = self.procs[stage]
+        proc.send_signal(sig)
+        return proc.wait(timeout=timeout)
+
+    def restart(self, stage: str) -> None:
+        if self.procs[stage].poll() is None:
+            self.kill(stage)
+        self.start(stage)
+
+    def assert_running(self) -> None:
+        dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+        assert not dead, f"stage(s) exited: {dead}\n{self.logs()}"
+
+    def logs(self, tail: int = 3000) -> str:
+        out = []
+        for name in STAGES:
+            path = os.path.join(self.log_dir, f"{name}.log")
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    out.append(f"--- {name} ---\n{f.read()[-tail:]}")
+        return "\n".join(out)
+
+    def stop(self, timeout: float = 10.0) -> dict[str, int | None]:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+                codes[name] = None
+        for log in self._logs:
+            log.close()
+        if self.url.startswith("ipc://"):
+            shutil.rmtree(self.url[len("ipc://"):], ignore_errors=True)
+        return codes
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

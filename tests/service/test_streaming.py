@@ -1,0 +1,129 @@
+"""End-to-end streaming through the three real stage processes over ipc:// (tiny random model)."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+
+import pytest
+
+from nanovllm_client import AsyncClient, Client
+from tests.service.harness import wait_for
+
+PROMPTS = ["def main():", "import os\nimport sys", "class Foo(object):\n    ", "Hello, world"]
+
+
+@pytest.fixture(scope="module")
+def offline_llm(tiny_model_dir):
+    from nanovllm import LLM
+
+    return LLM(tiny_model_dir, num_kvcache_blocks=256, num_threads=1)
+
+
+def record_wire_deltas(client: Client) -> list:
+    """Every delta that reaches the client, before the client's own bookkeeping."""
+    seen: list = []
+    handle = client._state.handle
+
+    def recording(frame, live_ids):
+        deltas, stats = handle(frame, live_ids)
+        seen.extend((d.request_id, d.finish_reason) for d in deltas)
+        return deltas, stats
+
+    client._state.handle = recording
+    return seen
+
+
+def test_greedy_stream_equals_offline_generate(client, offline_llm):
+    from nanovllm import SamplingParams
+
+    expected = offline_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    for prompt, want in zip(PROMPTS, expected):
+        deltas = list(client.stream(prompt, max_tokens=24, temperature=0))
+        assert "".join(d.text for d in deltas) == want["text"]
+        assert [t for d in deltas for t in d.token_ids] == want["token_ids"]
+        assert deltas[-1].finish_reason in ("stop", "length")
+        assert deltas[-1].usage["completion_tokens"] == len(want["token_ids"])
+        assert all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_64_concurrent_streams_from_threads_end_exactly_once(client):
+    seen = record_wire_deltas(client)
+    results: dict[str, tuple[str, int]] = {}
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            streams = [client.stream(PROMPTS[(k + i) % 4] + str(i), max_tokens=4 + (k * 8 + i) % 13,
+                                     temperature=0 if i % 2 else 0.8, ignore_eos=True) for i in range(8)]
+            for s in streams:
+                deltas = list(s)
+                results[s.request_id] = (deltas[-1].finish_reason, sum(len(d.token_ids) for d in deltas))
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    assert not errors, errors
+    assert len(results) == 64
+    assert all(reason == "length" for reason, _ in results.values())
+    time.sleep(0.5)  # anything duplicated would have arrived by now
+    terminal = collections.Counter(rid for rid, reason in seen if reason is not None)
+    assert set(terminal) == set(results) and set(terminal.values()) == {1}
+    last_index = {rid: i for i, (rid, _) in enumerate(seen)}
+    for i, (rid, reason) in enumerate(seen):
+        if reason is not None:
+            assert last_index[rid] == i, f"delta after the terminal one for {rid}"
+
+
+def test_async_client_under_uvloop_matches_sync(client, service):
+    uvloop = pytest.importorskip("uvloop")
+    want = [client.generate(p, max_tokens=12, temperature=0).text for p in PROMPTS]
+
+    async def main():
+        async with AsyncClient(service.url, timeout=60) as ac:
+            results = await asyncio.gather(*(ac.generate(p, max_tokens=12, temperature=0) for p in PROMPTS * 4))
+            chunks = []
+            async for delta in await ac.stream(PROMPTS[0], max_tokens=12, temperature=0):
+                chunks.append(delta.text)
+            return [r.text for r in results], "".join(chunks)
+
+    texts, streamed = uvloop.run(main())
+    assert texts == want * 4
+    assert streamed == want[0]
+
+
+def engine_idle(client: Client):
+    stats = client.server_stats()
+    eng = stats["engine"]
+    idle = (eng.get("num_live") == 0 and eng["num_running"] == 0 and eng["num_waiting"] == 0
+            and eng["num_free_blocks"] == eng["num_total_blocks"] and stats["detok"]["num_requests"] == 0)
+    return stats if idle else None
+
+
+def test_cancelling_half_mid_stream_frees_every_kv_block(client):
+    long = [client.stream(p, max_tokens=600, ignore_eos=True, temperature=0) for p in PROMPTS * 2]
+    short = [client.stream(p, max_tokens=16, ignore_eos=True, temperature=0) for p in PROMPTS * 2]
+    for s in long + short:
+        first = next(s)
+        assert first.finish_reason is None
+    busy = client.server_stats()["engine"]
+    assert busy["num_free_blocks"] < busy["num_total_blocks"]
+    for i, s in enumerate(long):
+        if i % 3 == 0:
+            s.cancel()
+        elif i % 3 == 1:
+            client.abort(s.request_id)
+        else:
+            for _ in s:  # breaking out of the loop; the dropped stream aborts itself
+                break
+    del long, s
+    for s in short:
+        assert list(s)[-1].finish_reason == "length"
+    # Natural completion of the long ones would take 600 steps (tens of seconds).
+    wait_for(lambda: engine_idle(client), timeout=5, interval=0.1, what="all KV blocks free")
