@@ -1,0 +1,117 @@
+"""Bad input gets an error naming the problem, and everyone else keeps streaming."""
+from __future__ import annotations
+
+import threading
+import uuid
+
+import msgpack
+import pytest
+import zmq
+
+from nanovllm_client import PROTOCOL_VERSION, RequestError
+from nanovllm_client import protocol as p
+from nanovllm_client.endpoints import service_endpoints
+
+
+@pytest.fixture
+def raw_dealer(service):
+    """A hand-rolled client socket on the tokenizer endpoint."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service_endpoints(service.url).tokenizer)
+    yield sock
+    sock.close()
+    ctx.term()
+
+
+def ask(sock: zmq.Socket, *frames: bytes) -> p.Message:
+    sock.send_multipart(list(frames))
+    assert sock.poll(10_000), "no reply from the tokenizer"
+    return p.decode(sock.recv())
+
+
+def error_text(msg: p.Message) -> str:
+    if isinstance(msg, p.ErrorOutput):
+        return msg.message
+    assert isinstance(msg, p.StreamOutput) and msg.deltas[0]["finish_reason"] == "error"
+    return msg.deltas[0]["error"]
+
+
+def generate_frame(version=PROTOCOL_VERSION, type_name="generate", **body) -> bytes:
+    body = {"request_id": "r1", "prompt": "hi", **body}
+    return msgpack.packb([version, type_name, body])
+
+
+BAD_FRAMES = {
+    "not msgpack": ([b"\xc1\xc1 definitely not msgpack"], "not valid msgpack"),
+    "not an array": ([msgpack.packb({"hello": 1})], "[protocol_version, type, body]"),
+    "unknown type": ([generate_frame(type_name="summon_demons")], "unknown message type 'summon_demons'"),
+    "wrong version": ([generate_frame(version=99)], "protocol version 99 is not supported"),
+    "unknown field": ([generate_frame(colour="blue")], "unknown field(s) ['colour']"),
+    "two frames": ([generate_frame(), b"extra"], "exactly one frame"),
+    "no prompt": ([msgpack.packb([PROTOCOL_VERSION, "generate", {"request_id": "r1"}])],
+                  "exactly one of prompt, messages, prompt_token_ids"),
+    "bad token ids": ([generate_frame(prompt=None, prompt_token_ids=b"abc")], "multiple of 4 bytes"),
+    "invalid temperature": ([generate_frame(sampling={"temperature": -1})], "temperature"),
+    "invalid max_tokens": ([generate_frame(sampling={"max_tokens": 0})], "max_tokens"),
+    "unknown sampling field": ([generate_frame(sampling={"top_q": 0.5})], "unknown sampling parameter(s) ['top_q']"),
+    "bad chat messages": ([generate_frame(prompt=None, messages=[{"role": "user"}])], "'role' and 'content'"),
+}
+
+
+def test_each_bad_frame_gets_a_clear_error_while_another_client_streams(client, raw_dealer):
+    stream = client.stream("def main():", max_tokens=200, ignore_eos=True, temperature=0)
+    assert next(stream).finish_reason is None
+    for name, (frames, expected) in BAD_FRAMES.items():
+        reply = ask(raw_dealer, *frames)
+        assert expected in error_text(reply), f"{name}: {error_text(reply)!r}"
+    # The tokenizer still serves this very socket afterwards, and the long stream was untouched.
+    assert isinstance(ask(raw_dealer, p.Ping().encode()), p.Pong)
+    rest = list(stream)
+    assert rest[-1].finish_reason == "length"
+    assert rest[-1].usage["completion_tokens"] == 200
+
+
+def test_request_errors_come_back_as_request_errors(client):
+    with pytest.raises(RequestError, match="max_model_len"):
+        client.generate(prompt_token_ids=[7] * 5000, max_tokens=4)
+    with pytest.raises(RequestError, match="temperature"):
+        client.generate("hi", temperature=-0.5)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        client.generate(prompt_token_ids=[10**9], max_tokens=4)
+    # ... and the same client keeps working.
+    assert client.generate("hi", max_tokens=3, ignore_eos=True).finish_reason == "length"
+
+
+def test_over_long_prompt_error_does_not_disturb_concurrent_streams(client):
+    results = {}
+
+    def run(k):
+        results[k] = client.generate(f"x{k}", max_tokens=30, ignore_eos=True, temperature=0)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for _ in range(3):
+        with pytest.raises(RequestError, match="max_model_len"):
+            client.generate(prompt_token_ids=[7] * 2000, max_tokens=4)
+    for t in threads:
+        t.join(timeout=60)
+    assert [results[k].usage["completion_tokens"] for k in range(4)] == [30] * 4
+
+
+def test_detokenizer_endpoint_rejects_requests_with_a_pointer(service):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service_endpoints(service.url).stream)
+    try:
+        reply = ask(sock, generate_frame())
+        assert "send requests to the tokenizer endpoint" in error_text(reply)
+        reply = ask(sock, msgpack.packb([7, "ping", {}]))
+        assert "protocol version 7" in error_text(reply)
+    finally:
+        sock.close()
+        ctx.term()
