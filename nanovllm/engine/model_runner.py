@@ -15,7 +15,8 @@ from nanovllm.config import Config
 from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.layers.attention import AttentionMetadata, PrefillSpan
 from nanovllm.layers.attention import PagedAttention
-from nanovllm.layers.sampler import sample
+from nanovllm.layers.cpu_kernels import CpuAttentionKernel
+from nanovllm.layers.sampler import Sampler
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.loader import iter_weights, load_weights
 from nanovllm.models.model_config import ModelConfig
@@ -47,12 +48,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, model_config, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampler = Sampler(model_config.vocab_size, self.device, config.seed)
         with torch.device(self.device):
             self.model = DecoderForCausalLM(model_config).to(self.dtype)
         load_weights(self.model, iter_weights(model_path))
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        self.cpu_kernel = CpuAttentionKernel.load(torch.get_num_threads()) if self.device.type == "cpu" else None
+        for layer in self.attention_layers:
+            layer.cpu_kernel = self.cpu_kernel
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
 
@@ -96,8 +100,7 @@ class ModelRunner:
             return []
         rows = torch.tensor([last_row[id(s)] for s in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # (B, V)
-        temperatures = torch.tensor([s.seq.params.temperature for s in sampling], dtype=torch.float32, device=self.device)
-        return sample(logits, temperatures, self.generator).tolist()
+        return self.sampler(logits, [s.seq for s in sampling])
 
     def _prepare(self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]):
         bs, dev = self.block_size, self.device
@@ -118,8 +121,11 @@ class ModelRunner:
             tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in decodes]
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)  # (B, max_blocks)
             context_lens = torch.tensor(positions, dtype=torch.long, device=dev) + 1
-            keys = torch.arange(max_blocks * bs, device=dev)
-            meta.decode_mask = (keys[None, :] < context_lens[:, None]).view(len(decodes), 1, 1, -1)
+            meta.decode_context_lens = context_lens
+            meta.decode_rows = torch.arange(len(decodes), device=dev)
+            if self.cpu_kernel is None:
+                keys = torch.arange(max_blocks * bs, device=dev)
+                meta.decode_mask = (keys[None, :] < context_lens[:, None]).view(len(decodes), 1, 1, -1)
         for item in prefills:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             table = torch.tensor(seq.block_table, dtype=torch.long)
@@ -129,6 +135,8 @@ class ModelRunner:
                 ctx = torch.arange(start + n)
                 span.context_slots = (table[ctx // bs] * bs + ctx % bs).to(dev)
                 span.mask = (ctx[None, :] <= pos[:, None]).to(dev)  # (Q, K) causal with offset
+                span.block_table = table.view(1, -1).to(dev)
+                span.row_ctx = (pos + 1).to(dev)
             meta.prefills.append(span)
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))

@@ -28,6 +28,10 @@ class PrefillSpan:
     """(num_cached + q_len,) cache slots to attend over; None when num_cached == 0."""
     mask: torch.Tensor | None = None
     """(q_len, num_cached + q_len) bool, True where a query may attend; None when num_cached == 0."""
+    block_table: torch.Tensor | None = None
+    """(1, num_blocks) for the compiled kernel; None when num_cached == 0."""
+    row_ctx: torch.Tensor | None = None
+    """(q_len,) context length of each query (num_cached + i + 1); None when num_cached == 0."""
 
 
 @dataclass
@@ -39,6 +43,10 @@ class AttentionMetadata:
     """(num_decode, max_blocks) block ids, padded with 0 (masked out)."""
     decode_mask: torch.Tensor | None = None
     """(num_decode, 1, 1, max_blocks * block_size) bool, True for positions < context length."""
+    decode_context_lens: torch.Tensor | None = None
+    """(num_decode,) tokens in cache per sequence, the new one included."""
+    decode_rows: torch.Tensor | None = None
+    """(num_decode,) arange: decode row r reads block-table row r (for the compiled kernel)."""
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -50,6 +58,8 @@ class PagedAttention(nn.Module):
         # Views into the engine's cache tensor, assigned by the model runner.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # The compiled CPU kernel (layers.cpu_kernels), when the runner has one.
+        self.cpu_kernel = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)  # (slots, KVH, D)
@@ -57,12 +67,20 @@ class PagedAttention(nn.Module):
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)  # (T, H, D)
+        kernel = self.cpu_kernel if self.cpu_kernel is not None and self.cpu_kernel.supports(q, self.k_cache) else None
         if meta.num_decode:
-            out[: meta.num_decode] = self._decode(q[: meta.num_decode], meta)
+            decode_q = q[: meta.num_decode]
+            out[: meta.num_decode] = self._decode(decode_q, meta) if kernel is None else kernel(
+                decode_q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_rows,
+                meta.decode_context_lens, self.scale)
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.q_len)
             if span.context_slots is None:
                 out[rows] = self._attend(q[rows], k[rows], v[rows], mask=None)
+            elif kernel is not None:
+                # Rows of one sequence, each with one more token of context than the last.
+                zeros = torch.zeros(span.q_len, dtype=torch.long)
+                out[rows] = kernel(q[rows], self.k_cache, self.v_cache, span.block_table, zeros, span.row_ctx, self.scale)
             else:
                 out[rows] = self._attend(q[rows], k_flat[span.context_slots], v_flat[span.context_slots], span.mask)
         return out
