@@ -1,0 +1,46 @@
+"""`nanovllm` command line: `generate` runs the engine in-process, `serve` runs the service."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="nanovllm generate", description="Generate in-process (no service).")
+    ap.add_argument("prompt", nargs="+", help="one or more prompts")
+    ap.add_argument("--model", default="default", help="'default', an HF folder or a .gguf file")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    args = ap.parse_args(argv)
+
+    from nanovllm import LLM, SamplingParams
+
+    llm = LLM(args.model)
+    prompts = args.prompt
+    if not args.raw and getattr(llm.tokenizer, "chat_template", None):
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                     tokenize=False) for p in prompts]
+    outs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens),
+                        use_tqdm=False)
+    for prompt, out in zip(args.prompt, outs):
+        print(f"> {prompt}\n{out['text']}\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"generate": _generate, "serve": _serve}
+    if not argv or argv[0] not in commands:
+        print("usage: nanovllm {generate,serve} ...  (nanovllm COMMAND --help for details)", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])
+
+
+def _serve(argv: list[str]) -> int:
+    from nanovllm.supervisor import main as serve_main
+    return serve_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
