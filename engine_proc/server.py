@@ -49,8 +49,8 @@ class EngineStage:
         self._stopping = threading.Event()
         # Bind/connect here, in the main thread, before the threads start using the sockets.
         self._in_sock = pipeline_pull(self.ctx, input_endpoint)
-        self._out_sock = pipeline_push(self.ctx, output_endpoint)
-        self._out_sock.setsockopt(zmq.IMMEDIATE, 0)  # queue for the detokenizer even while it restarts
+        # Not IMMEDIATE: outputs queue (up to the HWM) while the detokenizer restarts.
+        self._out_sock = pipeline_push(self.ctx, output_endpoint, immediate=False)
         self._threads = [threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
                          threading.Thread(target=self._output_loop, name="engine-output", daemon=True)]
 

@@ -28,6 +28,9 @@ log = logging.getLogger("tokenizer_proc")
 NO_ENGINE = "engine is not available (dead, restarting or not started yet); retry later"
 ENGINE_STALL_S = 10.0
 """A request waiting this long for room in the engine pipe is failed instead of held."""
+ENGINE_RECONNECT_GRACE_S = 1.0
+"""With no engine connected, a request waits this long (a restarted engine's reconnect) before
+it is refused."""
 
 
 class RequestRejected(ValueError):
@@ -106,9 +109,6 @@ class TokenizerStage:
         except RequestRejected as e:
             self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, str(e))]))
             return
-        if not self.engine_peers.connected:
-            self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, NO_ENGINE)]))
-            return
         self._forward(identity, req.request_id, tokenized.encode())
 
     def tokenize(self, identity: bytes, req: p.GenerateReq) -> p.TokenizedReq:
@@ -147,9 +147,10 @@ class TokenizerStage:
             try:
                 self.to_engine.send(frame, zmq.NOBLOCK)
             except zmq.Again:
-                stalled = time.monotonic() - queued_at > ENGINE_STALL_S
-                if not (stalled or not self.engine_peers.connected):
-                    return  # engine is there but busy: hold (backpressure)
+                waited = time.monotonic() - queued_at
+                limit = ENGINE_STALL_S if self.engine_peers.connected else ENGINE_RECONNECT_GRACE_S
+                if waited < limit:
+                    return  # engine busy (backpressure) or reconnecting: hold, stop reading clients
                 self.pending.popleft()
                 if request_id:  # aborts for a dead engine need no answer
                     self._reply(identity, p.StreamOutput([p.error_delta(request_id, NO_ENGINE)]))

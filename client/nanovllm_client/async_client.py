@@ -173,6 +173,9 @@ class AsyncClient:
 
     async def _heartbeat(self) -> None:
         while True:
+            self._route(self._state.check_detok(list(self._streams)))
+            if not self._state.ready:
+                self._ready.clear()
             await self._out.send(p.Ping().encode())
             await asyncio.sleep(self._heartbeat_interval if self._ready.is_set() else 0.1)
 
@@ -184,7 +187,10 @@ class AsyncClient:
                 self._ready.set()
             if stats is not None:
                 self._stats.put_nowait(stats)
-            for delta in deltas:
-                target = self._streams.get(delta.request_id)
-                if target is not None:
-                    target.put_nowait(delta)
+            self._route(deltas)
+
+    def _route(self, deltas: list[Delta]) -> None:
+        for delta in deltas:
+            target = self._streams.get(delta.request_id)
+            if target is not None:
+                target.put_nowait(delta)

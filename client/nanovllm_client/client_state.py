@@ -7,6 +7,7 @@ flight at once (their outputs can no longer arrive), so no stream waits for its 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,14 +72,17 @@ def build_request(prompt: Any = None, *, messages: list[dict] | None = None,
 class ClientState:
     """Health of the service as this client sees it, and frame -> deltas decoding."""
 
-    def __init__(self) -> None:
+    def __init__(self, detok_timeout: float = 3.0) -> None:
         self.engine_alive: bool | None = None
         self.detok_instance: str | None = None
+        self.detok_timeout = detok_timeout
+        self.detok_responsive = False
+        self.last_pong = time.monotonic()
 
     @property
     def ready(self) -> bool:
-        """The detokenizer has answered: it knows our routing id, outputs can reach us."""
-        return self.detok_instance is not None
+        """The detokenizer answers our pings: it knows our routing id, outputs can reach us."""
+        return self.detok_instance is not None and self.detok_responsive
 
     def handle(self, frame: bytes, live_ids: list[str]) -> tuple[list[Delta], Any]:
         """Decode one incoming frame. Returns (deltas to route, a stats reply or None)."""
@@ -95,6 +99,7 @@ class ClientState:
             log.warning("service error: %s", msg.message)
             return [], None
         if isinstance(msg, p.Pong):
+            self.last_pong, self.detok_responsive = time.monotonic(), True
             restarted = self.detok_instance is not None and msg.instance_id != self.detok_instance
             self.detok_instance = msg.instance_id
             return self._set_engine_alive(msg.engine_alive, live_ids, restarted), None
@@ -104,6 +109,15 @@ class ClientState:
             return [], msg.stats
         log.warning("unexpected %r message from the service", msg.TYPE)
         return [], None
+
+    def check_detok(self, live_ids: list[str]) -> list[Delta]:
+        """Fail the requests in flight if the detokenizer stopped answering pings (their
+        outputs cannot reach us); called once per heartbeat."""
+        if not self.ready or time.monotonic() - self.last_pong < self.detok_timeout:
+            return []
+        self.detok_responsive, self.engine_alive = False, None  # new requests wait until it is back
+        why = f"the detokenizer has not answered for {self.detok_timeout}s; outputs were lost"
+        return [Delta(rid, "", [], "error", error=why) for rid in live_ids]
 
     def _set_engine_alive(self, alive: bool, live_ids: list[str], detok_restarted: bool,
                           reason: str = "") -> list[Delta]:

@@ -89,10 +89,11 @@ def client_router(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM) -> zm
     return sock
 
 
-def pipeline_push(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM) -> zmq.Socket:
-    """A PUSH to the next stage: IMMEDIATE so nothing queues for a peer that is not there."""
+def pipeline_push(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM, immediate: bool = True) -> zmq.Socket:
+    """A PUSH to the next stage. `immediate`: nothing queues for a peer that is not there (the
+    send fails instead). Options must be set before connect: libzmq asserts on a change after."""
     sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.IMMEDIATE, int(immediate))
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(endpoint)

@@ -199,6 +199,9 @@ class Client:
             while True:
                 now = time.monotonic()
                 if now >= next_ping:
+                    self._route(self._state.check_detok(list(self._streams)))
+                    if not self._state.ready:
+                        self._ready.clear()
                     if out.poll(0, zmq.POLLOUT):  # a full pipe means the detokenizer is gone; skip
                         out.send(p.Ping().encode(), zmq.NOBLOCK)
                     next_ping = now + (self._heartbeat_interval if self._ready.is_set() else 0.1)
@@ -239,7 +242,10 @@ class Client:
                 self._ready.set()
             if stats is not None:
                 self._stats.put(stats)
-            for delta in deltas:
-                target = self._streams.get(delta.request_id)
-                if target is not None:
-                    target.put(delta)
+            self._route(deltas)
+
+    def _route(self, deltas: list[Delta]) -> None:
+        for delta in deltas:
+            target = self._streams.get(delta.request_id)
+            if target is not None:
+                target.put(delta)
