@@ -54,7 +54,7 @@ class ModelRunner:
         load_weights(self.model, iter_weights(model_path))
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-        self.cpu_kernel = CpuAttentionKernel.load(torch.get_num_threads()) if self.device.type == "cpu" else None
+        self.cpu_kernel = CpuAttentionKernel.load() if self.device.type == "cpu" else None
         for layer in self.attention_layers:
             layer.cpu_kernel = self.cpu_kernel
         self.num_blocks = self._num_kv_blocks()

@@ -3,7 +3,9 @@
  * Each "row" is one query token (all heads) attending to the first row_ctx[r] positions of the
  * sequence whose block table is block_tables[row_table[r]]. A decode step has one row per
  * sequence; a prompt chunk after cached blocks has one row per token with growing contexts.
- * Single-threaded: the caller splits rows across threads (ctypes releases the GIL).
+ * Rows are spread over OpenMP threads. torch is loaded first and ships libgomp.so.1 under the
+ * same soname, so this library binds to torch's OpenMP runtime: one thread pool, no second set
+ * of spinning threads competing for the cores.
  *
  * Layouts: q rows are H*D contiguous floats, q_row_stride floats apart (a view into the fused
  * qkv projection); caches are [num_blocks, block_size, KVH, D]; out is [R, H, D] contiguous.
@@ -29,19 +31,26 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
 int paged_attention_rows_f32(const float *q, int64_t q_row_stride, const float *k_cache,
                              const float *v_cache, const int64_t *block_tables, int64_t max_blocks,
                              const int64_t *row_table, const int64_t *row_ctx, float *out,
-                             int64_t row_begin, int64_t row_end, int64_t H, int64_t KVH, int64_t D,
-                             int64_t BS, float scale) {
+                             int64_t num_rows, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                             float scale) {
     const int64_t G = H / KVH;
     int64_t max_ctx = 1;
-    for (int64_t r = row_begin; r < row_end; r++)
+    for (int64_t r = 0; r < num_rows; r++)
         if (row_ctx[r] > max_ctx) max_ctx = row_ctx[r];
-    float *scores = (float *)malloc(sizeof(float) * G * max_ctx);
-    if (!scores) return -1;
+    int failed = 0;
 
-    for (int64_t r = row_begin; r < row_end; r++) {
+#pragma omp parallel reduction(| : failed)
+    {
+    float *scores = (float *)malloc(sizeof(float) * G * max_ctx);
+    failed = scores == NULL;
+    /* One work item per (row, kv head); dynamic because contexts differ a lot in length. */
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t item = 0; item < num_rows * KVH; item++) {
+        if (failed) continue;
+        const int64_t r = item / KVH, kvh = item % KVH;
         const int64_t L = row_ctx[r];
         const int64_t *table = block_tables + row_table[r] * max_blocks;
-        for (int64_t kvh = 0; kvh < KVH; kvh++) {
+        {
             const float *qh = q + r * q_row_stride + kvh * G * D;
             float *oh = out + (r * H + kvh * G) * D;
             memset(oh, 0, sizeof(float) * G * D);
@@ -71,5 +80,6 @@ int paged_attention_rows_f32(const float *q, int64_t q_row_stride, const float *
         }
     }
     free(scores);
-    return 0;
+    }
+    return failed ? -1 : 0;
 }

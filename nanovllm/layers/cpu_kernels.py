@@ -2,9 +2,10 @@
 
 The kernel (`cpu_attention.c`) reads the paged cache in place, where the torch path must first
 gather every sequence's blocks into a padded copy. It is plain C with no torch headers, so it
-compiles in well under a second and is cached per source and CPU. ctypes releases the GIL
-during the call, so a small thread pool runs row ranges on all cores. Without a compiler, or
-with NANOVLLM_CPU_KERNELS=0, `CpuAttentionKernel.load()` returns None and the torch path is used.
+compiles in well under a second and is cached per source and CPU. It parallelises with OpenMP
+and, loaded after torch, shares torch's OpenMP runtime (same libgomp.so.1 soname), so kernel and
+GEMMs use one thread pool. Without a compiler, or with NANOVLLM_CPU_KERNELS=0,
+`CpuAttentionKernel.load()` returns None and the torch path is used.
 """
 from __future__ import annotations
 
@@ -16,13 +17,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 logger = logging.getLogger(__name__)
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.c")
-_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 
 
 def _cpu_signature() -> str:
@@ -58,22 +58,20 @@ def _build() -> str:
 
 
 class CpuAttentionKernel:
-    def __init__(self, lib: ctypes.CDLL, num_threads: int):
+    def __init__(self, lib: ctypes.CDLL):
         self._fn = lib.paged_attention_rows_f32
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                             ctypes.c_float]
-        self.num_threads = num_threads
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="nanovllm-attn") if num_threads > 1 else None
+                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
 
     @classmethod
-    def load(cls, num_threads: int) -> "CpuAttentionKernel | None":
+    def load(cls) -> "CpuAttentionKernel | None":
+        """The kernel, or None (with a warning) where it cannot be built here."""
         if os.environ.get("NANOVLLM_CPU_KERNELS", "1") == "0":
             return None
         try:
-            return cls(ctypes.CDLL(_build()), num_threads)
+            return cls(ctypes.CDLL(_build()))
         except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
             detail = getattr(exc, "stderr", "") or exc
             logger.warning("CPU attention kernel unavailable, using the torch path: %s", detail)
@@ -91,23 +89,9 @@ class CpuAttentionKernel:
             q = q.contiguous()
         out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype)
         _, block_size, num_kv_heads, _ = k_cache.shape
-        args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                block_tables.shape[1], row_table.data_ptr(), row_ctx.data_ptr(), out.data_ptr())
-        tail = (num_heads, num_kv_heads, head_dim, block_size, scale)
-        ranges = self._split(row_ctx, rows)
-        if self._pool is None or len(ranges) == 1:
-            results = [self._fn(*args, lo, hi, *tail) for lo, hi in ranges]
-        else:
-            results = list(self._pool.map(lambda r: self._fn(*args, r[0], r[1], *tail), ranges))
-        if any(results):
+        failed = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                          block_tables.shape[1], row_table.data_ptr(), row_ctx.data_ptr(), out.data_ptr(), rows,
+                          num_heads, num_kv_heads, head_dim, block_size, scale)
+        if failed:
             raise MemoryError("CPU attention kernel could not allocate its scratch buffer")
         return out
-
-    def _split(self, row_ctx: torch.Tensor, rows: int) -> list[tuple[int, int]]:
-        """Contiguous row ranges of about equal work (work grows with context length)."""
-        if self._pool is None or rows < 2:
-            return [(0, rows)]
-        work = torch.cumsum(row_ctx, 0)
-        bounds = torch.searchsorted(work, work[-1] * torch.arange(1, self.num_threads) / self.num_threads).tolist()
-        edges = sorted({0, rows, *(min(b + 1, rows) for b in bounds)})
-        return list(zip(edges[:-1], edges[1:]))

@@ -10,10 +10,13 @@ from nanovllm.layers.cpu_kernels import CpuAttentionKernel
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1-thread", "2-threads"])
 def kernel(request):
-    k = CpuAttentionKernel.load(request.param)
+    k = CpuAttentionKernel.load()
     if k is None:
         pytest.skip("no C compiler on this machine")
-    return k
+    threads = torch.get_num_threads()
+    torch.set_num_threads(request.param)  # the kernel runs on torch's OpenMP threads
+    yield k
+    torch.set_num_threads(threads)
 
 
 def paged_cache(num_blocks=40, block_size=4, kv_heads=2, head_dim=16, seed=0):
@@ -68,7 +71,7 @@ def test_engine_greedy_output_is_the_same_with_and_without_the_kernel(tiny_model
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     # A small step budget forces chunk continuations, which use the kernel too.
     with_kernel = LLM(tiny_model_dir, block_size=4, num_kvcache_blocks=128, max_num_batched_tokens=24)
-    assert with_kernel.engine.runner.cpu_kernel is not None or CpuAttentionKernel.load(1) is None
+    assert with_kernel.engine.runner.cpu_kernel is not None or CpuAttentionKernel.load() is None
     monkeypatch.setenv("NANOVLLM_CPU_KERNELS", "0")
     torch_path = LLM(tiny_model_dir, block_size=4, num_kvcache_blocks=128, max_num_batched_tokens=24)
     assert torch_path.engine.runner.cpu_kernel is None
