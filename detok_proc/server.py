@@ -8,8 +8,8 @@ service's failure detector:
 - clients ping every second; a client that stops pinging, or whose socket is gone
   (ROUTER_MANDATORY makes that an EHOSTUNREACH instead of a silent drop), has its requests
   aborted in the engine, which frees their KV blocks;
-- the engine heartbeats every 0.25 s; if it says it is dying, or goes quiet for
-  `engine_timeout_s`, every request in flight ends with an error and every client is told the
+- the engine heartbeats every 0.25 s; if it says it is dying, its connection closes (crash,
+  SIGKILL) or it goes quiet for `engine_timeout_s` (hung), every request in flight ends with an error and every client is told the
   engine is dead, so their new requests fail fast until a heartbeat says it is back.
 A client that does not read its socket gets its frames queued here up to `max_pending_frames`,
 then its requests are aborted: memory stays bounded and nothing is dropped silently.
@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 
 from nanovllm_client import protocol as p
-from nanovllm_client.stage import client_router, new_instance_id, pipeline_pull, pipeline_push
+from nanovllm_client.stage import PeerMonitor, client_router, new_instance_id, pipeline_pull, pipeline_push
 
 from .incremental import DetokState
 
@@ -58,6 +58,7 @@ class DetokStage:
         self.max_pending_frames = max_pending_frames
         self.ctx = ctx or zmq.Context.instance()
         self.from_engine = pipeline_pull(self.ctx, detok_endpoint)
+        self.engine_peers = PeerMonitor(self.from_engine)
         self.clients_sock = client_router(self.ctx, stream_endpoint)
         self.to_engine = pipeline_push(self.ctx, engine_endpoint)
         self.requests: dict[str, RequestState] = {}
@@ -73,6 +74,7 @@ class DetokStage:
         poller = zmq.Poller()
         poller.register(self.from_engine, zmq.POLLIN)
         poller.register(self.clients_sock, zmq.POLLIN)
+        poller.register(self.engine_peers.socket, zmq.POLLIN)
         log.info("detokenizer stage %s serving", self.instance_id)
         while not stop.is_set():
             has_pending = any(c.pending for c in self.clients.values())
@@ -81,10 +83,12 @@ class DetokStage:
                 self._drain(self.from_engine, lambda parts: self.on_engine_frame(parts[0]))
             if self.clients_sock in events:
                 self._drain(self.clients_sock, lambda parts: self.on_client_frames(parts[0], parts[1:]))
+            if self.engine_peers.socket in events and not self.engine_peers.connected and self.engine_alive:
+                self._engine_dead("its connection closed")  # crashed or killed: no need to wait for the timeout
             if has_pending:
                 self._flush_all_pending()
             self.check_timeouts(time.monotonic())
-        for sock in (self.from_engine, self.clients_sock, self.to_engine):
+        for sock in (self.engine_peers.socket, self.from_engine, self.clients_sock, self.to_engine):
             sock.close(linger=0)
 
     @staticmethod

@@ -153,7 +153,8 @@ class TokenizerStage:
                     return  # engine busy (backpressure) or reconnecting: hold, stop reading clients
                 self.pending.popleft()
                 if request_id:  # aborts for a dead engine need no answer
-                    self._reply(identity, p.StreamOutput([p.error_delta(request_id, NO_ENGINE)]))
+                    delta = dict(p.error_delta(request_id, NO_ENGINE), engine_dead=True)
+                    self._reply(identity, p.StreamOutput([delta]))
                 continue
             self.pending.popleft()
 

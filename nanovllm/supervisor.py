@@ -1,0 +1,156 @@
+"""`nanovllm serve`: start the three service stages and keep them running.
+
+Starts `python -m tokenizer_proc`, `engine_proc` and `detok_proc` on one service URL (by default
+ipc:// sockets in a private runtime directory), restarts a stage that exits (with backoff; the
+others keep running and the restarted one rejoins), and on SIGINT/SIGTERM stops all three
+(SIGTERM, then SIGKILL after a grace period). Flags it does not know go to the engine stage
+(e.g. `--max-num-seqs 64`). The current stage pids are written to `<runtime dir>/stages.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+STAGES = ("tokenizer_proc", "engine_proc", "detok_proc")
+log = logging.getLogger("nanovllm.supervisor")
+
+
+@dataclass
+class StageProcess:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restart_at: float | None = None
+    backoff_s: float = 1.0
+    restarts: int = 0
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if the supervisor itself is killed (Linux), so none are orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class Supervisor:
+    def __init__(self, url: str, model: str, runtime_dir: str, engine_args: list[str], log_level: str,
+                 max_backoff_s: float = 30.0):
+        self.url, self.model, self.runtime_dir = url, model, runtime_dir
+        self.max_backoff_s = max_backoff_s
+        self.env = dict(os.environ, NANOVLLM_URL=url, NANOVLLM_MODEL=model, NANOVLLM_LOG_LEVEL=log_level)
+        self.stages = {name: StageProcess(name, [sys.executable, "-m", name] + (engine_args if name == "engine_proc" else []))
+                       for name in STAGES}
+
+    def start(self, stage: StageProcess) -> None:
+        stage.proc = subprocess.Popen(stage.argv, env=self.env, preexec_fn=_die_with_parent)
+        stage.started_at, stage.restart_at = time.monotonic(), None
+        log.info("started %s (pid %d)", stage.name, stage.proc.pid)
+        self.write_state()
+
+    def write_state(self) -> None:
+        state = {name: s.proc.pid if s.proc and s.proc.poll() is None else None for name, s in self.stages.items()}
+        state["url"] = self.url
+        tmp = os.path.join(self.runtime_dir, "stages.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, os.path.join(self.runtime_dir, "stages.json"))
+
+    def check(self, now: float) -> None:
+        """Restart stages that exited, with exponential backoff (reset after a minute of uptime)."""
+        for stage in self.stages.values():
+            if stage.proc is None or stage.proc.poll() is None:
+                continue
+            if stage.restart_at is None:
+                if now - stage.started_at > 60:
+                    stage.backoff_s = 1.0
+                log.warning("%s exited with %s; restarting in %.0fs", stage.name, stage.proc.returncode, stage.backoff_s)
+                stage.restart_at = now + stage.backoff_s
+                stage.backoff_s = min(self.max_backoff_s, stage.backoff_s * 2)
+                self.write_state()
+            elif now >= stage.restart_at:
+                stage.restarts += 1
+                self.start(stage)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        running = [s.proc for s in self.stages.values() if s.proc is not None and s.proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("pid %d ignored SIGTERM; killing it", proc.pid)
+                proc.kill()
+                proc.wait(timeout=5)
+        self.write_state()
+
+    def run(self, stop: threading.Event) -> int:
+        for stage in self.stages.values():
+            self.start(stage)
+        threading.Thread(target=self._announce_ready, args=(stop,), daemon=True).start()
+        while not stop.wait(0.2):
+            self.check(time.monotonic())
+        log.info("shutting down")
+        self.stop()
+        return 0
+
+    def _announce_ready(self, stop: threading.Event) -> None:
+        from nanovllm_client import Client, NanovllmError
+
+        try:
+            with Client(self.url, connect_timeout=600) as client:
+                client.wait_engine(timeout=600)
+            if not stop.is_set():
+                log.info("service ready at %s  (try: nanovllm-client --url %s \"Hello\")", self.url, self.url)
+        except NanovllmError as e:
+            log.warning("service not ready: %s", e)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from nanovllm_client.endpoints import default_runtime_dir
+
+    parser = argparse.ArgumentParser(prog="nanovllm serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=os.environ.get("NANOVLLM_MODEL", "default"),
+                        help="'default', an HF folder or a .gguf file (env NANOVLLM_MODEL; default %(default)s)")
+    parser.add_argument("--runtime-dir", default=default_runtime_dir(),
+                        help="where the ipc sockets and stages.json live (env NANOVLLM_RUNTIME_DIR; default %(default)s)")
+    parser.add_argument("--url", default=os.environ.get("NANOVLLM_URL"),
+                        help="service address, ipc://DIR or tcp://127.0.0.1:PORT (env NANOVLLM_URL; "
+                             "default ipc://<runtime dir>)")
+    parser.add_argument("--log-level", default=os.environ.get("NANOVLLM_LOG_LEVEL", "INFO"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nanovllm_client.endpoints import service_endpoints
+    from nanovllm_client.stage import stop_event
+
+    args, engine_args = build_parser().parse_known_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s supervisor %(levelname)s %(message)s")
+    url = args.url or f"ipc://{args.runtime_dir}"
+    try:
+        service_endpoints(url)
+    except ValueError as e:
+        print(f"nanovllm serve: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.runtime_dir, mode=0o700, exist_ok=True)
+    stop = stop_event()
+    return Supervisor(url, args.model, args.runtime_dir, engine_args, args.log_level).run(stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

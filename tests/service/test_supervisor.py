@@ -1,0 +1,71 @@
+"""`nanovllm serve` (nanovllm.supervisor): starts the stages, restarts a dead one, stops cleanly."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from nanovllm_client import Client
+from tests.service.conftest import START_TIMEOUT, TINY_ENGINE_ARGS
+from tests.service.harness import REPO, short_tmpdir, wait_for
+
+
+def read_pids(runtime_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(runtime_dir, "stages.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is as good as gone
+        return f.read().split()[2] != "Z"
+
+
+@pytest.fixture
+def supervisor(tiny_model_dir):
+    runtime_dir = short_tmpdir()
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", tiny_model_dir,
+                             "--runtime-dir", runtime_dir, "--log-level", "WARNING", *TINY_ENGINE_ARGS],
+                            cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    yield proc, runtime_dir
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)
+    for pid in (read_pids(runtime_dir) or {}).values():
+        if isinstance(pid, int) and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_serve_restarts_a_dead_stage_and_stops_cleanly(supervisor):
+    proc, runtime_dir = supervisor
+    url = f"ipc://{runtime_dir}"
+    with Client(url, connect_timeout=START_TIMEOUT, timeout=60) as client:
+        client.wait_engine(timeout=START_TIMEOUT)
+        assert client.generate("hi", max_tokens=3, ignore_eos=True).usage["completion_tokens"] == 3
+        before = read_pids(runtime_dir)
+        os.kill(before["engine_proc"], signal.SIGKILL)
+        after = wait_for(lambda: (p := read_pids(runtime_dir)) and p["engine_proc"] not in (None, before["engine_proc"]) and p,
+                         timeout=30, what="the engine to be restarted")
+        assert after["tokenizer_proc"] == before["tokenizer_proc"] and after["detok_proc"] == before["detok_proc"]
+        client.wait_engine(timeout=START_TIMEOUT)
+        assert client.generate("hi", max_tokens=3, ignore_eos=True).usage["completion_tokens"] == 3
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    children = [pid for name, pid in after.items() if name != "url"]
+    assert not any(pid_alive(pid) for pid in children), "a stage outlived the supervisor"
+
+
+def test_serve_rejects_a_bad_url():
+    out = subprocess.run([sys.executable, "-m", "nanovllm.supervisor", "--url", "http://nope"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 2 and "must start with ipc:// or tcp://" in out.stderr
