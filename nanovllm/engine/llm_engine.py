@@ -2,19 +2,26 @@
 
 This is what the engine stage wraps and what the offline `LLM` drives in a loop. Every request
 ends with exactly one output whose `finished` is True: on a stop token, on a length limit, or
-(reported by the next `step()`) after `abort`.
+(reported by the next `step()`) after `abort`. Post-step hooks (hooks.py) see a metrics
+snapshot after every step; the scheduling policy (policy.py) orders admission and preemption.
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.hooks import PostStepHook, PostStepHooks, StepMetrics
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.policy import SchedulerPolicy, make_policy
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.logits_processors import WordIndex, build_logits_processors
+from nanovllm.layers.sampler import TokenLogprobs
+from nanovllm.layers.token_bytes import token_byte_table
 from nanovllm.models.loader import is_gguf, read_hf_config, resolve_model_path
 from nanovllm.models.model_config import ModelConfig
 from nanovllm.sampling_params import SamplingParams
@@ -40,10 +47,12 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+    """One entry per new token when the request asked for logprobs."""
 
 
 class LLMEngine:
-    def __init__(self, config: Config | None = None, **kwargs):
+    def __init__(self, config: Config | None = None, *, scheduler_policy: str | SchedulerPolicy | None = None, **kwargs):
         self.config = config = config or Config(**kwargs)
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
@@ -52,11 +61,14 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = self.model_config.eos_token_ids + self._generation_eos_ids()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.eos_token_ids)
+                                   self.max_model_len, self.eos_token_ids, make_policy(scheduler_policy))
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._arrivals = 0
         self.last_step = StepStats()
+        self.num_steps = 0
+        self.post_step_hooks = PostStepHooks()
+        self._word_index: WordIndex | None = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -81,11 +93,17 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request; raises ValueError naming the problem if it can never be served."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        """Queue a request; raises ValueError naming the problem if it can never be served.
+
+        `priority` matters under the "priority" scheduling policy: higher runs first.
+        """
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (higher runs first), got {priority!r}")
         self._validate_prompt(prompt_token_ids)
         longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if self.block_manager.blocks_for(longest) > self.block_manager.num_total_blocks:
@@ -93,7 +111,9 @@ class LLMEngine:
                 f"request needs up to {longest} tokens of KV cache but the cache holds only "
                 f"{self.block_manager.num_total_blocks * self.config.block_size}; lower max_tokens or enlarge the cache"
             )
-        seq = Sequence(request_id, prompt_token_ids, params, self._arrivals)
+        processors = build_logits_processors(params, self.model_config.vocab_size, self.runner.device, self._words)
+        self.runner.sampler.add_request(request_id, params, processors, self.eos_token_ids)
+        seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, priority)
         self._arrivals += 1
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -117,6 +137,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, "abort")
+        self.runner.sampler.remove_request(request_id)  # now: the id may be reused before the next step
         self._aborted.append(seq)
         return True
 
@@ -127,6 +148,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that advanced or ended."""
+        start = time.perf_counter()
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted.clear()
         scheduled = self.scheduler.schedule()
@@ -141,14 +163,51 @@ class LLMEngine:
                 outputs.append(self._output(seq))
                 if seq.is_finished:
                     del self.requests[seq.request_id]
+                    self.runner.sampler.remove_request(seq.request_id)
+        self.num_steps += 1
+        if self.post_step_hooks:
+            self.post_step_hooks.run(self._metrics(time.perf_counter() - start))
         return outputs
 
-    @staticmethod
-    def _output(seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence) -> RequestOutput:
         new = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
         seq.num_sent_tokens = seq.num_output_tokens
+        logprobs = self.runner.sampler.take_logprobs(seq.request_id)
+        if logprobs is None and seq.params.logprobs is not None:
+            logprobs = []  # aborted: its state is gone, and it had no unreported tokens
         return RequestOutput(seq.request_id, new, seq.is_finished, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens, logprobs)
+
+    def _words(self) -> WordIndex:
+        """The vocabulary's token bytes, for string `banned_words`; loads the tokenizer once."""
+        if self._word_index is None:
+            from nanovllm.models.tokenizer import load_tokenizer
+            try:
+                tokenizer = load_tokenizer(self.model_path)
+            except Exception as e:  # no tokenizer files: many kinds of errors
+                raise ValueError(f"string banned_words need the model's tokenizer, which did not load ({e}); "
+                                 "pass banned words as token-id lists instead") from None
+            self._word_index = WordIndex(token_byte_table(tokenizer, self.model_config.vocab_size), self.runner.device)
+        return self._word_index
+
+    # -- monitoring ----------------------------------------------------------------------------
+
+    def add_post_step_hook(self, fn: PostStepHook) -> PostStepHook:
+        """Call `fn(StepMetrics)` after every step; a hook that raises is logged and removed."""
+        return self.post_step_hooks.add(fn)
+
+    def remove_post_step_hook(self, fn: PostStepHook) -> bool:
+        return self.post_step_hooks.remove(fn)
+
+    def _metrics(self, step_time_s: float) -> StepMetrics:
+        bm, last = self.block_manager, self.last_step
+        return StepMetrics(
+            step=self.num_steps, num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks_used=bm.num_total_blocks - bm.num_free_blocks, num_kv_blocks_total=bm.num_total_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions, num_prefill_tokens=last.num_prefill_tokens,
+            num_decode_tokens=last.num_decode_tokens, num_seqs=last.num_seqs, step_time_s=step_time_s,
+        )
 
     def stats(self) -> dict:
         bm = self.block_manager

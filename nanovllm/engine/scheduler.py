@@ -3,17 +3,20 @@
 Each step has a token budget (`max_num_batched_tokens`). Running sequences go first (one token
 each when decoding, or the next chunk of an unfinished prompt); the rest of the budget admits
 waiting sequences, whose prompts may be split across steps (chunked prefill). When the KV cache
-runs out, the most recently admitted sequence is preempted: its blocks are freed and it is
-recomputed later (the prefix cache usually makes that cheap).
+runs out, a running sequence is preempted: its blocks are freed and it is recomputed later (the
+prefix cache usually makes that cheap). Which sequence is admitted first and which is preempted
+first is the `SchedulerPolicy`'s call (policy.py): FCFS by default, or by priority.
 
 Finished or aborted sequences are dropped from the queues lazily, so an abort is O(1).
 """
 from __future__ import annotations
 
-from collections import deque
+import heapq
+import itertools
 from dataclasses import dataclass
 
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.policy import FCFSPolicy, SchedulerPolicy
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
@@ -30,26 +33,30 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...]):
+                 max_model_len: int, eos_token_ids: tuple[int, ...], policy: SchedulerPolicy | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
+        self.policy = policy or FCFSPolicy()
+        self.waiting: list[tuple[tuple, int, Sequence]] = []
+        """A heap of (policy key, insertion count, sequence): the policy's first sequence on top."""
+        self._insertions = itertools.count()
         self.running: list[Sequence] = []
+        """In policy order on each step, so preemption takes the policy's last one."""
         self.num_preemptions = 0
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for s in self.waiting if not s.is_finished)
+        return sum(1 for _, _, s in self.waiting if not s.is_finished)
 
     @property
     def num_running(self) -> int:
         return sum(1 for s in self.running if not s.is_finished)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        heapq.heappush(self.waiting, (self.policy.key(seq), next(self._insertions), seq))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (stop, length or abort) and free its blocks at once."""
@@ -59,6 +66,7 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         self.running = [s for s in self.running if not s.is_finished]
+        self.running.sort(key=self.policy.key)  # already sorted under FCFS: a linear check
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = self._schedule_running(scheduled, budget)
@@ -68,14 +76,14 @@ class Scheduler:
         return scheduled
 
     def _schedule_running(self, scheduled: list[ScheduledSeq], budget: int) -> bool:
-        """Schedule running sequences in admission order; returns whether any was preempted."""
+        """Schedule running sequences in policy order; returns whether any was preempted."""
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_append(seq, num_new):
-                victim = self.running.pop()  # the latest admitted; never one already scheduled
+                victim = self.running.pop()  # the policy's last; never one already scheduled
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -88,15 +96,15 @@ class Scheduler:
 
     def _schedule_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting[0][2]
             if seq.is_finished:  # aborted while waiting
-                self.waiting.popleft()
+                heapq.heappop(self.waiting)
                 continue
             hits = self.block_manager.match_prefix(seq)
             num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
             if not self.block_manager.can_allocate(num_new, hits):
                 break
-            self.waiting.popleft()
+            heapq.heappop(self.waiting)
             self.block_manager.allocate(seq, num_new, hits)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -106,7 +114,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.add(seq)
         self.num_preemptions += 1
 
     def postprocess(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> None:
@@ -126,7 +134,8 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        stopping = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        if stopping and seq.num_output_tokens >= params.min_tokens:
             return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -13,12 +13,15 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
+                 priority: int = 0):
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params
         self.arrival = arrival
+        self.priority = priority
+        """Higher runs first under the priority scheduling policy."""
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.block_table: list[int] = []

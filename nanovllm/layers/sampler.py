@@ -1,17 +1,251 @@
-"""Token sampling for a whole batch at once: greedy rows and temperature rows side by side."""
+"""Token sampling for a whole batch at once, each row with its own parameters.
+
+The model runner hands over the last-position logits (B, V) of every sequence that samples this
+step. Per step, in this order:
+
+1. logprobs (if asked) are read from the raw model distribution, before anything below;
+2. penalties (repetition over prompt + output, presence / frequency over the output);
+3. per-request constraints: logit_bias, EOS / stop tokens masked until `min_tokens`, and the
+   request's logits processors (allowed ids, banned words, custom ones);
+4. greedy rows take the argmax; the others divide by their temperature, keep their top_k, then
+   the top_p nucleus and the tokens at least min_p times as likely as the best one (top_p and
+   min_p are both judged on the top_k-renormalized distribution), and draw from what is left.
+
+Everything is tensor work over the batch; the only Python loops are over requests that have a
+constraint or a seed. A batch of plain greedy requests is one argmax.
+
+Draws use the exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from p.
+A seeded request draws its E for the whole vocabulary from its own generator and indexes it by
+token id, so its draws do not depend on which other requests share the batch or on how many
+candidates they needed.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
 
 import torch
 
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.logits_processors import LogitsProcessor
+from nanovllm.sampling_params import SamplingParams
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits (B, V) float32, temperatures (B,) with 0 for greedy -> token ids (B,)."""
-    greedy = logits.argmax(dim=-1)
-    is_greedy = temperatures == 0
-    if bool(is_greedy.all()):
-        return greedy  # fast path: no softmax, no random numbers
-    probs = torch.softmax(logits / temperatures.clamp(min=1e-5).unsqueeze(1), dim=-1)  # (B, V)
-    # Gumbel-max in its exponential form: argmax(p / E) with E ~ Exp(1) samples from p.
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(is_greedy, greedy, sampled)
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities of one generated token under the raw model distribution."""
+    token_id: int
+    logprob: float
+    rank: int
+    """1 for the most likely token."""
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the sampler keeps per request between steps."""
+    params: SamplingParams
+    processors: list[LogitsProcessor]
+    min_tokens_blocked: torch.Tensor | None
+    """EOS (unless ignore_eos) and stop token ids, masked while the output is shorter than min_tokens."""
+    bias_ids: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    generator: torch.Generator | None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Computed but not yet reported by the engine."""
+
+    @property
+    def plain_greedy(self) -> bool:
+        p = self.params
+        return p.is_greedy and not (p.has_penalties or self.processors or p.logprobs is not None
+                                    or self.bias_ids is not None or p.min_tokens)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        """Shared by requests without a seed."""
+        self.states: dict[str, RequestState] = {}
+
+    # -- per-request state ---------------------------------------------------------------------
+
+    def add_request(self, request_id: str, params: SamplingParams, processors: list[LogitsProcessor] | None = None,
+                    eos_token_ids: Seq[int] = ()) -> None:
+        self.states[request_id] = self._new_state(params, processors or [], eos_token_ids)
+
+    def remove_request(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def take_logprobs(self, request_id: str) -> list[TokenLogprobs] | None:
+        """Logprobs computed since the last call, or None if the request did not ask for them."""
+        state = self.states.get(request_id)
+        if state is None or state.params.logprobs is None:
+            return None
+        out, state.logprobs = state.logprobs, []
+        return out
+
+    def _new_state(self, params: SamplingParams, processors: list[LogitsProcessor], eos_token_ids: Seq[int]) -> RequestState:
+        dev = self.device
+        blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+        bias = [(t, b) for t, b in params.logit_bias.items() if t < self.vocab_size]
+        if len(bias) < len(params.logit_bias):
+            raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {self.vocab_size})")
+        generator = None
+        if params.seed is not None and not params.is_greedy:
+            generator = torch.Generator(device=dev).manual_seed(params.seed)
+        return RequestState(
+            params, processors,
+            torch.tensor([t for t in blocked if t < self.vocab_size], dtype=torch.long, device=dev) if params.min_tokens else None,
+            torch.tensor([t for t, _ in bias], dtype=torch.long, device=dev) if bias else None,
+            torch.tensor([b for _, b in bias], dtype=torch.float32, device=dev) if bias else None,
+            generator,
+        )
+
+    def _state(self, seq: Sequence) -> RequestState:
+        state = self.states.get(seq.request_id)
+        # A sequence nobody registered (a direct runner call) samples with its params alone.
+        return state if state is not None else self._new_state(seq.params, [], ())
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """logits (B, V) float32, one row per sequence -> one token id per sequence."""
+        states = [self._state(s) for s in seqs]
+        if all(st.plain_greedy for st in states):
+            return logits.argmax(dim=-1).tolist()  # fast path: no copies, no softmax, no random numbers
+        logits = logits.float()
+        wants_logprobs = [i for i, st in enumerate(states) if st.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None  # (R, V)
+        penalized = [i for i, st in enumerate(states) if st.params.has_penalties]
+        if penalized:
+            logits[penalized] = apply_penalties(
+                logits[penalized], [seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in penalized],
+                [seqs[i].output_token_ids for i in penalized], *_penalty_tensors([states[i].params for i in penalized], logits.device))
+        for i, (seq, st) in enumerate(zip(seqs, states)):
+            self._apply_constraints(logits, i, seq, st)
+        tokens = self._choose(logits, states)
+        if raw_logprobs is not None:
+            chosen = tokens[wants_logprobs]
+            for i, lp in zip(wants_logprobs, token_logprobs(raw_logprobs, chosen, [states[i].params.logprobs for i in wants_logprobs])):
+                states[i].logprobs.append(lp)
+        return tokens.tolist()
+
+    @staticmethod
+    def _apply_constraints(logits: torch.Tensor, i: int, seq: Sequence, st: RequestState) -> None:
+        if st.bias_ids is not None:
+            logits[i].index_add_(0, st.bias_ids, st.bias_values)
+        if st.min_tokens_blocked is not None and seq.num_output_tokens < st.params.min_tokens:
+            logits[i].index_fill_(0, st.min_tokens_blocked, _NEG_INF)
+        if st.processors:
+            output = seq.output_token_ids
+            row = logits[i]
+            for processor in st.processors:
+                result = processor(output, row)
+                if result is not None and result is not row:
+                    row.copy_(result)
+
+    def _choose(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)  # (B,) right for the greedy rows
+        rows = [i for i, st in enumerate(states) if not st.params.is_greedy]
+        if not rows:
+            return tokens
+        params = [states[i].params for i in rows]
+        dev = logits.device
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        scaled = logits[rows] / temperature.unsqueeze(1)  # (S, V)
+        vocab = logits.shape[1]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if min(top_k) < vocab or min(top_p) < 1 or max(min_p) > 0:
+            candidates, ids = filter_candidates(scaled, top_k, top_p, min_p)  # (S, W) each
+        else:
+            candidates, ids = scaled, None
+        tokens[rows] = draw(candidates, ids, [states[i].generator for i in rows], self.generator, vocab)
+        return tokens
+
+
+def _penalty_tensors(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:
+    def col(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
+    return col("repetition_penalty"), col("presence_penalty"), col("frequency_penalty")
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(map(len, rows)))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],
+                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """logits (R, V) -> penalized logits (R, V).
+
+    repetition (HF / vLLM): a token seen in the prompt or output has a positive logit divided by
+    the penalty and a negative one multiplied by it. presence / frequency (OpenAI): a token that
+    occurs c > 0 times in the output loses `presence + c * frequency`.
+    """
+    num_rows, vocab = logits.shape
+    dev = logits.device
+    out = _padded(output_ids, vocab, dev)  # (R, Lo); the pad id `vocab` lands in a dropped extra column
+    counts = torch.zeros(num_rows, vocab + 1, device=dev).scatter_add_(1, out, torch.ones_like(out, dtype=torch.float32))[:, :vocab]
+    seen = counts > 0  # (R, V)
+    seen |= torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=dev).scatter_(1, _padded(prompt_ids, vocab, dev), True)[:, :vocab]
+    rep = repetition.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
+
+
+def filter_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float],
+                      min_p: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature-scaled logits (S, V) -> candidate logits and their token ids, both (S, W).
+
+    Candidates are sorted most likely first; W is the largest top_k in the batch (V if any row
+    needs the whole distribution). Entries outside a row's top_k / top_p / min_p set are -inf.
+    """
+    dev = logits.device
+    width = max(top_k)
+    if width < logits.shape[1]:
+        values, ids = logits.topk(width, dim=-1)  # (S, W), sorted
+    else:
+        values, ids = logits.sort(dim=-1, descending=True)  # (S, V)
+    k = torch.tensor(top_k, device=dev).unsqueeze(1)
+    values = values.masked_fill(torch.arange(values.shape[1], device=dev).unsqueeze(0) >= k, _NEG_INF)
+    if min(top_p) < 1 or max(min_p) > 0:
+        probs = values.softmax(dim=-1)
+        p = torch.tensor(top_p, device=dev).unsqueeze(1)
+        m = torch.tensor(min_p, device=dev).unsqueeze(1)
+        # Keep a token while the mass of the tokens before it is still short of top_p; rows
+        # with top_p == 1 skip the test, since a rounded cumsum can reach 1 before the tail.
+        drop = ((probs.cumsum(dim=-1) - probs) >= p) & (p < 1)
+        drop |= probs < m * probs[:, :1]
+        values = values.masked_fill(drop, _NEG_INF)
+    return values, ids
+
+
+def draw(logits: torch.Tensor, ids: torch.Tensor | None, generators: list[torch.Generator | None],
+         shared: torch.Generator, vocab_size: int) -> torch.Tensor:
+    """Sample one candidate per row of logits (S, W); ids (S, W) maps candidates to token ids."""
+    probs = logits.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=shared)
+    for j, g in enumerate(generators):
+        if g is not None:
+            full = torch.empty(vocab_size, device=probs.device).exponential_(generator=g)  # (V,)
+            noise[j] = full if ids is None else full[ids[j]]
+    # E == 0 would turn a zero-probability candidate into 0/0 = NaN, which argmax picks.
+    choice = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)  # (S,)
+    return choice if ids is None else ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """logprobs (R, V), chosen (R,) -> per row the chosen token's logprob, rank and top alternatives."""
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # (R, 1)
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    n = max(num_top)
+    top_lp, top_ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], chosen.new_empty(len(chosen), 0))
+    rows = zip(chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist(), num_top)
+    return [TokenLogprobs(t, lp, r, ids[:k], lps[:k]) for t, lp, r, ids, lps, k in rows]

@@ -1,0 +1,67 @@
+"""SamplingParams: every invalid value is a ValueError naming the field and its range; the wire form round-trips."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from nanovllm.sampling_params import SamplingParams
+
+INVALID = [
+    ("temperature", -0.1, ">= 0"), ("temperature", float("nan"), ">= 0"), ("temperature", "hot", ">= 0"),
+    ("top_k", 0, "-1 (disabled) or an integer >= 1"), ("top_k", -2, ">= 1"), ("top_k", 1.5, ">= 1"),
+    ("top_p", 0.0, "(0, 1]"), ("top_p", 1.01, "(0, 1]"),
+    ("min_p", -0.01, "[0, 1]"), ("min_p", 1.5, "[0, 1]"),
+    ("seed", -1, "[0, 2**64)"), ("seed", 2 ** 64, "[0, 2**64)"), ("seed", 1.0, "[0, 2**64)"),
+    ("repetition_penalty", 0.0, "> 0"), ("presence_penalty", 2.5, "[-2, 2]"), ("frequency_penalty", -2.1, "[-2, 2]"),
+    ("logit_bias", {5: 101}, "[-100, 100]"), ("logit_bias", {-3: 1.0}, "token ids >= 0"), ("logit_bias", [1, 2], "map"),
+    ("max_tokens", 0, ">= 1"), ("min_tokens", -1, "[0, max_tokens"), ("min_tokens", 100, "[0, max_tokens=64]"),
+    ("ignore_eos", 1, "true or false"), ("skip_special_tokens", "yes", "true or false"),
+    ("include_stop_str_in_output", None, "true or false"),
+    ("stop_token_ids", [-1], "token ids >= 0"), ("stop", [""], "non-empty strings"), ("stop", [3], "non-empty strings"),
+    ("logprobs", -1, "[0, 20]"), ("logprobs", 21, "[0, 20]"),
+    ("banned_words", [""], "non-empty strings"), ("banned_words", [[]], "non-empty lists"), ("banned_words", "abc", "list"),
+    ("allowed_token_ids", [], "non-empty list"), ("allowed_token_ids", [1, -2], "token ids >= 0"),
+    ("logits_processors", [42], "callables"),
+]
+
+
+@pytest.mark.parametrize("field,value,allowed", INVALID, ids=[f"{f}={v!r}" for f, v, _ in INVALID])
+def test_invalid_values_name_field_and_range(field, value, allowed):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{field: value})
+    assert str(e.value).startswith(field) and allowed in str(e.value)
+
+
+def test_defaults_are_valid_and_boundaries_accepted():
+    SamplingParams()
+    SamplingParams(temperature=0, top_k=1, top_p=1.0, min_p=1.0, seed=2 ** 64 - 1, repetition_penalty=0.01,
+                   presence_penalty=-2, frequency_penalty=2, logit_bias={0: -100, "7": 100}, min_tokens=64,
+                   logprobs=0, stop="x", banned_words=["a", [1, 2]], allowed_token_ids=[0])
+
+
+def test_wire_round_trip_through_msgpack():
+    params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=123, repetition_penalty=1.1,
+                            presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={17: -5.5, 3: 2.0},
+                            max_tokens=33, min_tokens=2, ignore_eos=True, stop_token_ids=[9], stop=["\n\n", "END"],
+                            include_stop_str_in_output=True, logprobs=5, skip_special_tokens=False,
+                            banned_words=["bad word", [4, 5, 6]], allowed_token_ids=[1, 2, 3, 4])
+    wire = msgpack.packb(params.to_dict())
+    back = SamplingParams.from_dict(msgpack.unpackb(wire, raw=False))  # default strict_map_key: string keys only
+    assert back == params
+    assert back.logit_bias == {17: -5.5, 3: 2.0}
+    assert SamplingParams.from_dict(SamplingParams().to_dict()) == SamplingParams()
+    assert SamplingParams().to_dict() == {}  # defaults are omitted
+
+
+def test_from_dict_rejects_unknown_and_in_process_fields():
+    with pytest.raises(ValueError, match=r"unknown sampling parameter\(s\) \['temprature'\]"):
+        SamplingParams.from_dict({"temprature": 0.5})
+    with pytest.raises(ValueError, match="logits_processors"):
+        SamplingParams.from_dict({"logits_processors": []})
+    with pytest.raises(ValueError, match="in-process only"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits]).to_dict()
+
+
+def test_single_stop_string_and_string_bias_keys_are_normalized():
+    p = SamplingParams(stop="###", logit_bias={"12": 1})
+    assert p.stop == ["###"] and p.logit_bias == {12: 1.0}
