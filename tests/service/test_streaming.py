@@ -126,3 +126,14 @@ def test_cancelling_half_mid_stream_frees_every_kv_block(client):
         assert list(s)[-1].finish_reason == "length"
     # Natural completion of the long ones would take 600 steps (tens of seconds).
     wait_for(lambda: engine_idle(client), timeout=5, interval=0.1, what="all KV blocks free")
+
+
+def test_cli_streams_an_answer_to_the_terminal(service):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "nanovllm_client.cli", "--url", service.url, "--max-tokens", "6",
+                          "--usage", "Hello"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.endswith("\n") and len(out.stdout.strip()) > 0
+    assert "completion_tokens" in out.stderr
