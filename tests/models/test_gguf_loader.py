@@ -43,8 +43,13 @@ def hf_state_dict(default_gguf) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_gguf):
-    return load_gguf_tokenizer(default_gguf)
+def tokenizer(default_gguf, tmp_path_factory):
+    # A private cache: this is a fresh conversion from the GGUF file, not an earlier cached copy.
+    os.environ["NANOVLLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        return load_gguf_tokenizer(default_gguf)
+    finally:
+        del os.environ["NANOVLLM_CACHE_DIR"]
 
 
 def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -208,6 +213,19 @@ def test_qwen2_biases_and_lm_head_get_hf_names(tmp_path):
 
 
 @pytest.mark.slow
+def test_cached_tokenizer_encodes_like_a_fresh_conversion(tokenizer, default_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(tmp_path))
+    load_gguf_tokenizer(default_gguf)  # converts and saves
+    assert os.listdir(tmp_path / "tokenizers")
+    cached = load_gguf_tokenizer(default_gguf)  # loads the saved copy
+    chat = [{"role": "user", "content": "Grüße, 你好 😀 <|im_end|> tabs\tand  spaces"}]
+    for text in ["Hello world", "  leading spaces", "Grüße 你好 😀", "<|im_start|>user\nhi<|im_end|>"]:
+        assert cached.encode(text) == tokenizer.encode(text)
+    assert cached.apply_chat_template(chat, add_generation_prompt=True) == tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True)
+    assert cached.eos_token_id == tokenizer.eos_token_id and cached.chat_template == tokenizer.chat_template
+
+
 def test_tokenizer_round_trips_text(tokenizer):
     texts = ["Hello world!", "The capital of France is Paris.", "naïve café — 東京 🚀", "  two  spaces\nnew line"]
     for text in texts:
