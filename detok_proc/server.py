@@ -51,7 +51,7 @@ class ClientInfo:
 class DetokStage:
     def __init__(self, tokenizer: Any, stream_endpoint: str, detok_endpoint: str, engine_endpoint: str,
                  client_timeout_s: float = 5.0, engine_timeout_s: float = 3.0,
-                 max_pending_frames: int = 1000, ctx: zmq.Context | None = None):
+                 max_pending_frames: int = 1000, client_hwm: int = 10_000, ctx: zmq.Context | None = None):
         self.tokenizer = tokenizer
         self.instance_id = new_instance_id()
         self.client_timeout_s, self.engine_timeout_s = client_timeout_s, engine_timeout_s
@@ -59,7 +59,7 @@ class DetokStage:
         self.ctx = ctx or zmq.Context.instance()
         self.from_engine = pipeline_pull(self.ctx, detok_endpoint)
         self.engine_peers = PeerMonitor(self.from_engine)
-        self.clients_sock = client_router(self.ctx, stream_endpoint)
+        self.clients_sock = client_router(self.ctx, stream_endpoint, hwm=client_hwm)
         self.to_engine = pipeline_push(self.ctx, engine_endpoint)
         self.requests: dict[str, RequestState] = {}
         self.clients: dict[bytes, ClientInfo] = {}

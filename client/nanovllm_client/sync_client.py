@@ -215,6 +215,11 @@ class Client:
                     if sock in events:
                         self._drain_incoming(sock)
         finally:
+            for frame in pending_tok:  # aborts queued by close(): hand them to zmq, which lingers 1 s
+                try:
+                    tok.send(frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
             for sock in (tok, out, cmd):
                 sock.close()
 

@@ -1,0 +1,106 @@
+"""The detokenizer under a client that stops reading: nothing is lost, memory stays bounded.
+
+In-process DetokStage on real ipc sockets, fed by a fake engine, so the client's socket can be
+filled deliberately (tiny HWMs, large frames).
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import zmq
+
+from detok_proc.server import DetokStage
+from nanovllm_client import protocol as p
+from nanovllm_client.endpoints import service_endpoints
+from tests.service.harness import short_tmpdir, wait_for
+
+TOKENS_PER_STEP = 200
+NUM_STEPS = 400
+
+
+@pytest.fixture
+def rig(tokenizer_dir, request):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    stage = DetokStage(tok, eps.stream, eps.detok, eps.engine, client_timeout_s=60, engine_timeout_s=60,
+                       client_hwm=2, max_pending_frames=request.param)
+    stop = threading.Event()
+    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
+    ctx = zmq.Context()
+    engine_in = ctx.socket(zmq.PULL)
+    engine_in.bind(eps.engine)
+    engine_out = ctx.socket(zmq.PUSH)
+    engine_out.connect(eps.detok)
+    identity = uuid.uuid4().bytes
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.ROUTING_ID, identity)
+    client.setsockopt(zmq.RCVHWM, 2)
+    client.setsockopt(zmq.RCVBUF, 4096)
+    client.connect(eps.stream)
+    runner.start()
+    try:
+        yield tok, stage, engine_in, engine_out, client, identity
+    finally:
+        stop.set()
+        runner.join(timeout=10)
+        for sock in (engine_in, engine_out, client):
+            sock.close(linger=0)
+        ctx.term()
+
+
+def feed_engine_steps(tok, engine_out, identity) -> list[int]:
+    """One request whose every step carries TOKENS_PER_STEP tokens (big frames fill buffers fast)."""
+    ids = tok.encode("def f(x):\n    return x * 2  # 中文🚀\n" * 800, add_special_tokens=False)
+    ids = (ids * 10)[:TOKENS_PER_STEP * NUM_STEPS]
+    engine_out.send(p.EngineStatus(True, "fake-engine").encode())
+    meta = {"client": identity, "rid": "r1", "stop": [], "skip": True, "tail": b"", "request_id": "c:r1"}
+    for k in range(NUM_STEPS):
+        chunk = ids[k * TOKENS_PER_STEP:(k + 1) * TOKENS_PER_STEP]
+        last = k == NUM_STEPS - 1
+        row = ["c:r1", p.pack_token_ids(chunk), last, "length" if last else None, 5, (k + 1) * TOKENS_PER_STEP, 0]
+        engine_out.send(p.StepOutput([meta] if k == 0 else [], [], [row]).encode())
+    return ids
+
+
+def handshake(client) -> None:
+    client.send(p.Ping().encode())
+    assert client.poll(10_000)
+    assert isinstance(p.decode(client.recv()), p.Pong)
+
+
+@pytest.mark.parametrize("rig", [100_000], indirect=True)
+def test_a_client_that_stops_reading_still_gets_every_character_in_order(rig):
+    tok, stage, _, engine_out, client, identity = rig
+    handshake(client)
+    ids = feed_engine_steps(tok, engine_out, identity)
+    # The client reads nothing: the detokenizer must queue frames (EAGAIN), not drop them.
+    wait_for(lambda: stage.stats()["detok"]["num_pending_frames"] > 0, timeout=30, what="frames held back")
+    text, terminals = [], 0
+    while terminals == 0:
+        assert client.poll(30_000), "stream stalled"
+        msg = p.decode(client.recv())
+        if isinstance(msg, p.EngineStatus):  # the "engine alive" broadcast
+            continue
+        for delta in msg.deltas:
+            text.append(delta["text"])
+            terminals += delta["finish_reason"] is not None
+    assert "".join(text) == tok.decode(ids)
+    assert not client.poll(500), "nothing may follow the terminal delta"
+    wait_for(lambda: stage.stats()["detok"] == {"num_requests": 0, "num_clients": 1, "num_pending_frames": 0},
+             timeout=10, what="detok state cleared")
+
+
+@pytest.mark.parametrize("rig", [20], indirect=True)
+def test_a_stuck_client_has_its_request_aborted_once_its_queue_is_full(rig):
+    tok, stage, engine_in, engine_out, client, identity = rig
+    handshake(client)
+    feed_engine_steps(tok, engine_out, identity)
+    assert engine_in.poll(30_000), "no abort reached the engine"
+    abort = p.decode(engine_in.recv())
+    assert isinstance(abort, p.AbortReq) and abort.request_id == "c:r1"
+    wait_for(lambda: stage.stats()["detok"]["num_requests"] == 0 and stage.stats()["detok"]["num_pending_frames"] == 0,
+             timeout=10, what="stuck client's state dropped")
