@@ -27,8 +27,10 @@ class Config:
     block_size: int = 16
     """Tokens per KV-cache block."""
     kv_cache_memory_gib: float = 1.0
-    """KV-cache budget on CPU (GiB). On CUDA the budget comes from `gpu_memory_utilization`."""
+    """KV-cache budget on CPU (GiB per tensor-parallel rank). On CUDA it comes from `gpu_memory_utilization`."""
     gpu_memory_utilization: float = 0.9
+    """Share of each GPU's memory this engine may use in all (weights, activations, KV cache);
+    what other processes use is not counted against it, but the cache never exceeds free memory."""
     num_kvcache_blocks: int | None = None
     """Exact number of KV blocks; overrides the memory budget (tests use it to force pressure)."""
     enable_prefix_caching: bool = True
@@ -39,9 +41,13 @@ class Config:
     """Torch intra-op threads on CPU; defaults to the cores this process may use."""
     seed: int = 0
     enforce_eager: bool = False
+    """On CUDA, run decode steps eagerly instead of replaying CUDA graphs."""
     tensor_parallel_size: int = 1
+    """Ranks (processes, one GPU each on CUDA) the model is split over; must divide the heads,
+    the key/value heads and the MLP width."""
     dist_init_method: str = field(default_factory=lambda: os.environ.get("NANOVLLM_DIST_INIT", "tcp://127.0.0.1:29517"))
-    """Rendezvous for tensor parallelism; from config so two instances on one host do not collide."""
+    """Rendezvous for tensor parallelism; from config so two instances on one host do not collide.
+    It is the only per-instance name tensor parallelism uses (no shared memory)."""
 
     def __post_init__(self) -> None:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

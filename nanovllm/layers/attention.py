@@ -1,9 +1,14 @@
-"""Paged attention over the block-structured KV cache, torch ops (the CPU path).
+"""Paged attention over the block-structured KV cache: torch ops on CPU, Triton kernels on CUDA.
 
 Each step the model runner builds one `AttentionMetadata` that every layer shares. The batch is
 ordered decode tokens first (one token per sequence, attended as one padded batch), then prefill
-chunks (attended per sequence, since their lengths differ a lot). New K/V are written into the
-cache before attention, so a chunk attends to its cached prefix and to itself alike.
+chunks (attended per sequence on CPU, since their lengths differ a lot; as one varlen launch on
+CUDA). New K/V are written into the cache before attention, so a chunk attends to its cached
+prefix and to itself alike.
+
+On CUDA the runner sets `triton_ops` (the `nanovllm.kernels.triton_attention` module, imported
+only there) and fills the `gpu_*` fields instead of the CPU ones; padded CUDA-graph rows carry
+slot -1 (no cache write) and context length 0 (zero output).
 
 Cache layout per layer: (num_blocks, block_size, num_kv_heads, head_dim); a token at position p
 lives in slot `block_table[p // block_size] * block_size + p % block_size`.
@@ -48,6 +53,15 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None
     """(num_decode,) arange: decode row r reads block-table row r (for the compiled kernel)."""
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # The CUDA path (int32 indices, as the Triton kernels take them):
+    gpu_prefill_cu_seqlens: torch.Tensor | None = None
+    """(P + 1,) row offsets of the prefill chunks, relative to the first prefill row."""
+    gpu_prefill_context_lens: torch.Tensor | None = None
+    """(P,) cached tokens plus the chunk, per prefill sequence."""
+    gpu_prefill_block_tables: torch.Tensor | None = None
+    """(P, max_blocks) block ids, padded with 0 (never read past a context)."""
+    gpu_max_prefill_len: int = 0
+    """The longest chunk: sizes the prefill grid without a device-to-host sync."""
 
 
 class PagedAttention(nn.Module):
@@ -60,8 +74,12 @@ class PagedAttention(nn.Module):
         self.v_cache = torch.empty(0)
         # The compiled CPU kernel (layers.cpu_kernels), when the runner has one.
         self.cpu_kernel = None
+        # The Triton kernel module on CUDA.
+        self.triton_ops = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.triton_ops is not None:
+            return self._forward_triton(q, k, v, meta)
         k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)  # (slots, KVH, D)
         v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
@@ -84,6 +102,21 @@ class PagedAttention(nn.Module):
             else:
                 out[rows] = self._attend(q[rows], k_flat[span.context_slots], v_flat[span.context_slots], span.mask)
         return out
+
+    def _forward_triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        ops, num_decode = self.triton_ops, meta.num_decode
+        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if num_decode == q.shape[0]:  # decode-only steps (and every CUDA graph)
+            return ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
+                                              meta.decode_context_lens, self.scale)
+        prefill = ops.paged_prefill_attention(
+            q[num_decode:], self.k_cache, self.v_cache, meta.gpu_prefill_cu_seqlens, meta.gpu_prefill_context_lens,
+            meta.gpu_prefill_block_tables, self.scale, max_seqlen_q=meta.gpu_max_prefill_len)  # (T - B, H, D)
+        if not num_decode:
+            return prefill
+        decode = ops.paged_decode_attention(q[:num_decode], self.k_cache, self.v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, self.scale)  # (B, H, D)
+        return torch.cat([decode, prefill])
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         batch, max_blocks = meta.decode_block_tables.shape

@@ -4,6 +4,9 @@ The three families differ only in switches read from `ModelConfig`. Projections 
 (q|k|v and gate|up) so each layer runs two large GEMMs instead of five small ones; the loader
 maps HF's separate tensors into the packed rows. Attention reads and writes the paged KV
 cache through `PagedAttention`, which receives the per-step metadata as an argument.
+
+Under tensor parallelism (`tp`) each rank builds the same module tree with its share of heads,
+MLP rows and vocabulary (layers/linear.py, layers/embedding.py); one rank is the plain model.
 """
 from __future__ import annotations
 
@@ -11,7 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.distributed import TensorParallel
 from nanovllm.layers.attention import AttentionMetadata, PagedAttention
+from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary import RotaryEmbedding
 from nanovllm.models.model_config import ModelConfig
 
@@ -35,16 +41,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          bias=cfg.attention_bias, tp=tp)
+        # This rank's heads.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, tp=tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -61,24 +70,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x (T, I)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x (T, I / tp)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin, meta: AttentionMetadata):
         if residual is None:
@@ -91,10 +99,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
@@ -118,25 +126,18 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = DecoderModel(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (B, V)
-
-    def packed_row_ranges(self, packed_name: str) -> list[tuple[int, int]]:
-        """Row ranges of each shard inside a packed projection."""
-        cfg = self.config
-        if packed_name == "qkv_proj":
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
-        i = cfg.intermediate_size
-        return [(0, i), (i, 2 * i)]
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(B, V) float logits on rank 0; None on the other tensor-parallel ranks."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()

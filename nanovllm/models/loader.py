@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
+from nanovllm.layers.linear import default_weight_loader
 from nanovllm.models.decoder import DecoderForCausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -63,7 +64,10 @@ def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_weights(model: DecoderForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into the model, packing q/k/v and gate/up; error on anything missing."""
+    """Copy HF-named tensors into the model, packing q/k/v and gate/up; error on anything missing.
+
+    Each parameter's `weight_loader` takes the slice its tensor-parallel rank holds.
+    """
     params = dict(model.named_parameters())
     unloaded = set(params)
     for name, tensor in weights:
@@ -71,19 +75,19 @@ def load_weights(model: DecoderForCausalLM, weights: Iterator[tuple[str, torch.T
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        target, rows = name, None
-        for fragment, (packed, shard) in model.packed_modules.items():
+        target, shard = name, None
+        for fragment, (packed, shard_id) in model.packed_modules.items():
             if f".{fragment}." in name:
-                target = name.replace(f".{fragment}.", f".{packed}.")
-                rows = model.packed_row_ranges(packed)[shard]
+                target, shard = name.replace(f".{fragment}.", f".{packed}."), shard_id
                 break
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the {model.config.architecture} model")
-        dest = param.data if rows is None else param.data[rows[0]:rows[1]]
-        if dest.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-        dest.copy_(tensor)
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor) if shard is None else loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r} {e}") from None
         unloaded.discard(target)
     if model.config.tie_word_embeddings:
         unloaded.discard("lm_head.weight")

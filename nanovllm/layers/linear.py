@@ -1,0 +1,125 @@
+"""Linear layers split over tensor-parallel ranks, each loading its own slice of HF weights.
+
+Megatron's pairing: a column-parallel layer (each rank computes some output features) feeds a
+row-parallel one (each rank holds the matching input features and the partial outputs are summed
+with one all-reduce). So attention is qkv (column, split by heads) -> o_proj (row), and the MLP is
+gate_up (column) -> down (row): one all-reduce each.
+
+Packed layers hold several HF tensors in one weight (q|k|v, gate|up). On a rank the packed
+weight is [q heads of this rank | k heads of this rank | v heads of this rank], so the loader
+slices each HF tensor by this rank's heads (or rows) before copying it into its block.
+
+Every parameter carries a `weight_loader(param, tensor[, shard_id])` that the model loader
+calls; it raises ValueError on a shape mismatch. On one rank these are plain `F.linear`s.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.distributed import TensorParallel, split_evenly
+
+
+def _check_shape(tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+
+
+def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    """A replicated parameter: every rank loads the whole tensor."""
+    _check_shape(tensor, param.shape)
+    param.data.copy_(tensor)
+
+
+class _ParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, *args) -> None:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = x W^T with W's output rows split over ranks; each rank returns its slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallel = TensorParallel()):
+        self.full_out = out_features
+        super().__init__(in_features, split_evenly(out_features, tp.size, "the output features"), bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor) -> None:
+        _check_shape(tensor, (self.full_out, *param.shape[1:]))
+        rows = param.shape[0]
+        param.data.copy_(tensor.narrow(0, self.tp.rank * rows, rows))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs packed in one weight (gate|up), each split over ranks."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, tp: TensorParallel = TensorParallel()):
+        for size in output_sizes:
+            split_evenly(size, tp.size, "intermediate_size")
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int) -> None:
+        full = self.output_sizes[shard_id]
+        _check_shape(tensor, (full, *param.shape[1:]))
+        local = full // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        param.data.narrow(0, offset, local).copy_(tensor.narrow(0, self.tp.rank * local, local))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q|k|v packed in one weight, split over ranks by whole heads (GQA: kv heads split too)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 tp: TensorParallel = TensorParallel()):
+        self.head_dim = head_dim
+        self.num_heads = split_evenly(num_heads, tp.size, "num_attention_heads")
+        self.num_kv_heads = split_evenly(num_kv_heads, tp.size, "num_key_value_heads")
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: int) -> None:
+        """shard_id 0, 1, 2: q, k, v."""
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        local = q_rows if shard_id == 0 else kv_rows
+        offset = (0, q_rows, q_rows + kv_rows)[shard_id]
+        _check_shape(tensor, (local * self.tp.size, *param.shape[1:]))
+        param.data.narrow(0, offset, local).copy_(tensor.narrow(0, self.tp.rank * local, local))
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y = x W^T with W's input columns split over ranks; partial results are summed (all-reduce)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallel = TensorParallel()):
+        self.full_in = in_features
+        super().__init__(split_evenly(in_features, tp.size, "the input features"), out_features, bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the sum, not once per rank.
+        y = F.linear(x, self.weight, self.bias if self.tp.size == 1 else None)
+        if self.tp.size > 1:
+            self.tp.all_reduce(y)
+            if self.bias is not None:
+                y = y + self.bias
+        return y
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor) -> None:
+        if param.dim() == 1:  # the bias is replicated
+            default_weight_loader(param, tensor)
+            return
+        _check_shape(tensor, (param.shape[0], self.full_in))
+        cols = param.shape[1]
+        param.data.copy_(tensor.narrow(1, self.tp.rank * cols, cols))

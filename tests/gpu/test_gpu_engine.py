@@ -1,0 +1,87 @@
+"""The CUDA path through the whole engine: Triton attention equals the CPU path, CUDA graphs equal
+eager decode, the KV budget follows gpu_memory_utilization. Skipped without CUDA.
+
+fp32 throughout the equality tests (the Triton dots run in IEEE fp32, cuBLAS without TF32 by
+default), on tiny models whose peaked logits keep greedy choices far from ties.
+"""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from tests.engine.conftest import random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def token_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def prefix_sharing_prompts(seed: int) -> list[list[int]]:
+    shared = random_prompts([37], vocab=2048, seed=seed)[0]
+    return [shared + p for p in random_prompts([3, 20, 1], 2048, seed + 1)] + random_prompts([90, 2, 33, 64], 2048, seed + 2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+def test_triton_path_matches_the_cpu_path(tiny_models, arch):
+    # A 24-token step budget makes prompts continue after cached blocks (chunks and prefix hits)
+    # and mixes prefill chunks with decode rows in one step.
+    config = dict(block_size=8, num_kvcache_blocks=256, max_num_batched_tokens=24, dtype="float32")
+    prompts = prefix_sharing_prompts(seed=len(arch))
+    cpu = LLM(tiny_models[arch], device="cpu", **config)
+    gpu = LLM(tiny_models[arch], device="cuda", enforce_eager=True, **config)
+    assert gpu.engine.runner.graphs is None
+    assert token_ids(gpu, prompts) == token_ids(cpu, prompts)
+    assert gpu.engine.block_manager.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("num_prompts", [1, 3, 5, 12])
+def test_cuda_graph_decode_matches_eager(tiny_model_dir, num_prompts):
+    # max_num_seqs 12: buckets 1, 2, 4, 8, 12, so 3 and 5 sequences replay padded graphs.
+    config = dict(block_size=8, num_kvcache_blocks=256, max_num_seqs=12, dtype="float32")
+    prompts = random_prompts([5 + 7 * i for i in range(num_prompts)], vocab=2048, seed=num_prompts)
+    eager = LLM(tiny_model_dir, device="cuda", enforce_eager=True, **config)
+    graphed = LLM(tiny_model_dir, device="cuda", **config)
+    graphs = graphed.engine.runner.graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 12]
+    assert token_ids(graphed, prompts) == token_ids(eager, prompts)
+    assert graphs.num_replays >= GREEDY.max_tokens - 1
+
+
+def test_bf16_with_graphs_generates(tiny_model_dir):
+    llm = LLM(tiny_model_dir, device="cuda", num_kvcache_blocks=128, max_num_seqs=8)  # auto dtype: bf16 on CUDA
+    assert llm.engine.runner.dtype == torch.bfloat16
+    outs = token_ids(llm, random_prompts([4, 19, 60], vocab=2048, seed=4))
+    assert all(len(o) == GREEDY.max_tokens for o in outs)
+    assert llm.engine.runner.graphs.num_replays > 0
+
+
+def test_kv_budget_follows_gpu_memory_utilization(tiny_model_dir):
+    llm = LLM(tiny_model_dir, device="cuda", gpu_memory_utilization=0.05, enforce_eager=True)
+    runner = llm.engine.runner
+    total = torch.cuda.mem_get_info()[1]
+    assert runner.num_blocks >= 1
+    assert runner.num_blocks * runner.bytes_per_block <= 0.05 * total
+    del llm, runner
+    with pytest.raises(ValueError, match="no KV-cache block fits"):
+        LLM(tiny_model_dir, device="cuda", gpu_memory_utilization=1e-6, enforce_eager=True)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_over_nccl_matches_tp1(tiny_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = dict(device="cuda", dtype="float32", num_kvcache_blocks=128, max_num_seqs=8)
+    prompts = random_prompts([6, 31, 2], vocab=2048, seed=11)
+    expected = token_ids(LLM(tiny_model_dir, **config), prompts)
+    llm = LLM(tiny_model_dir, tensor_parallel_size=2, dist_init_method=f"tcp://127.0.0.1:{port}", **config)
+    try:
+        assert token_ids(llm, prompts) == expected
+    finally:
+        llm.engine.runner.close()
