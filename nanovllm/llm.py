@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.detokenize import IncrementalDetokenizer
-from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.llm_engine import LLMEngine, RequestOutput
 from nanovllm.engine.policy import SchedulerPolicy
 from nanovllm.models.tokenizer import load_tokenizer
 from nanovllm.sampling_params import SamplingParams
@@ -61,7 +61,7 @@ class LLM:
                 self.tokenizer.decode(r["token_ids"], skip_special_tokens=p.skip_special_tokens)
         return [results[i] for i in ids]
 
-    def _collect(self, out, result: dict, detok: IncrementalDetokenizer | None) -> None:
+    def _collect(self, out: RequestOutput, result: dict, detok: IncrementalDetokenizer | None) -> None:
         result["token_ids"].extend(out.new_token_ids)
         if out.logprobs is not None:
             result["logprobs"].extend(out.logprobs)

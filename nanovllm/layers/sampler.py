@@ -14,13 +14,14 @@ step. Per step, in this order:
 Everything is tensor work over the batch; the only Python loops are over requests that have a
 constraint or a seed. A batch of plain greedy requests is one argmax.
 
-Draws use the exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from p.
-A seeded request draws its E for the whole vocabulary from its own generator and indexes it by
-token id, so its draws do not depend on which other requests share the batch or on how many
-candidates they needed.
+Draws are by inverse CDF, one uniform number per row. Unseeded rows share the sampler's
+generator; a seeded request is drawn alone from its own generator, so its tokens do not depend
+on which other requests share the batch. If a request's constraints leave no token at all, its
+row is sampled without them (and a warning is logged) rather than from an empty set.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
@@ -31,6 +32,7 @@ from nanovllm.layers.logits_processors import LogitsProcessor
 from nanovllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -108,8 +110,9 @@ class Sampler:
 
     def _state(self, seq: Sequence) -> RequestState:
         state = self.states.get(seq.request_id)
-        # A sequence nobody registered (a direct runner call) samples with its params alone.
-        return state if state is not None else self._new_state(seq.params, [], ())
+        if state is None:  # not added through the engine (a direct runner call): its params alone
+            state = self.states[seq.request_id] = self._new_state(seq.params, [], ())
+        return state
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -126,14 +129,27 @@ class Sampler:
             logits[penalized] = apply_penalties(
                 logits[penalized], [seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in penalized],
                 [seqs[i].output_token_ids for i in penalized], *_penalty_tensors([states[i].params for i in penalized], logits.device))
-        for i, (seq, st) in enumerate(zip(seqs, states)):
-            self._apply_constraints(logits, i, seq, st)
+        self._constrain(logits, seqs, states)
         tokens = self._choose(logits, states)
         if raw_logprobs is not None:
             chosen = tokens[wants_logprobs]
             for i, lp in zip(wants_logprobs, token_logprobs(raw_logprobs, chosen, [states[i].params.logprobs for i in wants_logprobs])):
                 states[i].logprobs.append(lp)
         return tokens.tolist()
+
+    def _constrain(self, logits: torch.Tensor, seqs: list[Sequence], states: list[RequestState]) -> None:
+        maskable = [i for i, (seq, st) in enumerate(zip(seqs, states))
+                    if st.processors or (st.min_tokens_blocked is not None and seq.num_output_tokens < st.params.min_tokens)]
+        before = logits[maskable] if maskable else None  # (C, V) copy, to undo masks that leave nothing
+        for i, (seq, st) in enumerate(zip(seqs, states)):
+            self._apply_constraints(logits, i, seq, st)
+        if maskable:
+            empty = ~torch.isfinite(logits[maskable]).any(dim=-1)  # (C,)
+            if bool(empty.any()):
+                rows = [maskable[j] for j in empty.nonzero().flatten().tolist()]
+                log.warning("constraints of %s allow no token; sampling those rows unconstrained",
+                            [seqs[i].request_id for i in rows])
+                logits[rows] = before[empty]
 
     @staticmethod
     def _apply_constraints(logits: torch.Tensor, i: int, seq: Sequence, st: RequestState) -> None:
@@ -151,23 +167,39 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         tokens = logits.argmax(dim=-1)  # (B,) right for the greedy rows
-        rows = [i for i, st in enumerate(states) if not st.params.is_greedy]
-        if not rows:
-            return tokens
-        params = [states[i].params for i in rows]
-        dev = logits.device
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        scaled = logits[rows] / temperature.unsqueeze(1)  # (S, V)
         vocab = logits.shape[1]
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        if min(top_k) < vocab or min(top_p) < 1 or max(min_p) > 0:
-            candidates, ids = filter_candidates(scaled, top_k, top_p, min_p)  # (S, W) each
-        else:
-            candidates, ids = scaled, None
-        tokens[rows] = draw(candidates, ids, [states[i].generator for i in rows], self.generator, vocab)
+        # Unseeded rows are drawn in two batches (with and without top-k/top-p/min-p, so a
+        # plain-temperature row does not force a full sort on the filtered ones); a seeded row
+        # is drawn alone, so nothing about its neighbours can touch its result.
+        plain, filtered, seeded = [], [], []
+        for i, st in enumerate(states):
+            if st.params.is_greedy:
+                continue
+            group = seeded if st.generator is not None else filtered if _filters(st.params, vocab) else plain
+            group.append(i)
+        groups = [(plain, self.generator), (filtered, self.generator)] + [([i], states[i].generator) for i in seeded]
+        for rows, generator in groups:
+            if rows:
+                tokens[rows] = sample_rows(logits[rows], [states[i].params for i in rows], generator)
         return tokens
+
+
+def _filters(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator) -> torch.Tensor:
+    """Draw one token per row of logits (R, V) with each row's temperature and filters -> (R,)."""
+    vocab = logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    scaled = logits / temperature.unsqueeze(1)  # (R, V)
+    if any(_filters(p, vocab) for p in params):
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        candidates, ids = filter_candidates(scaled, top_k, [p.top_p for p in params], [p.min_p for p in params])
+    else:
+        candidates, ids = scaled, None
+    choice = draw(candidates, generator)
+    return choice if ids is None else ids.gather(1, choice.unsqueeze(1)).squeeze(1)
 
 
 def _penalty_tensors(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -200,45 +232,63 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_id
     return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
 
 
+PROBE_WIDTH = 256
+"""Tokens tried before a full sort when a row has top_p / min_p but no top_k (a cost choice only)."""
+
+
 def filter_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float],
                       min_p: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature-scaled logits (S, V) -> candidate logits and their token ids, both (S, W).
+    """Temperature-scaled logits (R, V) -> candidate logits and their token ids, both (R, W).
 
-    Candidates are sorted most likely first; W is the largest top_k in the batch (V if any row
-    needs the whole distribution). Entries outside a row's top_k / top_p / min_p set are -inf.
+    Candidates are sorted most likely first and W is the largest top_k of the rows. Entries
+    outside a row's top_k / top_p / min_p set are -inf. Rows without a top_k first try the
+    PROBE_WIDTH most likely tokens: when every such row's set ends inside them, the full sort of
+    the vocabulary is skipped (the result is the same; only the cost differs).
     """
-    dev = logits.device
+    vocab = logits.shape[1]
     width = max(top_k)
-    if width < logits.shape[1]:
-        values, ids = logits.topk(width, dim=-1)  # (S, W), sorted
-    else:
-        values, ids = logits.sort(dim=-1, descending=True)  # (S, V)
+    if width == vocab and vocab > PROBE_WIDTH and all(k <= PROBE_WIDTH or k == vocab for k in top_k):
+        probed = _filter(logits, *logits.topk(PROBE_WIDTH, dim=-1), top_k, top_p, min_p)
+        if probed is not None:
+            return probed
+    values, ids = logits.topk(width, dim=-1) if width < vocab else logits.sort(dim=-1, descending=True)
+    return _filter(logits, values, ids, top_k, top_p, min_p)
+
+
+def _filter(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, top_k: list[int], top_p: list[float],
+            min_p: list[float]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Mask sorted candidates (R, W); None if a row's set may extend past the W candidates."""
+    dev, vocab, width = logits.device, logits.shape[1], values.shape[1]
     k = torch.tensor(top_k, device=dev).unsqueeze(1)
-    values = values.masked_fill(torch.arange(values.shape[1], device=dev).unsqueeze(0) >= k, _NEG_INF)
-    if min(top_p) < 1 or max(min_p) > 0:
-        probs = values.softmax(dim=-1)
-        p = torch.tensor(top_p, device=dev).unsqueeze(1)
-        m = torch.tensor(min_p, device=dev).unsqueeze(1)
-        # Keep a token while the mass of the tokens before it is still short of top_p; rows
-        # with top_p == 1 skip the test, since a rounded cumsum can reach 1 before the tail.
-        drop = ((probs.cumsum(dim=-1) - probs) >= p) & (p < 1)
-        drop |= probs < m * probs[:, :1]
-        values = values.masked_fill(drop, _NEG_INF)
-    return values, ids
+    values = values.masked_fill(torch.arange(width, device=dev).unsqueeze(0) >= k, _NEG_INF)
+    p = torch.tensor(top_p, device=dev).unsqueeze(1)
+    m = torch.tensor(min_p, device=dev).unsqueeze(1)
+    # top_p is judged on the top_k-renormalized distribution: normalize over the row's top_k
+    # candidates, or over the whole vocabulary when the row has no top_k.
+    norm = values.logsumexp(dim=-1, keepdim=True)  # (R, 1)
+    if max(top_k) == vocab:
+        norm = torch.where(k < vocab, norm, logits.logsumexp(dim=-1, keepdim=True))
+    probs = (values - norm).exp()  # (R, W)
+    # Keep a token while the mass before it is short of top_p; rows with top_p == 1 skip the
+    # test, since a rounded cumsum can reach 1 before the tail. min_p compares with the best.
+    drop = ((probs.cumsum(dim=-1) - probs) >= p) & (p < 1)
+    drop |= probs < m * probs[:, :1]
+    if width < vocab and not bool((drop[:, -1] | (k.squeeze(1) < vocab)).all()):
+        return None  # a row without top_k keeps the last candidate: its set may go on past W
+    return values.masked_fill(drop, _NEG_INF), ids
 
 
-def draw(logits: torch.Tensor, ids: torch.Tensor | None, generators: list[torch.Generator | None],
-         shared: torch.Generator, vocab_size: int) -> torch.Tensor:
-    """Sample one candidate per row of logits (S, W); ids (S, W) maps candidates to token ids."""
-    probs = logits.softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=shared)
-    for j, g in enumerate(generators):
-        if g is not None:
-            full = torch.empty(vocab_size, device=probs.device).exponential_(generator=g)  # (V,)
-            noise[j] = full if ids is None else full[ids[j]]
-    # E == 0 would turn a zero-probability candidate into 0/0 = NaN, which argmax picks.
-    choice = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)  # (S,)
-    return choice if ids is None else ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+def draw(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of logits (R, W), with probability softmax(row), by inverse CDF -> (R,).
+
+    One uniform number per row: cheaper than per-token noise, and a seeded generator advances by
+    exactly one draw per token whatever the row's width.
+    """
+    weights = (logits - logits.max(dim=-1, keepdim=True).values).exp_()  # (R, W); masked -> 0
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # float64: exact enough over 150k tokens
+    u = (1 - torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device, generator=generator)) * cdf[:, -1:]
+    # u is in (0, total]: the first index whose cdf reaches u has a positive weight.
+    return torch.searchsorted(cdf, u).squeeze(1)
 
 
 def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
