@@ -24,8 +24,8 @@ def make_bench_model(shape: str, root: str, dtype: torch.dtype = torch.float32) 
     path = os.path.join(root, f"qwen3-{shape}-{str(dtype).removeprefix('torch.')}")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    config = Qwen3Config(max_position_embeddings=4096, eos_token_id=1, bos_token_id=1, pad_token_id=0,
-                         tie_word_embeddings=False, **SHAPES[shape])
+    shape_config = {"tie_word_embeddings": False, **SHAPES[shape]}  # a shape may tie its embeddings
+    config = Qwen3Config(max_position_embeddings=4096, eos_token_id=1, bos_token_id=1, pad_token_id=0, **shape_config)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(path)
     return path

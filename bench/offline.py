@@ -6,10 +6,14 @@ Prints a JSON line and a table; `ratio` is nanovllm / HF output tokens per secon
 
     python -m bench.offline --shape tiny            # the 2x-HF target
     python -m bench.offline --shape mid --skip-hf
+    # nano-vllm's published GPU workload (random output lengths too):
+    python -m bench.offline --shape qwen3-0.6b --skip-hf --num-seqs 256 --min-input 100 --max-input 1024 \
+        --min-output 100 --max-output 1024 --max-model-len 4096
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -29,10 +33,12 @@ def make_workload(num_seqs: int, min_input: int, max_input: int, vocab: int, see
     return [[rng.randrange(2, vocab) for _ in range(rng.randint(min_input, max_input))] for _ in range(num_seqs)]
 
 
-def run_nanovllm(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, float]:
+def run_nanovllm(engine: LLMEngine, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> tuple[float, int, float]:
     """(wall seconds, output tokens, process CPU seconds)."""
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"b{time.perf_counter_ns()}-{i}", prompt, params)
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+        engine.add_request(f"b{time.perf_counter_ns()}-{i}", prompt, p)
     produced = 0
     start, cpu = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
@@ -65,11 +71,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--min-input", type=int, default=64)
     ap.add_argument("--max-input", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--min-output", type=int, default=None,
+                    help="with --max-output: output lengths uniform in [min, max] per request (nanovllm only)")
+    ap.add_argument("--max-output", type=int, default=None)
     ap.add_argument("--sampling", action="store_true", help="temperature 0.8, top_p 0.95, top_k 50 instead of greedy")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=1, help="timed runs of each engine; the best is reported")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: Config's")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: Config's")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench-models"))
     args = ap.parse_args(argv)
 
@@ -79,11 +94,19 @@ def main(argv: list[str] | None = None) -> dict:
     sampling = dict(temperature=0.8, top_p=0.95, top_k=50) if args.sampling else None
     params = SamplingParams(temperature=0.8, max_tokens=args.output_len, ignore_eos=True, **_extra(sampling)) if sampling \
         else SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    if args.skip_hf and (args.min_output is not None or args.max_output is not None):
+        params = _random_output_lengths(params, args.min_output or 1, args.max_output or args.output_len, len(prompts))
+    elif args.min_output is not None or args.max_output is not None:
+        ap.error("--min-output/--max-output need --skip-hf (HF generate runs one output length)")
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    engine_config = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len).items()
+                     if v is not None}
     engine = LLMEngine(Config(model=path, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gib=2.0,
-                              num_threads=args.threads))
+                              num_threads=args.threads, device=args.device, dtype=args.dtype,
+                              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+                              **engine_config))
     run_nanovllm(engine, prompts[:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
     ours = min((run_nanovllm(engine, prompts, params) for _ in range(args.repeats)), key=lambda r: r[0])
     result = {
@@ -93,6 +116,12 @@ def main(argv: list[str] | None = None) -> dict:
         "nanovllm_s": round(ours[0], 3), "nanovllm_out_tok_s": round(ours[1] / ours[0], 1),
         "nanovllm_cpu_s": round(ours[2], 2),
     }
+    if isinstance(params, list):
+        result.update(min_output=args.min_output, max_output=args.max_output,
+                      output_tokens=sum(p.max_tokens for p in params))
+    if engine.runner.device.type == "cuda":
+        result.update(device=torch.cuda.get_device_name(engine.runner.device), dtype=str(engine.runner.dtype),
+                      cuda_graphs=engine.runner.graphs is not None, num_kv_blocks=engine.runner.num_blocks)
     if not args.skip_hf:
         run_hf(path, prompts[:4], 8, sampling)  # warm-up
         hf = min((run_hf(path, prompts, args.output_len, sampling) for _ in range(args.repeats)), key=lambda r: r[0])
@@ -102,6 +131,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(result))
     print_table(result)
     return result
+
+
+def _random_output_lengths(params: SamplingParams, low: int, high: int, n: int) -> list[SamplingParams]:
+    """One copy of `params` per request with max_tokens uniform in [low, high] (seeded)."""
+    rng = random.Random(1)
+    return [dataclasses.replace(params, max_tokens=rng.randint(low, high)) for _ in range(n)]
 
 
 def _extra(sampling: dict | None) -> dict:

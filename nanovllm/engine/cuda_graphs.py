@@ -85,6 +85,9 @@ class DecodeGraphs:
         # Entries right of `width` are stale but lie past every context, so they are never read.
         width = meta.decode_block_tables.shape[1]
         self.block_tables[:n, :width] = meta.decode_block_tables
-        self.graphs[batch].replay()
+        self._replay(batch)
         self.num_replays += 1
         return self.hidden[:n]
+
+    def _replay(self, batch: int) -> None:
+        self.graphs[batch].replay()

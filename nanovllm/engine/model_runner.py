@@ -130,16 +130,23 @@ class ModelRunner:
         load_weights(self.model, iter_weights(model_path))
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-        self.cpu_kernel = CpuAttentionKernel.load() if self.device.type == "cpu" else None
-        # Imported only on CUDA: triton is not needed (and not always installed) on CPU.
-        triton_ops = importlib.import_module("nanovllm.kernels.triton_attention") if self.device.type == "cuda" else None
-        for layer in self.attention_layers:
-            layer.cpu_kernel, layer.triton_ops = self.cpu_kernel, triton_ops
+        if self.device.type == "cuda":
+            # Imported only on CUDA: triton is not needed (and not always installed) on CPU.
+            self.set_attention_kernels(None, importlib.import_module("nanovllm.kernels.triton_attention"))
+        else:
+            self.set_attention_kernels(CpuAttentionKernel.load(), None)
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_blocks_per_seq,
                                        self.model_config.hidden_size, self.dtype, self.device)
+
+    def set_attention_kernels(self, cpu_kernel: CpuAttentionKernel | None, triton_ops: object | None) -> None:
+        """Choose the attention path: the compiled CPU kernel, the Triton kernel module, or neither
+        (torch ops). Tests use it to run the Triton path on CPU under TRITON_INTERPRET."""
+        self.cpu_kernel, self.triton_ops = cpu_kernel, triton_ops
+        for layer in self.attention_layers:
+            layer.cpu_kernel, layer.triton_ops = cpu_kernel, triton_ops
 
     def close(self) -> None:
         """Stop tensor-parallel workers and leave the process group; idempotent (also runs at exit)."""
@@ -242,7 +249,7 @@ class ModelRunner:
 
     def _execute(self, step: StepInput) -> torch.Tensor | None:
         """Forward one step on this rank; logits of `step.sample_rows` on rank 0, None elsewhere."""
-        if self.device.type == "cuda":
+        if self.triton_ops is not None:
             input_ids, positions, meta = build_gpu_batch(step, self.block_size, self.device)
             graphed = (self.graphs is not None and not step.prefill_token_ids
                        and self.graphs.can_run(step.num_decode, meta.decode_block_tables.shape[1]))

@@ -106,9 +106,10 @@ def build_cpu_batch(step: StepInput, block_size: int, decode_mask: bool):
 def build_gpu_batch(step: StepInput, block_size: int, device: torch.device):
     """(input_ids, positions, meta) on `device` for the Triton path; built on the host, copied once each."""
     bs = block_size
+    pin = device.type == "cuda"  # pinned host memory makes the copies asynchronous
 
     def upload(values, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
     input_ids = list(step.decode_token_ids)
     positions = list(step.decode_positions)

@@ -1,0 +1,54 @@
+"""The engine's CUDA attention path, run on CPU: Triton kernels under TRITON_INTERPRET, the runner's
+varlen metadata (build_gpu_batch) and the CUDA-graph input padding, against the CPU path.
+
+A GPU runs the real thing (test_gpu_engine.py); this keeps the metadata and the padding honest
+in CI. The graph replay is swapped for an eager call on the graph's own input buffers, so the
+padded rows (slot -1, context length 0) go through the kernels exactly as a replay sends them.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: test_gpu_engine.py runs the real kernels", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is imported
+pytest.importorskip("triton")
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from nanovllm.kernels import triton_attention  # noqa: E402
+from tests.engine.conftest import random_prompts  # noqa: E402
+
+
+class EagerReplay(DecodeGraphs):
+    """DecodeGraphs whose 'replay' runs the model on the padded input buffers."""
+
+    def _capture(self, model) -> None:
+        self.model = model
+        self.graphs = dict.fromkeys(self.sizes)
+
+    def _replay(self, batch: int) -> None:
+        self.hidden[:batch] = self.model(self.input_ids[:batch], self.positions[:batch], self._metadata(batch))
+
+
+def test_triton_path_with_padded_decode_batches_matches_the_cpu_path(tiny_model_dir):
+    # Prefix hits and a 16-token step budget: chunks continue after cached blocks, mixed with
+    # decode rows; max_num_seqs 6 gives buckets 1, 2, 4, 6, so 5 running sequences pad to 6.
+    shared = random_prompts([13], vocab=2048, seed=1)[0]
+    prompts = [shared + p for p in random_prompts([3, 9], 2048, 2)] + random_prompts([20, 2, 6], 2048, 3)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    config = dict(block_size=4, num_kvcache_blocks=100, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64)
+    expected = LLM(tiny_model_dir, **config).generate(prompts, params, use_tqdm=False)
+
+    llm = LLM(tiny_model_dir, **config)
+    runner = llm.engine.runner
+    runner.set_attention_kernels(None, triton_attention)
+    runner.graphs = EagerReplay(runner.model, 6, runner.max_blocks_per_seq, runner.model_config.hidden_size,
+                                runner.dtype, runner.device)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in expected]
+    assert runner.graphs.sizes == [1, 2, 4, 6] and runner.graphs.num_replays > 0
+    assert llm.engine.block_manager.prefix_cache_hits > 0
