@@ -15,9 +15,11 @@ Everything is tensor work over the batch; the only Python loops are over request
 constraint or a seed. A batch of plain greedy requests is one argmax.
 
 Draws are by inverse CDF, one uniform number per row. Unseeded rows share the sampler's
-generator; a seeded request is drawn alone from its own generator, so its tokens do not depend
-on which other requests share the batch. If a request's constraints leave no token at all, its
-row is sampled without them (and a warning is logged) rather than from an empty set.
+generator; a seeded request takes its number from its own generator, and everything else its
+draw depends on is computed row by row (neighbours only pad the candidate width with -inf), so
+its tokens do not depend on which other requests share the batch. If a request's constraints
+leave no token at all, its row is sampled without them (with a warning) rather than from an
+empty set.
 """
 from __future__ import annotations
 
@@ -123,12 +125,14 @@ class Sampler:
             return logits.argmax(dim=-1).tolist()  # fast path: no copies, no softmax, no random numbers
         logits = logits.float()
         wants_logprobs = [i for i, st in enumerate(states) if st.params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None  # (R, V)
+        raw_logprobs = torch.log_softmax(_rows(logits, wants_logprobs), dim=-1) if wants_logprobs else None  # (R, V)
         penalized = [i for i, st in enumerate(states) if st.params.has_penalties]
         if penalized:
-            logits[penalized] = apply_penalties(
-                logits[penalized], [seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in penalized],
-                [seqs[i].output_token_ids for i in penalized], *_penalty_tensors([states[i].params for i in penalized], logits.device))
+            rows = apply_penalties_(_rows(logits, penalized), [seqs[i].token_ids for i in penalized],
+                                    [seqs[i].output_token_ids for i in penalized],
+                                    *_penalty_tensors([states[i].params for i in penalized], logits.device))
+            if rows is not logits:
+                logits[penalized] = rows
         self._constrain(logits, seqs, states)
         tokens = self._choose(logits, states)
         if raw_logprobs is not None:
@@ -166,30 +170,37 @@ class Sampler:
                     row.copy_(result)
 
     def _choose(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
-        tokens = logits.argmax(dim=-1)  # (B,) right for the greedy rows
+        tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)  # (B,)
         vocab = logits.shape[1]
-        # Unseeded rows are drawn in two batches (with and without top-k/top-p/min-p, so a
-        # plain-temperature row does not force a full sort on the filtered ones); a seeded row
-        # is drawn alone, so nothing about its neighbours can touch its result.
-        plain, filtered, seeded = [], [], []
+        # Sampled rows go in two batches, with and without top-k/top-p/min-p, so plain-temperature
+        # rows do not force a sort of the whole vocabulary on the filtered ones.
+        greedy, plain, filtered = [], [], []
         for i, st in enumerate(states):
-            if st.params.is_greedy:
-                continue
-            group = seeded if st.generator is not None else filtered if _filters(st.params, vocab) else plain
-            group.append(i)
-        groups = [(plain, self.generator), (filtered, self.generator)] + [([i], states[i].generator) for i in seeded]
-        for rows, generator in groups:
+            (greedy if st.params.is_greedy else filtered if _filters(st.params, vocab) else plain).append(i)
+        if greedy:
+            tokens[greedy] = _rows(logits, greedy).argmax(dim=-1)
+        for rows in (plain, filtered):
             if rows:
-                tokens[rows] = sample_rows(logits[rows], [states[i].params for i in rows], generator)
+                tokens[rows] = sample_rows(_rows(logits, rows), [states[i].params for i in rows],
+                                           [states[i].generator for i in rows], self.generator)
         return tokens
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows], without the copy when rows are all of t in order (the common case)."""
+    return t if len(rows) == len(t) and rows[-1] == len(t) - 1 else t[rows]
 
 
 def _filters(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator) -> torch.Tensor:
-    """Draw one token per row of logits (R, V) with each row's temperature and filters -> (R,)."""
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                shared: torch.Generator) -> torch.Tensor:
+    """Draw one token per row of logits (R, V) with each row's temperature and filters -> (R,).
+
+    Each row takes one uniform number: from its own generator if it has one, else from `shared`.
+    """
     vocab = logits.shape[1]
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     scaled = logits / temperature.unsqueeze(1)  # (R, V)
@@ -198,7 +209,11 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generator: t
         candidates, ids = filter_candidates(scaled, top_k, [p.top_p for p in params], [p.min_p for p in params])
     else:
         candidates, ids = scaled, None
-    choice = draw(candidates, generator)
+    uniform = torch.rand(len(params), dtype=torch.float64, device=logits.device, generator=shared)  # (R,)
+    for j, g in enumerate(generators):
+        if g is not None:
+            uniform[j] = torch.rand(1, dtype=torch.float64, device=logits.device, generator=g)
+    choice = draw(candidates, uniform)
     return choice if ids is None else ids.gather(1, choice.unsqueeze(1)).squeeze(1)
 
 
@@ -213,23 +228,29 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
 
 
-def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],
-                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-    """logits (R, V) -> penalized logits (R, V).
+def apply_penalties_(logits: torch.Tensor, token_ids: list[list[int]], output_ids: list[list[int]],
+                     repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """Penalize logits (R, V) in place; `token_ids` are each row's prompt + output tokens.
 
     repetition (HF / vLLM): a token seen in the prompt or output has a positive logit divided by
     the penalty and a negative one multiplied by it. presence / frequency (OpenAI): a token that
-    occurs c > 0 times in the output loses `presence + c * frequency`.
+    occurs c > 0 times in the output loses `presence + c * frequency`. Work is proportional to
+    the tokens seen, not to the vocabulary.
     """
-    num_rows, vocab = logits.shape
     dev = logits.device
-    out = _padded(output_ids, vocab, dev)  # (R, Lo); the pad id `vocab` lands in a dropped extra column
-    counts = torch.zeros(num_rows, vocab + 1, device=dev).scatter_add_(1, out, torch.ones_like(out, dtype=torch.float32))[:, :vocab]
-    seen = counts > 0  # (R, V)
-    seen |= torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=dev).scatter_(1, _padded(prompt_ids, vocab, dev), True)[:, :vocab]
+    # Pad with each row's own first token: writing its penalized value twice changes nothing.
+    seen = torch.tensor([ids + ids[:1] * (max(map(len, token_ids)) - len(ids)) for ids in token_ids], device=dev)  # (R, L)
+    values = logits.gather(1, seen)
     rep = repetition.unsqueeze(1)
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
+    logits.scatter_(1, seen, torch.where(values > 0, values / rep, values * rep))
+    if not any(output_ids) or not bool(((presence != 0) | (frequency != 0)).any()):
+        return logits
+    vocab = logits.shape[1]
+    out = _padded(output_ids, vocab, dev).sort(dim=-1).values  # (R, Lo); pads (= vocab) sort last
+    real = out < vocab
+    first = real & torch.cat([torch.ones_like(real[:, :1]), out[:, 1:] != out[:, :-1]], dim=1)  # first of equal ids
+    weight = -(frequency.unsqueeze(1) * real + presence.unsqueeze(1) * first)  # 0 on pads
+    return logits.scatter_add_(1, out.clamp(max=vocab - 1), weight)
 
 
 PROBE_WIDTH = 256
@@ -278,15 +299,15 @@ def _filter(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, top_k
     return values.masked_fill(drop, _NEG_INF), ids
 
 
-def draw(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def draw(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One index per row of logits (R, W), with probability softmax(row), by inverse CDF -> (R,).
 
-    One uniform number per row: cheaper than per-token noise, and a seeded generator advances by
-    exactly one draw per token whatever the row's width.
+    `uniform` (R,) holds one number in [0, 1) per row: cheaper than noise per token, and a seeded
+    generator advances by exactly one number per token whatever the row's width.
     """
     weights = (logits - logits.max(dim=-1, keepdim=True).values).exp_()  # (R, W); masked -> 0
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # float64: exact enough over 150k tokens
-    u = (1 - torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device, generator=generator)) * cdf[:, -1:]
+    u = (1 - uniform).unsqueeze(1) * cdf[:, -1:]
     # u is in (0, total]: the first index whose cdf reaches u has a positive weight.
     return torch.searchsorted(cdf, u).squeeze(1)
 

@@ -7,7 +7,7 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import sampler as sampler_module
-from nanovllm.layers.sampler import Sampler, apply_penalties
+from nanovllm.layers.sampler import Sampler, apply_penalties_
 from nanovllm.sampling_params import SamplingParams
 
 V = 64
@@ -159,7 +159,8 @@ def test_penalties_match_the_reference_formula():
     logits = torch.randn(len(rows), V, generator=g) * 3
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 1, 9, 3, 4)]
     outputs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (0, 12, 7, 20, 3)]
-    got = apply_penalties(logits, prompts, outputs, *(torch.tensor(c) for c in zip(*rows)))
+    got = apply_penalties_(logits.clone(), [p + o for p, o in zip(prompts, outputs)], outputs,
+                           *(torch.tensor(c) for c in zip(*rows)))
     for i, (rep, pres, freq) in enumerate(rows):
         torch.testing.assert_close(got[i], reference_penalties(logits[i], prompts[i], outputs[i], rep, pres, freq))
 
