@@ -136,6 +136,19 @@ class AsyncClient:
         except asyncio.TimeoutError:
             raise ServiceUnavailableError(f"no stats reply within {timeout}s") from None
 
+    async def wait_engine(self, timeout: float = 60.0) -> None:
+        """Wait until the engine is up (e.g. right after starting the service)."""
+        deadline = time.monotonic() + timeout
+        await self._wait_ready()
+        while self._state.engine_alive is not True:
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"engine not available after {timeout}s")
+            await asyncio.sleep(0.05)
+
+    @property
+    def engine_alive(self) -> bool | None:
+        return self._state.engine_alive
+
     async def close(self) -> None:
         if self._ctx is None:
             return

@@ -24,6 +24,8 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 """Largest frame a stage accepts from a client (ZMQ_MAXMSGSIZE on client-facing sockets)."""
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+MAX_STOP_STRINGS, MAX_STOP_LEN = 64, 1024
+"""Stop strings are matched on every step in the detokenizer: bound what one request can ask."""
 
 
 class ProtocolError(ValueError):
@@ -170,6 +172,8 @@ class GenerateReq(Message):
         _check(isinstance(self.sampling, dict), "sampling must be a map of sampling parameters")
         _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
                "stop must be a list of non-empty strings")
+        _check(len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_LEN for s in self.stop),
+               f"stop allows at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LEN} characters")
         _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens must be true or false")
 
 

@@ -112,7 +112,9 @@ class PeerMonitor:
     """Counts the connected peers of a connecting socket (e.g. is an engine there at all?)."""
 
     def __init__(self, sock: zmq.Socket):
-        self.socket = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        # A unique address: pyzmq's default is derived from the fd, which a later socket may reuse.
+        self.socket = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+                                              addr=f"inproc://monitor-{uuid.uuid4().hex}")
         self.num_peers = 0
 
     def poll(self) -> None:

@@ -1,11 +1,19 @@
 """Service fixtures: real stage processes over real sockets, torn down even when a test fails."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
-from nanovllm_client import Client
-from tests.service.chain_model import make_chain_model
-from tests.service.harness import ServiceProcs, free_tcp_base_port, short_tmpdir
+try:
+    import nanovllm_client  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e ./client`
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "client"))
+
+from nanovllm_client import Client  # noqa: E402
+from tests.service.chain_model import make_chain_model  # noqa: E402
+from tests.service.harness import ServiceProcs, free_tcp_base_port, short_tmpdir  # noqa: E402
 
 START_TIMEOUT = 120.0
 """Three processes importing torch/transformers on two busy cores can take a while."""

@@ -60,7 +60,8 @@ class ServiceProcs:
     def env(self) -> dict[str, str]:
         env = dict(os.environ, NANOVLLM_URL=self.url, NANOVLLM_MODEL=self.model, PYTHONUNBUFFERED="1",
                    NANOVLLM_LOG_LEVEL="INFO")
-        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        # The client package works from the checkout even when `pip install -e ./client` was not run.
+        env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "client"), env.get("PYTHONPATH", "")])
         return env
 
     def start(self, stage: str | None = None) -> ServiceProcs:

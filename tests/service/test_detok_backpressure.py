@@ -14,10 +14,11 @@ import zmq
 from detok_proc.server import DetokStage
 from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
+from nanovllm_client.stage import PeerMonitor
 from tests.service.harness import short_tmpdir, wait_for
 
 TOKENS_PER_STEP = 200
-NUM_STEPS = 400
+NUM_STEPS = 800
 
 
 @pytest.fixture
@@ -26,13 +27,15 @@ def rig(tokenizer_dir, request):
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    ctx = zmq.Context()
+    engine_in = ctx.socket(zmq.PULL)
+    engine_in.bind(eps.engine)
+    engine_peers = PeerMonitor(engine_in)
     stage = DetokStage(tok, eps.stream, eps.detok, eps.engine, client_timeout_s=60, engine_timeout_s=60,
                        client_hwm=2, max_pending_frames=request.param)
     stop = threading.Event()
     runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
-    ctx = zmq.Context()
-    engine_in = ctx.socket(zmq.PULL)
-    engine_in.bind(eps.engine)
+    wait_for(lambda: engine_peers.connected, timeout=10, what="the detokenizer's abort socket to connect")
     engine_out = ctx.socket(zmq.PUSH)
     engine_out.connect(eps.detok)
     identity = uuid.uuid4().bytes
@@ -47,7 +50,7 @@ def rig(tokenizer_dir, request):
     finally:
         stop.set()
         runner.join(timeout=10)
-        for sock in (engine_in, engine_out, client):
+        for sock in (engine_peers.socket, engine_in, engine_out, client):
             sock.close(linger=0)
         ctx.term()
 
@@ -55,7 +58,7 @@ def rig(tokenizer_dir, request):
 def feed_engine_steps(tok, engine_out, identity) -> list[int]:
     """One request whose every step carries TOKENS_PER_STEP tokens (big frames fill buffers fast)."""
     ids = tok.encode("def f(x):\n    return x * 2  # 中文🚀\n" * 800, add_special_tokens=False)
-    ids = (ids * 10)[:TOKENS_PER_STEP * NUM_STEPS]
+    ids = (ids * 20)[:TOKENS_PER_STEP * NUM_STEPS]
     engine_out.send(p.EngineStatus(True, "fake-engine").encode())
     meta = {"client": identity, "rid": "r1", "stop": [], "skip": True, "tail": b"", "request_id": "c:r1"}
     for k in range(NUM_STEPS):
@@ -90,11 +93,11 @@ def test_a_client_that_stops_reading_still_gets_every_character_in_order(rig):
             terminals += delta["finish_reason"] is not None
     assert "".join(text) == tok.decode(ids)
     assert not client.poll(500), "nothing may follow the terminal delta"
-    wait_for(lambda: stage.stats()["detok"] == {"num_requests": 0, "num_clients": 1, "num_pending_frames": 0},
+    wait_for(lambda: stage.stats()["detok"]["num_requests"] == 0 and stage.stats()["detok"]["num_pending_frames"] == 0,
              timeout=10, what="detok state cleared")
 
 
-@pytest.mark.parametrize("rig", [20], indirect=True)
+@pytest.mark.parametrize("rig", [3], indirect=True)
 def test_a_stuck_client_has_its_request_aborted_once_its_queue_is_full(rig):
     tok, stage, engine_in, engine_out, client, identity = rig
     handshake(client)

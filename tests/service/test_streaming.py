@@ -112,7 +112,7 @@ def test_cancelling_half_mid_stream_frees_every_kv_block(client):
     for s in long + short:
         first = next(s)
         assert first.finish_reason is None
-    wait_for(lambda: client.server_stats()["engine"]["num_live"] == 16, timeout=3, what="16 live requests")
+    wait_for(lambda: client.server_stats()["engine"]["num_live"] >= 8, timeout=3, what="the long requests live")
     for i, s in enumerate(long):
         if i % 3 == 0:
             s.cancel()
@@ -137,3 +137,43 @@ def test_cli_streams_an_answer_to_the_terminal(service):
     assert out.returncode == 0, out.stderr
     assert out.stdout.endswith("\n") and len(out.stdout.strip()) > 0
     assert "completion_tokens" in out.stderr
+
+
+def test_request_timeout_ends_the_stream_with_an_error_and_aborts(client):
+    from nanovllm_client import RequestTimeoutError
+
+    stream = client.stream("def main():", max_tokens=600, ignore_eos=True, timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(RequestTimeoutError):
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < 5
+    wait_for(lambda: engine_idle(client), timeout=5, interval=0.1, what="timed-out request aborted")
+
+
+def test_aborts_are_idempotent(client):
+    stream = client.stream("x", max_tokens=600, ignore_eos=True)
+    next(stream)
+    for _ in range(3):
+        client.abort(stream.request_id)
+    client.abort("never-existed")
+    wait_for(lambda: engine_idle(client), timeout=5, interval=0.1, what="aborted request gone")
+    assert client.generate("x", max_tokens=3, ignore_eos=True).usage["completion_tokens"] == 3
+
+
+def test_async_break_out_of_stream_aborts_the_request(client, service):
+    async def main():
+        async with AsyncClient(service.url, timeout=60) as ac:
+            stream = await ac.stream("def main():", max_tokens=600, ignore_eos=True)
+            async for _ in stream:
+                break
+            del stream  # dropped unfinished: it aborts itself (checked before close() could)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                stats = await ac.server_stats()
+                if stats["engine"]["num_live"] == 0 and stats["detok"]["num_requests"] == 0:
+                    return True
+                await asyncio.sleep(0.1)
+            return False
+
+    assert asyncio.run(main()), "the abandoned stream kept running"
