@@ -69,3 +69,11 @@ def test_serve_rejects_a_bad_url():
     out = subprocess.run([sys.executable, "-m", "nanovllm.supervisor", "--url", "http://nope"], cwd=REPO,
                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 2 and "must start with ipc:// or tcp://" in out.stderr
+
+
+@pytest.mark.parametrize("module", ["tokenizer_proc", "engine_proc", "detok_proc", "nanovllm.supervisor"])
+def test_every_stage_has_help_naming_its_flags_and_environment(module):
+    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr
+    assert "--model" in out.stdout and "NANOVLLM_" in out.stdout
