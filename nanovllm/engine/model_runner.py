@@ -46,11 +46,12 @@ def resolve_device(config: Config, rank: int = 0) -> torch.device:
         raise RuntimeError("device='cuda' was requested but no CUDA device is available")
     else:
         device = torch.device(config.device)
-    if device.type == "cuda" and config.tensor_parallel_size > 1:
-        if torch.cuda.device_count() < config.tensor_parallel_size:
+    if device.type == "cuda":
+        if config.tensor_parallel_size > 1 and torch.cuda.device_count() < config.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs that many GPUs; "
                              f"{torch.cuda.device_count()} visible")
-        device = torch.device("cuda", rank)
+        # An explicit index: torch.cuda.set_device and friends reject a bare "cuda".
+        device = torch.device("cuda", rank if config.tensor_parallel_size > 1 else torch.cuda.current_device())
     return device
 
 

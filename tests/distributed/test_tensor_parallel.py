@@ -8,7 +8,9 @@ from __future__ import annotations
 import gc
 import os
 import re
+import signal
 import socket
+import sys
 import time
 
 import pytest
@@ -121,3 +123,23 @@ def live_children() -> set[int]:
             if int(fields[1]) == os.getpid() and fields[0] != "Z":
                 children.add(int(entry))
     return children
+
+
+def test_a_worker_that_dies_while_starting_is_reported_at_once(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the worker interpreter exits 1 at once
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1 exited with code 1 while starting"):
+        tp_llm(tiny_model_dir, 2, num_kvcache_blocks=32)
+    assert time.monotonic() - start < 10  # not the rendezvous timeout
+
+
+def test_a_dead_worker_fails_the_next_step_and_close_still_returns(tiny_model_dir):
+    llm = tp_llm(tiny_model_dir, 2, num_kvcache_blocks=32)
+    runner = llm.engine.runner
+    os.kill(runner.workers.pids[0], signal.SIGKILL)
+    assert wait_gone(runner.workers.pids)
+    with pytest.raises(RuntimeError):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    start = time.monotonic()
+    runner.close()
+    assert time.monotonic() - start < 10
