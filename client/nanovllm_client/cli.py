@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the request is aborted")
-    parser.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the service")
+    parser.add_argument("--connect-timeout", type=float, default=60.0,
+                        help="seconds to wait for the service and its engine to be up (default %(default)s)")
     parser.add_argument("--usage", action="store_true", help="print token usage to stderr at the end")
     args = parser.parse_args(argv)
 
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt.append({"role": "user", "content": args.prompt})
     try:
         with Client(args.url, timeout=args.timeout, connect_timeout=args.connect_timeout) as client:
+            client.wait_engine(timeout=args.connect_timeout)  # a service just started may still be loading
             last = None
             for delta in client.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                        stop=args.stop):
