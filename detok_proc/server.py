@@ -129,7 +129,7 @@ class DetokStage:
         by_client: dict[bytes, list[dict]] = collections.defaultdict(list)
         for meta in step.started:
             self._start(meta)
-        for request_id, meta, error in step.rejected:
+        for _request_id, meta, error in step.rejected:
             by_client[meta["client"]].append(p.error_delta(meta["rid"], error))
         for row in step.outputs:
             delta = self._advance(*row)

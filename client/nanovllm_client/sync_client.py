@@ -13,7 +13,6 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import zmq
