@@ -22,11 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     endpoints = resolve_endpoints(args)
     stop = stop_event()
 
-    from tokenizer_proc.tokenizer_cache import load_stage_tokenizer
+    from nanovllm.models.tokenizer import load_tokenizer
 
     from .server import DetokStage
 
-    stage = DetokStage(load_stage_tokenizer(args.model), endpoints.stream, endpoints.detok, endpoints.engine,
+    stage = DetokStage(load_tokenizer(args.model), endpoints.stream, endpoints.detok, endpoints.engine,
                        client_timeout_s=args.client_timeout_s, engine_timeout_s=args.engine_timeout_s,
                        max_pending_frames=args.max_pending_frames)
     log.info("model %s; clients at %s; engine outputs at %s", args.model, endpoints.stream, endpoints.detok)

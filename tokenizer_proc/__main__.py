@@ -16,12 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     endpoints = resolve_endpoints(args)
     stop = stop_event()
 
+    from nanovllm.models.tokenizer import load_tokenizer
     from nanovllm.sampling_params import SamplingParams
 
     from .server import TokenizerStage, sampling_fields
-    from .tokenizer_cache import load_stage_tokenizer
 
-    tokenizer = load_stage_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model)
     stage = TokenizerStage(tokenizer, sampling_fields(SamplingParams), SamplingParams,
                            frontend=endpoints.tokenizer, engine=endpoints.engine)
     log.info("model %s; clients at %s; engine at %s", args.model, endpoints.tokenizer, endpoints.engine)
