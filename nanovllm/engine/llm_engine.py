@@ -209,6 +209,10 @@ class LLMEngine:
             num_decode_tokens=last.num_decode_tokens, num_seqs=last.num_seqs, step_time_s=step_time_s,
         )
 
+    def close(self) -> None:
+        """Stop tensor-parallel workers now (a finalizer does it at exit otherwise); idempotent."""
+        self.runner.close()
+
     def stats(self) -> dict:
         bm = self.block_manager
         return {

@@ -9,12 +9,15 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
     """HF transformers greedy continuations, one prompt at a time (no padding), fp32."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Like the engine's ignore_eos: EOS may be generated and does not stop generation. (HF's
+    # min_new_tokens would instead forbid EOS, which the engine does not do.)
+    model.generation_config.eos_token_id = None
     outs = []
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+                                 do_sample=False, pad_token_id=0)
             outs.append(out[0, len(prompt):].tolist())
     return outs
 

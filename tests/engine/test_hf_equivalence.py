@@ -1,6 +1,8 @@
 """Greedy output equals HF transformers `generate` token for token (fp32), batched."""
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
 from nanovllm import LLM, SamplingParams
@@ -13,7 +15,7 @@ MAX_NEW = 24
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
 def test_greedy_matches_hf_batched(tiny_models, arch):
     path = tiny_models[arch]
-    prompts = random_prompts(LENGTHS, vocab=2048, seed=hash(arch) % 1000)
+    prompts = random_prompts(LENGTHS, vocab=2048, seed=zlib.crc32(arch.encode()) % 1000)
     expected = hf_greedy(path, prompts, MAX_NEW)
     llm = LLM(path, block_size=8, num_kvcache_blocks=256)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
