@@ -116,9 +116,18 @@ class TokenizerStage:
         unknown = set(req.sampling) - self.sampling_fields
         if unknown:
             raise RequestRejected(f"unknown sampling parameter(s) {sorted(unknown)}; "
-                                  f"allowed: {sorted(self.sampling_fields)}")
+                                  f"allowed: {sorted(self.sampling_fields - set(NOT_SERVED))}")
+        not_served = sorted(set(req.sampling) & set(NOT_SERVED))
+        if not_served:
+            raise RequestRejected("; ".join(f"sampling parameter {name!r} is not supported by the service: "
+                                            f"{NOT_SERVED[name]}" for name in not_served))
+        sampling = dict(req.sampling)
+        # Text-side fields are the detokenizer's job; accept them in `sampling` too, as the
+        # offline API does, instead of silently ignoring them.
+        stop = list(req.stop or []) + list(sampling.pop("stop", None) or [])
+        skip = sampling.pop("skip_special_tokens", req.skip_special_tokens)
         try:
-            self.make_sampling(**req.sampling)
+            self.make_sampling(**sampling, stop=stop, skip_special_tokens=skip)
         except (ValueError, TypeError) as e:
             raise RequestRejected(f"invalid sampling parameters: {e}") from None
         if req.prompt_token_ids is not None:
@@ -133,9 +142,9 @@ class TokenizerStage:
             ids = self.tokenizer.encode(req.prompt)
         if not ids:
             raise RequestRejected("prompt is empty: at least one token is needed")
-        meta = {"client": identity, "rid": req.request_id, "stop": req.stop,
-                "skip": req.skip_special_tokens, "tail": p.pack_token_ids(ids[-8:]), "t": time.time()}
-        return p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), req.sampling, meta)
+        meta = {"client": identity, "rid": req.request_id, "stop": stop,
+                "skip": skip, "tail": p.pack_token_ids(ids[-8:]), "t": time.time()}
+        return p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta)
 
     def _forward(self, identity: bytes, request_id: str, frame: bytes) -> None:
         self.pending.append((time.monotonic(), identity, request_id, frame))
@@ -168,6 +177,14 @@ class TokenizerStage:
 def engine_request_id(identity: bytes, request_id: str) -> str:
     """Client request ids are only unique per client; the engine sees '<client>:<request>'."""
     return f"{identity.hex()}:{request_id}"
+
+
+# SamplingParams fields the offline API has but the service does not carry yet.
+NOT_SERVED = {
+    "logprobs": "log-probabilities are not streamed yet",
+    "include_stop_str_in_output": "the detokenizer always cuts the stop string",
+    "logits_processors": "custom processors are Python objects, available in-process only",
+}
 
 
 def sampling_fields(params_cls) -> set[str]:

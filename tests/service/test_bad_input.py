@@ -115,3 +115,19 @@ def test_detokenizer_endpoint_rejects_requests_with_a_pointer(service):
     finally:
         sock.close()
         ctx.term()
+
+
+def test_sampler_knobs_travel_through_the_service(client):
+    knobs = dict(max_tokens=8, temperature=0.9, top_k=20, top_p=0.9, seed=7, ignore_eos=True)
+    first, again = client.generate("hi", **knobs), client.generate("hi", **knobs)
+    assert first.token_ids == again.token_ids  # the seed reached the engine's sampler
+    with pytest.raises(RequestError, match="top_p"):
+        client.generate("hi", top_p=1.5)
+
+
+def test_sampling_fields_the_service_cannot_honour_are_refused_by_name(client):
+    with pytest.raises(RequestError, match="'logprobs' is not supported by the service"):
+        client.generate("hi", logprobs=2)
+    with pytest.raises(RequestError, match="unknown sampling parameter.*'bogus'"):
+        client.generate("hi", bogus=1)
+    assert client.generate("hi", max_tokens=2, ignore_eos=True).finish_reason == "length"
