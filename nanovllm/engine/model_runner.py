@@ -31,6 +31,7 @@ from nanovllm.layers.attention import PagedAttention
 from nanovllm.layers.cpu_kernels import CpuAttentionKernel
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.decoder import DecoderForCausalLM
+from nanovllm.layers.cpu_gemm import pack_linear_weights
 from nanovllm.models.loader import iter_weights, load_weights
 from nanovllm.models.model_config import ModelConfig
 
@@ -129,6 +130,7 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = DecoderForCausalLM(self.model_config, self.tp).to(self.dtype)
         load_weights(self.model, iter_weights(model_path))
+        pack_linear_weights(self.model)
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         if self.device.type == "cuda":

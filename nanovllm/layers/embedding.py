@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import TensorParallel
+from nanovllm.layers.cpu_gemm import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -42,9 +43,14 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.packed_weight: torch.Tensor | None = None
+        """oneDNN-packed copy of `weight` on CPU (layers/cpu_gemm.py), set after loading."""
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits (B, V) on rank 0; None on the other ranks."""
-        logits = F.linear(hidden, self.weight)  # (B, shard)
+        logits = linear(hidden, self.weight, None, self.packed_weight)  # (B, shard)
         if self.tp.size == 1:
             return logits
         logits = self.tp.gather_last_dim(logits)  # (B, N * shard) on rank 0

@@ -10,15 +10,15 @@ weight is [q heads of this rank | k heads of this rank | v heads of this rank], 
 slices each HF tensor by this rank's heads (or rows) before copying it into its block.
 
 Every parameter carries a `weight_loader(param, tensor[, shard_id])` that the model loader
-calls; it raises ValueError on a shape mismatch. On one rank these are plain `F.linear`s.
+calls; it raises ValueError on a shape mismatch. On one rank these are plain linear layers (prepacked for oneDNN on CPU).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import TensorParallel, split_evenly
+from nanovllm.layers.cpu_gemm import linear
 
 
 def _check_shape(tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -43,6 +43,8 @@ class _ParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed_weight: torch.Tensor | None = None
+        """oneDNN-packed copy of `weight` on CPU (layers/cpu_gemm.py), set after loading."""
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, *args) -> None:
         raise NotImplementedError
@@ -56,7 +58,7 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__(in_features, split_evenly(out_features, tp.size, "the output features"), bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor) -> None:
         _check_shape(tensor, (self.full_out, *param.shape[1:]))
@@ -109,7 +111,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the sum, not once per rank.
-        y = F.linear(x, self.weight, self.bias if self.tp.size == 1 else None)
+        y = linear(x, self.weight, self.bias if self.tp.size == 1 else None, self.packed_weight)
         if self.tp.size > 1:
             self.tp.all_reduce(y)
             if self.bias is not None:

@@ -1,0 +1,44 @@
+"""Prepacked oneDNN weights give F.linear's results (to rounding) and are used by the engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm.distributed import TensorParallel
+from nanovllm.layers.cpu_gemm import can_pack, linear, pack_linear_weights
+from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_matches_f_linear(rows):
+    torch.manual_seed(rows)
+    layer = ColumnParallelLinear(96, 160, bias=True, tp=TensorParallel())
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    x = torch.randn(rows, 96)
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert pack_linear_weights(layer) == 1 and layer.packed_weight is not None
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_only_cpu_float32_weights_are_packed():
+    module = torch.nn.ModuleDict({"a": ColumnParallelLinear(8, 8), "b": RowParallelLinear(8, 8)}).to(torch.bfloat16)
+    assert not can_pack(module["a"].weight)
+    assert pack_linear_weights(module) == 0
+    assert module["a"].packed_weight is None
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    assert linear(x, module["a"].weight, None, None).dtype == torch.bfloat16
+
+
+def test_engine_packs_every_projection_and_the_lm_head(tiny_model_dir):
+    from nanovllm.config import Config
+    from nanovllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=16))
+    model = engine.runner.model
+    slots = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    assert len(slots) == 4 * engine.model_config.num_layers + 1  # qkv, o, gate_up, down per layer + lm_head
+    assert all(m.packed_weight is not None for m in slots)
