@@ -9,23 +9,54 @@
  *
  * Layouts: q rows are H*D contiguous floats, q_row_stride floats apart (a view into the fused
  * qkv projection); caches are [num_blocks, block_size, KVH, D]; out is [R, H, D] contiguous.
- * Returns 0, or -1 if scratch memory could not be allocated.
+ * Returns 0, -1 if scratch memory could not be allocated, or -2 for a head size over 256.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float s = 0.f;
+/* One (row, kv head) item: G query heads against L cached tokens. HD is a compile-time head
+ * size where the caller can give one, so the query, the scores' dot products and the output
+ * accumulator stay in vector registers; HD == 0 means "use the runtime D". */
+static inline void attend_item(const float *restrict qh, float *restrict oh, const float *k_cache,
+                               const float *v_cache, const int64_t *table, float *restrict scores,
+                               int64_t L, int64_t G, int64_t KVH, int64_t kvh, int64_t D_rt,
+                               int64_t BS, float scale, const int64_t HD) {
+    const int64_t D = HD ? HD : D_rt;
+    for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const int64_t n = (L - t0 < BS) ? L - t0 : BS;
+        const float *kb = k_cache + (table[t0 / BS] * BS * KVH + kvh) * D;
+        for (int64_t i = 0; i < n; i++) {
+            const float *k = kb + i * KVH * D;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qh + g * D;
+                float s = 0.f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static inline void axpy(float *y, float a, const float *x, int64_t n) {
+                for (int64_t d = 0; d < D; d++) s += qg[d] * k[d];
+                scores[g * L + t0 + i] = s * scale;
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *s = scores + g * L, m = s[0], sum = 0.f;
+        for (int64_t t = 1; t < L; t++) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < L; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+        const float inv = 1.f / sum;
+        float acc[HD ? HD : 256];  /* D <= 256 is checked by the caller */
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
+        for (int64_t t0 = 0; t0 < L; t0 += BS) {
+            const int64_t n = (L - t0 < BS) ? L - t0 : BS;
+            const float *vb = v_cache + (table[t0 / BS] * BS * KVH + kvh) * D;
+            for (int64_t i = 0; i < n; i++) {
+                const float p = s[t0 + i], *v = vb + i * KVH * D;
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+                for (int64_t d = 0; d < D; d++) acc[d] += p * v[d];
+            }
+        }
+        for (int64_t d = 0; d < D; d++) oh[g * D + d] = acc[d] * inv;
+    }
 }
 
 int paged_attention_rows_f32(const float *q, int64_t q_row_stride, const float *k_cache,
@@ -37,6 +68,7 @@ int paged_attention_rows_f32(const float *q, int64_t q_row_stride, const float *
     int64_t max_ctx = 1;
     for (int64_t r = 0; r < num_rows; r++)
         if (row_ctx[r] > max_ctx) max_ctx = row_ctx[r];
+    if (D > 256) return -2;
     int failed = 0;
 
 #pragma omp parallel reduction(| : failed)
@@ -53,30 +85,16 @@ int paged_attention_rows_f32(const float *q, int64_t q_row_stride, const float *
         {
             const float *qh = q + r * q_row_stride + kvh * G * D;
             float *oh = out + (r * H + kvh * G) * D;
-            memset(oh, 0, sizeof(float) * G * D);
-            if (L == 0) continue;
-            /* scores[g][t] = q_g . k_t * scale, walking the sequence block by block */
-            for (int64_t t0 = 0; t0 < L; t0 += BS) {
-                const int64_t n = (L - t0 < BS) ? L - t0 : BS;
-                const float *kb = k_cache + (table[t0 / BS] * BS * KVH + kvh) * D;
-                for (int64_t i = 0; i < n; i++)
-                    for (int64_t g = 0; g < G; g++)
-                        scores[g * L + t0 + i] = dot(qh + g * D, kb + i * KVH * D, D) * scale;
+            if (L == 0) {
+                memset(oh, 0, sizeof(float) * G * D);
+                continue;
             }
-            for (int64_t g = 0; g < G; g++) {
-                float *s = scores + g * L, m = -INFINITY, sum = 0.f;
-                for (int64_t t = 0; t < L; t++) m = s[t] > m ? s[t] : m;
-                for (int64_t t = 0; t < L; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
-                const float inv = 1.f / sum;
-                for (int64_t t = 0; t < L; t++) s[t] *= inv;
-            }
-            for (int64_t t0 = 0; t0 < L; t0 += BS) {
-                const int64_t n = (L - t0 < BS) ? L - t0 : BS;
-                const float *vb = v_cache + (table[t0 / BS] * BS * KVH + kvh) * D;
-                for (int64_t i = 0; i < n; i++)
-                    for (int64_t g = 0; g < G; g++)
-                        axpy(oh + g * D, scores[g * L + t0 + i], vb + i * KVH * D, D);
-            }
+            if (D == 64)
+                attend_item(qh, oh, k_cache, v_cache, table, scores, L, G, KVH, kvh, D, BS, scale, 64);
+            else if (D == 128)
+                attend_item(qh, oh, k_cache, v_cache, table, scores, L, G, KVH, kvh, D, BS, scale, 128);
+            else
+                attend_item(qh, oh, k_cache, v_cache, table, scores, L, G, KVH, kvh, D, BS, scale, 0);
         }
     }
     free(scores);

@@ -6,6 +6,12 @@ can pack a weight once into its blocked format and reuse it: measured on this 2-
 64 rows, 56-66 GFLOP/s instead of 35-61, and ~70 instead of 55-65 at 2048 rows. Results differ
 from `F.linear` only by float rounding (relative ~1e-6).
 
+oneDNN JIT-compiles a kernel for every new row count (~1.5 ms each here), and a serving engine
+sees hundreds of row counts (decode batch sizes, prefill chunk lengths): the first pass over a
+workload ran 40% slower than later ones. Rows are therefore padded up to a bucket (powers of two
+to 32, then multiples of 32 to 512, then of 128), which bounds the kernels to a few dozen per
+weight shape for a few percent of padded rows.
+
 The packed copy is made after the weights are loaded (`pack_linear_weights`); a layer without
 one, or on another device or dtype, keeps using `F.linear`.
 """
@@ -22,11 +28,24 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+def row_bucket(rows: int) -> int:
+    """The padded row count oneDNN sees for `rows` rows."""
+    if rows <= 32:
+        return 1 << max(0, rows - 1).bit_length()
+    step = 32 if rows <= 512 else 128
+    return -(-rows // step) * step
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
     """`F.linear`, through the prepacked oneDNN weight when there is one."""
-    if packed is None:
+    if packed is None or x.dim() != 2:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.shape[0]
+    padded = row_bucket(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))  # (padded, in)
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return y if padded == rows else y[:rows]  # a leading slice of a row-major tensor stays contiguous
 
 
 def pack_linear_weights(model: nn.Module) -> int:

@@ -79,7 +79,8 @@ class CpuAttentionKernel:
 
     @staticmethod
     def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.device.type == "cpu"
+        return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.device.type == "cpu"
+                and q.shape[-1] <= 256)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  row_table: torch.Tensor, row_ctx: torch.Tensor, scale: float) -> torch.Tensor:
@@ -92,6 +93,8 @@ class CpuAttentionKernel:
         failed = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                           block_tables.shape[1], row_table.data_ptr(), row_ctx.data_ptr(), out.data_ptr(), rows,
                           num_heads, num_kv_heads, head_dim, block_size, scale)
+        if failed == -2:
+            raise ValueError(f"the CPU attention kernel supports head_dim up to 256, got {head_dim}")
         if failed:
             raise MemoryError("CPU attention kernel could not allocate its scratch buffer")
         return out

@@ -78,3 +78,16 @@ def test_engine_greedy_output_is_the_same_with_and_without_the_kernel(tiny_model
     a = with_kernel.generate(prompts, params, use_tqdm=False)
     b = torch_path.generate(prompts, params, use_tqdm=False)
     assert [o["token_ids"] for o in a] == [o["token_ids"] for o in b]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_specialised_head_sizes_match_reference(kernel, head_dim):
+    # 64 and 128 take compile-time-specialised loops, 40 the generic one.
+    kc, vc = paged_cache(num_blocks=30, block_size=16, kv_heads=2, head_dim=head_dim, seed=head_dim)
+    torch.manual_seed(head_dim)
+    tables = torch.stack([torch.randperm(30)[:6] for _ in range(4)])
+    ctx = torch.tensor([1, 17, 96, 50])
+    q = torch.randn(4, 8, head_dim)  # GQA 4
+    out = kernel(q, kc, vc, tables, torch.arange(4), ctx, head_dim ** -0.5)
+    expected = reference.paged_decode_attention(q, kc, vc, tables.int(), ctx.int(), head_dim ** -0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

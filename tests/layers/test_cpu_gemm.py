@@ -24,6 +24,14 @@ def test_packed_linear_matches_f_linear(rows):
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
 
 
+def test_row_buckets_cover_every_count_and_stay_few():
+    from nanovllm.layers.cpu_gemm import row_bucket
+    buckets = {row_bucket(m) for m in range(1, 2049)}
+    assert all(row_bucket(m) >= m for m in range(1, 2049))
+    assert len(buckets) <= 40
+    assert row_bucket(64) == 64 and row_bucket(1) == 1 and row_bucket(33) == 64 and row_bucket(513) == 640
+
+
 def test_only_cpu_float32_weights_are_packed():
     module = torch.nn.ModuleDict({"a": ColumnParallelLinear(8, 8), "b": RowParallelLinear(8, 8)}).to(torch.bfloat16)
     assert not can_pack(module["a"].weight)
