@@ -6,11 +6,11 @@ can pack a weight once into its blocked format and reuse it: measured on this 2-
 64 rows, 56-66 GFLOP/s instead of 35-61, and ~70 instead of 55-65 at 2048 rows. Results differ
 from `F.linear` only by float rounding (relative ~1e-6).
 
-oneDNN JIT-compiles a kernel for every new row count (~1.5 ms each here), and a serving engine
-sees hundreds of row counts (decode batch sizes, prefill chunk lengths): the first pass over a
-workload ran 40% slower than later ones. Rows are therefore padded up to a bucket (powers of two
-to 32, then multiples of 32 to 512, then of 128), which bounds the kernels to a few dozen per
-weight shape for a few percent of padded rows.
+oneDNN JIT-compiles a kernel for every new row count (measured: calls with new row counts took
+~1.5 ms longer than repeats), and a serving engine sees hundreds of row counts (decode batch
+sizes, prefill chunk lengths) while oneDNN caches a bounded number of kernels. Rows are
+therefore padded up to a bucket (powers of two to 32, then multiples of 32 to 512, then of 128),
+which bounds the kernels to a few dozen per weight shape for a few percent of padded rows.
 
 The packed copy is made after the weights are loaded (`pack_linear_weights`); a layer without
 one, or on another device or dtype, keeps using `F.linear`.
