@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from . import protocol as p
-from .client_state import ENGINE_DEAD, ClientState, Delta, Result, build_request, merge
-from .endpoints import default_url, service_endpoints
+from .client_state import ENGINE_DEAD, ClientBase, Delta, Result, build_request, merge
 from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceUnavailableError
 
 
@@ -61,17 +59,12 @@ class AsyncStream:
             pass
 
 
-class AsyncClient:
+class AsyncClient(ClientBase):
     """`async with AsyncClient(url) as c: async for d in await c.stream("hi"): ...`"""
 
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
                  connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000):
-        self.url = url or default_url()
-        self.endpoints = service_endpoints(self.url)
-        self.timeout, self.connect_timeout = timeout, connect_timeout
-        self._heartbeat_interval, self._hwm = heartbeat_interval, hwm
-        self._identity = uuid.uuid4().bytes
-        self._state = ClientState()
+        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm)
         self._streams: dict[str, asyncio.Queue] = {}
         self._stats: asyncio.Queue | None = None
         self._ready: asyncio.Event | None = None
@@ -85,15 +78,8 @@ class AsyncClient:
         self._loop = asyncio.get_running_loop()
         self._ctx = zmq.asyncio.Context()
         self._ready, self._stats = asyncio.Event(), asyncio.Queue()
-        self._tok = self._ctx.socket(zmq.DEALER)
-        self._out = self._ctx.socket(zmq.DEALER)
-        for sock in (self._tok, self._out):
-            sock.setsockopt(zmq.ROUTING_ID, self._identity)
-            sock.setsockopt(zmq.SNDHWM, self._hwm)
-            sock.setsockopt(zmq.RCVHWM, self._hwm)
-            sock.setsockopt(zmq.LINGER, 1000)
-        self._tok.connect(self.endpoints.tokenizer)
-        self._out.connect(self.endpoints.stream)
+        self._tok = self._dealer(self._ctx, self.endpoints.tokenizer)
+        self._out = self._dealer(self._ctx, self.endpoints.stream)
         self._tasks = [asyncio.ensure_future(self._read(self._tok)), asyncio.ensure_future(self._read(self._out)),
                        asyncio.ensure_future(self._heartbeat())]
 
@@ -109,9 +95,7 @@ class AsyncClient:
         deltas: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = deltas
         await self._tok.send(req.encode())  # waits (backpressure) while the tokenizer's pipe is full
-        limit = timeout if timeout is not None else self.timeout
-        deadline = time.monotonic() + (limit if limit is not None else 1e9)
-        return AsyncStream(self, req.request_id, deltas, deadline, raise_on_error)
+        return AsyncStream(self, req.request_id, deltas, self._deadline(timeout), raise_on_error)
 
     async def generate(self, prompt: Any = None, **kwargs: Any) -> Result:
         s = await self.stream(prompt, **kwargs)
@@ -143,10 +127,6 @@ class AsyncClient:
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"engine not available after {timeout}s")
             await asyncio.sleep(0.05)
-
-    @property
-    def engine_alive(self) -> bool | None:
-        return self._state.engine_alive
 
     async def close(self) -> None:
         if self._ctx is None:

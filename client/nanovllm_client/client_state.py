@@ -12,7 +12,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 from . import protocol as p
+from .endpoints import default_url, service_endpoints
 
 log = logging.getLogger("nanovllm_client")
 
@@ -144,3 +147,36 @@ def merge(deltas: list[Delta], request_id: str) -> Result:
         if d.finished:
             result.finish_reason, result.usage = d.finish_reason, d.usage
     return result
+
+
+class ClientBase:
+    """What the sync `Client` and the `AsyncClient` share: the service address, the limits, the
+    client's identity on both sockets, and the protocol state."""
+
+    def __init__(self, url: str | None, timeout: float | None, connect_timeout: float,
+                 heartbeat_interval: float, hwm: int):
+        self.url = url or default_url()
+        self.endpoints = service_endpoints(self.url)
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self._heartbeat_interval, self._hwm = heartbeat_interval, hwm
+        self._identity = uuid.uuid4().bytes
+        self._state = ClientState()
+
+    @property
+    def engine_alive(self) -> bool | None:
+        return self._state.engine_alive
+
+    def _deadline(self, timeout: float | None) -> float:
+        """The monotonic time a request started now must end by (its own timeout, else the client's)."""
+        limit = timeout if timeout is not None else self.timeout
+        return time.monotonic() + (limit if limit is not None else 1e9)
+
+    def _dealer(self, ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+        """A DEALER to one stage; both carry this client's identity so the stages can route to it."""
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, self._identity)
+        sock.setsockopt(zmq.SNDHWM, self._hwm)
+        sock.setsockopt(zmq.RCVHWM, self._hwm)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(endpoint)
+        return sock

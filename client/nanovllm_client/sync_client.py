@@ -12,14 +12,12 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from typing import Any
 
 import zmq
 
 from . import protocol as p
-from .client_state import ENGINE_DEAD, ClientState, Delta, Result, build_request, merge
-from .endpoints import default_url, service_endpoints
+from .client_state import ENGINE_DEAD, ClientBase, Delta, Result, build_request, merge
 from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceUnavailableError
 
 log = logging.getLogger("nanovllm_client")
@@ -71,17 +69,12 @@ class Stream:
             pass
 
 
-class Client:
+class Client(ClientBase):
     """`Client("ipc:///run/nanovllm")` or `Client("tcp://127.0.0.1:5550")`; a context manager."""
 
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
                  connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000):
-        self.url = url or default_url()
-        self.endpoints = service_endpoints(self.url)
-        self.timeout, self.connect_timeout = timeout, connect_timeout
-        self._heartbeat_interval, self._hwm = heartbeat_interval, hwm
-        self._identity = uuid.uuid4().bytes
-        self._state = ClientState()
+        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm)
         self._ready = threading.Event()
         self._streams: dict[str, queue.SimpleQueue] = {}
         self._stats: queue.SimpleQueue = queue.SimpleQueue()
@@ -108,9 +101,7 @@ class Client:
             raise ValueError(f"request id {req.request_id!r} is already in flight on this client")
         self._streams[req.request_id] = deltas
         self._send(_TO_TOKENIZER, req.encode())
-        limit = timeout if timeout is not None else self.timeout
-        deadline = time.monotonic() + (limit if limit is not None else 1e9)
-        return Stream(self, req.request_id, deltas, deadline, raise_on_error)
+        return Stream(self, req.request_id, deltas, self._deadline(timeout), raise_on_error)
 
     def generate(self, prompt: Any = None, **kwargs: Any) -> Result:
         """Run a request to completion and return the whole answer."""
@@ -138,10 +129,6 @@ class Client:
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"engine not available after {timeout}s")
             time.sleep(0.05)
-
-    @property
-    def engine_alive(self) -> bool | None:
-        return self._state.engine_alive
 
     def close(self, linger: float = 1.0) -> None:
         """Abort every request in flight, flush, and stop the I/O thread."""
@@ -178,16 +165,9 @@ class Client:
             self._cmd.send_multipart([target, frame])
 
     def _io_loop(self) -> None:
-        tok = self._ctx.socket(zmq.DEALER)
-        out = self._ctx.socket(zmq.DEALER)
+        tok = self._dealer(self._ctx, self.endpoints.tokenizer)
+        out = self._dealer(self._ctx, self.endpoints.stream)
         cmd = self._ctx.socket(zmq.PULL)
-        for sock in (tok, out):
-            sock.setsockopt(zmq.ROUTING_ID, self._identity)
-            sock.setsockopt(zmq.SNDHWM, self._hwm)
-            sock.setsockopt(zmq.RCVHWM, self._hwm)
-            sock.setsockopt(zmq.LINGER, 1000)
-        tok.connect(self.endpoints.tokenizer)
-        out.connect(self.endpoints.stream)
         cmd.connect(self._cmd_endpoint)
         pending_tok: collections.deque[bytes] = collections.deque()  # held while the tokenizer pushes back
         poller = zmq.Poller()
