@@ -23,10 +23,9 @@ from nanovllm.layers.logits_processors import WordIndex, build_logits_processors
 from nanovllm.layers.sampler import TokenLogprobs
 from nanovllm.layers.token_bytes import token_byte_table
 from nanovllm.models.loader import is_gguf, read_hf_config, resolve_model_path
-from nanovllm.models.model_config import ModelConfig
+from nanovllm.models.model_config import ModelConfig, resolve_max_model_len
 from nanovllm.sampling_params import SamplingParams
 
-MAX_DEFAULT_MODEL_LEN = 4096
 
 
 @dataclass(slots=True)
@@ -56,7 +55,7 @@ class LLMEngine:
         self.config = config = config or Config(**kwargs)
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = resolve_max_model_len(config.max_model_len, self.model_config)
         self.runner = ModelRunner(config, self.model_config, self.model_path)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = self.model_config.eos_token_ids + self._generation_eos_ids()
@@ -73,14 +72,6 @@ class LLMEngine:
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
-
-    def _max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        if self.config.max_model_len is None:
-            return min(limit, MAX_DEFAULT_MODEL_LEN)
-        if self.config.max_model_len > limit:
-            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's context length {limit}")
-        return self.config.max_model_len
 
     def _generation_eos_ids(self) -> tuple[int, ...]:
         path = os.path.join(self.model_path, "generation_config.json")

@@ -33,11 +33,9 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.layers.cpu_gemm import pack_linear_weights
 from nanovllm.models.loader import iter_weights, load_weights
-from nanovllm.models.model_config import ModelConfig
+from nanovllm.models.model_config import ModelConfig, resolve_max_model_len
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# The engine's default max_model_len cap (LLMEngine.MAX_DEFAULT_MODEL_LEN); sizes CUDA-graph block tables.
-_DEFAULT_MAX_MODEL_LEN = 4096
 
 
 def resolve_device(config: Config, rank: int = 0) -> torch.device:
@@ -100,7 +98,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = resolve_device(config, rank)
         self.dtype = resolve_dtype(config, model_config, self.device)
-        self.max_model_len = min(mc.max_position_embeddings, config.max_model_len or _DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = resolve_max_model_len(config.max_model_len, mc)
         self.workers: WorkerProcesses | None = None
         self.channel: StepChannel | None = None
         self.tp = TensorParallel()

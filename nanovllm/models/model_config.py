@@ -15,6 +15,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
 }
+MAX_DEFAULT_MODEL_LEN = 4096
+"""Cap on the default max_model_len, so a 128k-context model does not size everything for 128k."""
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -74,3 +76,13 @@ class ModelConfig:
             torch_dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
             eos_token_ids=eos_ids,
         )
+
+
+def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
+    """The engine's max_model_len: as requested, else the model's context length capped at 4096."""
+    limit = model.max_position_embeddings
+    if requested is None:
+        return min(limit, MAX_DEFAULT_MODEL_LEN)
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's context length {limit}")
+    return requested
