@@ -28,31 +28,33 @@ def rig(tokenizer_dir, request):
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     eps = service_endpoints(f"ipc://{short_tmpdir()}")
     ctx = zmq.Context()
-    engine_in = ctx.socket(zmq.PULL)
-    engine_in.bind(eps.engine)
-    engine_peers = PeerMonitor(engine_in)
-    stage = DetokStage(tok, eps.stream, eps.detok, eps.engine, client_timeout_s=60, engine_timeout_s=60,
-                       client_hwm=2, max_pending_frames=request.param)
     stop = threading.Event()
-    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
-    wait_for(lambda: engine_peers.connected, timeout=10, what="the detokenizer's abort socket to connect")
-    engine_out = ctx.socket(zmq.PUSH)
-    engine_out.connect(eps.detok)
-    identity = uuid.uuid4().bytes
-    client = ctx.socket(zmq.DEALER)
-    client.setsockopt(zmq.ROUTING_ID, identity)
-    client.setsockopt(zmq.RCVHWM, 2)
-    client.setsockopt(zmq.RCVBUF, 4096)
-    client.connect(eps.stream)
-    runner.start()
+    runner = None
+    # Cleanup must run even if setup fails: a Context left with open sockets blocks forever in
+    # term() when it is garbage-collected later, which would hang the rest of the test session.
     try:
+        engine_in = ctx.socket(zmq.PULL)
+        engine_in.bind(eps.engine)
+        engine_peers = PeerMonitor(engine_in)
+        stage = DetokStage(tok, eps.stream, eps.detok, eps.engine, client_timeout_s=60, engine_timeout_s=60,
+                           client_hwm=2, max_pending_frames=request.param)
+        runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
+        wait_for(lambda: engine_peers.connected, timeout=10, what="the detokenizer's abort socket to connect")
+        engine_out = ctx.socket(zmq.PUSH)
+        engine_out.connect(eps.detok)
+        identity = uuid.uuid4().bytes
+        client = ctx.socket(zmq.DEALER)
+        client.setsockopt(zmq.ROUTING_ID, identity)
+        client.setsockopt(zmq.RCVHWM, 2)
+        client.setsockopt(zmq.RCVBUF, 4096)
+        client.connect(eps.stream)
+        runner.start()
         yield tok, stage, engine_in, engine_out, client, identity
     finally:
         stop.set()
-        runner.join(timeout=10)
-        for sock in (engine_peers.socket, engine_in, engine_out, client):
-            sock.close(linger=0)
-        ctx.term()
+        if runner is not None and runner.is_alive():
+            runner.join(timeout=10)
+        ctx.destroy(linger=0)  # closes every socket of this context (the monitor's too), then terms
 
 
 def feed_engine_steps(tok, engine_out, identity) -> list[int]:
