@@ -7,6 +7,10 @@
  * same soname, so this library binds to torch's OpenMP runtime: one thread pool, no second set
  * of spinning threads competing for the cores.
  *
+ * One pass over the context, a cache block at a time, with an online softmax: each block's K
+ * and V rows (all heads, contiguous) are read from memory once, scores live in a block-sized
+ * scratch row, and the output accumulators are rescaled when a block raises a head's maximum.
+ *
  * Layouts: q rows are H*D contiguous floats, q_row_stride floats apart (a view into the fused
  * qkv projection); caches are [num_blocks, block_size, KVH, D]; out is [R, H, D] contiguous.
  * Returns 0, -1 if scratch memory could not be allocated, or -2 for a head size over 256.
@@ -15,47 +19,117 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
-/* One (row, kv head) item: G query heads against L cached tokens. HD is a compile-time head
- * size where the caller can give one, so the query, the scores' dot products and the output
- * accumulator stay in vector registers; HD == 0 means "use the runtime D". */
-static inline void attend_item(const float *restrict qh, float *restrict oh, const float *k_cache,
-                               const float *v_cache, const int64_t *table, float *restrict scores,
-                               int64_t L, int64_t G, int64_t KVH, int64_t kvh, int64_t D_rt,
-                               int64_t BS, float scale, const int64_t HD) {
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* exp(x) of eight lanes with x <= 0 (the softmax's only range), as 2^n * e^r with |r| <= ln2/2
+ * and a degree-6 polynomial for e^r: within 2 ulp of expf. GCC/Clang vector extensions, so it is
+ * straight-line SIMD code on any target. */
+static inline v8f exp8_nonpos(v8f x) {
+    const v8f lo = {-87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f};
+    const v8i below = x < lo;  /* lanes of all ones where x < -87 */
+    x = (v8f)(((v8i)x & ~below) | ((v8i)lo & below));
+    const v8f n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  /* round to nearest */
+    const v8f r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+    v8f p = r * (1.f / 720.f) + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return p * (v8f)bits;
+}
+
+/* s[i] = exp(s[i] - mx) for i < n; returns their sum. s has room for n rounded up to 8. */
+static inline float exp_shifted(float *s, int64_t n, float mx) {
+    v8f sum = {0};
+    for (int64_t i = 0; i < n; i += 8) {
+        v8f x;
+        memcpy(&x, s + i, sizeof x);
+        x = exp8_nonpos(x - mx);
+        if (i + 8 > n)  /* zero the lanes past n */
+            for (int64_t j = n - i; j < 8; j++) x[j] = 0.f;
+        memcpy(s + i, &x, sizeof x);
+        sum += x;
+    }
+    return ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
+}
+
+/* Scores of one query head against n cached keys, key i at k + i * stride. */
+static inline void scores_block(const float *restrict qh, const float *k, float *restrict s, int64_t n,
+                                int64_t stride, int64_t D_rt, float scale, const int64_t HD) {
     const int64_t D = HD ? HD : D_rt;
-    for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const int64_t n = (L - t0 < BS) ? L - t0 : BS;
-        const float *kb = k_cache + (table[t0 / BS] * BS * KVH + kvh) * D;
-        for (int64_t i = 0; i < n; i++) {
-            const float *k = kb + i * KVH * D;
-            for (int64_t g = 0; g < G; g++) {
-                const float *qg = qh + g * D;
-                float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; d++) s += qg[d] * k[d];
-                scores[g * L + t0 + i] = s * scale;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (HD && HD % 8 == 0) {
+        /* Eight keys at a time: eight independent FMA chains (one per key) instead of one long
+         * dependent chain per dot product, then one transpose-and-add for the eight sums. */
+        for (; i + 8 <= n; i += 8) {
+            __m256 a[8];
+            for (int t = 0; t < 8; t++) {
+                const float *kt = k + (i + t) * stride;
+                __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(kt));
+                for (int64_t j = 8; j < HD; j += 8) x = _mm256_fmadd_ps(_mm256_loadu_ps(qh + j), _mm256_loadu_ps(kt + j), x);
+                a[t] = x;
             }
+            const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+            const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+            const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+            const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20);
+            const __m256 hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+            _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *s = scores + g * L, m = s[0], sum = 0.f;
-        for (int64_t t = 1; t < L; t++) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
-        const float inv = 1.f / sum;
-        float acc[HD ? HD : 256];  /* D <= 256 is checked by the caller */
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
-        for (int64_t t0 = 0; t0 < L; t0 += BS) {
-            const int64_t n = (L - t0 < BS) ? L - t0 : BS;
-            const float *vb = v_cache + (table[t0 / BS] * BS * KVH + kvh) * D;
+#endif
+    for (; i < n; i++) {
+        const float *kt = k + i * stride;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; d++) dot += qh[d] * kt[d];
+        s[i] = dot * scale;
+    }
+}
+
+static inline void attend_row(const float *restrict q, float *restrict out, const float *k_cache,
+                              const float *v_cache, const int64_t *table, float *restrict acc,
+                              float *restrict s, float *restrict m, float *restrict l, int64_t L,
+                              int64_t H, int64_t KVH, int64_t D_rt, int64_t BS, int64_t BSP,
+                              float scale, const int64_t HD) {
+    const int64_t D = HD ? HD : D_rt, G = H / KVH, row = KVH * D;
+    for (int64_t h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.f; }
+    memset(acc, 0, sizeof(float) * H * D);
+    for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const int64_t n = (L - t0 < BS) ? L - t0 : BS;
+        const int64_t base = table[t0 / BS] * BS * row;
+        const float *kb = k_cache + base, *vb = v_cache + base;
+        for (int64_t h = 0; h < H; h++) scores_block(q + h * D, kb + (h / G) * D, s + h * BSP, n, row, D, scale, HD);
+        for (int64_t h = 0; h < H; h++) {
+            float *sh = s + h * BSP, mx = m[h];
+            for (int64_t i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
+            const float alpha = expf(m[h] - mx);
+            const float sum = exp_shifted(sh, n, mx);
+            l[h] = l[h] * alpha + sum;
+            m[h] = mx;
+            float a[HD ? HD : 256];
+            float *ah = acc + h * D;
+            for (int64_t d = 0; d < D; d++) a[d] = ah[d] * alpha;
+            const float *vh = vb + (h / G) * D;
             for (int64_t i = 0; i < n; i++) {
-                const float p = s[t0 + i], *v = vb + i * KVH * D;
+                const float p = sh[i], *v = vh + i * row;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) acc[d] += p * v[d];
+                for (int64_t d = 0; d < D; d++) a[d] += p * v[d];
             }
+            for (int64_t d = 0; d < D; d++) ah[d] = a[d];
         }
-        for (int64_t d = 0; d < D; d++) oh[g * D + d] = acc[d] * inv;
+    }
+    for (int64_t h = 0; h < H; h++) {
+        const float inv = 1.f / l[h];
+        for (int64_t d = 0; d < D; d++) out[h * D + d] = acc[h * D + d] * inv;
     }
 }
 
@@ -64,40 +138,30 @@ int paged_attention_rows_f32(const float *q, int64_t q_row_stride, const float *
                              const int64_t *row_table, const int64_t *row_ctx, float *out,
                              int64_t num_rows, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                              float scale) {
-    const int64_t G = H / KVH;
-    int64_t max_ctx = 1;
-    for (int64_t r = 0; r < num_rows; r++)
-        if (row_ctx[r] > max_ctx) max_ctx = row_ctx[r];
     if (D > 256) return -2;
+    const int64_t BSP = (BS + 7) / 8 * 8;  /* a head's score row, padded for 8-lane exp */
     int failed = 0;
-
 #pragma omp parallel reduction(| : failed)
     {
-    float *scores = (float *)malloc(sizeof(float) * G * max_ctx);
-    failed = scores == NULL;
-    /* One work item per (row, kv head); dynamic because contexts differ a lot in length. */
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t item = 0; item < num_rows * KVH; item++) {
+    float *scratch = (float *)malloc(sizeof(float) * (H * D + H * BSP + 2 * H));
+    failed = scratch == NULL;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < num_rows; r++) {
         if (failed) continue;
-        const int64_t r = item / KVH, kvh = item % KVH;
         const int64_t L = row_ctx[r];
         const int64_t *table = block_tables + row_table[r] * max_blocks;
-        {
-            const float *qh = q + r * q_row_stride + kvh * G * D;
-            float *oh = out + (r * H + kvh * G) * D;
-            if (L == 0) {
-                memset(oh, 0, sizeof(float) * G * D);
-                continue;
-            }
-            if (D == 64)
-                attend_item(qh, oh, k_cache, v_cache, table, scores, L, G, KVH, kvh, D, BS, scale, 64);
-            else if (D == 128)
-                attend_item(qh, oh, k_cache, v_cache, table, scores, L, G, KVH, kvh, D, BS, scale, 128);
-            else
-                attend_item(qh, oh, k_cache, v_cache, table, scores, L, G, KVH, kvh, D, BS, scale, 0);
-        }
+        const float *qr = q + r * q_row_stride;
+        float *o = out + r * H * D;
+        if (L == 0) { memset(o, 0, sizeof(float) * H * D); continue; }
+        float *acc = scratch, *s = acc + H * D, *m = s + H * BSP, *l = m + H;
+        if (D == 64)
+            attend_row(qr, o, k_cache, v_cache, table, acc, s, m, l, L, H, KVH, D, BS, BSP, scale, 64);
+        else if (D == 128)
+            attend_row(qr, o, k_cache, v_cache, table, acc, s, m, l, L, H, KVH, D, BS, BSP, scale, 128);
+        else
+            attend_row(qr, o, k_cache, v_cache, table, acc, s, m, l, L, H, KVH, D, BS, BSP, scale, 0);
     }
-    free(scores);
+    free(scratch);
     }
     return failed ? -1 : 0;
 }

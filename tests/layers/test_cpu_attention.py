@@ -91,3 +91,18 @@ def test_specialised_head_sizes_match_reference(kernel, head_dim):
     out = kernel(q, kc, vc, tables, torch.arange(4), ctx, head_dim ** -0.5)
     expected = reference.paged_decode_attention(q, kc, vc, tables.int(), ctx.int(), head_dim ** -0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rising_scores_rescale_earlier_blocks(kernel):
+    # The kernel keeps a running softmax, one cache block at a time: keys that grow along the
+    # context raise the maximum block after block, so every earlier block's share is rescaled;
+    # scores span ~100, so the smallest weights underflow to zero as they should.
+    kc, vc = paged_cache(num_blocks=12, block_size=16, kv_heads=1, head_dim=64, seed=5)
+    growth = torch.linspace(0.1, 4.0, 12 * 16).view(12, 16, 1, 1)
+    kc = kc * growth
+    q = torch.randn(3, 2, 64)
+    tables = torch.arange(12).view(1, 12).expand(3, 12).contiguous()
+    ctx = torch.tensor([192, 131, 9])
+    out = kernel(q, kc, vc, tables, torch.arange(3), ctx, 0.5)
+    expected = reference.paged_decode_attention(q, kc, vc, tables.int(), ctx.int(), 0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
