@@ -28,7 +28,7 @@ from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.engine.step_input import StepInput, build_cpu_batch, build_gpu_batch
 from nanovllm.engine.tp_workers import WorkerProcesses
 from nanovllm.layers.attention import PagedAttention
-from nanovllm.layers.cpu_kernels import CpuAttentionKernel
+from nanovllm.layers.cpu_kernels import CpuAttentionKernel, CpuOps
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.layers.cpu_gemm import pack_linear_weights
@@ -136,6 +136,7 @@ class ModelRunner:
             self.set_attention_kernels(None, importlib.import_module("nanovllm.kernels.triton_attention"))
         else:
             self.set_attention_kernels(CpuAttentionKernel.load(), None)
+            self.set_cpu_ops(CpuOps.load() if self.dtype == torch.float32 else None)
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -148,6 +149,15 @@ class ModelRunner:
         self.cpu_kernel, self.triton_ops = cpu_kernel, triton_ops
         for layer in self.attention_layers:
             layer.cpu_kernel, layer.triton_ops = cpu_kernel, triton_ops
+        if triton_ops is not None:
+            self.set_cpu_ops(None)
+
+    def set_cpu_ops(self, ops: CpuOps | None) -> None:
+        """The fused elementwise CPU ops for every module that takes them, or None for torch ops."""
+        self.cpu_ops = ops
+        for module in self.model.modules():
+            if hasattr(module, "cpu_ops"):
+                module.cpu_ops = ops
 
     def close(self) -> None:
         """Stop tensor-parallel workers and leave the process group; idempotent (also runs at exit)."""

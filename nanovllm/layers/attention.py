@@ -77,13 +77,16 @@ class PagedAttention(nn.Module):
         # The Triton kernel module on CUDA.
         self.triton_ops = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_stored: bool = False) -> torch.Tensor:
+        """`kv_stored`: the new K/V rows are already in the cache (the fused CPU op wrote them)."""
         if self.triton_ops is not None:
             return self._forward_triton(q, k, v, meta)
         k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)  # (slots, KVH, D)
         v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        if not kv_stored:
+            k_flat.index_copy_(0, meta.slot_mapping, k)
+            v_flat.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)  # (T, H, D)
         kernel = self.cpu_kernel if self.cpu_kernel is not None and self.cpu_kernel.supports(q, self.k_cache) else None
         if meta.num_decode:

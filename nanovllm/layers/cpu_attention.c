@@ -19,31 +19,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_simd.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-/* exp(x) of eight lanes with x <= 0 (the softmax's only range), as 2^n * e^r with |r| <= ln2/2
- * and a degree-6 polynomial for e^r: within 2 ulp of expf. GCC/Clang vector extensions, so it is
- * straight-line SIMD code on any target. */
-static inline v8f exp8_nonpos(v8f x) {
-    const v8f lo = {-87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f};
-    const v8i below = x < lo;  /* lanes of all ones where x < -87 */
-    x = (v8f)(((v8i)x & ~below) | ((v8i)lo & below));
-    const v8f n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  /* round to nearest */
-    const v8f r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-    v8f p = r * (1.f / 720.f) + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return p * (v8f)bits;
-}
 
 /* s[i] = exp(s[i] - mx) for i < n; returns their sum. s has room for n rounded up to 8. */
 static inline float exp_shifted(float *s, int64_t n, float mx) {
@@ -51,13 +31,13 @@ static inline float exp_shifted(float *s, int64_t n, float mx) {
     for (int64_t i = 0; i < n; i += 8) {
         v8f x;
         memcpy(&x, s + i, sizeof x);
-        x = exp8_nonpos(x - mx);
+        x = exp8(x - mx);
         if (i + 8 > n)  /* zero the lanes past n */
             for (int64_t j = n - i; j < 8; j++) x[j] = 0.f;
         memcpy(s + i, &x, sizeof x);
         sum += x;
     }
-    return ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
+    return hsum8(sum);
 }
 
 /* Scores of one query head against n cached keys, key i at k + i * stride. */

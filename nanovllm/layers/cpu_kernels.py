@@ -1,11 +1,14 @@
-"""The compiled CPU attention kernel: build it with the system C compiler, call it through ctypes.
+"""The compiled CPU kernels: built with the system C compiler, called through ctypes.
 
-The kernel (`cpu_attention.c`) reads the paged cache in place, where the torch path must first
-gather every sequence's blocks into a padded copy. It is plain C with no torch headers, so it
-compiles in well under a second and is cached per source and CPU. It parallelises with OpenMP
-and, loaded after torch, shares torch's OpenMP runtime (same libgomp.so.1 soname), so kernel and
-GEMMs use one thread pool. Without a compiler, or with NANOVLLM_CPU_KERNELS=0,
-`CpuAttentionKernel.load()` returns None and the torch path is used.
+- `cpu_attention.c`: paged attention that reads the cache in place, where the torch path must
+  first gather every sequence's blocks into a padded copy.
+- `cpu_ops.c`: the decoder's elementwise work fused per row (RMSNorm with the residual add; q/k
+  norm, rotary embedding and the KV-cache store; SiLU-and-multiply).
+
+They are plain C with no torch headers, so they compile in about a second into one library,
+cached per source and CPU. They parallelise with OpenMP and, loaded after torch, share torch's
+OpenMP runtime (same libgomp.so.1 soname), so kernels and GEMMs use one thread pool. Without a
+compiler, or with NANOVLLM_CPU_KERNELS=0, `load()` returns None and the torch path is used.
 """
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ import tempfile
 import torch
 
 logger = logging.getLogger(__name__)
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.c")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = [os.path.join(_HERE, name) for name in ("cpu_attention.c", "cpu_ops.c")]
+_HEADERS = [os.path.join(_HERE, "cpu_simd.h")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -34,11 +39,13 @@ def _cpu_signature() -> str:
 
 
 def _build() -> str:
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256(source + " ".join(_CFLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join(_CFLAGS).encode() + _cpu_signature().encode())
+    for path in _SOURCES + _HEADERS:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    key = digest.hexdigest()[:16]
     cache_dir = os.environ.get("NANOVLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanovllm")
-    lib_path = os.path.join(cache_dir, f"cpu_attention-{key}.so")
+    lib_path = os.path.join(cache_dir, f"cpu_kernels-{key}.so")
     if os.path.isfile(lib_path):
         return lib_path
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -49,12 +56,24 @@ def _build() -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_CFLAGS, "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *_CFLAGS, "-o", tmp, *_SOURCES, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, lib_path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib_path
+
+
+def _load_library() -> ctypes.CDLL | None:
+    """The compiled library, or None (with a warning) where it cannot be built here."""
+    if os.environ.get("NANOVLLM_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        return ctypes.CDLL(_build())
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("CPU kernels unavailable, using the torch path: %s", detail)
+        return None
 
 
 class CpuAttentionKernel:
@@ -67,15 +86,8 @@ class CpuAttentionKernel:
 
     @classmethod
     def load(cls) -> "CpuAttentionKernel | None":
-        """The kernel, or None (with a warning) where it cannot be built here."""
-        if os.environ.get("NANOVLLM_CPU_KERNELS", "1") == "0":
-            return None
-        try:
-            return cls(ctypes.CDLL(_build()))
-        except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-            detail = getattr(exc, "stderr", "") or exc
-            logger.warning("CPU attention kernel unavailable, using the torch path: %s", detail)
-            return None
+        lib = _load_library()
+        return None if lib is None else cls(lib)
 
     @staticmethod
     def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -97,4 +109,58 @@ class CpuAttentionKernel:
             raise ValueError(f"the CPU attention kernel supports head_dim up to 256, got {head_dim}")
         if failed:
             raise MemoryError("CPU attention kernel could not allocate its scratch buffer")
+        return out
+
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class CpuOps:
+    """The fused elementwise ops of `cpu_ops.c`, on float32 CPU tensors with contiguous rows."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._rms_norm = lib.rms_norm_f32
+        self._rms_norm.argtypes = [_P, _I, _P, _P, _P, _I, _I, _F]
+        self._qk_norm_rope_store = lib.qk_norm_rope_store_f32
+        self._qk_norm_rope_store.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P]
+        self._silu_mul = lib.silu_mul_f32
+        self._silu_mul.argtypes = [_P, _P, _I, _I]
+        for fn in (self._rms_norm, self._qk_norm_rope_store, self._silu_mul):
+            fn.restype = None
+
+    @classmethod
+    def load(cls) -> "CpuOps | None":
+        lib = _load_library()
+        return None if lib is None else cls(lib)
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> bool:
+        """2-D float32 rows on the CPU, each row contiguous."""
+        return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight * norm(x)`; with `residual` (contiguous, updated in place), of `residual + x`."""
+        rows, dim = x.shape
+        out = torch.empty((rows, dim), dtype=x.dtype)
+        self._rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                       weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+        return out
+
+    def qk_norm_rope_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                           q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                           cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """In place on the fused (T, (H + 2 KVH) D) projection; K and V rows go to the cache slots."""
+        self._qk_norm_rope_store(
+            qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
+            None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
+            eps, cos_cache.data_ptr(), sin_cache.data_ptr(), positions.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), slots.data_ptr())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of contiguous (T, 2 I) rows [gate | up]."""
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
         return out

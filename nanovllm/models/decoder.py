@@ -7,6 +7,10 @@ cache through `PagedAttention`, which receives the per-step metadata as an argum
 
 Under tensor parallelism (`tp`) each rank builds the same module tree with its share of heads,
 MLP rows and vocabulary (layers/linear.py, layers/embedding.py); one rank is the plain model.
+
+On CPU in float32 the model runner gives the modules `cpu_ops` (layers/cpu_kernels.py): RMSNorm
+with its residual add, q/k norm + rotary + the KV-cache store, and SiLU-and-multiply then run as
+one compiled pass each instead of chains of torch ops. Elsewhere (`cpu_ops` None) torch does it.
 """
 from __future__ import annotations
 
@@ -16,9 +20,10 @@ from torch import nn
 
 from nanovllm.distributed import TensorParallel
 from nanovllm.layers.attention import AttentionMetadata, PagedAttention
+from nanovllm.layers.cpu_kernels import CpuOps
 from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary import RotaryEmbedding
+from nanovllm.layers.rotary import RotaryEmbedding, StepRope
 from nanovllm.models.model_config import ModelConfig
 
 
@@ -27,8 +32,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.cpu_ops: CpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_ops is not None and CpuOps.supports(x):
+            return self.cpu_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -36,6 +44,8 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused `residual += x; return norm(residual), residual`."""
+        if self.cpu_ops is not None and CpuOps.supports(x) and residual.is_contiguous():
+            return self.cpu_ops.rms_norm(x, self.weight, self.eps, residual=residual), residual  # in place
         residual = residual + x
         return self.forward(residual), residual
 
@@ -54,18 +64,26 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
+        self.cpu_ops: CpuOps | None = None
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: StepRope, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        fused = rope.cos is None  # the model chose the fused CPU ops for this step
+        if fused:  # norm and rotate q/k in place, store K/V into the cache
+            self.cpu_ops.qk_norm_rope_store(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                None if self.q_norm is None else self.q_norm.weight, None if self.k_norm is None else self.k_norm.weight,
+                self.q_norm.eps if self.q_norm is not None else 0.0, rope.cos_cache, rope.sin_cache, rope.positions,
+                self.attn.k_cache, self.attn.v_cache, meta.slot_mapping)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, k, *cos_sin)
-        out = self.attn(q, k, v, meta)  # (T, H, D)
+        if not fused:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = RotaryEmbedding.apply(q, k, rope.cos, rope.sin)
+        out = self.attn(q, k, v, meta, kv_stored=fused)  # (T, H, D)
         return self.o_proj(out.view(-1, self.q_size))
 
 
@@ -74,9 +92,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False, tp=tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, tp=tp)
+        self.cpu_ops: CpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x (T, I / tp)
+        gate_up = self.gate_up_proj(x)  # (T, 2 I / tp)
+        if self.cpu_ops is not None and CpuOps.supports(gate_up) and gate_up.is_contiguous():
+            return self.down_proj(self.cpu_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # 2 x (T, I / tp)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -88,12 +110,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin, meta: AttentionMetadata):
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: StepRope, meta: AttentionMetadata):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin, meta)
+        hidden = self.self_attn(hidden, rope, meta)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -105,13 +127,14 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.cpu_ops: CpuOps | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, C)
-        cos_sin = self.rotary.cos_sin(positions)
+        rope = self.rotary.for_step(positions, per_token=self.cpu_ops is None or hidden.dtype != torch.float32)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos_sin, meta)
+            hidden, residual = layer(hidden, residual, rope, meta)
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
 
