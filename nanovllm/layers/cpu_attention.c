@@ -87,7 +87,18 @@ static inline void attend_row(const float *restrict q, float *restrict out, cons
         const int64_t n = (L - t0 < BS) ? L - t0 : BS;
         const int64_t base = table[t0 / BS] * BS * row;
         const float *kb = k_cache + base, *vb = v_cache + base;
-        for (int64_t h = 0; h < H; h++) scores_block(q + h * D, kb + (h / G) * D, s + h * BSP, n, row, D, scale, HD);
+        /* Blocks are scattered, so the hardware prefetchers restart at each one: while the scores
+         * of this block are computed, fetch its V rows and the next block's K rows, a slice per
+         * head so the requests spread over the work instead of queueing up at once. */
+        const float *k_next = t0 + BS < L ? k_cache + table[t0 / BS + 1] * BS * row : NULL;
+        const int64_t slice = (BS * row + H - 1) / H;
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t lo = h * slice, hi = (h + 1) * slice;
+            for (int64_t j = lo; j < hi && j < n * row; j += 16) __builtin_prefetch(vb + j);
+            if (k_next != NULL)
+                for (int64_t j = lo; j < hi && j < BS * row; j += 16) __builtin_prefetch(k_next + j);
+            scores_block(q + h * D, kb + (h / G) * D, s + h * BSP, n, row, D, scale, HD);
+        }
         for (int64_t h = 0; h < H; h++) {
             float *sh = s + h * BSP, mx = m[h];
             for (int64_t i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
