@@ -75,6 +75,39 @@ static inline void scores_block(const float *restrict qh, const float *k, float 
     }
 }
 
+/* acc = acc * alpha + sum_i p[i] * v_i over n value rows (row i at v + i * stride). With a
+ * compile-time head size the accumulator is held in 32-float slices of four 8-lane registers,
+ * so it stays in registers across the rows instead of going through memory on every one. */
+static inline void accumulate_values(float *restrict acc, const float *v, const float *restrict p, int64_t n,
+                                     int64_t stride, float alpha, int64_t D_rt, const int64_t HD) {
+    if (HD && HD % 32 == 0) {
+        for (int64_t c = 0; c < HD; c += 32) {
+            v8f a0, a1, a2, a3, x;
+            memcpy(&a0, acc + c, 32); memcpy(&a1, acc + c + 8, 32);
+            memcpy(&a2, acc + c + 16, 32); memcpy(&a3, acc + c + 24, 32);
+            a0 *= alpha; a1 *= alpha; a2 *= alpha; a3 *= alpha;
+            for (int64_t i = 0; i < n; i++) {
+                const float *vi = v + i * stride + c;
+                const float pi = p[i];
+                memcpy(&x, vi, 32); a0 += pi * x;
+                memcpy(&x, vi + 8, 32); a1 += pi * x;
+                memcpy(&x, vi + 16, 32); a2 += pi * x;
+                memcpy(&x, vi + 24, 32); a3 += pi * x;
+            }
+            memcpy(acc + c, &a0, 32); memcpy(acc + c + 8, &a1, 32);
+            memcpy(acc + c + 16, &a2, 32); memcpy(acc + c + 24, &a3, 32);
+        }
+        return;
+    }
+    const int64_t D = HD ? HD : D_rt;
+    for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
+    for (int64_t i = 0; i < n; i++) {
+        const float pi = p[i], *vi = v + i * stride;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) acc[d] += pi * vi[d];
+    }
+}
+
 static inline void attend_row(const float *restrict q, float *restrict out, const float *k_cache,
                               const float *v_cache, const int64_t *table, float *restrict acc,
                               float *restrict s, float *restrict m, float *restrict l, int64_t L,
@@ -83,14 +116,14 @@ static inline void attend_row(const float *restrict q, float *restrict out, cons
     const int64_t D = HD ? HD : D_rt, G = H / KVH, row = KVH * D;
     for (int64_t h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.f; }
     memset(acc, 0, sizeof(float) * H * D);
-    for (int64_t t0 = 0; t0 < L; t0 += BS) {
+    for (int64_t t0 = 0, b = 0; t0 < L; t0 += BS, b++) {
         const int64_t n = (L - t0 < BS) ? L - t0 : BS;
-        const int64_t base = table[t0 / BS] * BS * row;
+        const int64_t base = table[b] * BS * row;
         const float *kb = k_cache + base, *vb = v_cache + base;
         /* Blocks are scattered, so the hardware prefetchers restart at each one: while the scores
          * of this block are computed, fetch its V rows and the next block's K rows, a slice per
          * head so the requests spread over the work instead of queueing up at once. */
-        const float *k_next = t0 + BS < L ? k_cache + table[t0 / BS + 1] * BS * row : NULL;
+        const float *k_next = t0 + BS < L ? k_cache + table[b + 1] * BS * row : NULL;
         const int64_t slice = (BS * row + H - 1) / H;
         for (int64_t h = 0; h < H; h++) {
             const int64_t lo = h * slice, hi = (h + 1) * slice;
@@ -102,20 +135,12 @@ static inline void attend_row(const float *restrict q, float *restrict out, cons
         for (int64_t h = 0; h < H; h++) {
             float *sh = s + h * BSP, mx = m[h];
             for (int64_t i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
-            const float alpha = expf(m[h] - mx);
+            const float alpha = mx == m[h] ? 1.f : expf(m[h] - mx);  /* 1 once the maximum settles */
             const float sum = exp_shifted(sh, n, mx);
             l[h] = l[h] * alpha + sum;
             m[h] = mx;
-            float a[HD ? HD : 256];
             float *ah = acc + h * D;
-            for (int64_t d = 0; d < D; d++) a[d] = ah[d] * alpha;
-            const float *vh = vb + (h / G) * D;
-            for (int64_t i = 0; i < n; i++) {
-                const float p = sh[i], *v = vh + i * row;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) a[d] += p * v[d];
-            }
-            for (int64_t d = 0; d < D; d++) ah[d] = a[d];
+            accumulate_values(ah, vb + (h / G) * D, sh, n, row, alpha, D, HD);
         }
     }
     for (int64_t h = 0; h < H; h++) {
