@@ -88,13 +88,12 @@ def build_cpu_batch(step: StepInput, block_size: int, decode_mask: bool):
         n = len(tokens)
         table = torch.tensor(block_table, dtype=torch.long)
         pos = torch.arange(start, start + n)
-        span = PrefillSpan(start=len(input_ids), q_len=n, num_cached=start)
+        span = PrefillSpan(start=len(input_ids), q_len=n, num_cached=start, block_table=table.view(1, -1),
+                           row_ctx=pos + 1)
         if start > 0:
             ctx = torch.arange(start + n)
             span.context_slots = table[ctx // bs] * bs + ctx % bs
             span.mask = ctx[None, :] <= pos[:, None]  # (Q, K) causal with offset
-            span.block_table = table.view(1, -1)
-            span.row_ctx = pos + 1
         meta.prefills.append(span)
         input_ids.extend(tokens)
         positions.extend(range(start, start + n))
