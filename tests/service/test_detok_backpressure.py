@@ -27,6 +27,9 @@ def rig(tokenizer_dir, request):
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    # The stage gets this test's own context, as a stage process has its own: sharing the global
+    # instance across the two tests here made the second one's abort socket never report its
+    # handshake about one run in four under load.
     ctx = zmq.Context()
     stop = threading.Event()
     runner = None
@@ -37,7 +40,7 @@ def rig(tokenizer_dir, request):
         engine_in.bind(eps.engine)
         engine_peers = PeerMonitor(engine_in)
         stage = DetokStage(tok, eps.stream, eps.detok, eps.engine, client_timeout_s=60, engine_timeout_s=60,
-                           client_hwm=2, max_pending_frames=request.param)
+                           client_hwm=2, max_pending_frames=request.param, ctx=ctx)
         runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
         wait_for(lambda: engine_peers.connected, timeout=10, what="the detokenizer's abort socket to connect")
         engine_out = ctx.socket(zmq.PUSH)
