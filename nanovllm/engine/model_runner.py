@@ -135,7 +135,9 @@ class ModelRunner:
             # Imported only on CUDA: triton is not needed (and not always installed) on CPU.
             self.set_attention_kernels(None, importlib.import_module("nanovllm.kernels.triton_attention"))
         else:
-            self.set_attention_kernels(CpuAttentionKernel.load(), None)
+            # The kernel only where it serves this model: the step metadata follows the same choice.
+            supported = CpuAttentionKernel.supports(self.dtype, self.model_config.head_dim)
+            self.set_attention_kernels(CpuAttentionKernel.load() if supported else None, None)
             self.set_cpu_ops(CpuOps.load() if self.dtype == torch.float32 else None)
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
@@ -266,7 +268,7 @@ class ModelRunner:
                        and self.graphs.can_run(step.num_decode, meta.decode_block_tables.shape[1]))
             hidden = self.graphs.run(input_ids, positions, meta) if graphed else self.model(input_ids, positions, meta)
         else:
-            input_ids, positions, meta = build_cpu_batch(step, self.block_size, decode_mask=self.cpu_kernel is None)
+            input_ids, positions, meta = build_cpu_batch(step, self.block_size, torch_attention=self.cpu_kernel is None)
             hidden = self.model(input_ids, positions, meta)  # (T, C)
         if not step.sample_rows:
             return None

@@ -69,8 +69,9 @@ def _pad(tables: list[list[int]]) -> list[list[int]]:
     return [t + [0] * (width - len(t)) for t in tables]
 
 
-def build_cpu_batch(step: StepInput, block_size: int, decode_mask: bool):
-    """(input_ids, positions, meta) for the CPU path; `decode_mask` for the torch decode path."""
+def build_cpu_batch(step: StepInput, block_size: int, torch_attention: bool):
+    """(input_ids, positions, meta) for the CPU path; `torch_attention` adds the masks and slot
+    lists only the torch attention path reads (the compiled kernel walks the block tables)."""
     bs = block_size
     input_ids = list(step.decode_token_ids)
     positions = list(step.decode_positions)
@@ -81,7 +82,7 @@ def build_cpu_batch(step: StepInput, block_size: int, decode_mask: bool):
         context_lens = torch.tensor(positions, dtype=torch.long) + 1
         meta.decode_context_lens = context_lens
         meta.decode_rows = torch.arange(step.num_decode)
-        if decode_mask:
+        if torch_attention:
             keys = torch.arange(meta.decode_block_tables.shape[1] * bs)
             meta.decode_mask = (keys[None, :] < context_lens[:, None]).view(step.num_decode, 1, 1, -1)
     for tokens, start, block_table in zip(step.prefill_token_ids, step.prefill_starts, step.prefill_block_tables):
@@ -90,7 +91,7 @@ def build_cpu_batch(step: StepInput, block_size: int, decode_mask: bool):
         pos = torch.arange(start, start + n)
         span = PrefillSpan(start=len(input_ids), q_len=n, num_cached=start, block_table=table.view(1, -1),
                            row_ctx=pos + 1)
-        if start > 0:
+        if start > 0 and torch_attention:
             ctx = torch.arange(start + n)
             span.context_slots = table[ctx // bs] * bs + ctx % bs
             span.mask = ctx[None, :] <= pos[:, None]  # (Q, K) causal with offset

@@ -30,9 +30,9 @@ class PrefillSpan:
     num_cached: int
     """Tokens already in the cache before this chunk (prefix hits or earlier chunks)."""
     context_slots: torch.Tensor | None = None
-    """(num_cached + q_len,) cache slots to attend over; None when num_cached == 0."""
+    """(num_cached + q_len,) cache slots to attend over, for the torch path after cached tokens."""
     mask: torch.Tensor | None = None
-    """(q_len, num_cached + q_len) bool, True where a query may attend; None when num_cached == 0."""
+    """(q_len, num_cached + q_len) bool, True where a query may attend; with `context_slots`."""
     block_table: torch.Tensor | None = None
     """(1, num_blocks), for the compiled kernel."""
     row_ctx: torch.Tensor | None = None
@@ -88,7 +88,7 @@ class PagedAttention(nn.Module):
             k_flat.index_copy_(0, meta.slot_mapping, k)
             v_flat.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)  # (T, H, D)
-        kernel = self.cpu_kernel if self.cpu_kernel is not None and self.cpu_kernel.supports(q, self.k_cache) else None
+        kernel = self.cpu_kernel
         if meta.num_decode:
             decode_q = q[: meta.num_decode]
             out[: meta.num_decode] = self._decode(decode_q, meta) if kernel is None else kernel(
@@ -101,7 +101,7 @@ class PagedAttention(nn.Module):
                 # fresh prompts too, where it beats causal SDPA by ~25% at these lengths.
                 zeros = torch.zeros(span.q_len, dtype=torch.long)
                 out[rows] = kernel(q[rows], self.k_cache, self.v_cache, span.block_table, zeros, span.row_ctx, self.scale)
-            elif span.context_slots is None:
+            elif span.num_cached == 0:
                 out[rows] = self._attend(q[rows], k[rows], v[rows], mask=None)
             else:
                 out[rows] = self._attend(q[rows], k_flat[span.context_slots], v_flat[span.context_slots], span.mask)

@@ -90,9 +90,9 @@ class CpuAttentionKernel:
         return None if lib is None else cls(lib)
 
     @staticmethod
-    def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.device.type == "cpu"
-                and q.shape[-1] <= 256)
+    def supports(dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the kernel can serve a model of this dtype and head size (float32, up to 256)."""
+        return dtype == torch.float32 and head_dim <= 256
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  row_table: torch.Tensor, row_ctx: torch.Tensor, scale: float) -> torch.Tensor:

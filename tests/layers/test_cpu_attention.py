@@ -106,3 +106,21 @@ def test_rising_scores_rescale_earlier_blocks(kernel):
     out = kernel(q, kc, vc, tables, torch.arange(3), ctx, 0.5)
     expected = reference.paged_decode_attention(q, kc, vc, tables.int(), ctx.int(), 0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_the_kernel_cannot_serve_gets_the_torch_path_with_its_masks(tiny_model_dir, monkeypatch):
+    # bfloat16 is outside the kernel: the runner must not hand it out, or the step metadata would
+    # leave out the masks the torch path needs and decode rows would attend to padding.
+    from nanovllm import LLM, SamplingParams
+    from tests.engine.conftest import random_prompts
+
+    prompts = random_prompts([30, 3, 70], vocab=2048, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    config = dict(dtype="bfloat16", block_size=4, num_kvcache_blocks=128, max_num_batched_tokens=24)
+    default = LLM(tiny_model_dir, **config)
+    assert default.engine.runner.cpu_kernel is None
+    monkeypatch.setenv("NANOVLLM_CPU_KERNELS", "0")
+    torch_path = LLM(tiny_model_dir, **config)
+    a = default.generate(prompts, params, use_tqdm=False)
+    b = torch_path.generate(prompts, params, use_tqdm=False)
+    assert [o["token_ids"] for o in a] == [o["token_ids"] for o in b]
