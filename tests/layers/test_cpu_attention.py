@@ -8,15 +8,12 @@ from nanovllm.kernels import reference
 from nanovllm.layers.cpu_kernels import CpuAttentionKernel
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1-thread", "2-threads"])
-def kernel(request):
+@pytest.fixture(scope="module")
+def kernel(kernel_threads):
     k = CpuAttentionKernel.load()
     if k is None:
         pytest.skip("no C compiler on this machine")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(request.param)  # the kernel runs on torch's OpenMP threads
-    yield k
-    torch.set_num_threads(threads)
+    return k
 
 
 def paged_cache(num_blocks=40, block_size=4, kv_heads=2, head_dim=16, seed=0):

@@ -10,15 +10,12 @@ from nanovllm.layers.rotary import RotaryEmbedding
 from nanovllm.models.decoder import RMSNorm
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1-thread", "2-threads"])
-def ops(request):
+@pytest.fixture(scope="module")
+def ops(kernel_threads):
     loaded = CpuOps.load()
     if loaded is None:
         pytest.skip("no C compiler on this machine")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield loaded
-    torch.set_num_threads(threads)
+    return loaded
 
 
 def torch_norm(dim: int, seed: int) -> RMSNorm:

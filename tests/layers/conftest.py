@@ -1,0 +1,15 @@
+"""Shared fixtures for the layer tests."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-thread", "2-threads"])
+def kernel_threads(request):
+    """Run a module's compiled-kernel tests on one thread and on two (the kernels use torch's
+    OpenMP threads), restoring torch's thread count afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(threads)
