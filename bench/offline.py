@@ -20,10 +20,9 @@ import os
 import random
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
-
-from concurrent.futures import ProcessPoolExecutor
 
 from bench.models import make_bench_model
 from nanovllm.config import Config

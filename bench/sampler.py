@@ -64,7 +64,7 @@ def time_mix(name: str, batch: int, vocab: int, calls: int, prompt_len: int, out
 
 def engine_pairs(pairs: int, shape: str, model_dir: str, threads: int | None) -> None:
     from bench.models import make_bench_model
-    from bench.offline import make_workload
+    from bench.offline import make_workload, run_nanovllm
     from nanovllm.config import Config
     from nanovllm.engine.llm_engine import LLMEngine
 
@@ -75,23 +75,14 @@ def engine_pairs(pairs: int, shape: str, model_dir: str, threads: int | None) ->
     engine = LLMEngine(Config(model=path, kv_cache_memory_gib=2.0, num_threads=threads, enable_prefix_caching=False))
     modes = {"greedy": SamplingParams(temperature=0, max_tokens=128, ignore_eos=True),
              "sampling": SamplingParams(**MIXES["bench_sampling"], max_tokens=128, ignore_eos=True)}
-    run_engine(engine, prompts[:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
+    run_nanovllm(engine, prompts[:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
     for i in range(pairs):
         for mode, params in modes.items():
-            wall, cpu, produced = run_engine(engine, prompts, params)
+            wall, produced, cpu = run_nanovllm(engine, prompts, params)
             print(json.dumps({"bench": "sampling_pair", "pair": i, "mode": mode, "shape": shape, "num_seqs": 64,
                               "threads": torch.get_num_threads(), "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
                               "out_tok_s": round(produced / wall, 1)}),
                   flush=True)
-
-
-def run_engine(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float, int]:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"s{time.perf_counter_ns()}-{i}", prompt, params)
-    produced, wall, cpu = 0, time.perf_counter(), time.process_time()
-    while engine.has_unfinished_requests():
-        produced += sum(len(o.new_token_ids) for o in engine.step())
-    return time.perf_counter() - wall, time.process_time() - cpu, produced
 
 
 def main(argv: list[str] | None = None) -> None:
