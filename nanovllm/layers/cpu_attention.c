@@ -29,12 +29,10 @@
 static inline float exp_shifted(float *s, int64_t n, float mx) {
     v8f sum = {0};
     for (int64_t i = 0; i < n; i += 8) {
-        v8f x;
-        memcpy(&x, s + i, sizeof x);
-        x = exp8(x - mx);
+        v8f x = exp8(load8(s + i) - mx);
         if (i + 8 > n)  /* zero the lanes past n */
             for (int64_t j = n - i; j < 8; j++) x[j] = 0.f;
-        memcpy(s + i, &x, sizeof x);
+        store8(s + i, x);
         sum += x;
     }
     return hsum8(sum);
@@ -82,20 +80,18 @@ static inline void accumulate_values(float *restrict acc, const float *v, const 
                                      int64_t stride, float alpha, int64_t D_rt, const int64_t HD) {
     if (HD && HD % 32 == 0) {
         for (int64_t c = 0; c < HD; c += 32) {
-            v8f a0, a1, a2, a3, x;
-            memcpy(&a0, acc + c, 32); memcpy(&a1, acc + c + 8, 32);
-            memcpy(&a2, acc + c + 16, 32); memcpy(&a3, acc + c + 24, 32);
-            a0 *= alpha; a1 *= alpha; a2 *= alpha; a3 *= alpha;
+            v8f a0 = load8(acc + c) * alpha, a1 = load8(acc + c + 8) * alpha;
+            v8f a2 = load8(acc + c + 16) * alpha, a3 = load8(acc + c + 24) * alpha;
             for (int64_t i = 0; i < n; i++) {
                 const float *vi = v + i * stride + c;
                 const float pi = p[i];
-                memcpy(&x, vi, 32); a0 += pi * x;
-                memcpy(&x, vi + 8, 32); a1 += pi * x;
-                memcpy(&x, vi + 16, 32); a2 += pi * x;
-                memcpy(&x, vi + 24, 32); a3 += pi * x;
+                a0 += pi * load8(vi);
+                a1 += pi * load8(vi + 8);
+                a2 += pi * load8(vi + 16);
+                a3 += pi * load8(vi + 24);
             }
-            memcpy(acc + c, &a0, 32); memcpy(acc + c + 8, &a1, 32);
-            memcpy(acc + c + 16, &a2, 32); memcpy(acc + c + 24, &a3, 32);
+            store8(acc + c, a0); store8(acc + c + 8, a1);
+            store8(acc + c + 16, a2); store8(acc + c + 24, a3);
         }
         return;
     }

@@ -15,14 +15,6 @@
 
 #define PARALLEL_MIN_FLOATS 32768 /* below this, a fork/join costs more than it saves */
 
-static inline v8f load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
-
 static inline float inv_rms(const float *x, int64_t n, float eps) {
     v8f a = {0}, b = {0};
     int64_t i = 0;

@@ -4,9 +4,19 @@
 #define NANOVLLM_CPU_SIMD_H
 
 #include <stdint.h>
+#include <string.h>
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* Eight floats from / to memory of any alignment. */
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
 /* exp(x) of eight lanes for x in [-87, 88] (clamped there), as 2^n * e^r with |r| <= ln2/2 and a
  * degree-7 polynomial for e^r: within an ulp or two of expf. */
