@@ -28,14 +28,12 @@ from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.engine.step_input import StepInput, build_cpu_batch, build_gpu_batch
 from nanovllm.engine.tp_workers import WorkerProcesses
 from nanovllm.layers.attention import PagedAttention
+from nanovllm.layers.cpu_gemm import pack_linear_weights
 from nanovllm.layers.cpu_kernels import CpuAttentionKernel, CpuOps
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.decoder import DecoderForCausalLM
-from nanovllm.layers.cpu_gemm import pack_linear_weights
 from nanovllm.models.loader import iter_weights, load_weights
-from nanovllm.models.model_config import ModelConfig, resolve_max_model_len
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from nanovllm.models.model_config import DTYPES, ModelConfig, resolve_max_model_len
 
 
 def resolve_device(config: Config, rank: int = 0) -> torch.device:
@@ -56,7 +54,7 @@ def resolve_device(config: Config, rank: int = 0) -> torch.device:
 
 def resolve_dtype(config: Config, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     if config.dtype != "auto":
-        return _DTYPES[config.dtype]
+        return DTYPES[config.dtype]
     # fp32 on CPU: bf16/fp16 matmuls are several times slower on CPUs without AVX-512.
     return torch.float32 if device.type == "cpu" else (model_config.torch_dtype if model_config.torch_dtype != torch.float32 else torch.bfloat16)
 

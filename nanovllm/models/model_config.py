@@ -17,7 +17,8 @@ SUPPORTED_ARCHITECTURES = {
 }
 MAX_DEFAULT_MODEL_LEN = 4096
 """Cap on the default max_model_len, so a 128k-context model does not size everything for 128k."""
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+"""dtype names as configs and `Config.dtype` spell them."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             qk_norm=arch == "qwen3",
-            torch_dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
+            torch_dtype=DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
             eos_token_ids=eos_ids,
         )
 
