@@ -44,7 +44,7 @@ class LLM:
             if p.logprobs is not None:
                 results[request_id]["logprobs"] = []
             if p.stop:
-                detoks[request_id] = IncrementalDetokenizer(self.tokenizer, p)
+                detoks[request_id] = IncrementalDetokenizer.from_params(self.tokenizer, p, prompt_tail=tokens)
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         start, produced = time.perf_counter(), 0
         while self.engine.has_unfinished_requests():
@@ -65,9 +65,11 @@ class LLM:
         result["token_ids"].extend(out.new_token_ids)
         if out.logprobs is not None:
             result["logprobs"].extend(out.logprobs)
-        if detok is not None and not detok.stopped and detok.add(out.new_token_ids):
-            result["finish_reason"] = "stop"
-            if not out.finished:
-                self.engine.abort(out.request_id)  # its final (empty) output comes next step
+        if detok is not None and not detok.stopped:
+            detok.add(out.new_token_ids, finished=out.finished)
+            if detok.stopped:
+                result["finish_reason"] = "stop"
+                if not out.finished:
+                    self.engine.abort(out.request_id)  # its final (empty) output comes next step
         if out.finished and result["finish_reason"] is None:
             result["finish_reason"] = out.finish_reason
