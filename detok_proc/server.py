@@ -27,7 +27,7 @@ import zmq
 from nanovllm_client import protocol as p
 from nanovllm_client.stage import PeerMonitor, client_router, new_instance_id, pipeline_pull, pipeline_push
 
-from .incremental import DetokState
+from nanovllm.detokenize import IncrementalDetokenizer
 
 log = logging.getLogger("detok_proc")
 
@@ -36,7 +36,7 @@ log = logging.getLogger("detok_proc")
 class RequestState:
     client: bytes
     client_request_id: str
-    detok: DetokState
+    detok: IncrementalDetokenizer
 
 
 @dataclass
@@ -139,8 +139,10 @@ class DetokStage:
             self.send_to_client(client, p.StreamOutput(deltas).encode())
 
     def _start(self, meta: dict[str, Any]) -> None:
-        detok = DetokState.create(self.tokenizer, p.unpack_token_ids(meta.get("tail", b"")),
-                                  bool(meta.get("skip", True)), meta.get("stop") or [])
+        detok = IncrementalDetokenizer(
+            self.tokenizer, prompt_tail=p.unpack_token_ids(meta.get("tail", b"")),
+            skip_special_tokens=bool(meta.get("skip", True)), stop=meta.get("stop") or [],
+            include_stop_str_in_output=bool(meta.get("include_stop", False)), min_tokens=int(meta.get("min_tokens", 0)))
         client = meta["client"]
         self.requests[meta["request_id"]] = RequestState(client, meta["rid"], detok)
         self.clients.setdefault(client, ClientInfo(time.monotonic())).request_ids.add(meta["request_id"])
@@ -153,8 +155,8 @@ class DetokStage:
                 self._abort_in_engine(request_id)
             return None
         token_ids = p.unpack_token_ids(packed_ids)
-        text, stopped = state.detok.add_tokens(token_ids, finished)
-        if stopped:
+        text = state.detok.add(token_ids, finished)
+        if state.detok.stopped:
             self._abort_in_engine(request_id)
             finished, finish_reason = True, "stop"
         delta = {"client": state.client, "request_id": state.client_request_id, "text": text,

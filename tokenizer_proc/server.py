@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS
 from nanovllm_client import protocol as p
 from nanovllm_client.stage import PeerMonitor, client_router, new_instance_id, pipeline_push
 
@@ -126,8 +127,9 @@ class TokenizerStage:
         # offline API does, instead of silently ignoring them.
         stop = list(req.stop or []) + list(sampling.pop("stop", None) or [])
         skip = sampling.pop("skip_special_tokens", req.skip_special_tokens)
+        include_stop = sampling.pop("include_stop_str_in_output", False)
         try:
-            self.make_sampling(**sampling, stop=stop, skip_special_tokens=skip)
+            self.make_sampling(**sampling, stop=stop, skip_special_tokens=skip, include_stop_str_in_output=include_stop)
         except (ValueError, TypeError) as e:
             raise RequestRejected(f"invalid sampling parameters: {e}") from None
         if req.prompt_token_ids is not None:
@@ -142,8 +144,9 @@ class TokenizerStage:
             ids = self.tokenizer.encode(req.prompt)
         if not ids:
             raise RequestRejected("prompt is empty: at least one token is needed")
-        meta = {"client": identity, "rid": req.request_id, "stop": stop,
-                "skip": skip, "tail": p.pack_token_ids(ids[-8:]), "t": time.time()}
+        meta = {"client": identity, "rid": req.request_id, "stop": stop, "skip": skip,
+                "include_stop": include_stop, "min_tokens": sampling.get("min_tokens", 0),
+                "tail": p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]), "t": time.time()}
         return p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta)
 
     def _forward(self, identity: bytes, request_id: str, frame: bytes) -> None:
@@ -182,7 +185,6 @@ def engine_request_id(identity: bytes, request_id: str) -> str:
 # SamplingParams fields the offline API has but the service does not carry yet.
 NOT_SERVED = {
     "logprobs": "log-probabilities are not streamed yet",
-    "include_stop_str_in_output": "the detokenizer always cuts the stop string",
     "logits_processors": "custom processors are Python objects, available in-process only",
 }
 
