@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nanovllm_client.stage import add_endpoint_flags, add_flag, resolve_endpoints, setup_logging, stop_event
+import zmq
+
+from nanovllm_client.stage import (add_endpoint_flags, add_flag, resolve_endpoints, setup_logging,
+                                   startup_failed, stop_event)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,9 +29,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from .server import DetokStage
 
-    stage = DetokStage(load_tokenizer(args.model), endpoints.stream, endpoints.detok, endpoints.engine,
-                       client_timeout_s=args.client_timeout_s, engine_timeout_s=args.engine_timeout_s,
-                       max_pending_frames=args.max_pending_frames)
+    try:
+        stage = DetokStage(load_tokenizer(args.model), endpoints.stream, endpoints.detok, endpoints.engine,
+                           client_timeout_s=args.client_timeout_s, engine_timeout_s=args.engine_timeout_s,
+                           max_pending_frames=args.max_pending_frames)
+    except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, no tokenizer in it, address in use
+        return startup_failed(log, "detokenizer", e)
     log.info("model %s; clients at %s; engine outputs at %s", args.model, endpoints.stream, endpoints.detok)
     stage.run(stop)
     return 0

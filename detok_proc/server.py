@@ -1,18 +1,24 @@
 """The detokenizer stage: last hop, and the one that talks back to clients.
 
-engine --PUSH--> [PULL] detok [ROUTER] --> client DEALERs;  detok [PUSH] --abort--> engine
+engine --PUSH--> [PULL] detok [ROUTER] --> client DEALERs;  detok [PUSH] --abort, hello--> engine
 
-Turns each engine step into text deltas (see `incremental.py`), batches them into one
+Turns each engine step into text deltas (`nanovllm.detokenize`), batches them into one
 `StreamOutput` per client per step and routes them by the client's routing id. It is also the
 service's failure detector:
 - clients ping every second; a client that stops pinging, or whose socket is gone
   (ROUTER_MANDATORY makes that an EHOSTUNREACH instead of a silent drop), has its requests
-  aborted in the engine, which frees their KV blocks;
-- the engine heartbeats every 0.25 s; if it says it is dying, its connection closes (crash,
-  SIGKILL) or it goes quiet for `engine_timeout_s` (hung), every request in flight ends with an error and every client is told the
-  engine is dead, so their new requests fail fast until a heartbeat says it is back.
+  aborted in the engine, which frees their KV blocks. If that client turns up again (a tcp
+  blip), it is told which of its requests were given up, instead of waiting for them;
+- the engine heartbeats every 0.25 s and names itself in every message; if it says it is dying,
+  its connection closes (crash, SIGKILL), it goes quiet for `engine_timeout_s` (hung) or a new
+  engine instance speaks, every request of the old one ends with an error and every client is
+  told, so their new requests fail fast until a heartbeat says it is back.
 A client that does not read its socket gets its frames queued here up to `max_pending_frames`,
 then its requests are aborted: memory stays bounded and nothing is dropped silently.
+
+A restarted detokenizer loses no stream: it asks the engine for every request it holds
+(`DetokHello` -> `Resync`, which carries each request's output so far) and each client tells
+it how much of each stream it already received (`Resume`); the stream continues from there.
 """
 from __future__ import annotations
 
@@ -24,12 +30,19 @@ from typing import Any
 
 import zmq
 
-from nanovllm_client import protocol as p
-from nanovllm_client.stage import PeerMonitor, client_router, new_instance_id, pipeline_pull, pipeline_push
-
 from nanovllm.detokenize import IncrementalDetokenizer
+from nanovllm_client import protocol as p
+from nanovllm_client.checks import ProtocolError
+from nanovllm_client.stage import (PeerMonitor, RejectLog, client_router, new_instance_id, pipeline_pull, pipeline_push,
+                                   sd_notify)
 
 log = logging.getLogger("detok_proc")
+
+HELLO_INTERVAL_S = 0.5
+"""A new detokenizer repeats its DetokHello this often until the engine's Resync arrives."""
+MAX_GONE_CLIENTS = 4096
+GONE_CLIENT_MEMORY_S = 600.0
+"""How long the stage remembers a client it gave up on, to tell it if it comes back."""
 
 
 @dataclass
@@ -37,6 +50,15 @@ class RequestState:
     client: bytes
     client_request_id: str
     detok: IncrementalDetokenizer
+    engine: str
+    """The engine instance that holds it."""
+    awaiting_resume: bool = False
+    """Rebuilt from a resync: nothing is sent until the client says what it already has."""
+    all_ids: list[int] = field(default_factory=list)
+    all_text: str = ""
+    """While awaiting resume: every output token and every character released so far."""
+    final: dict[str, Any] | None = None
+    """While awaiting resume: the terminal fields, once the engine finished it."""
 
 
 @dataclass
@@ -63,10 +85,19 @@ class DetokStage:
         self.to_engine = pipeline_push(self.ctx, engine_endpoint)
         self.requests: dict[str, RequestState] = {}
         self.clients: dict[bytes, ClientInfo] = {}
-        self.engine_alive = False
+        self.gone: collections.OrderedDict[bytes, tuple[float, str, list[str]]] = collections.OrderedDict()
+        """Clients given up on: when, why, and the request ids they were told nothing about yet."""
+        self.engine_alive: bool | None = None
+        """None until the engine is heard from: a stage that just started knows nothing yet."""
         self.engine_instance = ""
         self.engine_last_seen = 0.0
         self.engine_stats: dict[str, Any] = {}
+        self.resynced = False
+        self._next_hello = 0.0
+        self._resume_deadline = float("inf")
+        self._early_resumes: dict[bytes, list[list]] = {}
+        self._aborted_orphans: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.rejects = RejectLog(log)
 
     # ------------------------------------------------------------------ loop
 
@@ -76,6 +107,7 @@ class DetokStage:
         poller.register(self.clients_sock, zmq.POLLIN)
         poller.register(self.engine_peers.socket, zmq.POLLIN)
         log.info("detokenizer stage %s serving", self.instance_id)
+        sd_notify(f"READY=1\nSTATUS=detokenizer {self.instance_id} serving")
         while not stop.is_set():
             has_pending = any(c.pending for c in self.clients.values())
             events = dict(poller.poll(10 if has_pending else 100))
@@ -91,79 +123,103 @@ class DetokStage:
         for sock in (self.engine_peers.socket, self.from_engine, self.clients_sock, self.to_engine):
             sock.close(linger=0)
 
-    @staticmethod
-    def _drain(sock: zmq.Socket, handle, budget: int = 256) -> None:
+    def _drain(self, sock: zmq.Socket, handle, budget: int = 256) -> None:
         for _ in range(budget):
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            handle(parts)
+            try:
+                handle(parts)
+            except Exception as e:  # a bug must cost one frame, never the stage
+                self.rejects("internal", f"{type(e).__name__} while handling a frame", exc_info=True)
 
     # ------------------------------------------------------------------ engine side
 
     def on_engine_frame(self, frame: bytes) -> None:
         try:
             msg = p.decode(frame)
-        except p.ProtocolError as e:
-            log.warning("dropping a bad frame from the engine: %s", e)
+        except ProtocolError as e:
+            self.rejects("bad_frame", f"from the engine socket: {e}")
             return
         self.engine_last_seen = time.monotonic()
         if isinstance(msg, p.EngineStatus):
             self.on_engine_status(msg)
         elif isinstance(msg, p.StepOutput):
-            if not self.engine_alive:  # outputs mean it is alive, even if its hello was lost
-                self._set_engine_alive(True, self.engine_instance)
+            self._engine_speaks(msg.instance_id)
             self.on_step(msg)
+        elif isinstance(msg, p.Resync):
+            self.on_resync(msg)
+        else:
+            self.rejects("wrong_type", f"{msg.TYPE!r} on the engine socket")
 
     def on_engine_status(self, msg: p.EngineStatus) -> None:
         self.engine_stats = msg.stats
-        if not msg.alive:
+        if msg.alive:
+            self._engine_speaks(msg.instance_id)
+        elif msg.instance_id in ("", self.engine_instance) or not self.engine_instance:
             self._engine_dead(msg.reason or "engine shut down")
-        elif msg.instance_id != self.engine_instance:
-            if self.requests:
-                self._engine_dead("engine restarted")
-            self._set_engine_alive(True, msg.instance_id)
+
+    def _engine_speaks(self, instance_id: str) -> None:
+        """A live message from engine `instance_id`: a new instance means the old one died."""
+        if instance_id != self.engine_instance:
+            if self.engine_instance:
+                self._fail_requests(f"engine restarted (instance {instance_id} replaced {self.engine_instance})",
+                                    lambda s: s.engine != instance_id)
+            self.engine_instance = instance_id
+        if self.engine_alive is not True:
+            self._set_engine_alive(True)
 
     def on_step(self, step: p.StepOutput) -> None:
         by_client: dict[bytes, list[dict]] = collections.defaultdict(list)
-        for meta in step.started:
-            self._start(meta)
-        for _request_id, meta, error in step.rejected:
+        for request_id, meta in step.started:
+            self._start(request_id, meta, step.instance_id)
+        for request_id, meta, error in step.rejected:
             by_client[meta["client"]].append(p.error_delta(meta["rid"], error))
         for row in step.outputs:
-            delta = self._advance(*row)
+            delta = self._advance(row)
             if delta is not None:
                 by_client[delta.pop("client")].append(delta)
         for client, deltas in by_client.items():
             self.send_to_client(client, p.StreamOutput(deltas).encode())
 
-    def _start(self, meta: dict[str, Any]) -> None:
+    def _start(self, request_id: str, meta: dict[str, Any], engine: str) -> RequestState:
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_tail=p.unpack_token_ids(meta.get("tail", b"")),
-            skip_special_tokens=bool(meta.get("skip", True)), stop=meta.get("stop") or [],
-            include_stop_str_in_output=bool(meta.get("include_stop", False)), min_tokens=int(meta.get("min_tokens", 0)))
+            skip_special_tokens=meta.get("skip", True), stop=meta.get("stop", []),
+            include_stop_str_in_output=meta.get("include_stop", False), min_tokens=meta.get("min_tokens", 0))
         client = meta["client"]
-        self.requests[meta["request_id"]] = RequestState(client, meta["rid"], detok)
-        self.clients.setdefault(client, ClientInfo(time.monotonic())).request_ids.add(meta["request_id"])
+        state = self.requests[request_id] = RequestState(client, meta["rid"], detok, engine)
+        self.clients.setdefault(client, ClientInfo(time.monotonic())).request_ids.add(request_id)
+        return state
 
-    def _advance(self, request_id: str, packed_ids: bytes, finished: bool, finish_reason: str | None,
-                 num_prompt: int, num_output: int, num_cached: int) -> dict[str, Any] | None:
+    def _advance(self, row: list[Any]) -> dict[str, Any] | None:
+        request_id, packed_ids, finished, finish_reason, num_prompt, num_output, num_cached, error = row
         state = self.requests.get(request_id)
-        if state is None:  # we never saw it start (restarted detokenizer) or already ended it
-            if not finished:
-                self._abort_in_engine(request_id)
+        if state is None:  # already ended here, orphaned (client gone), or older than our resync
+            if not finished and self.resynced:
+                self._abort_orphan(request_id)
             return None
         token_ids = p.unpack_token_ids(packed_ids)
         text = state.detok.add(token_ids, finished)
-        if state.detok.stopped:
+        if state.detok.stopped and not finished:
             self._abort_in_engine(request_id)
             finished, finish_reason = True, "stop"
-        delta = {"client": state.client, "request_id": state.client_request_id, "text": text,
-                 "token_ids": packed_ids, "finish_reason": finish_reason if finished else None}
+        final = None
         if finished:
-            delta["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": num_output,
-                              "cached_tokens": num_cached}
+            final = {"finish_reason": finish_reason, "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_output,
+                                                               "cached_tokens": num_cached}}
+            if finish_reason == "error":
+                final["error"] = error or "the request failed in the engine"
+        if state.awaiting_resume:  # hold everything until the client says what it has
+            state.all_ids.extend(token_ids)
+            state.all_text += text
+            state.final = final
+            return None
+        delta = {"client": state.client, "request_id": state.client_request_id, "text": text,
+                 "token_ids": packed_ids, "finish_reason": None}
+        if final is not None:
+            delta.update(final)
             self._forget(request_id)
         return delta
 
@@ -178,56 +234,138 @@ class DetokStage:
         except zmq.Again:  # no engine connected: there is nothing left to abort
             log.info("could not abort %s: engine unreachable", request_id)
 
-    def _set_engine_alive(self, alive: bool, instance_id: str) -> None:
-        changed = alive != self.engine_alive
-        self.engine_alive, self.engine_instance = alive, instance_id
-        if changed:
-            log.info("engine %s is %s", instance_id, "alive" if alive else "dead")
-            self._broadcast(p.EngineStatus(alive, instance_id))
+    def _abort_orphan(self, request_id: str) -> None:
+        """Abort, once, a request whose outputs have no owner here."""
+        if request_id in self._aborted_orphans:
+            return
+        self._aborted_orphans[request_id] = None
+        if len(self._aborted_orphans) > 65536:
+            self._aborted_orphans.popitem(last=False)
+        self._abort_in_engine(request_id)
+
+    def _set_engine_alive(self, alive: bool) -> None:
+        self.engine_alive = alive
+        log.info("engine %s is %s", self.engine_instance, "alive" if alive else "dead")
+        self._broadcast(p.EngineStatus(alive, self.engine_instance))
 
     def _engine_dead(self, reason: str) -> None:
         """Fail every request in flight; tell every client (they fail the rest and refuse new ones)."""
-        by_client: dict[bytes, list[dict]] = collections.defaultdict(list)
-        for state in self.requests.values():
-            delta = p.error_delta(state.client_request_id, f"engine died: {reason}")
-            delta["engine_dead"] = True
-            by_client[state.client].append(delta)
-        self.requests.clear()
-        for info in self.clients.values():
-            info.request_ids.clear()
-        for client, deltas in by_client.items():
-            self.send_to_client(client, p.StreamOutput(deltas).encode())
-        if self.engine_alive:
+        self._fail_requests(f"engine died: {reason}", lambda s: True)
+        if self.engine_alive is not False:
             log.warning("engine %s dead: %s", self.engine_instance, reason)
             self.engine_alive = False
-            self._broadcast(p.EngineStatus(False, self.engine_instance, reason))
+            self._broadcast(p.EngineStatus(False, self.engine_instance, p.clip(reason)))
+
+    def _fail_requests(self, why: str, which) -> None:
+        by_client: dict[bytes, list[dict]] = collections.defaultdict(list)
+        for request_id, state in list(self.requests.items()):
+            if which(state):
+                by_client[state.client].append(p.error_delta(state.client_request_id, why, engine_dead=True))
+                self._forget(request_id)
+        for client, deltas in by_client.items():
+            self.send_to_client(client, p.StreamOutput(deltas).encode())
+
+    # ------------------------------------------------------------------ restart: resync + resume
+
+    def on_resync(self, msg: p.Resync) -> None:
+        if msg.detok_instance != self.instance_id or self.resynced:
+            return  # an answer to another detokenizer's hello, or a repeat
+        self._engine_speaks(msg.instance_id)
+        for request_id, meta, packed_ids, finished, reason, num_prompt, num_output, num_cached, error in msg.entries:
+            if request_id in self.requests:
+                continue  # started after we came up: already streaming normally
+            state = self._start(request_id, meta, msg.instance_id)
+            state.awaiting_resume = True
+            self._advance([request_id, packed_ids, finished, reason, num_prompt, num_output, num_cached, error])
+        if msg.last:
+            self.resynced = True
+            self._resume_deadline = time.monotonic() + max(2 * self.client_timeout_s, 10.0)
+            log.info("resynced with engine %s: %d request(s) await their clients", msg.instance_id,
+                     sum(s.awaiting_resume for s in self.requests.values()))
+            for identity, rows in self._early_resumes.items():
+                self._apply_resume(identity, rows)
+            self._early_resumes.clear()
+
+    def on_resume(self, identity: bytes, msg: p.Resume) -> None:
+        if self.resynced:
+            self._apply_resume(identity, msg.requests)
+        else:
+            self._early_resumes[identity] = msg.requests
+
+    def _apply_resume(self, identity: bytes, rows: list[list]) -> None:
+        """Continue each listed stream from what the client has; abort what it no longer wants."""
+        waiting = {s.client_request_id: rid for rid, s in self.requests.items()
+                   if s.awaiting_resume and s.client == identity}
+        deltas = []
+        for client_rid, num_tokens, num_chars in rows:
+            request_id = waiting.pop(client_rid, None)
+            if request_id is None:
+                known = any(s.client == identity and s.client_request_id == client_rid for s in self.requests.values())
+                if num_tokens and not known:
+                    deltas.append(p.error_delta(client_rid, "the engine no longer holds this request (it restarted, "
+                                                            "or the request ended too long ago)", engine_dead=True))
+                continue
+            state = self.requests[request_id]
+            state.awaiting_resume = False
+            deltas.append({"request_id": client_rid, "text": state.all_text[num_chars:],
+                           "token_ids": p.pack_token_ids(state.all_ids[num_tokens:]), "finish_reason": None,
+                           **(state.final or {})})
+            state.all_ids, state.all_text = [], ""
+            if state.final is not None:
+                self._forget(request_id)
+        for request_id in waiting.values():  # the client no longer waits for these
+            self._drop_unclaimed(request_id)
+        if deltas:
+            self.send_to_client(identity, p.StreamOutput(deltas).encode())
+
+    def _drop_unclaimed(self, request_id: str) -> None:
+        state = self.requests.get(request_id)
+        if state is not None and state.final is None:
+            self._abort_in_engine(request_id)
+        self._forget(request_id)
 
     # ------------------------------------------------------------------ client side
 
     def on_client_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        self._tell_if_given_up(identity)
         info = self.clients.setdefault(identity, ClientInfo(time.monotonic()))
         info.last_seen = time.monotonic()
         if len(frames) != 1:
+            self.rejects("multipart", f"{len(frames)} frames from {identity.hex()}")
             self.send_to_client(identity, p.ErrorOutput(f"expected exactly one frame per message, got {len(frames)}").encode())
             return
         try:
             msg = p.decode(frames[0])
-        except p.ProtocolError as e:
-            self.send_to_client(identity, p.ErrorOutput(str(e)).encode())
+        except ProtocolError as e:
+            self.rejects("bad_frame", f"from {identity.hex()}: {e}")
+            self.send_to_client(identity, p.ErrorOutput(p.clip(str(e)), e.request_id).encode())
             return
         if isinstance(msg, p.Ping):
             self.send_to_client(identity, p.Pong("detokenizer", self.instance_id, self.engine_alive).encode())
         elif isinstance(msg, p.StatsReq):
             self.send_to_client(identity, p.StatsOutput(self.stats()).encode())
+        elif isinstance(msg, p.Resume):
+            self.on_resume(identity, msg)
         else:
+            self.rejects("wrong_type", f"{msg.TYPE!r} from {identity.hex()}")
             self.send_to_client(identity, p.ErrorOutput(
-                f"the detokenizer accepts only 'ping' and 'stats' messages, got {msg.TYPE!r}; "
+                f"the detokenizer accepts only 'ping', 'stats' and 'resume' messages, got {msg.TYPE!r}; "
                 "send requests to the tokenizer endpoint").encode())
+
+    def _tell_if_given_up(self, identity: bytes) -> None:
+        """A client we gave up on is back (a network blip, a long pause): end its lost streams."""
+        record = self.gone.pop(identity, None)
+        if record is not None and record[2]:
+            why = f"the service gave up on this client ({record[1]}) and aborted its requests"
+            deltas = [p.error_delta(rid, why) for rid in record[2]]
+            self.send_to_client(identity, p.StreamOutput(deltas).encode())
 
     def stats(self) -> dict[str, Any]:
         return {"engine_alive": self.engine_alive, "engine": self.engine_stats,
                 "detok": {"num_requests": len(self.requests), "num_clients": len(self.clients),
-                          "num_pending_frames": sum(len(c.pending) for c in self.clients.values())}}
+                          "num_pending_frames": sum(len(c.pending) for c in self.clients.values()),
+                          "num_awaiting_resume": sum(s.awaiting_resume for s in self.requests.values()),
+                          "rejected_frames": dict(self.rejects.counts)}}
 
     def send_to_client(self, identity: bytes, frame: bytes) -> None:
         info = self.clients.get(identity)
@@ -239,10 +377,8 @@ class DetokStage:
         except zmq.Again:  # its pipe is full: hold the frame, in order
             if info is not None:
                 self._queue(identity, info, frame)
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            self.client_gone(identity, "its socket is gone")
+        except zmq.ZMQError as e:  # EHOSTUNREACH: its socket is gone
+            self.client_gone(identity, f"its socket is gone ({e.strerror})")
 
     def _queue(self, identity: bytes, info: ClientInfo, frame: bytes) -> None:
         info.pending.append(frame)
@@ -267,9 +403,16 @@ class DetokStage:
             return
         if info.request_ids:
             log.info("client %s gone (%s): aborting %d request(s)", identity.hex(), why, len(info.request_ids))
+        lost = []
         for request_id in info.request_ids:
-            self.requests.pop(request_id, None)
-            self._abort_in_engine(request_id)
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                lost.append(state.client_request_id)
+                if state.final is None:
+                    self._abort_in_engine(request_id)
+        self.gone[identity] = (time.monotonic(), why, lost)
+        while len(self.gone) > MAX_GONE_CLIENTS:
+            self.gone.popitem(last=False)
 
     def _broadcast(self, msg: p.Message) -> None:
         frame = msg.encode()
@@ -282,3 +425,15 @@ class DetokStage:
                 self.client_gone(identity, f"no heartbeat for {self.client_timeout_s}s")
         if self.engine_alive and now - self.engine_last_seen > self.engine_timeout_s:
             self._engine_dead(f"no heartbeat for {self.engine_timeout_s}s")
+        if not self.resynced and now >= self._next_hello:
+            self._next_hello = now + HELLO_INTERVAL_S
+            try:
+                self.to_engine.send(p.DetokHello(self.instance_id).encode(), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # no engine yet: the next hello goes when it is there
+        if now > self._resume_deadline:
+            self._resume_deadline = float("inf")
+            for request_id in [r for r, s in self.requests.items() if s.awaiting_resume]:
+                self._drop_unclaimed(request_id)
+        while self.gone and now - next(iter(self.gone.values()))[0] > GONE_CLIENT_MEMORY_S:
+            self.gone.popitem(last=False)

@@ -7,7 +7,10 @@ import argparse
 import dataclasses
 import sys
 
-from nanovllm_client.stage import add_endpoint_flags, add_flag, resolve_endpoints, setup_logging, stop_event
+import zmq
+
+from nanovllm_client.stage import (add_endpoint_flags, add_flag, resolve_endpoints, setup_logging,
+                                   startup_failed, stop_event)
 
 _SKIP_FIELDS = {"model"}
 
@@ -37,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine_proc", description=__doc__)
     add_flag(parser, "--model", "'default', an HF folder or a .gguf file", default="default")
     add_flag(parser, "--heartbeat-s", "seconds between engine heartbeats to the detokenizer", default=0.25, type=float)
-    add_flag(parser, "--max-live", "most requests held by the engine before it stops taking new ones",
+    add_flag(parser, "--max-live", "most requests held by the engine (running or waiting) at once",
              default=4096, type=int)
+    add_flag(parser, "--max-queued", "most requests received but not yet admitted (beyond --max-live) before "
+             "the engine stops reading its input", default=4096, type=int)
     add_endpoint_flags(parser)
     config_names = add_config_flags(parser, Config)
     args = parser.parse_args(argv)
@@ -52,10 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     from .server import EngineStage
 
     overrides = {n: getattr(args, n) for n in config_names if getattr(args, n) is not None}
-    engine = LLMEngine(Config(model=args.model, **overrides))
-    log.info("model %s loaded; input at %s; outputs to %s", args.model, endpoints.engine, endpoints.detok)
-    stage = EngineStage(engine, SamplingParams, endpoints.engine, endpoints.detok,
-                        heartbeat_s=args.heartbeat_s, max_live=args.max_live)
+    try:
+        engine = LLMEngine(Config(model=args.model, **overrides))
+        log.info("model %s loaded; input at %s; outputs to %s", args.model, endpoints.engine, endpoints.detok)
+        stage = EngineStage(engine, SamplingParams, endpoints.engine, endpoints.detok,
+                            heartbeat_s=args.heartbeat_s, max_live=args.max_live, max_queued=args.max_queued)
+    except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, bad config, address in use
+        return startup_failed(log, "engine", e)
     return stage.run(stop)
 
 

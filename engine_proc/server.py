@@ -4,49 +4,108 @@ tokenizer/detok --PUSH--> [PULL] engine [PUSH] --> detokenizer
 
 Three threads, so socket I/O and msgpack work overlap the model step (torch releases the GIL
 while it computes):
-- input thread: receive + decode frames -> `inbox` (bounded: when the engine has `max_live`
-  requests the main loop stops taking new ones, the inbox fills, the socket fills, and the
-  tokenizer holds its clients back);
-- main thread: apply requests and aborts, run one step, hand the raw outputs to `outbox`;
+- input thread: receive, decode and check frames -> `inbox`, in arrival order. It stops reading
+  the socket only while `max_queued` requests wait to be admitted (then the socket fills and the
+  tokenizer holds its clients back); below that, aborts are read at once whatever the load.
+- main thread: apply requests and aborts, run one step, hand the raw outputs to `outbox`.
+  Requests wait in `backlog` while the engine holds `max_live`; an abort takes one out of the
+  backlog at once (aborts never wait behind the admission gate).
 - output thread: encode one `StepOutput` per step and push it; between steps, an
   `EngineStatus` heartbeat every `heartbeat_s`, which is how the detokenizer (and through it
   every client) knows the engine is alive. On a crash or shutdown it sends alive=False last.
+
+Every request the engine accepted is kept (meta + output tokens so far) until it finishes, and
+for a minute after (`FinishedRing`), so a detokenizer that restarts can ask for all of it
+(`DetokHello` -> `Resync`) and its clients' streams continue instead of failing.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
 import time
 import traceback
+from array import array
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from nanovllm_client import protocol as p
-from nanovllm_client.stage import new_instance_id, pipeline_pull, pipeline_push
+from nanovllm_client.checks import ProtocolError
+from nanovllm_client.stage import RejectLog, new_instance_id, pipeline_pull, pipeline_push, sd_notify
 
 log = logging.getLogger("engine_proc")
 
 _STOP = object()
+RESYNC_CHUNK = 256
+"""Requests per `Resync` frame, so one frame stays far below the frame size limit."""
+SHUTDOWN_SEND_S = 2.0
+"""How long a stopping engine keeps trying to push its last messages to a detokenizer that is
+not reading (or gone) before it gives up and exits."""
+
+
+@dataclass(slots=True)
+class LiveRequest:
+    meta: dict[str, Any]
+    tokens: array = field(default_factory=lambda: array("I"))
+    """Output token ids so far (for a resync)."""
+    counts: tuple[int, int, int] = (0, 0, 0)
+    """(num_prompt, num_output, num_cached) from its latest output."""
+
+
+class FinishedRing:
+    """Requests that ended recently, with everything a restarted detokenizer needs to deliver
+    their last delta: bounded in count and age, oldest dropped first."""
+
+    def __init__(self, max_entries: int = 4096, max_age_s: float = 60.0):
+        self.max_entries, self.max_age_s = max_entries, max_age_s
+        self.entries: collections.OrderedDict[str, tuple[float, list[Any]]] = collections.OrderedDict()
+
+    def add(self, request_id: str, entry: list[Any]) -> None:
+        self.entries[request_id] = (time.monotonic(), entry)
+        self.entries.move_to_end(request_id)
+        self._expire()
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.entries
+
+    def values(self) -> list[list[Any]]:
+        self._expire()
+        return [entry for _, entry in self.entries.values()]
+
+    def _expire(self) -> None:
+        oldest = time.monotonic() - self.max_age_s
+        while self.entries and (len(self.entries) > self.max_entries or next(iter(self.entries.values()))[0] < oldest):
+            self.entries.popitem(last=False)
 
 
 class EngineStage:
     def __init__(self, engine: Any, make_sampling, input_endpoint: str, output_endpoint: str,
-                 heartbeat_s: float = 0.25, max_live: int = 4096, ctx: zmq.Context | None = None):
+                 heartbeat_s: float = 0.25, max_live: int = 4096, max_queued: int = 4096,
+                 ctx: zmq.Context | None = None):
         self.engine = engine
         self.make_sampling = make_sampling
         self.instance_id = new_instance_id()
         self.heartbeat_s = heartbeat_s
-        self.max_live = max_live
+        self.max_live, self.max_queued = max_live, max_queued
         self.ctx = ctx or zmq.Context.instance()
-        self.inbox: queue.Queue = queue.Queue(maxsize=1024)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._num_queued = 0
+        """Requests put in `inbox` or `backlog` and not yet admitted, rejected or aborted."""
+        self._queued_lock = threading.Lock()
         self.outbox: queue.Queue = queue.Queue(maxsize=64)  # a slow detokenizer slows the engine, never loses
-        self.live: dict[str, dict] = {}
-        """request id -> meta, for every request added and not yet finished."""
+        self.backlog: collections.OrderedDict[str, p.TokenizedReq] = collections.OrderedDict()
+        self.live: dict[str, LiveRequest] = {}
+        """request id -> its meta and output so far, for every request added and not yet finished."""
+        self.finished = FinishedRing()
+        self._hellos: list[str] = []
+        self.rejects = RejectLog(log)
         self.latest_stats: dict[str, Any] = engine.stats()
         self.num_steps = 0
         self._stopping = threading.Event()
+        self._give_up_at = float("inf")
         # Bind/connect here, in the main thread, before the threads start using the sockets.
         self._in_sock = pipeline_pull(self.ctx, input_endpoint)
         # Not IMMEDIATE: outputs queue (up to the HWM) while the detokenizer restarts.
@@ -61,6 +120,7 @@ class EngineStage:
             t.start()
         self._emit(p.EngineStatus(True, self.instance_id, "started", self.latest_stats))
         log.info("engine stage %s serving", self.instance_id)
+        sd_notify(f"READY=1\nSTATUS=engine {self.instance_id} serving")
         code, reason = 0, "engine shut down"
         try:
             while not stop.is_set():
@@ -72,75 +132,157 @@ class EngineStage:
         return code
 
     def run_once(self) -> None:
-        started, rejected = self._take_inbox(block=not self.engine.has_unfinished_requests())
+        if not all(t.is_alive() for t in self._threads):
+            raise RuntimeError("an engine I/O thread died; the engine can no longer receive or send")
+        started: list[list] = []
+        rejected: list[list] = []
+        extra_outputs: list[Any] = []
+        idle = not self.engine.has_unfinished_requests() and not self.backlog
+        self._take_inbox(idle, started, rejected, extra_outputs)
+        self._admit(started, rejected)
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
         for out in outputs:
-            if out.finished:
-                self.live.pop(out.request_id, None)
+            self._record(out)
+        outputs = extra_outputs + outputs
         self.num_steps += bool(outputs)
-        self.latest_stats = dict(self.engine.stats(), num_live=len(self.live), num_steps=self.num_steps)
+        self.latest_stats = dict(self.engine.stats(), num_live=len(self.live), num_queued=len(self.backlog),
+                                 num_steps=self.num_steps, rejected_frames=sum(self.rejects.counts.values()))
         if started or rejected or outputs:
-            self._emit((started, rejected, outputs))
+            self._emit(("step", started, rejected, outputs))
+        while self._hellos:
+            self._send_resync(self._hellos.pop(0))
 
-    def _take_inbox(self, block: bool) -> tuple[list[dict], list[list]]:
-        started: list[dict] = []
-        rejected: list[list] = []
+    def _take_inbox(self, block: bool, started: list, rejected: list, extra_outputs: list) -> None:
         timeout = 0.05 if block else 0.0
-        while len(self.live) < self.max_live:
+        while True:
             try:
                 msg = self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
             except queue.Empty:
-                break
+                return
             timeout = 0.0
             if isinstance(msg, p.TokenizedReq):
-                self._add(msg, started, rejected)
+                self._queue_request(msg)
             elif isinstance(msg, p.AbortReq):
-                self.engine.abort(msg.request_id)  # idempotent; its final output comes from the next step
-        return started, rejected
+                self._abort(msg.request_id, started, extra_outputs)
+            elif isinstance(msg, p.DetokHello):
+                self._hellos.append(msg.instance_id)
 
-    def _add(self, req: p.TokenizedReq, started: list[dict], rejected: list[list]) -> None:
+    def _queue_request(self, req: p.TokenizedReq) -> None:
+        rid = req.request_id
+        # A resend (the client's tokenizer restarted) of a request that got through after all,
+        # or a client reusing an id that is still live: the first one stands.
+        if rid in self.live or rid in self.backlog or (req.resend and rid in self.finished):
+            if not req.resend:
+                self.rejects("duplicate", f"request id {rid!r} is already live; the new request is ignored")
+            self._dequeued()
+            return
+        self.backlog[rid] = req
+
+    def _admit(self, started: list, rejected: list) -> None:
+        while self.backlog and len(self.live) < self.max_live:
+            _, req = self.backlog.popitem(last=False)
+            self._dequeued()
+            self._add(req, started, rejected)
+
+    def _add(self, req: p.TokenizedReq, started: list, rejected: list) -> None:
         try:
             params = self.make_sampling(**req.sampling)
-            self.engine.add_request(req.request_id, req.prompt_token_ids, params)
-        except (ValueError, TypeError) as e:
-            rejected.append([req.request_id, req.meta, str(e)])
+            self.engine.add_request(req.request_id, req.prompt_token_ids, params, priority=req.priority)
+        except Exception as e:  # refused (ValueError/TypeError) or failed: either way this request's own
+            if not isinstance(e, (ValueError, TypeError)):
+                log.exception("adding request %r failed", req.request_id)
+            error = p.clip(str(e) if isinstance(e, (ValueError, TypeError)) else f"{type(e).__name__}: {e}")
+            rejected.append([req.request_id, req.meta, error])
+            n = len(req.prompt_token_ids)
+            self.finished.add(req.request_id, [req.request_id, req.meta, b"", True, "error", n, 0, 0, error])
             return
-        self.live[req.request_id] = req.meta
-        started.append(dict(req.meta, request_id=req.request_id))
+        self.live[req.request_id] = LiveRequest(req.meta)
+        started.append([req.request_id, req.meta])
 
-    def _emit(self, item: Any) -> None:
-        self.outbox.put(item)
+    def _abort(self, request_id: str, started: list, extra_outputs: list) -> None:
+        req = self.backlog.pop(request_id, None)
+        if req is None:
+            self.engine.abort(request_id)  # idempotent; its final output comes from the next step
+            return
+        # Never admitted: it starts and ends in this message, so its client still gets a terminal delta.
+        self._dequeued()
+        self.live[request_id] = LiveRequest(req.meta)
+        started.append([request_id, req.meta])
+        out = _Output(request_id, [], True, "abort", len(req.prompt_token_ids), 0, 0, None)
+        extra_outputs.append(out)
+        self._record(out)
+
+    def _record(self, out: Any) -> None:
+        """Keep what a resync needs: the output so far, and the whole request once it ends."""
+        live = self.live.get(out.request_id)
+        if live is None:
+            return
+        live.tokens.extend(out.new_token_ids)
+        live.counts = (out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+        if out.finished:
+            del self.live[out.request_id]
+            self.finished.add(out.request_id, [out.request_id, live.meta, p.pack_token_ids(live.tokens), True,
+                                               out.finish_reason, *live.counts, _error(out)])
+
+    def _dequeued(self) -> None:
+        with self._queued_lock:
+            self._num_queued -= 1
+
+    def _send_resync(self, detok_instance: str) -> None:
+        entries = [[rid, r.meta, p.pack_token_ids(r.tokens), False, None, *r.counts, None]
+                   for rid, r in self.live.items()] + self.finished.values()
+        log.info("resync for detokenizer %s: %d request(s)", detok_instance, len(entries))
+        chunks = [entries[i:i + RESYNC_CHUNK] for i in range(0, len(entries), RESYNC_CHUNK)] or [[]]
+        for i, chunk in enumerate(chunks):
+            self._emit(p.Resync(self.instance_id, detok_instance, chunk, i == len(chunks) - 1))
+
+    def _emit(self, item: Any, timeout: float | None = None) -> None:
+        self.outbox.put(item, timeout=timeout)
 
     def _shutdown(self, reason: str) -> None:
-        self._emit(p.EngineStatus(False, self.instance_id, reason, self.latest_stats))
-        self._emit(_STOP)
+        self._give_up_at = time.monotonic() + SHUTDOWN_SEND_S
         self._stopping.set()
+        try:
+            self._emit(p.EngineStatus(False, self.instance_id, p.clip(reason), self.latest_stats), timeout=SHUTDOWN_SEND_S)
+            self._emit(_STOP, timeout=SHUTDOWN_SEND_S)
+        except queue.Full:
+            log.warning("could not queue the last messages: the detokenizer is not reading")
         for t in self._threads:
-            t.join(timeout=3)
+            t.join(timeout=SHUTDOWN_SEND_S + 1)
         self._in_sock.close(linger=0)
-        self._out_sock.close(linger=1000)
+        self._out_sock.close(linger=0)
 
     # ------------------------------------------------------------------ I/O threads
 
     def _input_loop(self) -> None:
-        sock = self._in_sock
         while not self._stopping.is_set():
-            if not sock.poll(100):
-                continue
-            frame = sock.recv()
             try:
-                msg = p.decode(frame)
-                if isinstance(msg, p.TokenizedReq):
-                    msg.prompt_token_ids = p.unpack_token_ids(msg.prompt_token_ids)
-                elif not isinstance(msg, p.AbortReq):
-                    raise p.ProtocolError(f"the engine does not accept {msg.TYPE!r} messages")
-            except p.ProtocolError as e:  # only stages talk to us, and they have no reply path
-                log.warning("dropping a bad frame: %s", e)
-                continue
-            self.inbox.put(msg)
+                self._receive()
+            except Exception:  # a bug must cost one frame, never the thread (and with it the engine)
+                self.rejects("internal", "unexpected error while receiving a frame", exc_info=True)
+
+    def _receive(self) -> None:
+        if self._num_queued >= self.max_queued:  # admission backlog full: let the socket fill
+            time.sleep(0.01)
+            return
+        if not self._in_sock.poll(100):
+            return
+        frame = self._in_sock.recv()
+        try:
+            msg = p.decode(frame)
+            if isinstance(msg, p.TokenizedReq):
+                msg.prompt_token_ids = p.unpack_token_ids(msg.prompt_token_ids)
+            elif not isinstance(msg, (p.AbortReq, p.DetokHello)):
+                raise ProtocolError(f"the engine does not accept {msg.TYPE!r} messages")
+        except ProtocolError as e:  # only stages talk to us, and they have no reply path
+            self.rejects("bad_frame", str(e))
+            return
+        if isinstance(msg, p.TokenizedReq):
+            with self._queued_lock:
+                self._num_queued += 1
+        self.inbox.put(msg)
 
     def _output_loop(self) -> None:
-        sock = self._out_sock
         next_heartbeat = time.monotonic() + self.heartbeat_s
         while True:
             try:
@@ -151,17 +293,44 @@ class EngineStage:
                 return
             if isinstance(item, p.EngineStatus):
                 next_heartbeat = time.monotonic() + self.heartbeat_s
-                frame = item.encode()
-            else:
-                frame = encode_step(*item)
-            sock.send(frame)  # blocks at the HWM: backpressure from a slow detokenizer
+            if not self._send(item.encode() if isinstance(item, p.Message) else self._encode_step(*item[1:])):
+                return
             if time.monotonic() >= next_heartbeat:  # busy engines still report their stats
-                sock.send(p.EngineStatus(True, self.instance_id, "", self.latest_stats).encode())
+                self._send(p.EngineStatus(True, self.instance_id, "", self.latest_stats).encode())
                 next_heartbeat = time.monotonic() + self.heartbeat_s
 
+    def _send(self, frame: bytes) -> bool:
+        """Push one frame, waiting at the HWM (backpressure from a slow detokenizer); while
+        stopping, give up after `SHUTDOWN_SEND_S` so a vanished detokenizer cannot hold us."""
+        while True:
+            try:
+                self._out_sock.send(frame, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                if time.monotonic() > self._give_up_at:
+                    return False
+                self._out_sock.poll(100, zmq.POLLOUT)
 
-def encode_step(started: list[dict], rejected: list[list], outputs: list[Any]) -> bytes:
-    """One StepOutput frame; token ids packed (one C call per request, no per-token loop)."""
-    rows = [[o.request_id, p.pack_token_ids(o.new_token_ids), o.finished, o.finish_reason,
-             o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens] for o in outputs]
-    return p.StepOutput(started, rejected, rows).encode()
+    def _encode_step(self, started: list[list], rejected: list[list], outputs: list[Any]) -> bytes:
+        """One StepOutput frame; token ids packed (one C call per request, no per-token loop)."""
+        rows = [[o.request_id, p.pack_token_ids(o.new_token_ids), o.finished, o.finish_reason,
+                 o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, _error(o)] for o in outputs]
+        return p.StepOutput(self.instance_id, started, rejected, rows).encode()
+
+
+@dataclass(slots=True)
+class _Output:
+    """The output of a request that ended before the engine ever held it (aborted in the backlog)."""
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str | None
+
+
+def _error(out: Any) -> str | None:
+    error = getattr(out, "error", None)
+    return p.clip(error) if error else None

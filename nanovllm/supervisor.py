@@ -5,6 +5,11 @@ ipc:// sockets in a private runtime directory), restarts a stage that exits (wit
 others keep running and the restarted one rejoins), and on SIGINT/SIGTERM stops all three
 (SIGTERM, then SIGKILL after a grace period). Flags it does not know go to the engine stage
 (e.g. `--max-num-seqs 64`). The current stage pids are written to `<runtime dir>/stages.json`.
+
+Each stage tells the supervisor when it serves the way it tells systemd: a `READY=1` datagram
+on its own $NOTIFY_SOCKET. A stage that exits before it was ever ready (a bad model path, a bad
+flag) is not restarted: the supervisor stops the others and exits 1, the stage's own error
+being the last thing it printed.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +38,13 @@ class StageProcess:
     restart_at: float | None = None
     backoff_s: float = 1.0
     restarts: int = 0
+    notify: socket.socket | None = None
+    """Where the stage's READY=1 / STATUS= datagrams arrive (an abstract unix socket)."""
+    notify_name: str = ""
+    ready: bool = False
+    """This run of the stage said READY=1."""
+    served: bool = False
+    """Some run of the stage said READY=1: after a crash it is worth restarting."""
 
 
 def _die_with_parent() -> None:
@@ -52,10 +65,17 @@ class Supervisor:
         self.env = dict(os.environ, NANOVLLM_URL=url, NANOVLLM_MODEL=model, NANOVLLM_LOG_LEVEL=log_level)
         self.stages = {name: StageProcess(name, [sys.executable, "-m", name] + (engine_args if name == "engine_proc" else []))
                        for name in STAGES}
+        for stage in self.stages.values():
+            stage.notify_name = f"@nanovllm-serve/{os.getpid()}/{stage.name}"
+            stage.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+            stage.notify.bind("\0" + stage.notify_name[1:])
+        self.failed: str | None = None
+        """Why the service could not start, once a stage failed before it was ever ready."""
 
     def start(self, stage: StageProcess) -> None:
-        stage.proc = subprocess.Popen(stage.argv, env=self.env, preexec_fn=_die_with_parent)
-        stage.started_at, stage.restart_at = time.monotonic(), None
+        stage.proc = subprocess.Popen(stage.argv, env=dict(self.env, NOTIFY_SOCKET=stage.notify_name),
+                                      preexec_fn=_die_with_parent)
+        stage.started_at, stage.restart_at, stage.ready = time.monotonic(), None, False
         log.info("started %s (pid %d)", stage.name, stage.proc.pid)
         self.write_state()
 
@@ -67,11 +87,31 @@ class Supervisor:
             json.dump(state, f)
         os.replace(tmp, os.path.join(self.runtime_dir, "stages.json"))
 
+    def read_notifications(self) -> None:
+        for stage in self.stages.values():
+            while True:
+                try:
+                    datagram = stage.notify.recv(4096)
+                except BlockingIOError:
+                    break
+                for line in datagram.decode(errors="replace").splitlines():
+                    if line == "READY=1" and not stage.ready:
+                        stage.ready = stage.served = True
+                        log.info("%s is ready", stage.name)
+                    elif line.startswith("STATUS="):
+                        log.debug("%s: %s", stage.name, line[len("STATUS="):])
+
     def check(self, now: float) -> None:
-        """Restart stages that exited, with exponential backoff (reset after a minute of uptime)."""
+        """Restart stages that exited, with exponential backoff (reset after a minute of uptime);
+        a stage that never became ready ends the service instead (`failed`)."""
+        self.read_notifications()
         for stage in self.stages.values():
             if stage.proc is None or stage.proc.poll() is None:
                 continue
+            if not stage.served:
+                self.failed = (f"{stage.name} exited with code {stage.proc.returncode} before it was ready "
+                               "(its error is above); not restarting it")
+                return
             if stage.restart_at is None:
                 if now - stage.started_at > 60:
                     stage.backoff_s = 1.0
@@ -101,10 +141,15 @@ class Supervisor:
         for stage in self.stages.values():
             self.start(stage)
         threading.Thread(target=self._announce_ready, args=(stop,), daemon=True).start()
-        while not stop.wait(0.2):
+        while not stop.wait(0.2) and self.failed is None:
             self.check(time.monotonic())
         log.info("shutting down")
         self.stop()
+        for stage in self.stages.values():
+            stage.notify.close()
+        if self.failed is not None:
+            print(f"nanovllm serve: {self.failed}", file=sys.stderr)
+            return 1
         return 0
 
     def _announce_ready(self, stop: threading.Event) -> None:
@@ -113,7 +158,7 @@ class Supervisor:
         try:
             with Client(self.url, connect_timeout=600) as client:
                 client.wait_engine(timeout=600)
-            if not stop.is_set():
+            if not stop.is_set() and self.failed is None:
                 log.info("service ready at %s  (try: nanovllm-client --url %s \"Hello\")", self.url, self.url)
         except NanovllmError as e:
             log.warning("service not ready: %s", e)

@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nanovllm_client.stage import add_endpoint_flags, add_flag, resolve_endpoints, setup_logging, stop_event
+import zmq
+
+from nanovllm_client.stage import (add_endpoint_flags, add_flag, resolve_endpoints, setup_logging,
+                                   startup_failed, stop_event)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,9 +24,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from .server import TokenizerStage, sampling_fields
 
-    tokenizer = load_tokenizer(args.model)
-    stage = TokenizerStage(tokenizer, sampling_fields(SamplingParams), SamplingParams,
-                           frontend=endpoints.tokenizer, engine=endpoints.engine)
+    try:
+        stage = TokenizerStage(load_tokenizer(args.model), sampling_fields(SamplingParams), SamplingParams,
+                               frontend=endpoints.tokenizer, engine=endpoints.engine)
+    except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, no tokenizer in it, address in use
+        return startup_failed(log, "tokenizer", e)
     log.info("model %s; clients at %s; engine at %s", args.model, endpoints.tokenizer, endpoints.engine)
     stage.run(stop)
     return 0

@@ -22,7 +22,8 @@ import zmq
 
 from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS
 from nanovllm_client import protocol as p
-from nanovllm_client.stage import PeerMonitor, client_router, new_instance_id, pipeline_push
+from nanovllm_client.checks import ProtocolError, check_strings, show
+from nanovllm_client.stage import PeerMonitor, RejectLog, client_router, new_instance_id, pipeline_push, sd_notify
 
 log = logging.getLogger("tokenizer_proc")
 
@@ -51,6 +52,7 @@ class TokenizerStage:
         self.engine_peers = PeerMonitor(self.to_engine)
         self.pending: collections.deque[tuple[float, bytes, str, bytes]] = collections.deque()
         """(time, client identity, client request id or "", frame) waiting for room in the engine pipe."""
+        self.rejects = RejectLog(log)
 
     # ------------------------------------------------------------------ loop
 
@@ -59,6 +61,7 @@ class TokenizerStage:
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.to_engine, 0)
         log.info("tokenizer stage %s serving", self.instance_id)
+        sd_notify(f"READY=1\nSTATUS=tokenizer {self.instance_id} serving")
         while not stop.is_set():
             poller.modify(self.frontend, 0 if self.pending else zmq.POLLIN)
             poller.modify(self.to_engine, zmq.POLLOUT if self.pending else 0)
@@ -86,13 +89,25 @@ class TokenizerStage:
     # ------------------------------------------------------------------ messages
 
     def handle(self, identity: bytes, frames: list[bytes]) -> None:
+        """One client message. Whatever it holds, the stage answers and carries on: a bug while
+        handling one frame costs that frame an error reply, never the stage."""
+        try:
+            self._handle(identity, frames)
+        except Exception as e:
+            self.rejects("internal", f"{type(e).__name__} while handling a frame from {identity.hex()}", exc_info=True)
+            self._reply(identity, p.ErrorOutput(p.clip(f"internal error while handling this frame: "
+                                                       f"{type(e).__name__}: {e}")))
+
+    def _handle(self, identity: bytes, frames: list[bytes]) -> None:
         if len(frames) != 1:
+            self.rejects("multipart", f"{len(frames)} frames from {identity.hex()}")
             self._reply(identity, p.ErrorOutput(f"expected exactly one frame per message, got {len(frames)}"))
             return
         try:
             msg = p.decode(frames[0])
-        except p.ProtocolError as e:
-            self._reply(identity, p.ErrorOutput(str(e), p.peek_request_id(frames[0])))
+        except ProtocolError as e:
+            self.rejects("bad_frame", f"from {identity.hex()}: {e}")
+            self._reply(identity, p.ErrorOutput(p.clip(str(e)), e.request_id))
             return
         if isinstance(msg, p.GenerateReq):
             self._on_generate(identity, msg)
@@ -101,6 +116,7 @@ class TokenizerStage:
         elif isinstance(msg, p.Ping):
             self._reply(identity, p.Pong("tokenizer", self.instance_id, self.engine_peers.connected))
         else:
+            self.rejects("wrong_type", f"{msg.TYPE!r} from {identity.hex()}")
             self._reply(identity, p.ErrorOutput(f"the tokenizer does not accept {msg.TYPE!r} messages; "
                                                 "send 'generate', 'abort' or 'ping'"))
 
@@ -110,13 +126,18 @@ class TokenizerStage:
         except RequestRejected as e:
             self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, str(e))]))
             return
+        except Exception as e:  # the tokenizer or template failed in a way no check foresaw
+            self.rejects("internal", f"{type(e).__name__} while tokenizing {req.request_id!r}", exc_info=True)
+            self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, f"could not tokenize the request: "
+                                                                                f"{type(e).__name__}: {e}")]))
+            return
         self._forward(identity, req.request_id, tokenized.encode())
 
     def tokenize(self, identity: bytes, req: p.GenerateReq) -> p.TokenizedReq:
         """Validate and tokenize; `RequestRejected` says what was wrong."""
         unknown = set(req.sampling) - self.sampling_fields
         if unknown:
-            raise RequestRejected(f"unknown sampling parameter(s) {sorted(unknown)}; "
+            raise RequestRejected(f"unknown sampling parameter(s) {show(sorted(unknown))}; "
                                   f"allowed: {sorted(self.sampling_fields - set(NOT_SERVED))}")
         not_served = sorted(set(req.sampling) & set(NOT_SERVED))
         if not_served:
@@ -124,8 +145,12 @@ class TokenizerStage:
                                             f"{NOT_SERVED[name]}" for name in not_served))
         sampling = dict(req.sampling)
         # Text-side fields are the detokenizer's job; accept them in `sampling` too, as the
-        # offline API does, instead of silently ignoring them.
-        stop = list(req.stop or []) + list(sampling.pop("stop", None) or [])
+        # offline API does (one string or a list), under the same limits as `GenerateReq.stop`.
+        stop = req.stop + _as_stop_list(sampling.pop("stop", None))
+        try:
+            check_strings("stop", stop, p.MAX_STOP_STRINGS, p.MAX_STOP_LEN)
+        except ProtocolError as e:
+            raise RequestRejected(f"{e} (stop strings in 'stop' and 'sampling.stop' count together)") from None
         skip = sampling.pop("skip_special_tokens", req.skip_special_tokens)
         include_stop = sampling.pop("include_stop_str_in_output", False)
         try:
@@ -147,7 +172,8 @@ class TokenizerStage:
         meta = {"client": identity, "rid": req.request_id, "stop": stop, "skip": skip,
                 "include_stop": include_stop, "min_tokens": sampling.get("min_tokens", 0),
                 "tail": p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]), "t": time.time()}
-        return p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta)
+        return p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta,
+                              priority=req.priority, resend=req.resend)
 
     def _forward(self, identity: bytes, request_id: str, frame: bytes) -> None:
         self.pending.append((time.monotonic(), identity, request_id, frame))
@@ -175,6 +201,17 @@ class TokenizerStage:
             self.frontend.send_multipart([identity, msg.encode()], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: client gone; EAGAIN: it is not reading
             log.info("could not reply to client %s: %s", identity.hex(), e)
+
+
+def _as_stop_list(value: Any) -> list[str]:
+    """`sampling.stop` as the offline API takes it: absent, one string, or a list of strings."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return value
+    raise RequestRejected(f"sampling.stop must be a string or a list of strings, got {show(value)}")
 
 
 def engine_request_id(identity: bytes, request_id: str) -> str:

@@ -1,11 +1,14 @@
 """asyncio client (works under uvloop): many concurrent streams from many tasks on one object.
 
 All socket work happens on the event loop (zmq.asyncio), so no thread is needed: one reader task
-per socket routes deltas into per-request asyncio queues, one task sends heartbeats.
+per socket routes deltas into per-stream asyncio queues, one task sends heartbeats to both
+stages. The protocol state (`ClientState`) is the sync client's, so both behave the same across
+stage restarts.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -16,13 +19,16 @@ from . import protocol as p
 from .client_state import ENGINE_DEAD, ClientBase, Delta, Result, build_request, merge
 from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceUnavailableError
 
+log = logging.getLogger("nanovllm_client")
+
 
 class AsyncStream:
     """Async iterator over one request's deltas; `cancel()` (or dropping it unfinished) aborts it."""
 
-    def __init__(self, client: AsyncClient, request_id: str, deltas: asyncio.Queue, deadline: float,
+    def __init__(self, client: AsyncClient, request_id: str, wire_id: str, deltas: asyncio.Queue, deadline: float,
                  raise_on_error: bool):
         self.request_id = request_id
+        self._wire_id = wire_id
         self._client, self._deltas, self._deadline = client, deltas, deadline
         self._raise_on_error = raise_on_error
         self._done = False
@@ -38,9 +44,10 @@ class AsyncStream:
         except asyncio.TimeoutError:
             self.cancel()
             raise RequestTimeoutError(f"request {self.request_id} did not finish within its timeout") from None
+        delta.request_id = self.request_id
         if delta.finished:
             self._done = True
-            self._client._streams.pop(self.request_id, None)
+            self._client._end_stream(self.request_id, self._wire_id)
             if delta.finish_reason == "error" and self._raise_on_error:
                 error = EngineDeadError if delta.engine_dead else RequestError
                 raise error(delta.error or "request failed", self.request_id)
@@ -50,7 +57,7 @@ class AsyncStream:
         """Abort the request in the engine (idempotent); the iterator ends."""
         if not self._done:
             self._done = True
-            self._client.abort_nowait(self.request_id)
+            self._client._abort_wire_nowait(self.request_id, self._wire_id)
 
     def __del__(self) -> None:
         try:
@@ -63,8 +70,9 @@ class AsyncClient(ClientBase):
     """`async with AsyncClient(url) as c: async for d in await c.stream("hi"): ...`"""
 
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
-                 connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000):
-        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm)
+                 connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000,
+                 stage_timeout: float = 30.0):
+        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout)
         self._streams: dict[str, asyncio.Queue] = {}
         self._stats: asyncio.Queue | None = None
         self._ready: asyncio.Event | None = None
@@ -90,26 +98,39 @@ class AsyncClient(ClientBase):
         await self._wait_ready()
         if self._state.engine_alive is False:
             raise EngineDeadError(ENGINE_DEAD, req.request_id)
-        if req.request_id in self._streams:
-            raise ValueError(f"request id {req.request_id!r} is already in flight on this client")
+        wire_id, frame, resend_frame = self._claim(req)
         deltas: asyncio.Queue = asyncio.Queue()
-        self._streams[req.request_id] = deltas
-        await self._tok.send(req.encode())  # waits (backpressure) while the tokenizer's pipe is full
-        return AsyncStream(self, req.request_id, deltas, self._deadline(timeout), raise_on_error)
+        self._streams[wire_id] = deltas
+        self._state.sent(wire_id, resend_frame)
+        await self._tok.send(frame)  # waits (backpressure) while the tokenizer's pipe is full
+        return AsyncStream(self, req.request_id, wire_id, deltas, self._deadline(timeout), raise_on_error)
 
     async def generate(self, prompt: Any = None, **kwargs: Any) -> Result:
         s = await self.stream(prompt, **kwargs)
         return merge([d async for d in s], s.request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        await self._tok.send(p.AbortReq(request_id).encode())
+        """Abort the stream of `request_id` (idempotent: unknown or finished ids are ignored)."""
+        wire_id = self._wire_ids.get(request_id)
+        if wire_id is not None:
+            self._end_stream(request_id, wire_id)
+            await self._tok.send(p.AbortReq(wire_id).encode())
 
     def abort_nowait(self, request_id: str) -> None:
         """Abort from synchronous code (a finalizer, another thread)."""
-        self._streams.pop(request_id, None)
+        wire_id = self._wire_ids.get(request_id)
+        if wire_id is not None:
+            self._abort_wire_nowait(request_id, wire_id)
+
+    def _abort_wire_nowait(self, app_id: str, wire_id: str) -> None:
+        self._end_stream(app_id, wire_id)
         if self._loop is not None and not self._loop.is_closed() and self._ctx is not None:
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._safe_abort(request_id)))
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._safe_abort(wire_id)))
+
+    def _end_stream(self, app_id: str, wire_id: str) -> None:
+        self._streams.pop(wire_id, None)
+        self._state.forget(wire_id)
+        self._release(app_id, wire_id)
 
     async def server_stats(self, timeout: float = 10.0) -> dict[str, Any]:
         await self._wait_ready()
@@ -131,8 +152,8 @@ class AsyncClient(ClientBase):
     async def close(self) -> None:
         if self._ctx is None:
             return
-        for rid in list(self._streams):
-            await self.abort(rid)
+        for app_id in list(self._wire_ids):
+            await self.abort(app_id)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -150,9 +171,9 @@ class AsyncClient(ClientBase):
 
     # ------------------------------------------------------------------ internals
 
-    async def _safe_abort(self, request_id: str) -> None:
+    async def _safe_abort(self, wire_id: str) -> None:
         if self._ctx is not None:
-            await self._tok.send(p.AbortReq(request_id).encode())
+            await self._tok.send(p.AbortReq(wire_id).encode())
 
     async def _wait_ready(self) -> None:
         await self.start()
@@ -165,21 +186,31 @@ class AsyncClient(ClientBase):
 
     async def _heartbeat(self) -> None:
         while True:
-            self._route(self._state.check_detok(list(self._streams)))
+            self._route(self._state.check_detok())
             if not self._state.ready:
                 self._ready.clear()
             await self._out.send(p.Ping().encode())
+            if self._tok.getsockopt(zmq.EVENTS) & zmq.POLLOUT:  # a tokenizer pushing back answers later
+                await self._tok.send(p.Ping().encode())
             await asyncio.sleep(self._heartbeat_interval if self._ready.is_set() else 0.1)
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             frame = await sock.recv()
-            deltas, stats = self._state.handle(frame, list(self._streams))
+            try:
+                reaction = self._state.handle(frame)
+            except Exception:  # a bug must cost one frame, never the reader every stream waits on
+                log.exception("could not handle a frame from the service")
+                continue
             if self._state.ready:
                 self._ready.set()
-            if stats is not None:
-                self._stats.put_nowait(stats)
-            self._route(deltas)
+            if reaction.stats is not None:
+                self._stats.put_nowait(reaction.stats)
+            for resend in reaction.to_tokenizer:
+                await self._tok.send(resend)
+            for resume in reaction.to_detok:
+                await self._out.send(resume)
+            self._route(reaction.deltas)
 
     def _route(self, deltas: list[Delta]) -> None:
         for delta in deltas:

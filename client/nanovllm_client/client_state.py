@@ -1,25 +1,41 @@
 """The client's protocol logic without any I/O, shared by the sync `Client` and `AsyncClient`.
 
-It builds request frames and turns incoming frames into per-request `Delta`s. It also follows
-the service's health: an engine-dead notice or a restarted detokenizer fails every request in
-flight at once (their outputs can no longer arrive), so no stream waits for its timeout.
+It builds request frames, turns incoming frames into per-request `Delta`s, and keeps every
+request in flight with how much of its stream has arrived. From that it follows the service's
+health and keeps streams alive across stage restarts:
+- an engine-dead notice fails every request in flight at once (its outputs can no longer come);
+- a restarted tokenizer (a new instance id in its pong) may have lost requests it had not yet
+  passed on: every request with no answer yet is sent again, marked as a resend, which the
+  engine ignores if it got the first copy;
+- a restarted detokenizer is told how many tokens and characters of each stream arrived
+  (`Resume`), and continues each stream from there;
+- a detokenizer silent for `stage_timeout` fails the requests in flight with a clear error.
+
+Each stream travels under its own wire id ('<request id>#<n>'), so a request id may be reused
+as soon as the earlier stream is done or cancelled: late outputs of the old one never reach the
+new one.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
 
 from . import protocol as p
+from .checks import ProtocolError
 from .endpoints import default_url, service_endpoints
 
 log = logging.getLogger("nanovllm_client")
 
 ENGINE_DEAD = "engine is not available (dead or not started yet)"
+MAX_APP_ID_LEN = p.MAX_ID_LEN - 16
+"""A request id given by the caller; the rest of the wire id is the per-stream suffix."""
+_wire_serial = itertools.count()
 
 
 @dataclass
@@ -54,7 +70,7 @@ def build_request(prompt: Any = None, *, messages: list[dict] | None = None,
                   prompt_token_ids: list[int] | None = None, max_tokens: int | None = None,
                   temperature: float | None = None, ignore_eos: bool | None = None,
                   stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-                  skip_special_tokens: bool = True, request_id: str | None = None,
+                  skip_special_tokens: bool = True, request_id: str | None = None, priority: int = 0,
                   **sampling: Any) -> p.GenerateReq:
     """The GenerateReq for one call. `prompt` may be text, a chat message list or token ids."""
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -69,75 +85,143 @@ def build_request(prompt: Any = None, *, messages: list[dict] | None = None,
     ids = p.pack_token_ids(prompt_token_ids) if prompt_token_ids is not None else None
     return p.GenerateReq(request_id=request_id or uuid.uuid4().hex, prompt=prompt, messages=messages,
                          prompt_token_ids=ids, sampling=sampling, stop=stops,
-                         skip_special_tokens=skip_special_tokens)
+                         skip_special_tokens=skip_special_tokens, priority=priority)
+
+
+def wire_request(req: p.GenerateReq) -> tuple[str, bytes, bytes]:
+    """(wire id, frame, resend frame) for a request: the wire id is unique to this stream."""
+    app_id = req.request_id
+    if not isinstance(app_id, str) or not 0 < len(app_id) <= MAX_APP_ID_LEN:
+        raise ValueError(f"request_id must be a non-empty string of at most {MAX_APP_ID_LEN} characters")
+    wire = replace(req, request_id=f"{app_id}#{next(_wire_serial):x}")
+    return wire.request_id, wire.encode(), replace(wire, resend=True).encode()
+
+
+@dataclass
+class InFlight:
+    resend_frame: bytes
+    tokens: int = 0
+    chars: int = 0
+    answered: bool = False
+
+
+@dataclass
+class Reaction:
+    """What one incoming frame (or a heartbeat) means for the client."""
+    deltas: list[Delta] = field(default_factory=list)
+    """To route to their streams (by wire id)."""
+    stats: dict[str, Any] | None = None
+    to_tokenizer: list[bytes] = field(default_factory=list)
+    to_detok: list[bytes] = field(default_factory=list)
 
 
 class ClientState:
-    """Health of the service as this client sees it, and frame -> deltas decoding."""
+    """Health of the service as this client sees it, the requests in flight, and frame -> deltas.
 
-    def __init__(self, detok_timeout: float = 3.0) -> None:
+    Used from one thread (the sync client's I/O thread, or the event loop)."""
+
+    def __init__(self, detok_timeout: float = 3.0, stage_timeout: float = 30.0) -> None:
         self.engine_alive: bool | None = None
         self.detok_instance: str | None = None
-        self.detok_timeout = detok_timeout
+        self.tokenizer_instance: str | None = None
+        self.detok_timeout, self.stage_timeout = detok_timeout, stage_timeout
         self.detok_responsive = False
         self.last_pong = time.monotonic()
+        self.inflight: dict[str, InFlight] = {}
 
     @property
     def ready(self) -> bool:
         """The detokenizer answers our pings: it knows our routing id, outputs can reach us."""
         return self.detok_instance is not None and self.detok_responsive
 
-    def handle(self, frame: bytes, live_ids: list[str]) -> tuple[list[Delta], Any]:
-        """Decode one incoming frame. Returns (deltas to route, a stats reply or None)."""
+    def sent(self, wire_id: str, resend_frame: bytes) -> None:
+        self.inflight[wire_id] = InFlight(resend_frame)
+
+    def forget(self, wire_id: str) -> None:
+        self.inflight.pop(wire_id, None)
+
+    def handle(self, frame: bytes) -> Reaction:
         try:
             msg = p.decode(frame)
-        except p.ProtocolError as e:
+        except ProtocolError as e:
             log.warning("dropping an undecodable frame from the service: %s", e)
-            return [], None
+            return Reaction()
         if isinstance(msg, p.StreamOutput):
-            return [self._delta(d) for d in msg.deltas], None
+            return Reaction([self._track(self._delta(d)) for d in msg.deltas])
         if isinstance(msg, p.ErrorOutput):
             if msg.request_id is not None:
-                return [Delta(msg.request_id, "", [], "error", error=msg.message)], None
+                return Reaction([self._track(Delta(msg.request_id, "", [], "error", error=msg.message))])
             log.warning("service error: %s", msg.message)
-            return [], None
+            return Reaction()
         if isinstance(msg, p.Pong):
-            self.last_pong, self.detok_responsive = time.monotonic(), True
-            restarted = self.detok_instance is not None and msg.instance_id != self.detok_instance
-            self.detok_instance = msg.instance_id
-            return self._set_engine_alive(msg.engine_alive, live_ids, restarted), None
+            return self._on_pong(msg)
         if isinstance(msg, p.EngineStatus):
-            return self._set_engine_alive(msg.alive, live_ids, False, msg.reason), None
+            return Reaction(self._set_engine_alive(msg.alive, msg.reason))
         if isinstance(msg, p.StatsOutput):
-            return [], msg.stats
+            return Reaction(stats=msg.stats)
         log.warning("unexpected %r message from the service", msg.TYPE)
-        return [], None
+        return Reaction()
 
-    def check_detok(self, live_ids: list[str]) -> list[Delta]:
-        """Fail the requests in flight if the detokenizer stopped answering pings (their
-        outputs cannot reach us); called once per heartbeat."""
-        if not self.ready or time.monotonic() - self.last_pong < self.detok_timeout:
+    def check_detok(self) -> list[Delta]:
+        """Called once per heartbeat. A detokenizer silent for `detok_timeout` makes new requests
+        wait; silent for `stage_timeout`, the requests in flight fail (their outputs are lost)."""
+        silent = time.monotonic() - self.last_pong
+        if self.detok_responsive and silent >= self.detok_timeout:
+            self.detok_responsive, self.engine_alive = False, None
+        if self.detok_instance is None or silent < self.stage_timeout or not self.inflight:
             return []
-        self.detok_responsive, self.engine_alive = False, None  # new requests wait until it is back
-        why = f"the detokenizer has not answered for {self.detok_timeout}s; outputs were lost"
-        return [Delta(rid, "", [], "error", error=why) for rid in live_ids]
+        why = f"the detokenizer has not answered for {self.stage_timeout:.0f}s; outputs were lost"
+        return self._fail_all(why, engine_dead=False)
 
-    def _set_engine_alive(self, alive: bool, live_ids: list[str], detok_restarted: bool,
-                          reason: str = "") -> list[Delta]:
+    # ------------------------------------------------------------------ internals
+
+    def _on_pong(self, msg: p.Pong) -> Reaction:
+        reaction = Reaction()
+        if msg.role == "tokenizer":
+            if self.tokenizer_instance is not None and msg.instance_id != self.tokenizer_instance:
+                # It may have died holding requests it had not passed on: send those again.
+                reaction.to_tokenizer = [f.resend_frame for f in self.inflight.values() if not f.answered]
+                if reaction.to_tokenizer:
+                    log.info("tokenizer restarted: sending %d unanswered request(s) again", len(reaction.to_tokenizer))
+            self.tokenizer_instance = msg.instance_id
+            return reaction
+        self.last_pong, self.detok_responsive = time.monotonic(), True
+        if self.detok_instance is not None and msg.instance_id != self.detok_instance and self.inflight:
+            rows = [[wire_id, f.tokens, f.chars] for wire_id, f in self.inflight.items()]
+            log.info("detokenizer restarted: resuming %d stream(s)", len(rows))
+            reaction.to_detok = [p.Resume(rows).encode()]
+        self.detok_instance = msg.instance_id
+        if msg.engine_alive is None:  # a detokenizer that just started has not heard from the engine
+            self.engine_alive = None
+        else:
+            reaction.deltas = self._set_engine_alive(msg.engine_alive)
+        return reaction
+
+    def _set_engine_alive(self, alive: bool, reason: str = "") -> list[Delta]:
         was_alive, self.engine_alive = self.engine_alive, alive
-        if detok_restarted:
-            why = "the detokenizer restarted; outputs of requests in flight were lost"
-            return [Delta(rid, "", [], "error", error=why) for rid in live_ids]
         if was_alive and not alive:
-            why = f"engine died: {reason}" if reason else "engine died"
-            return [Delta(rid, "", [], "error", error=why, engine_dead=True) for rid in live_ids]
+            return self._fail_all(f"engine died: {reason}" if reason else "engine died", engine_dead=True)
         return []
+
+    def _fail_all(self, why: str, engine_dead: bool) -> list[Delta]:
+        deltas = [Delta(wire_id, "", [], "error", error=why, engine_dead=engine_dead) for wire_id in self.inflight]
+        self.inflight.clear()
+        return deltas
+
+    def _track(self, delta: Delta) -> Delta:
+        progress = self.inflight.get(delta.request_id)
+        if progress is not None:
+            progress.answered = True
+            progress.tokens += len(delta.token_ids)
+            progress.chars += len(delta.text)
+            if delta.finished:
+                del self.inflight[delta.request_id]
+        return delta
 
     @staticmethod
     def _delta(d: dict[str, Any]) -> Delta:
         return Delta(d["request_id"], d.get("text", ""), p.unpack_token_ids(d.get("token_ids", b"")),
-                     d.get("finish_reason"), d.get("usage"), d.get("error"),
-                     bool(d.get("engine_dead", False)))
+                     d.get("finish_reason"), d.get("usage"), d.get("error"), bool(d.get("engine_dead", False)))
 
 
 def merge(deltas: list[Delta], request_id: str) -> Result:
@@ -154,13 +238,15 @@ class ClientBase:
     client's identity on both sockets, and the protocol state."""
 
     def __init__(self, url: str | None, timeout: float | None, connect_timeout: float,
-                 heartbeat_interval: float, hwm: int):
+                 heartbeat_interval: float, hwm: int, stage_timeout: float = 30.0):
         self.url = url or default_url()
         self.endpoints = service_endpoints(self.url)
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self._heartbeat_interval, self._hwm = heartbeat_interval, hwm
         self._identity = uuid.uuid4().bytes
-        self._state = ClientState()
+        self._state = ClientState(stage_timeout=stage_timeout)
+        self._wire_ids: dict[str, str] = {}
+        """Caller's request id -> wire id of its stream in flight."""
 
     @property
     def engine_alive(self) -> bool | None:
@@ -171,12 +257,25 @@ class ClientBase:
         limit = timeout if timeout is not None else self.timeout
         return time.monotonic() + (limit if limit is not None else 1e9)
 
+    def _claim(self, req: p.GenerateReq) -> tuple[str, bytes, bytes]:
+        """Register a new stream for the caller's request id; ValueError if that id is in flight."""
+        if req.request_id in self._wire_ids:
+            raise ValueError(f"request id {req.request_id!r} is already in flight on this client")
+        wire_id, frame, resend_frame = wire_request(req)
+        self._wire_ids[req.request_id] = wire_id
+        return wire_id, frame, resend_frame
+
+    def _release(self, app_id: str, wire_id: str) -> None:
+        if self._wire_ids.get(app_id) == wire_id:
+            del self._wire_ids[app_id]
+
     def _dealer(self, ctx: zmq.Context, endpoint: str) -> zmq.Socket:
         """A DEALER to one stage; both carry this client's identity so the stages can route to it."""
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, self._identity)
         sock.setsockopt(zmq.SNDHWM, self._hwm)
         sock.setsockopt(zmq.RCVHWM, self._hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(endpoint)
         return sock

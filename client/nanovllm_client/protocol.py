@@ -2,13 +2,16 @@
 
 Every ZeroMQ message carries one msgpack frame (after the routing-id frame on ROUTER sockets):
 ``[PROTOCOL_VERSION, type, body]`` where ``type`` names one of the message dataclasses below and
-``body`` is a map of its fields. No pickle anywhere: a frame decodes into plain data, then into a
-typed message, or raises `ProtocolError` with a sentence saying what was wrong, which the stage
-sends back to the sender as data. Token ids travel packed (little-endian uint32 bytes).
+``body`` is a map of its fields. No pickle anywhere: a frame decodes into plain data (with
+msgpack's size limits and a nesting limit applied before anything looks at it), then into a
+typed message whose every field is checked (`checks.py`), or raises `ProtocolError` with a
+sentence saying what was wrong, which the stage sends back to the sender as data. Stage-to-stage
+messages are checked as strictly as client ones: over tcp anyone who reaches a port can send them.
+Token ids travel packed (little-endian uint32 bytes).
 
 Flow (see docs/service.md): client --GenerateReq/AbortReq/Ping--> tokenizer --TokenizedReq/
-AbortReq--> engine --StepOutput/EngineStatus--> detokenizer --StreamOutput/EngineStatus/Pong-->
-client; detokenizer --AbortReq--> engine.
+AbortReq--> engine --StepOutput/EngineStatus/Resync--> detokenizer --StreamOutput/EngineStatus/
+Pong--> client; detokenizer --AbortReq/DetokHello--> engine; client --Resume--> detokenizer.
 """
 from __future__ import annotations
 
@@ -19,17 +22,41 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from .checks import (ProtocolError, check, check_bool, check_bytes, check_depth, check_fields, check_int,
+                     check_list, check_map, check_number, check_opt_str, check_str, check_strings, is_int, show)
+
+__all__ = ["ProtocolError", "PROTOCOL_VERSION", "decode", "pack_token_ids", "unpack_token_ids", "error_delta"]
+
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024
-"""Largest frame a stage accepts from a client (ZMQ_MAXMSGSIZE on client-facing sockets)."""
-
-FINISH_REASONS = ("stop", "length", "abort", "error")
+"""Largest frame any stage accepts (ZMQ_MAXMSGSIZE on every receiving socket)."""
+MAX_ID_LEN = 256
+"""A client's request id."""
+MAX_ENGINE_ID_LEN = 2 * 255 + 1 + MAX_ID_LEN
+"""'<routing id hex>:<request id>'; zmq routing ids are at most 255 bytes."""
+MAX_INSTANCE_ID_LEN = 64
+MAX_ERROR_LEN = 4096
+"""Error and reason texts; longer ones are cut by `clip` before they are sent."""
 MAX_STOP_STRINGS, MAX_STOP_LEN = 64, 1024
 """Stop strings are matched on every step in the detokenizer: bound what one request can ask."""
+MAX_CHAT_MESSAGES = 4096
+MAX_SAMPLING_FIELDS = 64
+MAX_PROMPT_TAIL = 64
+"""Prompt tokens a request's meta may carry as left context for detokenization."""
+MAX_ROWS = 1 << 16
+"""Rows in one step / resync / resume message."""
+MAX_PRIORITY = 1 << 31
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# msgpack's own limits, enforced while unpacking: no single string, binary, array or map can be
+# larger than a frame could legitimately need, and ext types (timestamps, custom) are refused.
+_UNPACK_LIMITS = dict(max_str_len=MAX_FRAME_BYTES, max_bin_len=MAX_FRAME_BYTES, max_array_len=1 << 18,
+                      max_map_len=1 << 12, max_ext_len=0)
 
 
-class ProtocolError(ValueError):
-    """A frame that is not a valid message; the text says what was wrong."""
+def clip(text: str, limit: int = MAX_ERROR_LEN) -> str:
+    """An error text cut to what the receiving side accepts."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # ---------------------------------------------------------------- packed token ids
@@ -49,18 +76,21 @@ def pack_token_ids(token_ids: list[int] | array) -> bytes:
 def unpack_token_ids(data: bytes | list[int]) -> list[int]:
     """Inverse of `pack_token_ids`; a plain list of ints is accepted too (hand-written clients)."""
     if isinstance(data, list):
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in data):
+        if not all(is_int(t) and 0 <= t < 2**32 for t in data):
             raise ProtocolError("token ids must be non-negative integers below 2**32")
         return data
-    if not isinstance(data, (bytes, bytearray)):
-        raise ProtocolError(f"token ids must be packed uint32 bytes or a list of ints, got {type(data).__name__}")
-    if len(data) % 4:
-        raise ProtocolError(f"packed token ids must be a multiple of 4 bytes, got {len(data)}")
+    check_packed("token ids", data, MAX_FRAME_BYTES // 4)
     ids = array(_UINT32)
     ids.frombytes(data)
     if sys.byteorder == "big":
         ids.byteswap()
     return ids.tolist()
+
+
+def check_packed(name: str, value: Any, max_tokens: int) -> None:
+    check(isinstance(value, (bytes, bytearray)), f"{name} must be packed uint32 bytes, got {show(value)}")
+    check(len(value) % 4 == 0, f"packed {name} must be a multiple of 4 bytes, got {len(value)}")
+    check(len(value) <= 4 * max_tokens, f"{name} may hold at most {max_tokens} tokens, got {len(value) // 4}")
 
 
 # ---------------------------------------------------------------- message registry
@@ -71,7 +101,9 @@ _REGISTRY: dict[str, type[Message]] = {}
 def _message(type_name: str):
     def register(cls: type[Message]) -> type[Message]:
         cls.TYPE = type_name
-        cls._FIELDS = tuple(f.name for f in fields(cls))
+        cls._FIELDS = frozenset(f.name for f in fields(cls))
+        cls._REQUIRED = frozenset(f.name for f in fields(cls)
+                                  if f.default is MISSING and f.default_factory is MISSING)
         _REGISTRY[type_name] = cls
         return cls
 
@@ -81,64 +113,41 @@ def _message(type_name: str):
 @dataclass
 class Message:
     TYPE: ClassVar[str] = ""
-    _FIELDS: ClassVar[tuple[str, ...]] = ()
+    _FIELDS: ClassVar[frozenset[str]] = frozenset()
+    _REQUIRED: ClassVar[frozenset[str]] = frozenset()
 
     def encode(self) -> bytes:
-        body = {name: getattr(self, name) for name in self._FIELDS}
+        body = {f.name: getattr(self, f.name) for f in fields(self)}
         return msgpack.packb([PROTOCOL_VERSION, self.TYPE, body], use_bin_type=True)
 
     def validate(self) -> None:
         """Check field values of a decoded message; raise `ProtocolError` naming the problem."""
 
 
-def _required_fields(cls: type[Message]) -> set[str]:
-    return {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-
-
 def decode(frame: bytes) -> Message:
-    """One frame -> a typed message, or `ProtocolError` naming the problem."""
+    """One frame -> a typed, checked message, or `ProtocolError` naming the problem."""
+    check(len(frame) <= MAX_FRAME_BYTES, f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     try:
-        obj = msgpack.unpackb(frame, raw=False, use_list=True)
-    except Exception as e:  # msgpack raises several unrelated types for garbage
-        raise ProtocolError(f"frame is not valid msgpack ({type(e).__name__}: {e})") from None
-    if not isinstance(obj, list) or len(obj) != 3:
-        raise ProtocolError("a message must be a msgpack array [protocol_version, type, body]")
+        obj = msgpack.unpackb(frame, raw=False, use_list=True, **_UNPACK_LIMITS)
+    except Exception as e:  # msgpack raises several unrelated types for garbage; the text is its own
+        raise ProtocolError(f"frame is not valid msgpack within the limits ({type(e).__name__}: {show(str(e))})") from None
+    check(isinstance(obj, list) and len(obj) == 3, "a message must be a msgpack array [protocol_version, type, body]")
+    check_depth(obj)
     version, type_name, body = obj
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version!r} is not supported; this service speaks version {PROTOCOL_VERSION}")
+    check(version == PROTOCOL_VERSION,
+          f"protocol version {show(version)} is not supported; this service speaks version {PROTOCOL_VERSION}")
     cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown message type {type_name!r}; known types: {', '.join(sorted(_REGISTRY))}")
-    if not isinstance(body, dict):
-        raise ProtocolError(f"the body of a {type_name!r} message must be a map")
-    unknown = set(body) - set(cls._FIELDS)
-    if unknown:
-        raise ProtocolError(f"unknown field(s) {sorted(map(str, unknown))} in a {type_name!r} message; allowed: {list(cls._FIELDS)}")
-    missing = _required_fields(cls) - set(body)
-    if missing:
-        raise ProtocolError(f"missing field(s) {sorted(missing)} in a {type_name!r} message")
-    msg = cls(**body)
-    msg.validate()
-    return msg
-
-
-def peek_request_id(frame: bytes) -> str | None:
-    """Best-effort request id of a frame that failed to decode, so its error reaches the right stream."""
+    check(cls is not None, f"unknown message type {show(type_name)}; known types: {', '.join(sorted(_REGISTRY))}")
+    check(isinstance(body, dict), f"the body of a {type_name!r} message must be a map")
+    rid = body.get("request_id")
+    rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ENGINE_ID_LEN else None
     try:
-        obj = msgpack.unpackb(frame, raw=False)
-        rid = obj[2].get("request_id")
-        return rid if isinstance(rid, str) else None
-    except Exception:
-        return None
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ProtocolError(message)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+        check_fields(f"a {type_name!r} message", body, cls._FIELDS, cls._REQUIRED)
+        msg = cls(**body)
+        msg.validate()
+    except ProtocolError as e:
+        raise ProtocolError(str(e), rid) from None
+    return msg
 
 
 # ---------------------------------------------------------------- client -> tokenizer
@@ -155,26 +164,32 @@ class GenerateReq(Message):
     """Engine sampling parameters (temperature, max_tokens, ignore_eos, stop_token_ids, ...)."""
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
+    priority: int = 0
+    """Higher is admitted first under the engine's "priority" scheduling policy."""
+    resend: bool = False
+    """A client sends a request again after a tokenizer restart (it may have been lost there);
+    the engine ignores a resend whose id it already holds or recently finished."""
 
     def validate(self) -> None:
-        _check(isinstance(self.request_id, str) and 0 < len(self.request_id) <= 256,
-               "request_id must be a non-empty string of at most 256 characters")
+        check_str("request_id", self.request_id, MAX_ID_LEN)
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(self, name) is not None]
-        _check(len(given) == 1, f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
-        _check(self.prompt is None or isinstance(self.prompt, str), "prompt must be a string")
+        check(len(given) == 1, f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
+        if self.prompt is not None:
+            check_str("prompt", self.prompt, MAX_FRAME_BYTES, empty=True)
         if self.messages is not None:
-            _check(isinstance(self.messages, list) and len(self.messages) > 0, "messages must be a non-empty list")
+            check(isinstance(self.messages, list) and 0 < len(self.messages) <= MAX_CHAT_MESSAGES,
+                  f"messages must be a non-empty list of at most {MAX_CHAT_MESSAGES} chat messages")
             for m in self.messages:
-                _check(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str),
-                       "each chat message must be a map with string 'role' and 'content'")
+                check(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                      and all(isinstance(k, str) for k in m),
+                      "each chat message must be a map with string 'role' and 'content'")
         if self.prompt_token_ids is not None:
             self.prompt_token_ids = unpack_token_ids(self.prompt_token_ids)
-        _check(isinstance(self.sampling, dict), "sampling must be a map of sampling parameters")
-        _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-               "stop must be a list of non-empty strings")
-        _check(len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_LEN for s in self.stop),
-               f"stop allows at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LEN} characters")
-        _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens must be true or false")
+        check_map("sampling", self.sampling, MAX_SAMPLING_FIELDS)
+        check_strings("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_LEN)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
+        check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
+        check_bool("resend", self.resend)
 
 
 @_message("abort")
@@ -184,19 +199,56 @@ class AbortReq(Message):
     request_id: str
 
     def validate(self) -> None:
-        _check(isinstance(self.request_id, str) and self.request_id != "", "request_id must be a non-empty string")
+        check_str("request_id", self.request_id, MAX_ENGINE_ID_LEN)
 
 
 @_message("ping")
 @dataclass
 class Ping(Message):
-    """Client heartbeat to the detokenizer (keeps its requests alive) and readiness probe."""
+    """Client heartbeat to the detokenizer (keeps its requests alive) and to the tokenizer."""
 
 
 @_message("stats")
 @dataclass
 class StatsReq(Message):
     """Ask the detokenizer for its own state sizes and the engine's latest stats."""
+
+
+@_message("resume")
+@dataclass
+class Resume(Message):
+    """Client -> a restarted detokenizer: the requests it still waits for, as [request_id,
+    token ids received, characters received], so their streams continue where they broke off."""
+    requests: list[list[Any]]
+
+    def validate(self) -> None:
+        check_list("requests", self.requests, MAX_ROWS)
+        for row in self.requests:
+            check(isinstance(row, list) and len(row) == 3, "each resume row must be [request_id, tokens, characters]")
+            check_str("request_id", row[0], MAX_ID_LEN)
+            check_int("tokens received", row[1], 0, 2**31)
+            check_int("characters received", row[2], 0, 2**31)
+
+
+# ---------------------------------------------------------------- request meta (tokenizer -> detok)
+
+META_FIELDS = frozenset({"client", "rid", "stop", "skip", "tail", "t", "min_tokens", "include_stop"})
+"""What the detokenizer needs of a request, passed through the engine untouched:
+client routing id, client request id, stop strings, skip_special_tokens, prompt tail (packed),
+arrival time, min_tokens (before which no stop string ends the text), include the stop string."""
+
+
+def check_meta(meta: Any) -> None:
+    check_map("meta", meta, len(META_FIELDS))
+    check_fields("meta", meta, META_FIELDS, frozenset({"client", "rid"}))
+    check_bytes("meta.client", meta["client"], 255)
+    check_str("meta.rid", meta["rid"], MAX_ID_LEN)
+    check_strings("meta.stop", meta.get("stop", []), MAX_STOP_STRINGS, MAX_STOP_LEN)
+    check_bool("meta.skip", meta.get("skip", True))
+    check_packed("meta.tail", meta.get("tail", b""), MAX_PROMPT_TAIL)
+    check_number("meta.t", meta.get("t", 0.0))
+    check_int("meta.min_tokens", meta.get("min_tokens", 0), 0, 2**31)
+    check_bool("meta.include_stop", meta.get("include_stop", False))
 
 
 # ---------------------------------------------------------------- tokenizer -> engine
@@ -209,28 +261,100 @@ class TokenizedReq(Message):
     prompt_token_ids: bytes
     sampling: dict[str, Any]
     meta: dict[str, Any]
-    """What the detokenizer needs, passed through the engine untouched: see `RequestMeta`."""
+    """See `META_FIELDS`."""
+    priority: int = 0
+    resend: bool = False
 
     def validate(self) -> None:
-        _check(isinstance(self.request_id, str), "request_id must be a string")
+        check_str("request_id", self.request_id, MAX_ENGINE_ID_LEN)
+        check_packed("prompt_token_ids", self.prompt_token_ids, MAX_FRAME_BYTES // 4)
+        check_map("sampling", self.sampling, MAX_SAMPLING_FIELDS)
+        check_meta(self.meta)
+        check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
+        check_bool("resend", self.resend)
+
+
+# ---------------------------------------------------------------- detokenizer -> engine
+
+@_message("detok_hello")
+@dataclass
+class DetokHello(Message):
+    """A detokenizer that just started asks the engine for every request it holds (a `Resync`)."""
+    instance_id: str
+
+    def validate(self) -> None:
+        check_str("instance_id", self.instance_id, MAX_INSTANCE_ID_LEN)
 
 
 # ---------------------------------------------------------------- engine -> detokenizer
+
+def check_output_row(row: Any, extra: int = 0) -> None:
+    """[request_id, packed ids, finished, finish_reason, num_prompt, num_output, num_cached, error],
+    after `extra` leading items (a resync entry has the meta second)."""
+    check(isinstance(row, list) and len(row) == 8 + extra, f"an output row must have {8 + extra} items")
+    rid, ids, finished, reason, *counts, error = row[:1] + row[1 + extra:]
+    check_str("output request_id", rid, MAX_ENGINE_ID_LEN)
+    check_packed("output token ids", ids, MAX_FRAME_BYTES // 4)
+    check_bool("output finished", finished)
+    check(reason is None or reason in FINISH_REASONS, f"finish_reason must be null or one of {FINISH_REASONS}")
+    for count in counts:
+        check_int("output token count", count, 0, 2**31)
+    check_opt_str("output error", error, MAX_ERROR_LEN)
+
 
 @_message("step")
 @dataclass
 class StepOutput(Message):
     """Everything one engine step produced, in one message.
 
-    `started`: metas of requests accepted since the last message (always before their outputs).
-    `rejected`: [request_id, meta, error text] for requests the engine refused.
+    `started`: [request_id, meta] of requests accepted since the last message (always before
+    their outputs). `rejected`: [request_id, meta, error text] for requests the engine refused.
     `outputs`: [request_id, packed new token ids, finished, finish_reason, num_prompt_tokens,
-    num_output_tokens, num_cached_tokens] per request that produced something.
+    num_output_tokens, num_cached_tokens, error] per request that produced something.
     """
-    started: list[dict[str, Any]] = field(default_factory=list)
+    instance_id: str
+    started: list[list[Any]] = field(default_factory=list)
     rejected: list[list[Any]] = field(default_factory=list)
     outputs: list[list[Any]] = field(default_factory=list)
 
+    def validate(self) -> None:
+        check_str("instance_id", self.instance_id, MAX_INSTANCE_ID_LEN)
+        for name, rows, width in (("started", self.started, 2), ("rejected", self.rejected, 3)):
+            check_list(name, rows, MAX_ROWS)
+            for row in rows:
+                check(isinstance(row, list) and len(row) == width, f"each {name} row must have {width} items")
+                check_str(f"{name} request_id", row[0], MAX_ENGINE_ID_LEN)
+                check_meta(row[1])
+                if width == 3:
+                    check_str("rejection text", row[2], MAX_ERROR_LEN)
+        check_list("outputs", self.outputs, MAX_ROWS)
+        for row in self.outputs:
+            check_output_row(row)
+
+
+@_message("resync")
+@dataclass
+class Resync(Message):
+    """The engine's answer to `DetokHello`: every request it holds, and those it finished in the
+    last minute, as [request_id, meta, packed output ids so far, finished, finish_reason,
+    num_prompt, num_output, num_cached, error]; split over frames, `last` on the final one."""
+    instance_id: str
+    detok_instance: str
+    entries: list[list[Any]]
+    last: bool
+
+    def validate(self) -> None:
+        check_str("instance_id", self.instance_id, MAX_INSTANCE_ID_LEN)
+        check_str("detok_instance", self.detok_instance, MAX_INSTANCE_ID_LEN)
+        check_list("entries", self.entries, MAX_ROWS)
+        for entry in self.entries:
+            check_output_row(entry, extra=1)
+            check_meta(entry[1])
+        check_bool("last", self.last)
+
+
+def _check_stats(stats: Any) -> None:
+    check_map("stats", stats, 256)
 
 
 @_message("engine_status")
@@ -242,18 +366,40 @@ class EngineStatus(Message):
     reason: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
 
+    def validate(self) -> None:
+        check_bool("alive", self.alive)
+        check_str("instance_id", self.instance_id, MAX_INSTANCE_ID_LEN, empty=True)
+        check_str("reason", self.reason, MAX_ERROR_LEN, empty=True)
+        _check_stats(self.stats)
 
 
 # ---------------------------------------------------------------- stages -> client
+
+DELTA_FIELDS = frozenset({"request_id", "text", "token_ids", "finish_reason", "error", "usage", "engine_dead"})
+
 
 @_message("stream")
 @dataclass
 class StreamOutput(Message):
     """Deltas for one client's requests. Each delta is a map: request_id, text, token_ids (packed),
     finish_reason (None while streaming; "stop"/"length"/"abort"/"error" on the terminal delta),
-    error (text, with finish_reason "error"), usage (on the terminal delta)."""
+    error (text, with finish_reason "error"), usage (on the terminal delta), engine_dead."""
     deltas: list[dict[str, Any]]
 
+    def validate(self) -> None:
+        check_list("deltas", self.deltas, MAX_ROWS)
+        for d in self.deltas:
+            check_map("delta", d, len(DELTA_FIELDS))
+            check_fields("a delta", d, DELTA_FIELDS, frozenset({"request_id"}))
+            check_str("delta request_id", d["request_id"], MAX_ENGINE_ID_LEN)
+            check_str("delta text", d.get("text", ""), MAX_FRAME_BYTES, empty=True)
+            check_packed("delta token_ids", d.get("token_ids", b""), MAX_FRAME_BYTES // 4)
+            reason = d.get("finish_reason")
+            check(reason is None or reason in FINISH_REASONS, f"finish_reason must be null or one of {FINISH_REASONS}")
+            check_opt_str("delta error", d.get("error"), MAX_ERROR_LEN)
+            if d.get("usage") is not None:
+                check_map("delta usage", d["usage"], 16)
+            check_bool("delta engine_dead", d.get("engine_dead", False))
 
 
 @_message("error")
@@ -263,6 +409,9 @@ class ErrorOutput(Message):
     message: str
     request_id: str | None = None
 
+    def validate(self) -> None:
+        check_str("message", self.message, MAX_ERROR_LEN)
+        check_opt_str("request_id", self.request_id, MAX_ENGINE_ID_LEN)
 
 
 @_message("pong")
@@ -270,8 +419,13 @@ class ErrorOutput(Message):
 class Pong(Message):
     role: str
     instance_id: str
-    engine_alive: bool = False
+    engine_alive: bool | None = None
+    """None while the stage has not heard from the engine yet (it just started): not a death."""
 
+    def validate(self) -> None:
+        check_str("role", self.role, 32)
+        check_str("instance_id", self.instance_id, MAX_INSTANCE_ID_LEN)
+        check(self.engine_alive is None or isinstance(self.engine_alive, bool), "engine_alive must be true, false or null")
 
 
 @_message("stats_result")
@@ -279,9 +433,11 @@ class Pong(Message):
 class StatsOutput(Message):
     stats: dict[str, Any]
 
+    def validate(self) -> None:
+        _check_stats(self.stats)
 
 
-def error_delta(request_id: str, message: str) -> dict[str, Any]:
+def error_delta(request_id: str, message: str, **extra: Any) -> dict[str, Any]:
     """The terminal delta of a request that failed."""
     return {"request_id": request_id, "text": "", "token_ids": b"", "finish_reason": "error",
-            "error": message, "usage": None}
+            "error": clip(message), "usage": None, **extra}

@@ -1,6 +1,7 @@
 """Plumbing the three service stages share: flags with NANOVLLM_* environment defaults, socket
-setup (bounded queues, ROUTER_MANDATORY), signal handling. Kept here, next to the protocol, so
-each stage package holds only its own job. Imports nothing heavy.
+setup (bounded queues and frame sizes, ROUTER_MANDATORY), signal handling, the counted log of
+rejected frames, and the service manager's readiness protocol (`sd_notify`). Kept here, next to
+the protocol, so each stage package holds only its own job. Imports nothing heavy.
 """
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import threading
+import time
 import uuid
 
 import zmq
@@ -101,8 +104,10 @@ def pipeline_push(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM, immed
 
 
 def pipeline_pull(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM) -> zmq.Socket:
+    """A PULL from the previous stage; over tcp anyone may connect, so frames are size-limited too."""
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     sock.setsockopt(zmq.LINGER, 0)
     bind(sock, endpoint)
     return sock
@@ -131,3 +136,59 @@ class PeerMonitor:
     def connected(self) -> bool:
         self.poll()
         return self.num_peers > 0
+
+
+class RejectLog:
+    """Counts frames a stage could not handle, by reason, and logs them without flooding.
+
+    The first frame of each reason is logged at once; after that at most one line per
+    `interval_s` per reason, saying how many were suppressed. `reason` must come from a small
+    fixed set (never from the frame itself), since it keys the counts.
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0):
+        self.logger, self.interval_s = logger, interval_s
+        self.counts: dict[str, int] = {}
+        self._last_logged: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def __call__(self, reason: str, detail: str, *, exc_info: bool = False) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        now = time.monotonic()
+        if now - self._last_logged.get(reason, -1e9) < self.interval_s:
+            self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
+            return
+        suppressed = self._suppressed.pop(reason, 0)
+        self._last_logged[reason] = now
+        more = f" ({suppressed} more since the last report)" if suppressed else ""
+        self.logger.warning("rejected a frame (%s): %s%s", reason, detail, more, exc_info=exc_info)
+
+
+def sd_notify(message: str) -> bool:
+    """Send a state line ("READY=1", "STATUS=...", "WATCHDOG=1", "STOPPING=1") to the service
+    manager named by $NOTIFY_SOCKET (systemd, or `nanovllm serve`); a no-op without one.
+
+    The protocol is one datagram on a unix socket (an abstract one when the name starts with
+    "@"), so no libsystemd is needed.
+    """
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return False
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(path)
+            sock.sendall(message.encode())
+    except OSError as e:  # the manager went away: nothing to tell
+        logging.getLogger("nanovllm.notify").debug("sd_notify(%r) failed: %s", message, e)
+        return False
+    return True
+
+
+def startup_failed(logger: logging.Logger, role: str, error: BaseException) -> int:
+    """A stage that cannot start (bad model path, bad config) says why in one line and exits 1;
+    `nanovllm serve` then stops instead of restarting it forever."""
+    logger.error("the %s stage cannot start: %s", role, error)
+    sd_notify(f"STATUS=cannot start: {error}"[:1000])
+    return 1

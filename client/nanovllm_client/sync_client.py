@@ -1,8 +1,10 @@
 """Blocking client: one object carries many concurrent streams from many threads.
 
 ZeroMQ sockets are not thread-safe, so one background I/O thread owns both sockets (DEALER to
-the tokenizer for requests/aborts, DEALER to the detokenizer for outputs). User threads hand it
-frames through a lock-guarded inproc PUSH and read their deltas from a per-request queue.
+the tokenizer for requests/aborts, DEALER to the detokenizer for outputs) and the protocol state
+(`ClientState`: requests in flight, stage health, resends and resumes across stage restarts).
+User threads hand it commands through a lock-guarded inproc PUSH and read their deltas from a
+per-stream queue.
 """
 from __future__ import annotations
 
@@ -22,16 +24,17 @@ from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceU
 
 log = logging.getLogger("nanovllm_client")
 
-_TO_TOKENIZER, _TO_STREAM, _STOP = b"t", b"s", b"x"
+_GENERATE, _ABORT, _TO_STREAM, _STOP = b"g", b"a", b"s", b"x"
 _instances = itertools.count()
 
 
 class Stream:
     """Iterator over one request's deltas. Breaking out, `cancel()` or garbage collection aborts it."""
 
-    def __init__(self, client: Client, request_id: str, deltas: queue.SimpleQueue, deadline: float,
+    def __init__(self, client: Client, request_id: str, wire_id: str, deltas: queue.SimpleQueue, deadline: float,
                  raise_on_error: bool):
         self.request_id = request_id
+        self._wire_id = wire_id
         self._client, self._deltas, self._deadline = client, deltas, deadline
         self._raise_on_error = raise_on_error
         self._done = False
@@ -47,9 +50,10 @@ class Stream:
         except queue.Empty:
             self.cancel()
             raise RequestTimeoutError(f"request {self.request_id} did not finish within its timeout") from None
+        delta.request_id = self.request_id
         if delta.finished:
             self._done = True
-            self._client._forget(self.request_id)
+            self._client._end_stream(self.request_id, self._wire_id)
             if delta.finish_reason == "error" and self._raise_on_error:
                 error = EngineDeadError if delta.engine_dead else RequestError
                 raise error(delta.error or "request failed", self.request_id)
@@ -59,8 +63,8 @@ class Stream:
         """Abort the request in the engine (idempotent); the iterator ends."""
         if not self._done:
             self._done = True
-            self._client._forget(self.request_id)
-            self._client._send(_TO_TOKENIZER, p.AbortReq(self.request_id).encode())
+            self._client._end_stream(self.request_id, self._wire_id)
+            self._client._send(_ABORT, self._wire_id.encode(), p.AbortReq(self._wire_id).encode())
 
     def __del__(self) -> None:
         try:
@@ -73,8 +77,9 @@ class Client(ClientBase):
     """`Client("ipc:///run/nanovllm")` or `Client("tcp://127.0.0.1:5550")`; a context manager."""
 
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
-                 connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000):
-        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm)
+                 connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000,
+                 stage_timeout: float = 30.0):
+        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout)
         self._ready = threading.Event()
         self._streams: dict[str, queue.SimpleQueue] = {}
         self._stats: queue.SimpleQueue = queue.SimpleQueue()
@@ -96,12 +101,11 @@ class Client(ClientBase):
         self._wait_ready()
         if self._state.engine_alive is False:
             raise EngineDeadError(ENGINE_DEAD, req.request_id)
+        wire_id, frame, resend_frame = self._claim(req)
         deltas: queue.SimpleQueue = queue.SimpleQueue()
-        if req.request_id in self._streams:
-            raise ValueError(f"request id {req.request_id!r} is already in flight on this client")
-        self._streams[req.request_id] = deltas
-        self._send(_TO_TOKENIZER, req.encode())
-        return Stream(self, req.request_id, deltas, self._deadline(timeout), raise_on_error)
+        self._streams[wire_id] = deltas
+        self._send(_GENERATE, wire_id.encode(), frame, resend_frame)
+        return Stream(self, req.request_id, wire_id, deltas, self._deadline(timeout), raise_on_error)
 
     def generate(self, prompt: Any = None, **kwargs: Any) -> Result:
         """Run a request to completion and return the whole answer."""
@@ -109,8 +113,11 @@ class Client(ClientBase):
         return merge(list(s), s.request_id)
 
     def abort(self, request_id: str) -> None:
-        self._forget(request_id)
-        self._send(_TO_TOKENIZER, p.AbortReq(request_id).encode())
+        """Abort the stream of `request_id` (idempotent: unknown or finished ids are ignored)."""
+        wire_id = self._wire_ids.get(request_id)
+        if wire_id is not None:
+            self._end_stream(request_id, wire_id)
+            self._send(_ABORT, wire_id.encode(), p.AbortReq(wire_id).encode())
 
     def server_stats(self, timeout: float = 10.0) -> dict[str, Any]:
         """The detokenizer's state sizes and the engine's latest stats (from its heartbeat)."""
@@ -134,9 +141,9 @@ class Client(ClientBase):
         """Abort every request in flight, flush, and stop the I/O thread."""
         if self._closed:
             return
-        for rid in list(self._streams):
-            self.abort(rid)
-        self._send(_STOP, b"")
+        for app_id in list(self._wire_ids):
+            self.abort(app_id)
+        self._send(_STOP)
         self._io.join(timeout=linger + 5)
         self._closed = True
         self._cmd.close(linger=0)
@@ -155,14 +162,15 @@ class Client(ClientBase):
             raise ServiceUnavailableError(
                 f"no answer from the service's detokenizer at {self.endpoints.stream} within {self.connect_timeout}s")
 
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def _end_stream(self, app_id: str, wire_id: str) -> None:
+        self._streams.pop(wire_id, None)
+        self._release(app_id, wire_id)
 
-    def _send(self, target: bytes, frame: bytes) -> None:
+    def _send(self, *command: bytes) -> None:
         if self._closed:
             raise RuntimeError("client is closed")
         with self._cmd_lock:
-            self._cmd.send_multipart([target, frame])
+            self._cmd.send_multipart(list(command))
 
     def _io_loop(self) -> None:
         tok = self._dealer(self._ctx, self.endpoints.tokenizer)
@@ -178,11 +186,12 @@ class Client(ClientBase):
             while True:
                 now = time.monotonic()
                 if now >= next_ping:
-                    self._route(self._state.check_detok(list(self._streams)))
+                    self._route(self._state.check_detok())
                     if not self._state.ready:
                         self._ready.clear()
-                    if out.poll(0, zmq.POLLOUT):  # a full pipe means the detokenizer is gone; skip
-                        out.send(p.Ping().encode(), zmq.NOBLOCK)
+                    for sock in (out, tok):  # a full pipe means that stage is gone: skip the ping
+                        if sock.poll(0, zmq.POLLOUT):
+                            sock.send(p.Ping().encode(), zmq.NOBLOCK)
                     next_ping = now + (self._heartbeat_interval if self._ready.is_set() else 0.1)
                 poller.modify(tok, zmq.POLLIN | (zmq.POLLOUT if pending_tok else 0))
                 events = dict(poller.poll(max(1, int((next_ping - time.monotonic()) * 1000))))
@@ -192,7 +201,7 @@ class Client(ClientBase):
                     tok.send(pending_tok.popleft(), zmq.NOBLOCK)
                 for sock in (tok, out):
                     if sock in events:
-                        self._drain_incoming(sock)
+                        self._drain_incoming(sock, out, pending_tok)
         finally:
             for frame in pending_tok:  # aborts queued by close(): hand them to zmq, which lingers 1 s
                 try:
@@ -205,28 +214,40 @@ class Client(ClientBase):
     def _drain_commands(self, cmd: zmq.Socket, out: zmq.Socket, pending_tok: collections.deque) -> bool:
         while True:
             try:
-                target, frame = cmd.recv_multipart(zmq.NOBLOCK)
+                command = cmd.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return False
-            if target == _STOP:
+            kind = command[0]
+            if kind == _STOP:
                 return True
-            if target == _TO_TOKENIZER:
-                pending_tok.append(frame)
+            if kind == _GENERATE:
+                self._state.sent(command[1].decode(), command[3])
+                pending_tok.append(command[2])
+            elif kind == _ABORT:
+                self._state.forget(command[1].decode())
+                pending_tok.append(command[2])
             else:
-                out.send(frame)
+                out.send(command[1])
 
-    def _drain_incoming(self, sock: zmq.Socket) -> None:
+    def _drain_incoming(self, sock: zmq.Socket, out: zmq.Socket, pending_tok: collections.deque) -> None:
         while True:
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            deltas, stats = self._state.handle(frame, list(self._streams))
+            try:
+                reaction = self._state.handle(frame)
+            except Exception:  # a bug must cost one frame, never the I/O thread every stream waits on
+                log.exception("could not handle a frame from the service")
+                continue
             if self._state.ready:
                 self._ready.set()
-            if stats is not None:
-                self._stats.put(stats)
-            self._route(deltas)
+            if reaction.stats is not None:
+                self._stats.put(reaction.stats)
+            pending_tok.extend(reaction.to_tokenizer)
+            for resume in reaction.to_detok:
+                out.send(resume)
+            self._route(reaction.deltas)
 
     def _route(self, deltas: list[Delta]) -> None:
         for delta in deltas:

@@ -37,20 +37,69 @@ def test_build_request_accepts_text_chat_or_token_ids():
     assert ids.prompt_token_ids == [1, 2, 3] and ids.sampling == {}
 
 
-def test_engine_death_notice_fails_every_live_request_once():
+def state_with(*wire_ids: str) -> ClientState:
     state = ClientState()
-    state.handle(p.Pong("detokenizer", "d1", True).encode(), [])
-    deltas, _ = state.handle(p.EngineStatus(False, "e1", "crashed").encode(), ["a", "b"])
+    for wire_id in wire_ids:
+        state.sent(wire_id, b"resend:" + wire_id.encode())
+    return state
+
+
+def test_engine_death_notice_fails_every_live_request_once():
+    state = state_with("a", "b")
+    state.handle(p.Pong("detokenizer", "d1", True).encode())
+    deltas = state.handle(p.EngineStatus(False, "e1", "crashed").encode()).deltas
     assert [(d.request_id, d.finish_reason, d.engine_dead) for d in deltas] == [("a", "error", True), ("b", "error", True)]
     assert state.engine_alive is False
-    assert state.handle(p.EngineStatus(False, "e1").encode(), ["a"])[0] == []  # already known dead
+    assert state.handle(p.EngineStatus(False, "e1").encode()).deltas == []  # already known dead
 
 
-def test_a_restarted_detokenizer_fails_live_requests():
-    state = ClientState()
-    state.handle(p.Pong("detokenizer", "d1", True).encode(), ["a"])
-    deltas, _ = state.handle(p.Pong("detokenizer", "d2", True).encode(), ["a"])
-    assert deltas[0].finish_reason == "error" and "restarted" in deltas[0].error
+def test_a_restarted_detokenizer_is_asked_to_resume_each_stream_where_it_broke_off():
+    state = state_with("a", "b")
+    state.handle(p.Pong("detokenizer", "d1", True).encode())
+    state.handle(p.StreamOutput([{"request_id": "a", "text": "héllo", "token_ids": p.pack_token_ids([5, 6, 7])}]).encode())
+    reaction = state.handle(p.Pong("detokenizer", "d2", True).encode())
+    assert reaction.deltas == []  # nothing fails
+    (resume,) = reaction.to_detok
+    assert p.decode(resume).requests == [["a", 3, 5], ["b", 0, 0]]
+
+
+def test_a_detokenizer_that_just_started_does_not_count_as_a_dead_engine():
+    state = state_with("a")
+    state.handle(p.Pong("detokenizer", "d1", True).encode())
+    reaction = state.handle(p.Pong("detokenizer", "d2", None).encode())
+    assert state.engine_alive is None and not any(d.finished for d in reaction.deltas)
+
+
+def test_a_restarted_tokenizer_gets_the_unanswered_requests_again():
+    state = state_with("a", "b")
+    state.handle(p.Pong("tokenizer", "t1", True).encode())
+    state.handle(p.StreamOutput([{"request_id": "a", "text": "x", "token_ids": p.pack_token_ids([1])}]).encode())
+    assert state.handle(p.Pong("tokenizer", "t1", True).encode()).to_tokenizer == []  # same instance
+    assert state.handle(p.Pong("tokenizer", "t2", True).encode()).to_tokenizer == [b"resend:b"]
+
+
+def test_a_silent_detokenizer_fails_streams_only_after_the_stage_timeout(monkeypatch):
+    import nanovllm_client.client_state as cs
+
+    now = [1000.0]
+    monkeypatch.setattr(cs.time, "monotonic", lambda: now[0])
+    state = state_with("a")
+    state.handle(p.Pong("detokenizer", "d1", True).encode())
+    now[0] += state.detok_timeout + 0.1
+    assert state.check_detok() == [] and not state.ready  # new requests wait; this one keeps waiting
+    now[0] += state.stage_timeout
+    (delta,) = state.check_detok()
+    assert delta.finish_reason == "error" and "has not answered" in delta.error
+
+
+def test_each_stream_gets_its_own_wire_id_so_ids_can_be_reused():
+    from nanovllm_client.client_state import wire_request
+
+    first, second = wire_request(build_request("hi", request_id="r")), wire_request(build_request("hi", request_id="r"))
+    assert first[0] != second[0] and first[0].startswith("r#")
+    assert p.decode(first[2]).resend is True and p.decode(first[1]).resend is False
+    with pytest.raises(ValueError, match="at most"):
+        wire_request(build_request("hi", request_id="x" * 300))
 
 
 def test_no_service_is_a_clear_error_not_a_hang(tmp_path):
@@ -69,3 +118,20 @@ def test_cli_reports_an_unreachable_service(tmp_path):
     out = subprocess.run([sys.executable, "-m", "nanovllm_client.cli", "--url", f"ipc://{tmp_path}", "--connect-timeout", "0.5", "hi"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "no answer from the service" in out.stderr
+
+
+def test_the_server_distribution_carries_the_client_package_its_stages_import(tmp_path):
+    """`pip install .` alone must give stages that can import nanovllm_client."""
+    import pathlib
+    import zipfile
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path), str(repo)], capture_output=True, text=True, timeout=300,
+                           cwd=tmp_path)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = tmp_path.glob("nanovllm-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for module in ("nanovllm_client/protocol.py", "nanovllm_client/stage.py", "engine_proc/server.py",
+                   "nanovllm/supervisor.py"):
+        assert module in names, module

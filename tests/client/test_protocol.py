@@ -16,13 +16,19 @@ def test_packed_token_ids_round_trip(ids):
     assert p.unpack_token_ids(packed) == ids
 
 
+META = {"client": b"\x01\x02", "rid": "r", "stop": ["x"], "skip": True, "tail": p.pack_token_ids([1]), "t": 1.5,
+        "min_tokens": 0, "include_stop": False}
+
+
 def test_every_message_type_round_trips():
     messages = [
         p.GenerateReq("r", prompt="hi", sampling={"max_tokens": 3}, stop=["x"], skip_special_tokens=False),
         p.GenerateReq("r", messages=[{"role": "user", "content": "hi"}]),
         p.AbortReq("r"), p.Ping(), p.StatsReq(),
-        p.TokenizedReq("c:r", p.pack_token_ids([1, 2]), {"temperature": 0}, {"rid": "r"}),
-        p.StepOutput([{"request_id": "a"}], [["b", {}, "no"]], [["a", p.pack_token_ids([5]), True, "stop", 1, 1, 0]]),
+        p.TokenizedReq("c:r", p.pack_token_ids([1, 2]), {"temperature": 0}, META, priority=3, resend=True),
+        p.StepOutput("e1", [["a", META]], [["b", META, "no"]], [["a", p.pack_token_ids([5]), True, "stop", 1, 1, 0, None]]),
+        p.Resync("e1", "d1", [["a", META, p.pack_token_ids([5, 6]), False, None, 1, 2, 0, None]], True),
+        p.DetokHello("d1"), p.Resume([["r#1", 3, 9]]),
         p.EngineStatus(True, "abc", "", {"num_running": 1}),
         p.StreamOutput([p.error_delta("r", "boom")]), p.ErrorOutput("bad", "r"), p.Pong("detokenizer", "i", True),
         p.StatsOutput({"a": 1}),
@@ -51,7 +57,7 @@ def test_generate_token_ids_may_travel_packed_or_as_a_list():
     (msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt_token_ids": [-1]}]),
      "non-negative integers"),
     (msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "a", "stop": [""]}]),
-     "stop must be a list of non-empty strings"),
+     "non-empty strings"),
 ])
 def test_bad_frames_raise_protocol_errors_naming_the_problem(frame, expected):
     with pytest.raises(p.ProtocolError) as info:
@@ -68,7 +74,68 @@ def test_no_pickle_anywhere_on_the_wire():
         assert "pickle" not in path.read_text().replace("no pickle", "").replace("No pickle", ""), path
 
 
-def test_peek_request_id_finds_the_stream_of_a_bad_request():
-    frame = msgpack.packb([99, "generate", {"request_id": "abc"}])
-    assert p.peek_request_id(frame) == "abc"
-    assert p.peek_request_id(b"\xc1") is None
+def test_a_bad_frame_names_its_request_when_that_much_can_be_read():
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode(msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "abc", "prompt": 5}]))
+    assert info.value.request_id == "abc"
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode(b"\xc1")
+    assert info.value.request_id is None
+
+
+def nested(levels: int) -> bytes:
+    """msgpack for [[[...[1]...]]], `levels` deep, without recursing in the packer."""
+    return b"\x91" * levels + b"\x01"
+
+
+def raw_message(version: bytes, type_name: bytes, body: bytes) -> bytes:
+    return b"\x93" + version + type_name + body
+
+
+V, GENERATE = msgpack.packb(p.PROTOCOL_VERSION), msgpack.packb("generate")
+HOSTILE = {
+    "deep type": raw_message(V, nested(1000), msgpack.packb({})),
+    "deep version": raw_message(nested(1000), GENERATE, msgpack.packb({})),
+    "deep temperature": raw_message(V, GENERATE, b"\x83" + msgpack.packb("request_id") + msgpack.packb("r")
+                                    + msgpack.packb("prompt") + msgpack.packb("hi") + msgpack.packb("sampling")
+                                    + b"\x81" + msgpack.packb("temperature") + nested(1000)),
+    "deeper than msgpack allows": raw_message(V, GENERATE, nested(5000)),
+    "mixed key types": msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "x",
+                                                                     "sampling": {b"a": 1, "b": 2}}]),
+    "bytes keys in body": msgpack.packb([p.PROTOCOL_VERSION, "abort", {b"request_id": "r", "request_id": "r"}]),
+    "ext type": msgpack.packb([p.PROTOCOL_VERSION, "ping", msgpack.ExtType(5, b"x")]),
+    "timestamp": msgpack.packb([p.PROTOCOL_VERSION, "ping", {}, ]) [:-1] + b"\xd6\xff\x00\x00\x00\x01",
+    "int map keys": msgpack.packb([p.PROTOCOL_VERSION, "ping", {1: 2}]),
+    "truncated": msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "x" * 100}])[:-7],
+    "trailing bytes": msgpack.packb([p.PROTOCOL_VERSION, "ping", {}]) + b"\x00",
+    "too large": b"\xc4" + b"x" * 10,
+    "meta is empty": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, {}).encode(),
+    "meta not a map": msgpack.packb([p.PROTOCOL_VERSION, "tokenized", {"request_id": "c:r", "prompt_token_ids": b"\0" * 4,
+                                                                        "sampling": {}, "meta": [1]}]),
+    "meta client is str": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, {"client": "x", "rid": "r"}).encode(),
+    "meta stop is int": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, {"client": b"x", "rid": "r", "stop": 5}).encode(),
+    "meta tail of 3 bytes": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, {"client": b"x", "rid": "r", "tail": b"abc"}).encode(),
+    "step row too short": p.StepOutput("e", [], [], [["a", b"", True]]).encode(),
+    "step reason unknown": p.StepOutput("e", [], [], [["a", b"", True, "exploded", 1, 1, 0, None]]).encode(),
+    "step started without meta": p.StepOutput("e", [["a", {}]], [], []).encode(),
+    "delta without id": p.StreamOutput([{"text": "x"}]).encode(),
+    "negative count": p.Resume([["r", -1, 0]]).encode(),
+    "huge string in error": msgpack.packb([p.PROTOCOL_VERSION, "error", {"message": "x" * 100_000}]),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_frames_raise_a_short_protocol_error(name):
+    frame = HOSTILE[name]
+    if name == "too large":
+        frame = b"\xc6" + (p.MAX_FRAME_BYTES + 1).to_bytes(4, "big") + b"x" * (p.MAX_FRAME_BYTES + 1)
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode(frame)
+    assert 0 < len(str(info.value)) < 600, str(info.value)
+
+
+def test_nesting_a_real_message_needs_is_allowed_and_one_level_more_is_not():
+    sampling = {"banned_words": [[1, 2]], "logit_bias": {"3": 1.0}}
+    assert p.decode(p.GenerateReq("r", prompt="x", sampling=sampling).encode()).sampling == sampling
+    with pytest.raises(p.ProtocolError, match="deeper than"):
+        p.decode(p.GenerateReq("r", prompt="x", sampling={"banned_words": [[[[[[1]]]]]]}).encode())

@@ -26,10 +26,11 @@ def record_wire_deltas(client: Client) -> list:
     seen: list = []
     handle = client._state.handle
 
-    def recording(frame, live_ids):
-        deltas, stats = handle(frame, live_ids)
-        seen.extend((d.request_id, d.finish_reason) for d in deltas)
-        return deltas, stats
+    def recording(frame):
+        reaction = handle(frame)
+        # On the wire each stream is '<request id>#<n>'; the application sees '<request id>'.
+        seen.extend((d.request_id.rsplit("#", 1)[0], d.finish_reason) for d in reaction.deltas)
+        return reaction
 
     client._state.handle = recording
     return seen
@@ -142,7 +143,8 @@ def test_cli_streams_an_answer_to_the_terminal(service):
 def test_request_timeout_ends_the_stream_with_an_error_and_aborts(client):
     from nanovllm_client import RequestTimeoutError
 
-    stream = client.stream("def main():", max_tokens=600, ignore_eos=True, timeout=1.0)
+    # Long enough that even a fast CPU cannot finish it within the timeout.
+    stream = client.stream("def main():", max_tokens=1000, ignore_eos=True, timeout=0.3)
     started = time.monotonic()
     with pytest.raises(RequestTimeoutError):
         for _ in stream:

@@ -1,0 +1,115 @@
+"""Field checks for decoded wire messages: every value is hostile until one of these passed it.
+
+A frame from any socket (a client's, or a stage's reachable over tcp) decodes into plain msgpack
+data; the message classes in `protocol.py` run these checks on every field before a stage reads
+it. A failed check raises `ProtocolError` with a sentence naming the field, what was wrong and
+what is allowed. Values appear in those sentences only through `show()`, which is bounded in
+length and nesting, so building an error message can never itself fail (a 1,000-level nested
+list once raised RecursionError here, killing the stage that tried to report it).
+"""
+from __future__ import annotations
+
+import reprlib
+from typing import Any
+
+MAX_DEPTH = 8
+"""Deepest nesting a frame may have. The deepest real message (a resync entry's stop strings) is
+6 levels: [version, type, {entries: [[id, {stop: [...]}]]}]."""
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message; the text says what was wrong."""
+
+    def __init__(self, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.request_id = request_id
+        """The request the bad frame belonged to, when that much could be read."""
+
+
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother = 2, 40, 40
+_repr.maxlist = _repr.maxdict = _repr.maxtuple = _repr.maxset = 4
+
+
+def show(value: Any) -> str:
+    """A short, safe rendering of any decoded value for an error message."""
+    try:
+        return _repr.repr(value)
+    except Exception:  # a hostile value must not break its own error message
+        return f"<{type(value).__name__}>"
+
+
+def check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ProtocolError(message)
+
+
+def check_depth(obj: Any, limit: int = MAX_DEPTH) -> None:
+    """Reject nesting deeper than `limit`, iteratively (no recursion for a hostile frame to exhaust)."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            raise ProtocolError(f"the frame nests containers deeper than {limit} levels")
+        children = value.values() if type(value) is dict else value
+        for child in children:
+            if type(child) is list or type(child) is dict:
+                stack.append((child, depth + 1))
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_str(name: str, value: Any, max_len: int, *, empty: bool = False) -> None:
+    check(isinstance(value, str) and (empty or value != "") and len(value) <= max_len,
+          f"{name} must be a {'' if empty else 'non-empty '}string of at most {max_len} characters, got {show(value)}")
+
+
+def check_opt_str(name: str, value: Any, max_len: int) -> None:
+    if value is not None:
+        check_str(name, value, max_len, empty=True)
+
+
+def check_bytes(name: str, value: Any, max_len: int) -> None:
+    check(isinstance(value, bytes) and len(value) <= max_len,
+          f"{name} must be binary of at most {max_len} bytes, got {show(value)}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    check(isinstance(value, bool), f"{name} must be true or false, got {show(value)}")
+
+
+def check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    check(is_int(value) and lo <= value <= hi, f"{name} must be an integer in [{lo}, {hi}], got {show(value)}")
+
+
+def check_number(name: str, value: Any) -> None:
+    check((is_int(value) or isinstance(value, float)) and value == value and abs(value) != float("inf"),
+          f"{name} must be a finite number, got {show(value)}")
+
+
+def check_list(name: str, value: Any, max_len: int) -> None:
+    check(isinstance(value, list) and len(value) <= max_len,
+          f"{name} must be a list of at most {max_len} items, got {show(value)}")
+
+
+def check_map(name: str, value: Any, max_len: int) -> None:
+    """A map with string keys (what msgpack maps from JSON-like senders hold)."""
+    check(isinstance(value, dict) and len(value) <= max_len and all(isinstance(k, str) for k in value),
+          f"{name} must be a map of at most {max_len} entries with string keys, got {show(value)}")
+
+
+def check_strings(name: str, value: Any, max_count: int, max_len: int) -> None:
+    check(isinstance(value, list) and len(value) <= max_count
+          and all(isinstance(s, str) and s != "" and len(s) <= max_len for s in value),
+          f"{name} must be a list of at most {max_count} non-empty strings of at most {max_len} characters, "
+          f"got {show(value)}")
+
+
+def check_fields(name: str, value: dict, allowed: frozenset[str], required: frozenset[str] = frozenset()) -> None:
+    """Exactly the keys a structured map may have: unknown keys and missing required ones are errors."""
+    unknown = [k for k in value if k not in allowed]
+    check(not unknown, f"unknown field(s) {show(sorted(map(str, unknown)))} in {name}; allowed: {sorted(allowed)}")
+    missing = sorted(required - value.keys())
+    check(not missing, f"missing field(s) {missing} in {name}")
