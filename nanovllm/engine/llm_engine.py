@@ -24,7 +24,7 @@ from nanovllm.layers.sampler import TokenLogprobs
 from nanovllm.layers.token_bytes import token_byte_table
 from nanovllm.models.loader import is_gguf, read_hf_config, resolve_model_path
 from nanovllm.models.model_config import ModelConfig, resolve_max_model_len
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, show
 
 
 
@@ -92,9 +92,9 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise ValueError(f"request id {show(request_id)} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer (higher runs first), got {priority!r}")
+            raise ValueError(f"priority must be an integer (higher runs first), got {show(priority)}")
         self._validate_prompt(prompt_token_ids)
         longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if self.block_manager.blocks_for(longest) > self.block_manager.num_total_blocks:
@@ -120,7 +120,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
             bad = next(t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab))
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"prompt token id {show(bad)} is outside the vocabulary [0, {vocab})")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks now; idempotent. True if it was live."""

@@ -22,7 +22,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, show
 
 MAX_CACHED_WORDS = 4096
 
@@ -166,4 +166,4 @@ def build_logits_processors(params: SamplingParams, vocab_size: int, device: tor
 def _check_ids(name: str, ids: list[int], vocab_size: int) -> None:
     bad = [t for t in ids if t >= vocab_size]
     if bad:
-        raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"{name} has token id {show(bad[0])} outside the vocabulary [0, {vocab_size})")

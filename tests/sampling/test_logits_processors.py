@@ -72,3 +72,8 @@ def test_build_checks_token_ids_against_the_vocab():
     calls = []
     build_logits_processors(SamplingParams(banned_words=[[1]]), 50, "cpu", lambda: calls.append(1))
     assert calls == []  # token-id bans need no tokenizer
+
+
+def test_huge_token_ids_give_a_short_error():
+    with pytest.raises(ValueError, match=r"allowed_token_ids has token id <int> outside the vocabulary \[0, 50\)"):
+        build_logits_processors(SamplingParams(allowed_token_ids=[10 ** 5000]), 50, "cpu", lambda: None)
