@@ -4,6 +4,8 @@ The same object travels from the client to the engine: `to_dict()` gives plain m
 types (string keys only) and `from_dict()` rebuilds and re-validates it. Text-level knobs
 (`stop`, `include_stop_str_in_output`, `skip_special_tokens`) are honoured by whoever
 detokenizes (the offline `LLM` or the detokenizer stage); everything else acts in the engine.
+Lists a client sends are bounded (the MAX_* constants below), since each entry costs work on
+every step or on admission.
 """
 from __future__ import annotations
 
@@ -17,6 +19,22 @@ MAX_LOGPROBS = 20
 _SEED_LIMIT = 1 << 64
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 """Beyond these, dividing or multiplying a float32 logit by the penalty can reach 0 or inf."""
+
+# Per-request work a client can ask for: every one of these is paid on each step or on admission.
+MAX_STOP_STRINGS = 64
+"""Stop strings per request: each is searched for in every new piece of text."""
+MAX_STOP_STRING_LENGTH = 1024
+"""Characters per stop string: the detokenizer holds back that much text while a match may start."""
+MAX_BANNED_WORDS = 64
+"""Banned words per request: each is compiled against the whole vocabulary."""
+MAX_BANNED_WORD_LENGTH = 128
+"""Characters of a banned string, or ids of a banned token sequence: one vocabulary search each."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Stop token ids per request: checked against every sampled token."""
+MAX_ALLOWED_TOKEN_IDS = 262_144
+"""Allowed token ids per request: the largest vocabularies in use (262,144), so any subset fits."""
+MAX_LOGIT_BIAS = 1024
+"""logit_bias entries per request: added to the logits on every step."""
 
 _SHOW = reprlib.Repr()
 _SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict, _SHOW.maxset = 2, 6, 6, 6, 6
@@ -57,9 +75,13 @@ def _in_range(name: str, value: Any, lo: float, hi: float, allowed: str) -> None
     _check(_is_number(value) and lo <= value <= hi, f"{name} must be {allowed}, got {show(value)}")
 
 
+def _is_token_id(v: Any) -> bool:
+    return _is_int(v) and v >= 0
+
+
 def _is_bias_key(k: Any) -> bool:
     # ASCII digits only: str.isdigit() also accepts "²", which int() rejects.
-    return (_is_int(k) and k >= 0) or (isinstance(k, str) and 0 < len(k) <= 20 and k.isascii() and k.isdigit())
+    return _is_token_id(k) or (isinstance(k, str) and 0 < len(k) <= 20 and k.isascii() and k.isdigit())
 
 
 @dataclass
@@ -81,22 +103,26 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """Subtracted per occurrence of a token in the output (OpenAI semantics)."""
     logit_bias: dict[int, float] = field(default_factory=dict)
-    """Token id -> value added to its logit; keys may also be decimal strings (as JSON sends them)."""
+    """Token id -> value added to its logit; keys may also be decimal strings (as JSON sends them).
+    At most 1024 entries (MAX_LOGIT_BIAS)."""
     max_tokens: int = 64
     min_tokens: int = 0
     """EOS and stop tokens/strings cannot end the output before this many tokens."""
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    """At most 1024 (MAX_STOP_TOKEN_IDS)."""
     stop: list[str] = field(default_factory=list)
-    """Stop strings, matched on the detokenized text; a single string is accepted too."""
+    """Stop strings, matched on the detokenized text; a single string is accepted too. At most 64
+    strings (MAX_STOP_STRINGS) of at most 1024 characters (MAX_STOP_STRING_LENGTH)."""
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     """Return the log-probability of each generated token plus this many top alternatives."""
     skip_special_tokens: bool = True
     banned_words: list[str | list[int]] = field(default_factory=list)
-    """Strings (never appear in the output text) or token-id sequences (never generated)."""
+    """Strings (never appear in the output text) or token-id sequences (never generated). At most 64
+    entries (MAX_BANNED_WORDS) of at most 128 characters or token ids (MAX_BANNED_WORD_LENGTH)."""
     allowed_token_ids: list[int] | None = None
-    """Only these tokens may be generated."""
+    """Only these tokens may be generated; at most 262,144 ids (MAX_ALLOWED_TOKEN_IDS)."""
     logits_processors: list[Callable] = field(default_factory=list)
     """In-process only: extra `LogitsProcessor`s, applied per request after the built-in ones."""
 
@@ -130,6 +156,8 @@ class SamplingParams:
         _in_range("presence_penalty", self.presence_penalty, -2, 2, "in [-2, 2]")
         _in_range("frequency_penalty", self.frequency_penalty, -2, 2, "in [-2, 2]")
         _check(isinstance(self.logit_bias, dict), f"logit_bias must be a map of token id to bias, got {show(self.logit_bias)}")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS,
+               f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for k, v in self.logit_bias.items():
             _check(_is_bias_key(k), f"logit_bias keys must be token ids >= 0, got {show(k)}")
             _in_range(f"logit_bias[{show(k)}]", v, -100, 100, "in [-100, 100]")
@@ -140,22 +168,33 @@ class SamplingParams:
                f"min_tokens must be an integer in [0, max_tokens={show(self.max_tokens)}], got {show(self.min_tokens)}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {show(getattr(self, name))}")
-        _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
-               f"stop must be a string or a list of non-empty strings, got {show(self.stop)}")
+        _check(isinstance(self.stop, (list, tuple)), f"stop must be a string or a list of non-empty strings, got {show(self.stop)}")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, f"stop may have at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            _check(isinstance(s, str) and s, f"stop must be a string or a list of non-empty strings, got {show(s)} in the list")
+            _check(len(s) <= MAX_STOP_STRING_LENGTH,
+                   f"stop strings may have at most {MAX_STOP_STRING_LENGTH} characters, got one of {len(s)}")
         self.stop = list(self.stop)
 
     def _validate_tokens(self) -> None:
-        _check(isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids must be a list of token ids >= 0, got {show(self.stop_token_ids)}")
-        _check(isinstance(self.banned_words, (list, tuple)),
-               f"banned_words must be a list of strings or token-id lists, got {show(self.banned_words)}")
-        for w in self.banned_words:
-            ok = (isinstance(w, str) and w) or (isinstance(w, (list, tuple)) and w and all(_is_int(t) and t >= 0 for t in w))
-            _check(bool(ok), f"banned_words entries must be non-empty strings or non-empty lists of token ids >= 0, got {show(w)}")
+        ids = self.stop_token_ids
+        _check(isinstance(ids, (list, tuple)) and len(ids) <= MAX_STOP_TOKEN_IDS and all(_is_token_id(t) for t in ids),
+               f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids >= 0, got {show(ids)}")
+        words = self.banned_words
+        _check(isinstance(words, (list, tuple)), f"banned_words must be a list of strings or token-id lists, got {show(words)}")
+        _check(len(words) <= MAX_BANNED_WORDS, f"banned_words may have at most {MAX_BANNED_WORDS} entries, got {len(words)}")
+        for w in words:
+            ok = (isinstance(w, str) and w) or (isinstance(w, (list, tuple)) and w and len(w) <= MAX_BANNED_WORD_LENGTH
+                                                and all(_is_token_id(t) for t in w))
+            _check(bool(ok), f"banned_words entries must be non-empty strings or non-empty lists of token ids >= 0, "
+                             f"each at most {MAX_BANNED_WORD_LENGTH} long, got {show(w)}")
+            _check(len(w) <= MAX_BANNED_WORD_LENGTH,
+                   f"banned_words strings may have at most {MAX_BANNED_WORD_LENGTH} characters, got one of {len(w)}")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
-            _check(isinstance(ids, (list, tuple)) and ids and all(_is_int(t) and t >= 0 for t in ids),
-                   f"allowed_token_ids must be null or a non-empty list of token ids >= 0, got {show(ids)}")
+            _check(isinstance(ids, (list, tuple)) and 0 < len(ids) <= MAX_ALLOWED_TOKEN_IDS and all(_is_token_id(t) for t in ids),
+                   f"allowed_token_ids must be null or a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} "
+                   f"token ids >= 0, got {show(ids)}")
             self.allowed_token_ids = list(ids)
         _check(isinstance(self.logits_processors, (list, tuple)) and all(callable(p) for p in self.logits_processors),
                "logits_processors must be a list of callables (in-process only; it cannot be sent over the wire)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from nanovllm import sampling_params as sp
 from nanovllm.sampling_params import SamplingParams
 
 INVALID = [
@@ -86,8 +87,6 @@ class LoudRepr:
 def test_hostile_values_give_a_short_clean_error(field, value):
     if field in ("top_k", "seed", "max_tokens") and isinstance(value, int):
         pytest.skip("a huge int is a valid value there")
-    if field == "stop" and isinstance(value, str):
-        pytest.skip("one long stop string is valid (no length limit yet)")
     with pytest.raises(ValueError) as e:
         SamplingParams(**{field: value})
     assert str(e.value).startswith(field) and len(str(e.value)) < 400
@@ -117,3 +116,34 @@ def test_mixed_key_types_are_value_errors_not_sorting_type_errors():
         SamplingParams(logit_bias={"²": 1.0})  # a digit to str.isdigit, not to int()
     with pytest.raises(ValueError, match=r"unknown sampling parameter\(s\) \['y', b'x'\]"):
         SamplingParams.from_dict({b"x": 1, "y": 2, "top_p": 0.5})
+
+
+LIMITS = [  # field, the largest valid value, one over the limit, the limit's text in the error
+    ("banned_words", ["w"] * sp.MAX_BANNED_WORDS, ["w"] * (sp.MAX_BANNED_WORDS + 1), "at most 64 entries"),
+    ("banned_words", ["é" * sp.MAX_BANNED_WORD_LENGTH], ["é" * (sp.MAX_BANNED_WORD_LENGTH + 1)], "at most 128"),
+    ("banned_words", [[7] * sp.MAX_BANNED_WORD_LENGTH], [[7] * (sp.MAX_BANNED_WORD_LENGTH + 1)], "at most 128"),
+    ("stop", ["s"] * sp.MAX_STOP_STRINGS, ["s"] * (sp.MAX_STOP_STRINGS + 1), "at most 64 strings"),
+    ("stop", "s" * sp.MAX_STOP_STRING_LENGTH, "s" * (sp.MAX_STOP_STRING_LENGTH + 1), "at most 1024 characters"),
+    ("stop_token_ids", [1] * sp.MAX_STOP_TOKEN_IDS, [1] * (sp.MAX_STOP_TOKEN_IDS + 1), "at most 1024"),
+    ("allowed_token_ids", list(range(sp.MAX_ALLOWED_TOKEN_IDS)), list(range(sp.MAX_ALLOWED_TOKEN_IDS + 1)),
+     "at most 262144"),
+    ("logit_bias", {i: 1.0 for i in range(sp.MAX_LOGIT_BIAS)}, {i: 1.0 for i in range(sp.MAX_LOGIT_BIAS + 1)},
+     "at most 1024"),
+]
+
+
+@pytest.mark.parametrize("field,largest,over,limit", LIMITS, ids=[f"{f}-{i}" for i, (f, *_) in enumerate(LIMITS)])
+def test_per_request_work_is_bounded(field, largest, over, limit):
+    SamplingParams(**{field: largest})
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{field: over})
+    assert str(e.value).startswith(field) and limit in str(e.value) and len(str(e.value)) < 400
+
+
+def test_limits_are_checked_before_the_entries():
+    class Endless(list):  # a list whose entries must never be walked
+        def __iter__(self):
+            raise AssertionError("entries walked before the size check")
+    for field in ("stop", "banned_words", "stop_token_ids", "allowed_token_ids"):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: Endless([1] * 10 ** 6)})
