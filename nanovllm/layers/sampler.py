@@ -10,6 +10,8 @@ step. Per step, in this order:
 4. greedy rows take the argmax; the others divide by their temperature, keep their top_k, then
    the top_p nucleus and the tokens at least min_p times as likely as the best one (top_p and
    min_p are both judged on the top_k-renormalized distribution), and draw from what is left.
+   The most likely token always survives the filters, and a temperature too small for float32
+   acts as greedy.
 
 Everything is tensor work over the batch; the only Python loops are over requests that have a
 constraint or a seed. A batch of plain greedy requests is one argmax.
@@ -202,8 +204,13 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     Each row takes one uniform number: from its own generator if it has one, else from `shared`.
     """
     vocab = logits.shape[1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-    scaled = logits / temperature.unsqueeze(1)  # (R, V)
+    finfo = torch.finfo(logits.dtype)
+    # Clamped to the dtype's normal range: a temperature that rounds to 0 (1e-40 in float32) or
+    # to inf would divide into inf or NaN. Each row's best logit is moved to 0 first, so a tiny
+    # temperature sends it to 0 and every other token towards -inf: greedy, never NaN.
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=logits.device)
+    temperature = temperature.clamp_(finfo.tiny, finfo.max).to(logits.dtype)
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1))  # (R, V)
     if any(_filters(p, vocab) for p in params):
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         candidates, ids = filter_candidates(scaled, top_k, [p.top_p for p in params], [p.min_p for p in params])
@@ -294,6 +301,7 @@ def _filter(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, top_k
     # test, since a rounded cumsum can reach 1 before the tail. min_p compares with the best.
     drop = ((probs.cumsum(dim=-1) - probs) >= p) & (p < 1)
     drop |= probs < m * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always stays, however small top_p (1e-50 rounds to 0)
     if width < vocab and not bool((drop[:, -1] | (k.squeeze(1) < vocab)).all()):
         return None  # a row without top_k keeps the last candidate: its set may go on past W
     return values.masked_fill(drop, _NEG_INF), ids
