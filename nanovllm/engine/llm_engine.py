@@ -1,8 +1,9 @@
 """The step API: add requests, abort them, advance the whole batch one step at a time.
 
 This is what the engine stage wraps and what the offline `LLM` drives in a loop. Every request
-ends with exactly one output whose `finished` is True: on a stop token, on a length limit, or
-(reported by the next `step()`) after `abort`. Post-step hooks (hooks.py) see a metrics
+ends with exactly one output whose `finished` is True: on a stop token, on a length limit,
+(reported by the next `step()`) after `abort`, or with reason "error" when its own sampling
+failed (its logits processor raised, its logits went NaN): other requests carry on. Post-step hooks (hooks.py) see a metrics
 snapshot after every step; the scheduling policy (policy.py) orders admission and preemption.
 """
 from __future__ import annotations
@@ -42,12 +43,14 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
-    """"stop", "length" or "abort" once finished."""
+    """"stop", "length", "abort" or "error" once finished."""
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None = None
     """One entry per new token when the request asked for logprobs."""
+    error: str | None = None
+    """Why the request failed, when finish_reason is "error" (e.g. its logits processor raised)."""
 
 
 class LLMEngine:
@@ -166,8 +169,11 @@ class LLMEngine:
         logprobs = self.runner.sampler.take_logprobs(seq.request_id)
         if logprobs is None and seq.params.logprobs is not None:
             logprobs = []  # aborted: its state is gone, and it had no unreported tokens
+        error = None
+        if seq.finish_reason == "error":
+            error = self.runner.sampler.take_error(seq.request_id) or "sampling failed"
         return RequestOutput(seq.request_id, new, seq.is_finished, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens, logprobs)
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens, logprobs, error)
 
     def _words(self) -> WordIndex:
         """The vocabulary's token bytes, for string `banned_words`; loads the tokenizer once."""

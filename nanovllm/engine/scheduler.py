@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.policy import FCFSPolicy, SchedulerPolicy
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.layers.sampler import SAMPLE_FAILED
 
 
 @dataclass(slots=True)
@@ -118,7 +119,10 @@ class Scheduler:
         self.num_preemptions += 1
 
     def postprocess(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> None:
-        """Advance sequences past the step: record computed tokens, append samples, finish."""
+        """Advance sequences past the step: record computed tokens, append samples, finish.
+
+        A SAMPLE_FAILED sample ends its sequence with reason "error" (the sampler keeps the why).
+        """
         samples = iter(sampled)
         for item in scheduled:
             seq = item.seq
@@ -127,6 +131,9 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prompt chunk that does not reach the end yet
             token = next(samples)
+            if token == SAMPLE_FAILED:
+                self.finish(seq, "error")
+                continue
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:

@@ -56,3 +56,93 @@ def test_huge_temperatures_are_uniform_not_nan():
     logits[:, :V // 2] = float("-inf")
     tokens = sample(cases, logits)
     assert all(V // 2 <= t < V for t in tokens)
+
+
+# -- a failing row ends its own request, not the batch ---------------------------------------
+
+NEIGHBOURS = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3, top_p=0.9),
+              SamplingParams(temperature=0, repetition_penalty=1.3, logprobs=2),
+              SamplingParams(temperature=1.1, seed=4, top_k=20, min_p=0.05)]
+
+
+class Poison:
+    """A logits processor that misbehaves from the `at`-th output token on."""
+
+    def __init__(self, how: str, at: int = 0):
+        self.how, self.at = how, at
+
+    def __call__(self, output_ids, logits):
+        if len(output_ids) < self.at:
+            return logits
+        if self.how == "raise":
+            raise KeyError("the processor broke")
+        if self.how == "wrong-shape":
+            return logits[:3]
+        logits[5] = {"nan": float("nan"), "+inf": float("inf")}[self.how]
+        return logits
+
+
+def run_steps(params: list[SamplingParams], processors: dict[int, list], steps: int,
+              absent: frozenset[int] = frozenset()) -> tuple[list[list[int]], Sampler]:
+    """Sample `steps` tokens for each request, feeding each one back; per-step logits from a fixed stream."""
+    sampler = Sampler(V, torch.device("cpu"), seed=1)
+    seqs = [Sequence(f"r{i}", [1, 2, 3], p, arrival=i) for i, p in enumerate(params)]
+    for i, (s, p) in enumerate(zip(seqs, params)):
+        sampler.add_request(s.request_id, p, processors.get(i, []))
+    g = torch.Generator().manual_seed(0)
+    out = [[] for _ in params]
+    live = [i for i in range(len(params)) if i not in absent]
+    for _ in range(steps):
+        logits = torch.randn(len(params), V, generator=g) * 3  # every request has its own row stream
+        tokens = sampler(logits[live], [seqs[i] for i in live])
+        for i, t in zip(live, tokens):
+            out[i].append(t)
+            if t != sampler_module.SAMPLE_FAILED:
+                seqs[i].token_ids.append(t)
+        live = [i for i in live if out[i][-1] != sampler_module.SAMPLE_FAILED]
+    return out, sampler
+
+
+@pytest.mark.parametrize("how", ["raise", "wrong-shape", "nan", "+inf"])
+@pytest.mark.parametrize("bad_params", [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=9, top_k=5)],
+                         ids=["greedy", "sampled"])
+def test_a_failing_row_fails_alone(how, bad_params):
+    params = NEIGHBOURS[:2] + [bad_params] + NEIGHBOURS[2:]
+    out, sampler = run_steps(params, {2: [Poison(how, at=3)]}, steps=6)
+    assert out[2][:3] != [sampler_module.SAMPLE_FAILED] * 3 and out[2][3] == sampler_module.SAMPLE_FAILED
+    assert len(out[2]) == 4  # not sampled again after it failed
+    error = sampler.take_error("r2")
+    expected = {"raise": "KeyError: 'the processor broke'", "wrong-shape": "processor", "nan": "NaN", "+inf": "+inf"}[how]
+    assert expected in error, error
+    alone, _ = run_steps(params, {}, steps=6, absent=frozenset({2}))  # the same batch without it
+    for i in (0, 1, 3, 4):
+        assert out[i] == alone[i] and all(0 <= t < V for t in out[i])
+        assert sampler.take_error(f"r{i}") is None
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_model_logits_fail_their_row_on_the_greedy_fast_path(value):
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(5))
+    logits[1, 7] = value
+    if value == float("-inf"):
+        logits[1] = value  # nothing left to choose
+    sampler = Sampler(V, torch.device("cpu"))
+    seqs = [Sequence(f"r{i}", [1], SamplingParams(temperature=0), arrival=i) for i in range(4)]
+    tokens = sampler(logits.clone(), seqs)
+    expected = logits.argmax(dim=-1).tolist()
+    expected[1] = sampler_module.SAMPLE_FAILED
+    assert tokens == expected
+    assert "logits" in sampler.take_error("r1") and sampler.take_error("r0") is None
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1)],
+                         ids=["greedy", "sampled"])
+def test_an_id_outside_the_vocabulary_fails_its_row(params):
+    # Logits wider than the vocabulary (a padded output layer): a padding column must never be returned.
+    logits = torch.randn(3, V + 8, generator=torch.Generator().manual_seed(6))
+    logits[2, V + 3] = 1e4
+    sampler = Sampler(V, torch.device("cpu"))
+    seqs = [Sequence(f"r{i}", [1], params, arrival=i) for i in range(3)]
+    tokens = sampler(logits, seqs)
+    assert tokens[2] == sampler_module.SAMPLE_FAILED and all(0 <= t < V for t in tokens[:2])
+    assert f"outside the vocabulary [0, {V})" in sampler.take_error("r2")
