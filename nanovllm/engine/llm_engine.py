@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -70,7 +75,10 @@ class LLMEngine:
         self.last_step = StepStats()
         self.num_steps = 0
         self.post_step_hooks = PostStepHooks()
-        self._word_index: WordIndex | None = None
+        # Loading a tokenizer takes seconds, and add_request runs on the step loop (the engine
+        # stage's thread): the index for string banned words is built now, off that loop.
+        self._word_index = _in_background("nanovllm-word-index", load_word_index, self.model_path,
+                                          self.model_config.vocab_size, self.runner.device)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -176,16 +184,12 @@ class LLMEngine:
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens, logprobs, error)
 
     def _words(self) -> WordIndex:
-        """The vocabulary's token bytes, for string `banned_words`; loads the tokenizer once."""
-        if self._word_index is None:
-            from nanovllm.models.tokenizer import load_tokenizer
-            try:
-                tokenizer = load_tokenizer(self.model_path)
-            except Exception as e:  # no tokenizer files: many kinds of errors
-                raise ValueError(f"string banned_words need the model's tokenizer, which did not load ({e}); "
-                                 "pass banned words as token-id lists instead") from None
-            self._word_index = WordIndex(token_byte_table(tokenizer, self.model_config.vocab_size), self.runner.device)
-        return self._word_index
+        """The vocabulary's token bytes, for string `banned_words`; waits if still being built."""
+        try:
+            return self._word_index.result()
+        except Exception as e:  # no tokenizer files: many kinds of errors
+            raise ValueError(f"string banned_words need the model's tokenizer, which did not load ({str(e)[:300]}); "
+                             "pass banned words as token-id lists instead") from None
 
     # -- monitoring ----------------------------------------------------------------------------
 
@@ -221,3 +225,26 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
         }
+
+
+def load_word_index(model_path: str, vocab_size: int, device: torch.device) -> WordIndex:
+    """The token bytes of the model's vocabulary, indexed for banned strings (loads the tokenizer)."""
+    from nanovllm.models.tokenizer import load_tokenizer  # only string banned words need it
+    table = token_byte_table(load_tokenizer(model_path), vocab_size)
+    if not any(table):  # transformers builds an empty tokenizer from a folder without its files
+        raise ValueError("the tokenizer has no text tokens")
+    return WordIndex(table, device)
+
+
+def _in_background(name: str, fn: Callable[..., Any], *args: Any) -> Future:
+    """fn(*args) on a daemon thread named `name`; its result (or exception) in the returned future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # handed to whoever waits on the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
