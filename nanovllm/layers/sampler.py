@@ -188,8 +188,9 @@ class Sampler:
         # argmax lands on a NaN or +inf when its row has one, and on -inf only when the row holds
         # nothing else: the B chosen values tell whether any row is non-finite.
         chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
-        if bool((torch.isfinite(chosen) & (tokens < self.vocab_size)).all()):
-            return tokens.tolist()
+        ids = torch.where(torch.isfinite(chosen) & (tokens < self.vocab_size), tokens, SAMPLE_FAILED).tolist()
+        if SAMPLE_FAILED not in ids:  # one device sync, as before the check
+            return ids
         failed = {i: "the model's " + _non_finite(logits[i]) for i in (~torch.isfinite(chosen)).nonzero().flatten().tolist()}
         self._check_ids(tokens, failed)
         return self._report(tokens, seqs, states, failed)
