@@ -24,8 +24,9 @@ class LLM:
 
         Each result has "text", "token_ids" and "finish_reason", plus "logprobs" (one
         `TokenLogprobs` per token) when asked for, and "error" (its text) when finish_reason
-        is "error": that request's sampling failed, the others are unaffected. Stop strings end the text (kept only with
-        `include_stop_str_in_output`); "token_ids" keeps every generated token.
+        is "error": that request's sampling failed, the others are unaffected. Stop strings
+        end the text (kept only with `include_stop_str_in_output`); "token_ids" keeps every
+        generated token.
         """
         if isinstance(prompts, (str, int)) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("prompts must be a list of strings or a list of token-id lists")

@@ -3,8 +3,9 @@
 This is what the engine stage wraps and what the offline `LLM` drives in a loop. Every request
 ends with exactly one output whose `finished` is True: on a stop token, on a length limit,
 (reported by the next `step()`) after `abort`, or with reason "error" when its own sampling
-failed (its logits processor raised, its logits went NaN): other requests carry on. Post-step hooks (hooks.py) see a metrics
-snapshot after every step; the scheduling policy (policy.py) orders admission and preemption.
+failed (its logits processor raised, its logits went NaN): other requests carry on. Post-step
+hooks (hooks.py) see a metrics snapshot after every step; the scheduling policy (policy.py)
+orders admission and preemption.
 """
 from __future__ import annotations
 

@@ -46,6 +46,7 @@ _NEG_INF = float("-inf")
 SAMPLE_FAILED = -1
 """The token id `Sampler.__call__` returns for a row that could not be sampled (see `take_error`)."""
 MAX_ERROR_CHARS = 500
+"""Longest error text kept for a request: a processor's exception message may be anything."""
 log = logging.getLogger(__name__)
 
 
