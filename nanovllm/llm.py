@@ -23,8 +23,10 @@ class LLM:
         """Generate for every prompt (text or token ids); results in prompt order.
 
         Each result has "text", "token_ids" and "finish_reason", plus "logprobs" (one
-        `TokenLogprobs` per token) when asked for. Stop strings end the text (kept only with
-        `include_stop_str_in_output`); "token_ids" keeps every generated token.
+        `TokenLogprobs` per token) when asked for, and "error" (its text) when finish_reason
+        is "error": that request's sampling failed, the others are unaffected. Stop strings
+        end the text (kept only with `include_stop_str_in_output`); "token_ids" keeps every
+        generated token.
         """
         if isinstance(prompts, (str, int)) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("prompts must be a list of strings or a list of token-id lists")
@@ -73,3 +75,5 @@ class LLM:
                     self.engine.abort(out.request_id)  # its final (empty) output comes next step
         if out.finished and result["finish_reason"] is None:
             result["finish_reason"] = out.finish_reason
+            if out.error is not None:
+                result["error"] = out.error

@@ -4,16 +4,53 @@ The same object travels from the client to the engine: `to_dict()` gives plain m
 types (string keys only) and `from_dict()` rebuilds and re-validates it. Text-level knobs
 (`stop`, `include_stop_str_in_output`, `skip_special_tokens`) are honoured by whoever
 detokenizes (the offline `LLM` or the detokenizer stage); everything else acts in the engine.
+Lists a client sends are bounded (the MAX_* constants below), since each entry costs work on
+every step or on admission.
 """
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 MAX_LOGPROBS = 20
 """Most alternatives `logprobs` may ask for per generated token."""
 _SEED_LIMIT = 1 << 64
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+"""Beyond these, dividing or multiplying a float32 logit by the penalty can reach 0 or inf."""
+
+# Per-request work a client can ask for: every one of these is paid on each step or on admission.
+MAX_STOP_STRINGS = 64
+"""Stop strings per request: each is searched for in every new piece of text."""
+MAX_STOP_STRING_LENGTH = 1024
+"""Characters per stop string: the detokenizer holds back that much text while a match may start."""
+MAX_BANNED_WORDS = 64
+"""Banned words per request: each is compiled against the whole vocabulary."""
+MAX_BANNED_WORD_LENGTH = 128
+"""Characters of a banned string, or ids of a banned token sequence: one vocabulary search each."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Stop token ids per request: checked against every sampled token."""
+MAX_ALLOWED_TOKEN_IDS = 262_144
+"""Allowed token ids per request: the largest vocabularies in use (262,144), so any subset fits."""
+MAX_LOGIT_BIAS = 1024
+"""logit_bias entries per request: added to the logits on every step."""
+
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict, _SHOW.maxset = 2, 6, 6, 6, 6
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 60, 60, 40
+
+
+def show(value: Any) -> str:
+    """A short repr for error messages, whatever the value: depth, length and size are bounded.
+
+    Values come from clients; a plain `repr` of a deeply nested list raises RecursionError, of a
+    huge int ValueError, and of a long string fills the log.
+    """
+    try:
+        return _SHOW.repr(value)
+    except Exception:  # a hostile __repr__, or an int too long to print
+        return f"<{type(value).__name__}>"
 
 
 def _check(ok: bool, message: str) -> None:
@@ -26,11 +63,25 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _in_range(name: str, value: Any, lo: float, hi: float, allowed: str) -> None:
-    _check(_is_number(value) and lo <= value <= hi, f"{name} must be {allowed}, got {value!r}")
+    _check(_is_number(value) and lo <= value <= hi, f"{name} must be {allowed}, got {show(value)}")
+
+
+def _is_token_id(v: Any) -> bool:
+    return _is_int(v) and v >= 0
+
+
+def _is_bias_key(k: Any) -> bool:
+    # ASCII digits only: str.isdigit() also accepts "²", which int() rejects.
+    return _is_token_id(k) or (isinstance(k, str) and 0 < len(k) <= 20 and k.isascii() and k.isdigit())
 
 
 @dataclass
@@ -52,22 +103,26 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """Subtracted per occurrence of a token in the output (OpenAI semantics)."""
     logit_bias: dict[int, float] = field(default_factory=dict)
-    """Token id -> value added to its logit; keys may also be decimal strings (as JSON sends them)."""
+    """Token id -> value added to its logit; keys may also be decimal strings (as JSON sends them).
+    At most 1024 entries (MAX_LOGIT_BIAS)."""
     max_tokens: int = 64
     min_tokens: int = 0
     """EOS and stop tokens/strings cannot end the output before this many tokens."""
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    """At most 1024 (MAX_STOP_TOKEN_IDS)."""
     stop: list[str] = field(default_factory=list)
-    """Stop strings, matched on the detokenized text; a single string is accepted too."""
+    """Stop strings, matched on the detokenized text; a single string is accepted too. At most 64
+    strings (MAX_STOP_STRINGS) of at most 1024 characters (MAX_STOP_STRING_LENGTH)."""
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     """Return the log-probability of each generated token plus this many top alternatives."""
     skip_special_tokens: bool = True
     banned_words: list[str | list[int]] = field(default_factory=list)
-    """Strings (never appear in the output text) or token-id sequences (never generated)."""
+    """Strings (never appear in the output text) or token-id sequences (never generated). At most 64
+    entries (MAX_BANNED_WORDS) of at most 128 characters or token ids (MAX_BANNED_WORD_LENGTH)."""
     allowed_token_ids: list[int] | None = None
-    """Only these tokens may be generated."""
+    """Only these tokens may be generated; at most 262,144 ids (MAX_ALLOWED_TOKEN_IDS)."""
     logits_processors: list[Callable] = field(default_factory=list)
     """In-process only: extra `LogitsProcessor`s, applied per request after the built-in ones."""
 
@@ -85,49 +140,61 @@ class SamplingParams:
 
     def _validate_sampling(self) -> None:
         _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
+               f"temperature must be a number >= 0 (0 means greedy), got {show(self.temperature)}")
         _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-               f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+               f"top_k must be -1 (disabled) or an integer >= 1, got {show(self.top_k)}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {show(self.top_p)}")
         _in_range("min_p", self.min_p, 0, 1, "in [0, 1]")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < _SEED_LIMIT),
-               f"seed must be null or an integer in [0, 2**64), got {self.seed!r}")
+               f"seed must be null or an integer in [0, 2**64), got {show(self.seed)}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+               f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {show(self.logprobs)}")
 
     def _validate_penalties(self) -> None:
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty must be a number > 0 (1 disables), got {self.repetition_penalty!r}")
+        _in_range("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
+                  f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)")
         _in_range("presence_penalty", self.presence_penalty, -2, 2, "in [-2, 2]")
         _in_range("frequency_penalty", self.frequency_penalty, -2, 2, "in [-2, 2]")
-        _check(isinstance(self.logit_bias, dict), f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}")
+        _check(isinstance(self.logit_bias, dict), f"logit_bias must be a map of token id to bias, got {show(self.logit_bias)}")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS,
+               f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for k, v in self.logit_bias.items():
-            key_ok = (_is_int(k) and k >= 0) or (isinstance(k, str) and k.isdigit())
-            _check(key_ok, f"logit_bias keys must be token ids >= 0, got {k!r}")
-            _in_range(f"logit_bias[{k}]", v, -100, 100, "in [-100, 100]")
+            _check(_is_bias_key(k), f"logit_bias keys must be token ids >= 0, got {show(k)}")
+            _in_range(f"logit_bias[{show(k)}]", v, -100, 100, "in [-100, 100]")
 
     def _validate_lengths(self) -> None:
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {show(self.max_tokens)}")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+               f"min_tokens must be an integer in [0, max_tokens={show(self.max_tokens)}], got {show(self.min_tokens)}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
-        _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
-               f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+            _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {show(getattr(self, name))}")
+        _check(isinstance(self.stop, (list, tuple)), f"stop must be a string or a list of non-empty strings, got {show(self.stop)}")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, f"stop may have at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            _check(isinstance(s, str) and s, f"stop must be a string or a list of non-empty strings, got {show(s)} in the list")
+            _check(len(s) <= MAX_STOP_STRING_LENGTH,
+                   f"stop strings may have at most {MAX_STOP_STRING_LENGTH} characters, got one of {len(s)}")
         self.stop = list(self.stop)
 
     def _validate_tokens(self) -> None:
-        _check(isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
-        _check(isinstance(self.banned_words, (list, tuple)),
-               f"banned_words must be a list of strings or token-id lists, got {self.banned_words!r}")
-        for w in self.banned_words:
-            ok = (isinstance(w, str) and w) or (isinstance(w, (list, tuple)) and w and all(_is_int(t) and t >= 0 for t in w))
-            _check(bool(ok), f"banned_words entries must be non-empty strings or non-empty lists of token ids >= 0, got {w!r}")
+        ids = self.stop_token_ids
+        _check(isinstance(ids, (list, tuple)) and len(ids) <= MAX_STOP_TOKEN_IDS and all(_is_token_id(t) for t in ids),
+               f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids >= 0, got {show(ids)}")
+        words = self.banned_words
+        _check(isinstance(words, (list, tuple)), f"banned_words must be a list of strings or token-id lists, got {show(words)}")
+        _check(len(words) <= MAX_BANNED_WORDS, f"banned_words may have at most {MAX_BANNED_WORDS} entries, got {len(words)}")
+        for w in words:
+            ok = (isinstance(w, str) and w) or (isinstance(w, (list, tuple)) and w and len(w) <= MAX_BANNED_WORD_LENGTH
+                                                and all(_is_token_id(t) for t in w))
+            _check(bool(ok), f"banned_words entries must be non-empty strings or non-empty lists of token ids >= 0, "
+                             f"each at most {MAX_BANNED_WORD_LENGTH} long, got {show(w)}")
+            _check(len(w) <= MAX_BANNED_WORD_LENGTH,
+                   f"banned_words strings may have at most {MAX_BANNED_WORD_LENGTH} characters, got one of {len(w)}")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
-            _check(isinstance(ids, (list, tuple)) and ids and all(_is_int(t) and t >= 0 for t in ids),
-                   f"allowed_token_ids must be null or a non-empty list of token ids >= 0, got {ids!r}")
+            _check(isinstance(ids, (list, tuple)) and 0 < len(ids) <= MAX_ALLOWED_TOKEN_IDS and all(_is_token_id(t) for t in ids),
+                   f"allowed_token_ids must be null or a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} "
+                   f"token ids >= 0, got {show(ids)}")
             self.allowed_token_ids = list(ids)
         _check(isinstance(self.logits_processors, (list, tuple)) and all(callable(p) for p in self.logits_processors),
                "logits_processors must be a list of callables (in-process only; it cannot be sent over the wire)")
@@ -174,9 +241,10 @@ class SamplingParams:
         if not isinstance(data, dict):
             raise ValueError(f"sampling parameters must be a map, got {type(data).__name__}")
         allowed = WIRE_FIELDS
-        unknown = sorted(set(data) - allowed)
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(allowed)}")
+        unknown = set(data) - allowed
+        if unknown:  # keys may be of any msgpack type: sorted by their text, never compared
+            names = ", ".join(sorted(show(k) for k in unknown)[:8])
+            raise ValueError(f"unknown sampling parameter(s) [{names}]; allowed: {sorted(allowed)}")
         return cls(**data)
 
 

@@ -1,16 +1,23 @@
 """The step API: add requests, abort them, advance the whole batch one step at a time.
 
 This is what the engine stage wraps and what the offline `LLM` drives in a loop. Every request
-ends with exactly one output whose `finished` is True: on a stop token, on a length limit, or
-(reported by the next `step()`) after `abort`. Post-step hooks (hooks.py) see a metrics
-snapshot after every step; the scheduling policy (policy.py) orders admission and preemption.
+ends with exactly one output whose `finished` is True: on a stop token, on a length limit,
+(reported by the next `step()`) after `abort`, or with reason "error" when its own sampling
+failed (its logits processor raised, its logits went NaN): other requests carry on. Post-step
+hooks (hooks.py) see a metrics snapshot after every step; the scheduling policy (policy.py)
+orders admission and preemption.
 """
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -24,7 +31,7 @@ from nanovllm.layers.sampler import TokenLogprobs
 from nanovllm.layers.token_bytes import token_byte_table
 from nanovllm.models.loader import is_gguf, read_hf_config, resolve_model_path
 from nanovllm.models.model_config import ModelConfig, resolve_max_model_len
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, show
 
 
 
@@ -42,12 +49,14 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
-    """"stop", "length" or "abort" once finished."""
+    """"stop", "length", "abort" or "error" once finished."""
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None = None
     """One entry per new token when the request asked for logprobs."""
+    error: str | None = None
+    """Why the request failed, when finish_reason is "error" (e.g. its logits processor raised)."""
 
 
 class LLMEngine:
@@ -67,7 +76,10 @@ class LLMEngine:
         self.last_step = StepStats()
         self.num_steps = 0
         self.post_step_hooks = PostStepHooks()
-        self._word_index: WordIndex | None = None
+        # Loading a tokenizer takes seconds, and add_request runs on the step loop (the engine
+        # stage's thread): the index for string banned words is built now, off that loop.
+        self._word_index = _in_background("nanovllm-word-index", load_word_index, self.model_path,
+                                          self.model_config.vocab_size, self.runner.device)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -92,9 +104,9 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise ValueError(f"request id {show(request_id)} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer (higher runs first), got {priority!r}")
+            raise ValueError(f"priority must be an integer (higher runs first), got {show(priority)}")
         self._validate_prompt(prompt_token_ids)
         longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if self.block_manager.blocks_for(longest) > self.block_manager.num_total_blocks:
@@ -120,7 +132,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
             bad = next(t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab))
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"prompt token id {show(bad)} is outside the vocabulary [0, {vocab})")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks now; idempotent. True if it was live."""
@@ -166,20 +178,19 @@ class LLMEngine:
         logprobs = self.runner.sampler.take_logprobs(seq.request_id)
         if logprobs is None and seq.params.logprobs is not None:
             logprobs = []  # aborted: its state is gone, and it had no unreported tokens
+        error = None
+        if seq.finish_reason == "error":
+            error = self.runner.sampler.take_error(seq.request_id) or "sampling failed"
         return RequestOutput(seq.request_id, new, seq.is_finished, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens, logprobs)
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens, logprobs, error)
 
     def _words(self) -> WordIndex:
-        """The vocabulary's token bytes, for string `banned_words`; loads the tokenizer once."""
-        if self._word_index is None:
-            from nanovllm.models.tokenizer import load_tokenizer
-            try:
-                tokenizer = load_tokenizer(self.model_path)
-            except Exception as e:  # no tokenizer files: many kinds of errors
-                raise ValueError(f"string banned_words need the model's tokenizer, which did not load ({e}); "
-                                 "pass banned words as token-id lists instead") from None
-            self._word_index = WordIndex(token_byte_table(tokenizer, self.model_config.vocab_size), self.runner.device)
-        return self._word_index
+        """The vocabulary's token bytes, for string `banned_words`; waits if still being built."""
+        try:
+            return self._word_index.result()
+        except Exception as e:  # no tokenizer files: many kinds of errors
+            raise ValueError(f"string banned_words need the model's tokenizer, which did not load ({str(e)[:300]}); "
+                             "pass banned words as token-id lists instead") from None
 
     # -- monitoring ----------------------------------------------------------------------------
 
@@ -215,3 +226,26 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
         }
+
+
+def load_word_index(model_path: str, vocab_size: int, device: torch.device) -> WordIndex:
+    """The token bytes of the model's vocabulary, indexed for banned strings (loads the tokenizer)."""
+    from nanovllm.models.tokenizer import load_tokenizer  # only string banned words need it
+    table = token_byte_table(load_tokenizer(model_path), vocab_size)
+    if not any(table):  # transformers builds an empty tokenizer from a folder without its files
+        raise ValueError("the tokenizer has no text tokens")
+    return WordIndex(table, device)
+
+
+def _in_background(name: str, fn: Callable[..., Any], *args: Any) -> Future:
+    """fn(*args) on a daemon thread named `name`; its result (or exception) in the returned future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # handed to whoever waits on the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

@@ -7,7 +7,10 @@ runs out, a running sequence is preempted: its blocks are freed and it is recomp
 prefix cache usually makes that cheap). Which sequence is admitted first and which is preempted
 first is the `SchedulerPolicy`'s call (policy.py): FCFS by default, or by priority.
 
-Finished or aborted sequences are dropped from the queues lazily, so an abort is O(1).
+An abort is O(1) amortized and counts are O(1): a sequence aborted while waiting stays in the
+heap as a dead entry (skipped when it reaches the top), and the heap is rebuilt without them
+whenever they outnumber the live ones, so it never holds more than twice the live sequences.
+Finished sequences leave `running` on the next `schedule()`.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.policy import FCFSPolicy, SchedulerPolicy
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.layers.sampler import SAMPLE_FAILED
 
 
 @dataclass(slots=True)
@@ -46,23 +50,41 @@ class Scheduler:
         self.running: list[Sequence] = []
         """In policy order on each step, so preemption takes the policy's last one."""
         self.num_preemptions = 0
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(1 for _, _, s in self.waiting if not s.is_finished)
-
-    @property
-    def num_running(self) -> int:
-        return sum(1 for s in self.running if not s.is_finished)
+        self.num_waiting = 0
+        """Live (unfinished) sequences in `waiting`; kept exact on every move, never counted."""
+        self.num_running = 0
+        """Live sequences in `running`."""
+        self._num_dead_waiting = 0
+        """Finished sequences still in the `waiting` heap."""
 
     def add(self, seq: Sequence) -> None:
         heapq.heappush(self.waiting, (self.policy.key(seq), next(self._insertions), seq))
+        self.num_waiting += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence (stop, length or abort) and free its blocks at once."""
+        """End a sequence (stop, length, abort or error) and free its blocks at once; idempotent."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self.num_waiting -= 1
+            self._num_dead_waiting += 1
+        else:
+            self.num_running -= 1
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._drop_dead_if_most()
+
+    def _drop_dead_if_most(self) -> None:
+        """Rebuild the heap without finished sequences once they outnumber the live ones.
+
+        A rebuild costs O(heap), under twice the dead entries it removes, and each of those came
+        from one abort: O(1) per abort, amortized.
+        """
+        if self._num_dead_waiting > self.num_waiting:
+            self.waiting = [entry for entry in self.waiting if not entry[2].is_finished]
+            heapq.heapify(self.waiting)
+            self._num_dead_waiting = 0
 
     def schedule(self) -> list[ScheduledSeq]:
         self.running = [s for s in self.running if not s.is_finished]
@@ -99,6 +121,7 @@ class Scheduler:
             seq = self.waiting[0][2]
             if seq.is_finished:  # aborted while waiting
                 heapq.heappop(self.waiting)
+                self._num_dead_waiting -= 1
                 continue
             hits = self.block_manager.match_prefix(seq)
             num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
@@ -107,18 +130,25 @@ class Scheduler:
             heapq.heappop(self.waiting)
             self.block_manager.allocate(seq, num_new, hits)
             seq.status = SequenceStatus.RUNNING
+            self.num_waiting -= 1
+            self.num_running += 1
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        self._drop_dead_if_most()  # admissions shrink the live count too
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
+        self.num_running -= 1
         self.add(seq)
         self.num_preemptions += 1
 
     def postprocess(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> None:
-        """Advance sequences past the step: record computed tokens, append samples, finish."""
+        """Advance sequences past the step: record computed tokens, append samples, finish.
+
+        A SAMPLE_FAILED sample ends its sequence with reason "error" (the sampler keeps the why).
+        """
         samples = iter(sampled)
         for item in scheduled:
             seq = item.seq
@@ -127,6 +157,9 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prompt chunk that does not reach the end yet
             token = next(samples)
+            if token == SAMPLE_FAILED:
+                self.finish(seq, "error")
+                continue
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:

@@ -3,28 +3,33 @@
 A logits processor sees one request's next-token logits (V,) and the token ids it has generated
 so far, and returns the logits to sample from (changing the row in place is fine). The sampler
 calls each request's processors after penalties and before temperature / top-k / top-p, so a
-token set to -inf here can never be drawn, greedy or not. Processors must be stateless with
-respect to the sequence (everything they need is in `output_token_ids`): a preempted request
-is recomputed and must get the same decisions.
+token set to -inf here can never be drawn, greedy or not. A processor's decisions must depend on
+`output_token_ids` alone: a preempted request is recomputed and must get the same decisions.
+It may keep state derived from the output to save work (`BannedWords` does), as long as it
+starts over when an output does not extend the one it saw last. A processor that raises, or
+leaves NaN or +inf in the row, ends its own request with an error (the sampler's rule).
 
 - `AllowedTokenIds`: only the listed tokens may be generated.
 - `BannedTokenSequences`: token-id sequences that never appear in the output; a multi-token
   sequence is blocked at its last token, when the output already ends with the rest of it.
 - `BannedWords`: strings that never appear in the output's bytes, however the model spells
   them in tokens: a token is blocked when it would complete the string (checked on the bytes
-  of the tokens, see `token_bytes`).
+  of the tokens, see `token_bytes`). One Aho-Corasick automaton over the request's words
+  follows the output, so a step costs the bytes of the new tokens, not the words' lengths.
 """
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Callable, Protocol, Sequence
 
 import torch
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, show
 
 MAX_CACHED_WORDS = 4096
+MAX_CACHED_MATCHERS = 256
+"""Compiled word sets kept per vocabulary (requests often share one list of banned words)."""
 
 
 class LogitsProcessor(Protocol):
@@ -70,6 +75,7 @@ class WordIndex:
         self._blob = b"".join(table)
         self._words: OrderedDict[bytes, BannedWord] = OrderedDict()
         """Compiled words, least recently used first; bounded because clients choose the words."""
+        self._matchers: OrderedDict[tuple[str, ...], WordMatcher] = OrderedDict()
 
     def word(self, text: str) -> BannedWord:
         key = text.encode()
@@ -81,6 +87,17 @@ class WordIndex:
         if len(self._words) > MAX_CACHED_WORDS:
             self._words.popitem(last=False)
         return word
+
+    def matcher(self, words: list[str]) -> WordMatcher:
+        """The automaton for a request's banned strings, shared by requests with the same list."""
+        key = tuple(words)
+        if key in self._matchers:
+            self._matchers.move_to_end(key)
+            return self._matchers[key]
+        matcher = self._matchers[key] = WordMatcher([self.word(w) for w in words])
+        if len(self._matchers) > MAX_CACHED_MATCHERS:
+            self._matchers.popitem(last=False)
+        return matcher
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -114,32 +131,94 @@ class BannedWord:
         """k -> tokens that finish the string when the output ends with its first k bytes."""
 
 
+class WordMatcher:
+    """An Aho-Corasick automaton over banned words' bytes, and the tokens to block in each state.
+
+    A state is a trie node: the longest suffix of the output so far that starts some word. The
+    output ends with word[:k] exactly when that prefix's node is the state or on its chain of
+    failure links; there, the tokens starting with word[k:] would complete the word. Dictionary
+    links skip the chain's nodes that block nothing, so a step visits only nodes that do.
+    """
+
+    def __init__(self, words: list[BannedWord]):
+        self.always = torch.cat([w.containing for w in words])
+        """Tokens that hold a whole word: blocked in every state."""
+        self.children: list[dict[int, int]] = [{}]
+        completing: list[list[torch.Tensor]] = [[]]
+        for word in words:
+            node = 0
+            for k, byte in enumerate(word.text, 1):
+                if byte not in self.children[node]:
+                    self.children[node][byte] = len(self.children)
+                    self.children.append({})
+                    completing.append([])
+                node = self.children[node][byte]
+                if k in word.completing:
+                    completing[node].append(word.completing[k])
+        self.blocks = [None if not c else c[0] if len(c) == 1 else torch.cat(c) for c in completing]
+        """node -> the tokens that finish a word whose prefix is the node's bytes (None if none do)."""
+        self.fail = [0] * len(self.children)
+        self.next_blocking = [0] * len(self.children)
+        """node -> the nearest node on its failure chain (itself excluded) that blocks something; 0 if none."""
+        queue = deque(self.children[0].values())
+        while queue:  # breadth first: a node's failure link is shallower, so already known
+            node = queue.popleft()
+            f = self.fail[node]
+            self.next_blocking[node] = f if self.blocks[f] is not None else self.next_blocking[f]
+            for byte, child in self.children[node].items():
+                f = self.fail[node]
+                while f and byte not in self.children[f]:
+                    f = self.fail[f]
+                self.fail[child] = self.children[f].get(byte, 0)
+                queue.append(child)
+
+    def advance(self, state: int, data: bytes) -> int:
+        """The state after the output grows by `data` (amortized O(len(data)))."""
+        children, fail = self.children, self.fail
+        for byte in data:
+            while state and byte not in children[state]:
+                state = fail[state]
+            state = children[state].get(byte, 0)
+        return state
+
+    def blocked(self, state: int) -> list[torch.Tensor]:
+        """Token ids that would complete a word from `state` (besides `always`)."""
+        out = []
+        node = state if self.blocks[state] is not None else self.next_blocking[state]
+        while node:
+            out.append(self.blocks[node])
+            node = self.next_blocking[node]
+        return out
+
+
 class BannedWords:
+    """Blocks the tokens that would complete one of the request's banned strings.
+
+    Between calls it keeps the matcher state for the output it last saw: an output that extends
+    it costs only the new tokens' bytes; any other (shorter, or with a different token where the
+    last seen one was, e.g. another caller's) is matched again from its start.
+    """
+
     def __init__(self, words: list[str], index: WordIndex):
-        self.index = index
-        self.words = [index.word(w) for w in words]
-        self.always = torch.cat([w.containing for w in self.words])
-        self.tail_len = max(len(w.text) for w in self.words) - 1
+        self.table = index.table
+        self.matcher = index.matcher(words)
+        self._state = 0
+        self._num_seen = 0
+        self._last_seen = -1
 
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-        logits.index_fill_(0, self.always, float("-inf"))
-        tail = self._tail(output_token_ids)
-        for word in self.words:
-            for k, ids in word.completing.items():
-                if tail.endswith(word.text[:k]):
-                    logits.index_fill_(0, ids, float("-inf"))
+        logits.index_fill_(0, self.matcher.always, float("-inf"))
+        n, seen = len(output_token_ids), self._num_seen
+        if n < seen or (seen and output_token_ids[seen - 1] != self._last_seen):
+            self._state = seen = 0
+        state, table, advance = self._state, self.table, self.matcher.advance
+        for i in range(seen, n):
+            state = advance(state, table[output_token_ids[i]])
+        self._state, self._num_seen = state, n
+        self._last_seen = output_token_ids[n - 1] if n else -1
+        for ids in self.matcher.blocked(state):
+            logits.index_fill_(0, ids, float("-inf"))
         return logits
-
-    def _tail(self, output_token_ids: Sequence[int]) -> bytes:
-        """The last `tail_len` bytes of the output (fewer tokens than that, walked backwards)."""
-        pieces, size = [], 0
-        for token in reversed(output_token_ids):
-            if size >= self.tail_len:
-                break
-            piece = self.index.table[token]
-            pieces.append(piece)
-            size += len(piece)
-        return b"".join(reversed(pieces))[-self.tail_len:] if self.tail_len else b""
 
 
 def build_logits_processors(params: SamplingParams, vocab_size: int, device: torch.device | str,
@@ -166,4 +245,4 @@ def build_logits_processors(params: SamplingParams, vocab_size: int, device: tor
 def _check_ids(name: str, ids: list[int], vocab_size: int) -> None:
     bad = [t for t in ids if t >= vocab_size]
     if bad:
-        raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"{name} has token id {show(bad[0])} outside the vocabulary [0, {vocab_size})")

@@ -10,9 +10,18 @@ step. Per step, in this order:
 4. greedy rows take the argmax; the others divide by their temperature, keep their top_k, then
    the top_p nucleus and the tokens at least min_p times as likely as the best one (top_p and
    min_p are both judged on the top_k-renormalized distribution), and draw from what is left.
+   The most likely token always survives the filters, and a temperature too small for float32
+   acts as greedy.
 
 Everything is tensor work over the batch; the only Python loops are over requests that have a
 constraint or a seed. A batch of plain greedy requests is one argmax.
+
+A row that cannot be sampled ends its own request, never the batch: if a logits processor raises,
+the row holds NaN or +inf after penalties and constraints (or nothing but -inf), or the id
+drawn is outside the vocabulary, the row's token is SAMPLE_FAILED and the reason is kept for
+`take_error`. The engine finishes that request with reason "error"; the other rows are sampled
+as they would be without it. Finding such rows costs the greedy fast path a read of B chosen
+values, and the general path one max over the (B, V) logits.
 
 Draws are by inverse CDF, one uniform number per row. Unseeded rows share the sampler's
 generator; a seeded request takes its number from its own generator, and everything else its
@@ -34,6 +43,10 @@ from nanovllm.layers.logits_processors import LogitsProcessor
 from nanovllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+SAMPLE_FAILED = -1
+"""The token id `Sampler.__call__` returns for a row that could not be sampled (see `take_error`)."""
+MAX_ERROR_CHARS = 500
+"""Longest error text kept for a request: a processor's exception message may be anything."""
 log = logging.getLogger(__name__)
 
 
@@ -60,6 +73,8 @@ class RequestState:
     generator: torch.Generator | None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     """Computed but not yet reported by the engine."""
+    error: str | None = None
+    """Why the request's row could not be sampled, once it could not."""
 
     @property
     def plain_greedy(self) -> bool:
@@ -93,6 +108,14 @@ class Sampler:
         out, state.logprobs = state.logprobs, []
         return out
 
+    def take_error(self, request_id: str) -> str | None:
+        """Why the request's last row came back as SAMPLE_FAILED, or None if it did not."""
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        out, state.error = state.error, None
+        return out
+
     def _new_state(self, params: SamplingParams, processors: list[LogitsProcessor], eos_token_ids: Seq[int]) -> RequestState:
         dev = self.device
         blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
@@ -119,11 +142,15 @@ class Sampler:
     # -- one step ------------------------------------------------------------------------------
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits (B, V) float32, one row per sequence -> one token id per sequence."""
+        """logits (B, V) float32, one row per sequence -> one token id per sequence.
+
+        A row that could not be sampled gets SAMPLE_FAILED, and `take_error` says why.
+        """
         states = [self._state(s) for s in seqs]
         if all(st.plain_greedy for st in states):
-            return logits.argmax(dim=-1).tolist()  # fast path: no copies, no softmax, no random numbers
+            return self._greedy(logits, seqs, states)  # no copies, no softmax, no random numbers
         logits = logits.float()
+        failed: dict[int, str] = {}
         wants_logprobs = [i for i, st in enumerate(states) if st.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(_rows(logits, wants_logprobs), dim=-1) if wants_logprobs else None  # (R, V)
         penalized = [i for i, st in enumerate(states) if st.params.has_penalties]
@@ -133,30 +160,85 @@ class Sampler:
                                     *_penalty_tensors([states[i].params for i in penalized], logits.device))
             if rows is not logits:
                 logits[penalized] = rows
-        self._constrain(logits, seqs, states)
-        tokens = self._choose(logits, states)
+        self._constrain(logits, seqs, states, failed)
+        if failed:  # sampled without the failed rows, so they cannot disturb the others
+            good = [i for i in range(len(states)) if i not in failed]
+            tokens = torch.full((len(states),), SAMPLE_FAILED, dtype=torch.long, device=logits.device)  # (B,)
+            if good:
+                tokens[good] = self._choose(logits[good], [states[i] for i in good])
+        else:
+            tokens = self._choose(logits, states)
+        self._check_ids(tokens, failed)
         if raw_logprobs is not None:
-            chosen = tokens[wants_logprobs]
-            for i, lp in zip(wants_logprobs, token_logprobs(raw_logprobs, chosen, [states[i].params.logprobs for i in wants_logprobs])):
-                states[i].logprobs.append(lp)
-        return tokens.tolist()
+            self._record_logprobs(raw_logprobs, wants_logprobs, tokens, states, failed)
+        return self._report(tokens, seqs, states, failed)
 
-    def _constrain(self, logits: torch.Tensor, seqs: list[Sequence], states: list[RequestState]) -> None:
+    @staticmethod
+    def _record_logprobs(raw_logprobs: torch.Tensor, rows: list[int], tokens: torch.Tensor, states: list[RequestState],
+                         failed: dict[int, str]) -> None:
+        """raw_logprobs (R, V) are the log-softmax of `rows`; each row that did not fail gets its entry."""
+        keep = [j for j, i in enumerate(rows) if i not in failed]
+        if len(keep) < len(rows):
+            raw_logprobs, rows = raw_logprobs[keep], [rows[j] for j in keep]
+        if rows:
+            for i, lp in zip(rows, token_logprobs(raw_logprobs, tokens[rows], [states[i].params.logprobs for i in rows])):
+                states[i].logprobs.append(lp)
+
+    def _greedy(self, logits: torch.Tensor, seqs: list[Sequence], states: list[RequestState]) -> list[int]:
+        tokens = logits.argmax(dim=-1)  # (B,)
+        # argmax lands on a NaN or +inf when its row has one, and on -inf only when the row holds
+        # nothing else: the B chosen values tell whether any row is non-finite.
+        chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
+        ids = torch.where(torch.isfinite(chosen) & (tokens < self.vocab_size), tokens, SAMPLE_FAILED).tolist()
+        if SAMPLE_FAILED not in ids:  # one device sync, as before the check
+            return ids
+        failed = {i: "the model's " + _non_finite(logits[i]) for i in (~torch.isfinite(chosen)).nonzero().flatten().tolist()}
+        self._check_ids(tokens, failed)
+        return self._report(tokens, seqs, states, failed)
+
+    def _check_ids(self, tokens: torch.Tensor, failed: dict[int, str]) -> None:
+        """Fail the rows whose token is outside [0, vocab_size) (logits wider than the vocabulary)."""
+        outside = (tokens < 0) | (tokens >= self.vocab_size)  # (B,)
+        if bool(outside.any()):
+            for i in outside.nonzero().flatten().tolist():
+                failed.setdefault(i, f"sampled token id {int(tokens[i])} is outside the vocabulary [0, {self.vocab_size})")
+
+    @staticmethod
+    def _report(tokens: torch.Tensor, seqs: list[Sequence], states: list[RequestState], failed: dict[int, str]) -> list[int]:
+        ids = tokens.tolist()
+        for i, error in failed.items():
+            ids[i] = SAMPLE_FAILED
+            states[i].error = error
+            log.warning("request %s cannot be sampled: %s", seqs[i].request_id, error)
+        return ids
+
+    def _constrain(self, logits: torch.Tensor, seqs: list[Sequence], states: list[RequestState],
+                   failed: dict[int, str]) -> None:
+        """Apply each row's constraints; rows that fail them, or are left non-finite, go into `failed`."""
         maskable = [i for i, (seq, st) in enumerate(zip(seqs, states))
                     if st.processors or (st.min_tokens_blocked is not None and seq.num_output_tokens < st.params.min_tokens)]
         before = logits[maskable] if maskable else None  # (C, V) copy, to undo masks that leave nothing
         for i, (seq, st) in enumerate(zip(seqs, states)):
-            self._apply_constraints(logits, i, seq, st)
+            error = self._apply_constraints(logits, i, seq, st)
+            if error is not None:
+                failed[i] = error
+        best = logits.amax(dim=-1)  # (B,): NaN if the row has one, +inf if it has one, -inf if nothing is left
         if maskable:
-            empty = ~torch.isfinite(logits[maskable]).any(dim=-1)  # (C,)
-            if bool(empty.any()):
-                rows = [maskable[j] for j in empty.nonzero().flatten().tolist()]
+            empty = [j for j in (best[maskable] == _NEG_INF).nonzero().flatten().tolist() if maskable[j] not in failed]
+            if empty:
+                rows = [maskable[j] for j in empty]
                 log.warning("constraints of %s allow no token; sampling those rows unconstrained",
                             [seqs[i].request_id for i in rows])
                 logits[rows] = before[empty]
+                best[rows] = before[empty].amax(dim=-1)
+        bad = ~torch.isfinite(best)
+        if bool(bad.any()):
+            for i in bad.nonzero().flatten().tolist():
+                failed.setdefault(i, _non_finite(logits[i]) + " after penalties and constraints")
 
     @staticmethod
-    def _apply_constraints(logits: torch.Tensor, i: int, seq: Sequence, st: RequestState) -> None:
+    def _apply_constraints(logits: torch.Tensor, i: int, seq: Sequence, st: RequestState) -> str | None:
+        """Constrain row i in place; the error text if one of the request's processors failed."""
         if st.bias_ids is not None:
             logits[i].index_add_(0, st.bias_ids, st.bias_values)
         if st.min_tokens_blocked is not None and seq.num_output_tokens < st.params.min_tokens:
@@ -165,9 +247,13 @@ class Sampler:
             output = seq.output_token_ids
             row = logits[i]
             for processor in st.processors:
-                result = processor(output, row)
-                if result is not None and result is not row:
-                    row.copy_(result)
+                try:
+                    result = processor(output, row)
+                    if result is not None and result is not row:
+                        row.copy_(result)
+                except Exception as e:  # custom processors run in-process: theirs is the request's failure
+                    return f"logits processor {type(processor).__name__} raised {_exception_text(e)}"
+        return None
 
     def _choose(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)  # (B,)
@@ -186,6 +272,23 @@ class Sampler:
         return tokens
 
 
+def _non_finite(row: torch.Tensor) -> str:
+    """What is wrong with a row whose best value is not finite (rare: only failed rows get here)."""
+    if bool(row.isnan().any()):
+        return "logits hold NaN"
+    if bool((row == float("inf")).any()):
+        return "logits hold +inf"
+    return "logits allow no token (all are -inf)"
+
+
+def _exception_text(e: Exception) -> str:
+    try:
+        text = f"{type(e).__name__}: {e}"
+    except Exception:  # its __str__ failed too
+        text = type(e).__name__
+    return text[:MAX_ERROR_CHARS]
+
+
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """t[rows], without the copy when rows are all of t in order (the common case)."""
     return t if len(rows) == len(t) and rows[-1] == len(t) - 1 else t[rows]
@@ -202,8 +305,13 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     Each row takes one uniform number: from its own generator if it has one, else from `shared`.
     """
     vocab = logits.shape[1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-    scaled = logits / temperature.unsqueeze(1)  # (R, V)
+    finfo = torch.finfo(logits.dtype)
+    # Clamped to the dtype's normal range: a temperature that rounds to 0 (1e-40 in float32) or
+    # to inf would divide into inf or NaN. Each row's best logit is moved to 0 first, so a tiny
+    # temperature sends it to 0 and every other token towards -inf: greedy, never NaN.
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=logits.device)
+    temperature = temperature.clamp_(finfo.tiny, finfo.max).to(logits.dtype)
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1))  # (R, V)
     if any(_filters(p, vocab) for p in params):
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         candidates, ids = filter_candidates(scaled, top_k, [p.top_p for p in params], [p.min_p for p in params])
@@ -294,6 +402,7 @@ def _filter(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, top_k
     # test, since a rounded cumsum can reach 1 before the tail. min_p compares with the best.
     drop = ((probs.cumsum(dim=-1) - probs) >= p) & (p < 1)
     drop |= probs < m * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always stays, however small top_p (1e-50 rounds to 0)
     if width < vocab and not bool((drop[:, -1] | (k.squeeze(1) < vocab)).all()):
         return None  # a row without top_k keeps the last candidate: its set may go on past W
     return values.masked_fill(drop, _NEG_INF), ids

@@ -35,3 +35,21 @@ def test_preemption_keeps_greedy_output(tiny_model_dir):
     assert tight.engine.scheduler.num_preemptions > 0
     assert got == expected
     assert tight.engine.block_manager.num_free_blocks == 40
+
+
+def test_preemption_keeps_banned_word_decisions(tiny_model_dir):
+    # Banned strings keep matcher state between steps; a preempted, recomputed request must still
+    # get the tokens it gets without preemption.
+    prompts = random_prompts([30, 25, 28, 31, 22, 27], vocab=2048, seed=13)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = LLM(tiny_model_dir, block_size=4, num_kvcache_blocks=400)
+    free = roomy.generate(prompts, params, use_tqdm=False)
+    tok = roomy.tokenizer
+    words = [w for o in free if (w := tok.decode(o["token_ids"][8:10])).strip() and "\ufffd" not in w]
+    banned = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, banned_words=words)
+    expected = [o["token_ids"] for o in roomy.generate(prompts, banned, use_tqdm=False)]
+    assert expected != [o["token_ids"] for o in free]  # the bans matter
+    tight = LLM(tiny_model_dir, block_size=4, num_kvcache_blocks=40, enable_prefix_caching=False)
+    got = [o["token_ids"] for o in tight.generate(prompts, banned, use_tqdm=False)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == expected

@@ -1,7 +1,8 @@
 """Random add / abort / step sequences through the real engine under a small KV budget.
 
-After every step the block accounting must be exact (no leak, no over-commit); at the end every
-request has ended exactly once (finished or aborted) and every block is free again.
+After every step the block accounting must be exact (no leak, no over-commit) and so must the
+queue counts (the scheduler keeps them as counters); at the end every request has ended exactly
+once (finished or aborted) and every block is free again.
 """
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ def check_block_accounting(engine: LLMEngine) -> None:
         assert len(s.block_table) * BLOCK_SIZE >= s.num_computed_tokens
 
 
+def check_queue_counts(engine: LLMEngine) -> None:
+    sched = engine.scheduler
+    live_waiting = sum(1 for _, _, s in sched.waiting if not s.is_finished)
+    assert sched.num_waiting == live_waiting
+    assert sched.num_running == sum(1 for s in sched.running if not s.is_finished)
+    assert len(sched.waiting) <= 2 * live_waiting, "dead heap entries outnumber live ones"
+
+
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)),
@@ -60,6 +69,7 @@ def test_random_traffic_never_leaks_or_overcommits(engine, ops, data):
             if out.finished:
                 terminal[out.request_id] += 1
         check_block_accounting(engine)
+        check_queue_counts(engine)
 
     for op in ops:
         if op[0] == "add":
@@ -72,6 +82,7 @@ def test_random_traffic_never_leaks_or_overcommits(engine, ops, data):
         elif op[0] == "abort" and ids:
             engine.abort(ids[op[1] % len(ids)])
             check_block_accounting(engine)
+            check_queue_counts(engine)
         else:
             for _ in range(op[1]):
                 step()

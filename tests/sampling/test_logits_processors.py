@@ -72,3 +72,68 @@ def test_build_checks_token_ids_against_the_vocab():
     calls = []
     build_logits_processors(SamplingParams(banned_words=[[1]]), 50, "cpu", lambda: calls.append(1))
     assert calls == []  # token-id bans need no tokenizer
+
+
+def test_huge_token_ids_give_a_short_error():
+    with pytest.raises(ValueError, match=r"allowed_token_ids has token id <int> outside the vocabulary \[0, 50\)"):
+        build_logits_processors(SamplingParams(allowed_token_ids=[10 ** 5000]), 50, "cpu", lambda: None)
+
+
+# -- the incremental banned-word matcher against brute force -----------------------------------
+
+SYNTHETIC_BYTES = [b"a", b"b", b"\xc3", b"\xa9"]  # "é" is b"\xc3\xa9": tokens may split a character
+
+
+def synthetic_table(draw_bytes: list[bytes]) -> list[bytes]:
+    """Every single byte of the alphabet is a token, plus the drawn multi-byte ones, plus b"" (special)."""
+    return SYNTHETIC_BYTES + [b""] + draw_bytes
+
+
+def brute_force_blocked(table: list[bytes], output: list[int], words: list[str]) -> set[int]:
+    produced = b"".join(table[t] for t in output)
+    return {t for t in range(len(table))
+            if any(w in (produced + table[t])[max(0, len(produced) - len(w) + 1):] for w in (x.encode() for x in words))}
+
+
+token_bytes = st.lists(st.sampled_from(SYNTHETIC_BYTES), min_size=2, max_size=5).map(b"".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(extra=st.lists(token_bytes, max_size=12), words=st.lists(st.text("abé", min_size=1, max_size=6), min_size=1, max_size=4),
+       data=st.data())
+def test_incremental_matcher_matches_brute_force(extra, words, data):
+    table = synthetic_table(extra)
+    processor = BannedWords(words, WordIndex(table))
+    output: list[int] = []
+    for _ in range(data.draw(st.integers(1, 25))):
+        move = data.draw(st.sampled_from(["one", "one", "one", "several", "same", "restart", "shrink"]))
+        token = st.integers(0, len(table) - 1)
+        if move == "one":
+            output = output + [data.draw(token)]
+        elif move == "several":
+            output = output + data.draw(st.lists(token, min_size=2, max_size=6))
+        elif move == "restart":  # a different output altogether (e.g. another request's history)
+            output = data.draw(st.lists(token, max_size=10))
+        elif move == "shrink":
+            output = output[:data.draw(st.integers(0, len(output)))]
+        assert blocked_by(processor, output, len(table)) == brute_force_blocked(table, output, words), (output, words)
+
+
+class CountingTable(list):
+    reads = 0
+
+    def __getitem__(self, i):
+        CountingTable.reads += 1
+        return super().__getitem__(i)
+
+
+def test_each_output_token_is_read_once_however_long_the_output():
+    rng = random.Random(3)
+    table = CountingTable(synthetic_table([b"ab", b"ba", b"aab", b"\xc3\xa9a"]))
+    processor = BannedWords(["ab" * 40, "éb", "a" * 100], WordIndex(table))
+    output = []
+    CountingTable.reads = 0
+    for _ in range(400):
+        blocked_by(processor, output, len(table))
+        output.append(rng.randrange(len(table)))
+    assert CountingTable.reads == 399  # one read per token: nothing is re-walked per call

@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from nanovllm import sampling_params as sp
 from nanovllm.sampling_params import SamplingParams
 
 INVALID = [
@@ -12,7 +13,7 @@ INVALID = [
     ("top_p", 0.0, "(0, 1]"), ("top_p", 1.01, "(0, 1]"),
     ("min_p", -0.01, "[0, 1]"), ("min_p", 1.5, "[0, 1]"),
     ("seed", -1, "[0, 2**64)"), ("seed", 2 ** 64, "[0, 2**64)"), ("seed", 1.0, "[0, 2**64)"),
-    ("repetition_penalty", 0.0, "> 0"), ("presence_penalty", 2.5, "[-2, 2]"), ("frequency_penalty", -2.1, "[-2, 2]"),
+    ("repetition_penalty", 0.0, "[0.01, 100]"), ("presence_penalty", 2.5, "[-2, 2]"), ("frequency_penalty", -2.1, "[-2, 2]"),
     ("logit_bias", {5: 101}, "[-100, 100]"), ("logit_bias", {-3: 1.0}, "token ids >= 0"), ("logit_bias", [1, 2], "map"),
     ("max_tokens", 0, ">= 1"), ("min_tokens", -1, "[0, max_tokens"), ("min_tokens", 100, "[0, max_tokens=64]"),
     ("ignore_eos", 1, "true or false"), ("skip_special_tokens", "yes", "true or false"),
@@ -65,3 +66,84 @@ def test_from_dict_rejects_unknown_and_in_process_fields():
 def test_single_stop_string_and_string_bias_keys_are_normalized():
     p = SamplingParams(stop="###", logit_bias={"12": 1})
     assert p.stop == ["###"] and p.logit_bias == {12: 1.0}
+
+
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+class LoudRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("repr is hostile")
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_k", "seed", "logit_bias", "stop", "banned_words",
+                                   "allowed_token_ids", "stop_token_ids", "max_tokens"])
+@pytest.mark.parametrize("value", [nested(1000), "x" * 100_000, LoudRepr(), 10 ** 5000],
+                         ids=["nested-1000", "long-string", "hostile-repr", "huge-int"])
+def test_hostile_values_give_a_short_clean_error(field, value):
+    if field in ("top_k", "seed", "max_tokens") and isinstance(value, int):
+        pytest.skip("a huge int is a valid value there")
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{field: value})
+    assert str(e.value).startswith(field) and len(str(e.value)) < 400
+
+
+def test_huge_numbers_are_value_errors_not_overflow():
+    for field in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: 10 ** 400})
+    with pytest.raises(ValueError, match=r"logit_bias\[1\] must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={1: 10 ** 400})
+    with pytest.raises(ValueError, match=r"logit_bias\[<int>\] must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={10 ** 5000: 101})
+
+
+def test_repetition_penalty_range_is_what_the_sampler_handles_exactly():
+    for value in (1e-300, 0.009, 100.5, 1e300):
+        with pytest.raises(ValueError, match=r"repetition_penalty must be in \[0.01, 100\]"):
+            SamplingParams(repetition_penalty=value)
+    SamplingParams(repetition_penalty=100)
+
+
+def test_mixed_key_types_are_value_errors_not_sorting_type_errors():
+    with pytest.raises(ValueError, match="logit_bias keys"):
+        SamplingParams(logit_bias={b"1": 1.0, "2": 1.0})
+    with pytest.raises(ValueError, match="logit_bias keys"):
+        SamplingParams(logit_bias={"²": 1.0})  # a digit to str.isdigit, not to int()
+    with pytest.raises(ValueError, match=r"unknown sampling parameter\(s\) \['y', b'x'\]"):
+        SamplingParams.from_dict({b"x": 1, "y": 2, "top_p": 0.5})
+
+
+LIMITS = [  # field, the largest valid value, one over the limit, the limit's text in the error
+    ("banned_words", ["w"] * sp.MAX_BANNED_WORDS, ["w"] * (sp.MAX_BANNED_WORDS + 1), "at most 64 entries"),
+    ("banned_words", ["é" * sp.MAX_BANNED_WORD_LENGTH], ["é" * (sp.MAX_BANNED_WORD_LENGTH + 1)], "at most 128"),
+    ("banned_words", [[7] * sp.MAX_BANNED_WORD_LENGTH], [[7] * (sp.MAX_BANNED_WORD_LENGTH + 1)], "at most 128"),
+    ("stop", ["s"] * sp.MAX_STOP_STRINGS, ["s"] * (sp.MAX_STOP_STRINGS + 1), "at most 64 strings"),
+    ("stop", "s" * sp.MAX_STOP_STRING_LENGTH, "s" * (sp.MAX_STOP_STRING_LENGTH + 1), "at most 1024 characters"),
+    ("stop_token_ids", [1] * sp.MAX_STOP_TOKEN_IDS, [1] * (sp.MAX_STOP_TOKEN_IDS + 1), "at most 1024"),
+    ("allowed_token_ids", list(range(sp.MAX_ALLOWED_TOKEN_IDS)), list(range(sp.MAX_ALLOWED_TOKEN_IDS + 1)),
+     "at most 262144"),
+    ("logit_bias", {i: 1.0 for i in range(sp.MAX_LOGIT_BIAS)}, {i: 1.0 for i in range(sp.MAX_LOGIT_BIAS + 1)},
+     "at most 1024"),
+]
+
+
+@pytest.mark.parametrize("field,largest,over,limit", LIMITS, ids=[f"{f}-{i}" for i, (f, *_) in enumerate(LIMITS)])
+def test_per_request_work_is_bounded(field, largest, over, limit):
+    SamplingParams(**{field: largest})
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{field: over})
+    assert str(e.value).startswith(field) and limit in str(e.value) and len(str(e.value)) < 400
+
+
+def test_limits_are_checked_before_the_entries():
+    class Endless(list):  # a list whose entries must never be walked
+        def __iter__(self):
+            raise AssertionError("entries walked before the size check")
+    for field in ("stop", "banned_words", "stop_token_ids", "allowed_token_ids"):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: Endless([1] * 10 ** 6)})
