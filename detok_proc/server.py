@@ -146,8 +146,8 @@ class DetokStage:
         if isinstance(msg, p.EngineStatus):
             self.on_engine_status(msg)
         elif isinstance(msg, p.StepOutput):
-            self._engine_speaks(msg.instance_id)
-            self.on_step(msg)
+            if self._from_current_engine(msg.instance_id):
+                self.on_step(msg)
         elif isinstance(msg, p.Resync):
             self.on_resync(msg)
         else:
@@ -159,6 +159,16 @@ class DetokStage:
             self._engine_speaks(msg.instance_id)
         elif msg.instance_id in ("", self.engine_instance) or not self.engine_instance:
             self._engine_dead(msg.reason or "engine shut down")
+
+    def _from_current_engine(self, instance_id: str) -> bool:
+        """Outputs count only from the engine instance we follow (a stage that just started follows
+        the first one it hears). Another instance's outputs are a dead engine's leftovers or a
+        forgery: dropped, not taken as a restart; a new engine announces itself in its heartbeats."""
+        if self.engine_instance and instance_id != self.engine_instance:
+            self.rejects("foreign_engine", f"outputs from engine {instance_id}, following {self.engine_instance}")
+            return False
+        self._engine_speaks(instance_id)
+        return True
 
     def _engine_speaks(self, instance_id: str) -> None:
         """A live message from engine `instance_id`: a new instance means the old one died."""
@@ -268,9 +278,8 @@ class DetokStage:
     # ------------------------------------------------------------------ restart: resync + resume
 
     def on_resync(self, msg: p.Resync) -> None:
-        if msg.detok_instance != self.instance_id or self.resynced:
-            return  # an answer to another detokenizer's hello, or a repeat
-        self._engine_speaks(msg.instance_id)
+        if msg.detok_instance != self.instance_id or self.resynced or not self._from_current_engine(msg.instance_id):
+            return  # an answer to another detokenizer's hello, a repeat, or not from our engine
         for request_id, meta, packed_ids, finished, reason, num_prompt, num_output, num_cached, error in msg.entries:
             if request_id in self.requests:
                 continue  # started after we came up: already streaming normally

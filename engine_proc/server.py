@@ -332,5 +332,4 @@ class _Output:
 
 
 def _error(out: Any) -> str | None:
-    error = getattr(out, "error", None)
-    return p.clip(error) if error else None
+    return p.clip(out.error) if out.error else None

@@ -10,9 +10,14 @@ every step or on admission.
 from __future__ import annotations
 
 import math
-import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
+
+# One bounded repr and one set of stop-string limits for the engine and the wire: the protocol
+# (torch-free, in the client package) owns them, so a limit cannot differ between the two.
+from nanovllm_client.checks import show
+from nanovllm_client.protocol import MAX_STOP_LEN as MAX_STOP_STRING_LENGTH
+from nanovllm_client.protocol import MAX_STOP_STRINGS
 
 MAX_LOGPROBS = 20
 """Most alternatives `logprobs` may ask for per generated token."""
@@ -21,10 +26,6 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 """Beyond these, dividing or multiplying a float32 logit by the penalty can reach 0 or inf."""
 
 # Per-request work a client can ask for: every one of these is paid on each step or on admission.
-MAX_STOP_STRINGS = 64
-"""Stop strings per request: each is searched for in every new piece of text."""
-MAX_STOP_STRING_LENGTH = 1024
-"""Characters per stop string: the detokenizer holds back that much text while a match may start."""
 MAX_BANNED_WORDS = 64
 """Banned words per request: each is compiled against the whole vocabulary."""
 MAX_BANNED_WORD_LENGTH = 128
@@ -35,23 +36,6 @@ MAX_ALLOWED_TOKEN_IDS = 262_144
 """Allowed token ids per request: the largest vocabularies in use (262,144), so any subset fits."""
 MAX_LOGIT_BIAS = 1024
 """logit_bias entries per request: added to the logits on every step."""
-
-_SHOW = reprlib.Repr()
-_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict, _SHOW.maxset = 2, 6, 6, 6, 6
-_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 60, 60, 40
-
-
-def show(value: Any) -> str:
-    """A short repr for error messages, whatever the value: depth, length and size are bounded.
-
-    Values come from clients; a plain `repr` of a deeply nested list raises RecursionError, of a
-    huge int ValueError, and of a long string fills the log.
-    """
-    try:
-        return _SHOW.repr(value)
-    except Exception:  # a hostile __repr__, or an int too long to print
-        return f"<{type(value).__name__}>"
-
 
 def _check(ok: bool, message: str) -> None:
     if not ok:

@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoints = resolve_endpoints(args)
     stop = stop_event()
 
+    from nanovllm.models.model_config import context_length
     from nanovllm.models.tokenizer import load_tokenizer
     from nanovllm.sampling_params import SamplingParams
 
@@ -26,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         stage = TokenizerStage(load_tokenizer(args.model), sampling_fields(SamplingParams), SamplingParams,
-                               frontend=endpoints.tokenizer, engine=endpoints.engine)
+                               frontend=endpoints.tokenizer, engine=endpoints.engine,
+                               max_prompt_tokens=context_length(args.model))
     except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, no tokenizer in it, address in use
         return startup_failed(log, "tokenizer", e)
     log.info("model %s; clients at %s; engine at %s", args.model, endpoints.tokenizer, endpoints.engine)

@@ -35,14 +35,21 @@ ENGINE_RECONNECT_GRACE_S = 1.0
 it is refused."""
 
 
+MAX_CHARS_PER_TOKEN = 64
+"""Generous bound on characters per token (real text averages about 4), used to refuse text too
+long for the model before spending time tokenizing it."""
+
+
 class RequestRejected(ValueError):
     """A request the stage refuses; the text goes back to the client."""
 
 
 class TokenizerStage:
     def __init__(self, tokenizer: Any, sampling_fields: set[str], make_sampling, frontend: str,
-                 engine: str, ctx: zmq.Context | None = None):
+                 engine: str, ctx: zmq.Context | None = None, max_prompt_tokens: int | None = None):
         self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
+        """The model's context length: no longer prompt can ever be served, so none is tokenized."""
         self.sampling_fields = sampling_fields
         self.make_sampling = make_sampling
         self.instance_id = new_instance_id()
@@ -157,6 +164,14 @@ class TokenizerStage:
             self.make_sampling(**sampling, stop=stop, skip_special_tokens=skip, include_stop_str_in_output=include_stop)
         except (ValueError, TypeError) as e:
             raise RequestRejected(f"invalid sampling parameters: {e}") from None
+        ids = self._prompt_ids(req)
+        meta = {"client": identity, "rid": req.request_id, "stop": stop, "skip": skip,
+                "include_stop": include_stop, "min_tokens": sampling.get("min_tokens", 0),
+                "tail": p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]), "t": time.time()}
+        return p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta,
+                              priority=req.priority, resend=req.resend)
+
+    def _prompt_ids(self, req: p.GenerateReq) -> list[int]:
         if req.prompt_token_ids is not None:
             ids = req.prompt_token_ids
         elif req.messages is not None:
@@ -164,16 +179,24 @@ class TokenizerStage:
                 text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # template errors come in many types
                 raise RequestRejected(f"cannot apply the model's chat template: {e}") from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.tokenizer.encode(self._bounded(text), add_special_tokens=False)
         else:
-            ids = self.tokenizer.encode(req.prompt)
+            ids = self.tokenizer.encode(self._bounded(req.prompt))
         if not ids:
             raise RequestRejected("prompt is empty: at least one token is needed")
-        meta = {"client": identity, "rid": req.request_id, "stop": stop, "skip": skip,
-                "include_stop": include_stop, "min_tokens": sampling.get("min_tokens", 0),
-                "tail": p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]), "t": time.time()}
-        return p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta,
-                              priority=req.priority, resend=req.resend)
+        if self.max_prompt_tokens is not None and len(ids) >= self.max_prompt_tokens:
+            raise RequestRejected(f"prompt has {len(ids)} tokens but the model's context length is "
+                                  f"{self.max_prompt_tokens} (prompt plus at least one output token must fit)")
+        return ids
+
+    def _bounded(self, text: str) -> str:
+        """Refuse, before tokenizing, text far longer than any prompt the model could take: a
+        megabyte of text costs the stage seconds and hundreds of MB to turn into tokens."""
+        if self.max_prompt_tokens is not None and len(text) > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:
+            raise RequestRejected(f"prompt has {len(text)} characters, more than the model's context length of "
+                                  f"{self.max_prompt_tokens} tokens could hold (at most {MAX_CHARS_PER_TOKEN} "
+                                  "characters per token are allowed for)")
+        return text
 
     def _forward(self, identity: bytes, request_id: str, frame: bytes) -> None:
         self.pending.append((time.monotonic(), identity, request_id, frame))

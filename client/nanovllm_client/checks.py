@@ -27,15 +27,20 @@ class ProtocolError(ValueError):
 
 
 _repr = reprlib.Repr()
-_repr.maxlevel, _repr.maxstring, _repr.maxother = 2, 40, 40
-_repr.maxlist = _repr.maxdict = _repr.maxtuple = _repr.maxset = 4
+_repr.maxlevel, _repr.maxstring, _repr.maxother, _repr.maxlong = 2, 60, 60, 40
+_repr.maxlist = _repr.maxdict = _repr.maxtuple = _repr.maxset = 6
 
 
 def show(value: Any) -> str:
-    """A short, safe rendering of any decoded value for an error message."""
+    """A short repr for error messages, whatever the value: depth, length and size are bounded.
+
+    Values come from clients: a plain `repr` of a deeply nested list raises RecursionError, of a
+    huge int ValueError, and of a long string fills the log. Used for wire frames and for
+    `SamplingParams` alike.
+    """
     try:
         return _repr.repr(value)
-    except Exception:  # a hostile value must not break its own error message
+    except Exception:  # a hostile __repr__, or an int too long to print
         return f"<{type(value).__name__}>"
 
 

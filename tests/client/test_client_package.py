@@ -123,11 +123,15 @@ def test_cli_reports_an_unreachable_service(tmp_path):
 def test_the_server_distribution_carries_the_client_package_its_stages_import(tmp_path):
     """`pip install .` alone must give stages that can import nanovllm_client."""
     import pathlib
+    import shutil
     import zipfile
 
     repo = pathlib.Path(__file__).resolve().parents[2]
+    source = tmp_path / "src"  # a copy: building writes build/ and *.egg-info next to the sources
+    shutil.copytree(repo, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__",
+                                                                "tests", "bench", "docs"))
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp_path), str(repo)], capture_output=True, text=True, timeout=300,
+                            "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=300,
                            cwd=tmp_path)
     assert build.returncode == 0, build.stderr
     (wheel,) = tmp_path.glob("nanovllm-*.whl")

@@ -65,13 +65,23 @@ def feed_engine_steps(tok, engine_out, identity) -> list[int]:
     ids = tok.encode("def f(x):\n    return x * 2  # 中文🚀\n" * 800, add_special_tokens=False)
     ids = (ids * 20)[:TOKENS_PER_STEP * NUM_STEPS]
     engine_out.send(p.EngineStatus(True, "fake-engine").encode())
-    meta = {"client": identity, "rid": "r1", "stop": [], "skip": True, "tail": b"", "request_id": "c:r1"}
+    meta = {"client": identity, "rid": "r1", "stop": [], "skip": True, "tail": b""}
     for k in range(NUM_STEPS):
         chunk = ids[k * TOKENS_PER_STEP:(k + 1) * TOKENS_PER_STEP]
         last = k == NUM_STEPS - 1
-        row = ["c:r1", p.pack_token_ids(chunk), last, "length" if last else None, 5, (k + 1) * TOKENS_PER_STEP, 0]
-        engine_out.send(p.StepOutput([meta] if k == 0 else [], [], [row]).encode())
+        row = ["c:r1", p.pack_token_ids(chunk), last, "length" if last else None, 5, (k + 1) * TOKENS_PER_STEP, 0, None]
+        engine_out.send(p.StepOutput("fake-engine", [["c:r1", meta]] if k == 0 else [], [], [row]).encode())
     return ids
+
+
+def next_abort(engine_in) -> p.AbortReq:
+    """The next abort the detokenizer sends the engine (its DetokHello greetings are skipped)."""
+    while True:
+        assert engine_in.poll(30_000), "no abort reached the engine"
+        msg = p.decode(engine_in.recv())
+        if isinstance(msg, p.AbortReq):
+            return msg
+        assert isinstance(msg, p.DetokHello), msg
 
 
 def handshake(client) -> None:
@@ -107,8 +117,7 @@ def test_a_stuck_client_has_its_request_aborted_once_its_queue_is_full(rig):
     tok, stage, engine_in, engine_out, client, identity = rig
     handshake(client)
     feed_engine_steps(tok, engine_out, identity)
-    assert engine_in.poll(30_000), "no abort reached the engine"
-    abort = p.decode(engine_in.recv())
-    assert isinstance(abort, p.AbortReq) and abort.request_id == "c:r1"
+    abort = next_abort(engine_in)
+    assert abort.request_id == "c:r1"
     wait_for(lambda: stage.stats()["detok"]["num_requests"] == 0 and stage.stats()["detok"]["num_pending_frames"] == 0,
              timeout=10, what="stuck client's state dropped")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from nanovllm_client import Client, EngineDeadError, RequestError
+from nanovllm_client import Client, EngineDeadError
 from tests.service.conftest import start_service
 from tests.service.harness import short_tmpdir, wait_for
 
@@ -79,19 +79,33 @@ def test_new_client_is_refused_while_the_engine_is_down(own_service):
         assert client.generate("hi", max_tokens=3, ignore_eos=True).usage["completion_tokens"] == 3
 
 
-def test_detokenizer_restart_fails_in_flight_and_rejoins(own_service):
+def test_a_detokenizer_restart_loses_no_stream(own_service):
+    """Streams in flight continue after the detokenizer is killed and restarted: the new one gets
+    every request from the engine (resync) and each client says how much it already has (resume)."""
+    prompts = [f"def f{i}():" for i in range(3)]
     with Client(own_service.url, timeout=120) as client:
-        threads, outcome = start_long_streams(client, 2)
+        client.wait_engine(timeout=120)
+        lengths = [40, 300, 900]  # some end while the detokenizer is down, some after it is back
+        reference = [client.generate(p, max_tokens=n, ignore_eos=True, temperature=0) for p, n in zip(prompts, lengths)]
+        streams = [client.stream(p, max_tokens=n, ignore_eos=True, temperature=0) for p, n in zip(prompts, lengths)]
+        firsts = [next(s) for s in streams]
+        tokenizer, engine = own_service.pid("tokenizer_proc"), own_service.pid("engine_proc")
         own_service.kill("detok_proc")
         own_service.start("detok_proc")
+        results: dict = {}
+        threads = [threading.Thread(target=lambda i=i, s=s: results.update({i: list(s)})) for i, s in enumerate(streams)]
         for t in threads:
-            t.join(timeout=30)
-        assert len(outcome) == 2
-        assert all(isinstance(e, RequestError) and "detokenizer" in str(e) for e, _ in outcome.values())
-        client.wait_engine(timeout=120)
-        assert client.generate("hi", max_tokens=3, ignore_eos=True).finish_reason == "length"
-        # The orphaned requests were aborted in the engine (their outputs had no owner).
-        wait_for(lambda: client.server_stats()["engine"]["num_live"] == 0, timeout=10, what="orphans aborted")
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for i, want in enumerate(reference):
+            deltas = [firsts[i]] + results[i]
+            assert "".join(d.text for d in deltas) == want.text
+            assert [t for d in deltas for t in d.token_ids] == want.token_ids
+            assert deltas[-1].finish_reason == "length" and deltas[-1].usage == want.usage
+        assert (own_service.pid("tokenizer_proc"), own_service.pid("engine_proc")) == (tokenizer, engine)
+        wait_for(lambda: (st := client.server_stats())["engine"]["num_live"] == 0 and st["detok"]["num_requests"] == 0,
+                 timeout=10, what="nothing left behind")
 
 
 def test_tokenizer_restart_rejoins_and_queued_requests_go_through(own_service):
