@@ -34,7 +34,7 @@ import zmq
 
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError
-from nanovllm_client.stage import RejectLog, new_instance_id, pipeline_pull, pipeline_push, sd_notify
+from nanovllm_client.stage import DEFAULT_HWM, RejectLog, new_instance_id, pipeline_pull, pipeline_push, sd_notify
 
 log = logging.getLogger("engine_proc")
 
@@ -84,7 +84,7 @@ class FinishedRing:
 class EngineStage:
     def __init__(self, engine: Any, make_sampling, input_endpoint: str, output_endpoint: str,
                  heartbeat_s: float = 0.25, max_live: int = 4096, max_queued: int = 4096,
-                 ctx: zmq.Context | None = None):
+                 out_hwm: int = DEFAULT_HWM, ctx: zmq.Context | None = None):
         self.engine = engine
         self.make_sampling = make_sampling
         self.instance_id = new_instance_id()
@@ -109,7 +109,7 @@ class EngineStage:
         # Bind/connect here, in the main thread, before the threads start using the sockets.
         self._in_sock = pipeline_pull(self.ctx, input_endpoint)
         # Not IMMEDIATE: outputs queue (up to the HWM) while the detokenizer restarts.
-        self._out_sock = pipeline_push(self.ctx, output_endpoint, immediate=False)
+        self._out_sock = pipeline_push(self.ctx, output_endpoint, hwm=out_hwm, immediate=False)
         self._threads = [threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
                          threading.Thread(target=self._output_loop, name="engine-output", daemon=True)]
 

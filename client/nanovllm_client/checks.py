@@ -12,9 +12,9 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
-MAX_DEPTH = 8
-"""Deepest nesting a frame may have. The deepest real message (a resync entry's stop strings) is
-6 levels: [version, type, {entries: [[id, {stop: [...]}]]}]."""
+MAX_DEPTH = 7
+"""Deepest nesting a message body may have. The deepest real one (a resync entry's stop strings)
+is 5 levels: {entries: [[id, {stop: [...]}]]}."""
 
 
 class ProtocolError(ValueError):

@@ -132,8 +132,7 @@ def decode(frame: bytes) -> Message:
     except Exception as e:  # msgpack raises several unrelated types for garbage; the text is its own
         raise ProtocolError(f"frame is not valid msgpack within the limits ({type(e).__name__}: {show(str(e))})") from None
     check(isinstance(obj, list) and len(obj) == 3, "a message must be a msgpack array [protocol_version, type, body]")
-    check_depth(obj)
-    version, type_name, body = obj
+    version, type_name, body = obj  # only `show` (bounded) looks at these before the depth check
     check(version == PROTOCOL_VERSION,
           f"protocol version {show(version)} is not supported; this service speaks version {PROTOCOL_VERSION}")
     cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
@@ -142,6 +141,7 @@ def decode(frame: bytes) -> Message:
     rid = body.get("request_id")
     rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ENGINE_ID_LEN else None
     try:
+        check_depth(body)
         check_fields(f"a {type_name!r} message", body, cls._FIELDS, cls._REQUIRED)
         msg = cls(**body)
         msg.validate()

@@ -1,0 +1,275 @@
+"""One regression test per way a single frame, value or failure used to take a stage down or lose
+a request (each failed on the code before the fix). Real stage processes on real sockets, except
+where a stage is run in-process to fill its queues on purpose."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+
+import msgpack
+import pytest
+import zmq
+
+from nanovllm_client import Client, RequestError
+from nanovllm_client import protocol as p
+from nanovllm_client.endpoints import service_endpoints
+from tests.service.conftest import START_TIMEOUT, TINY_ENGINE_ARGS, start_service
+from tests.service.harness import STAGES, short_tmpdir, wait_for
+
+NESTED = b"\x91" * 1000 + b"\x01"
+
+
+def raw_socket(ctx: zmq.Context, kind: int, endpoint: str, identity: bytes | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.connect(endpoint)
+    return sock
+
+
+def reply(sock: zmq.Socket, timeout_ms: int = 10_000) -> p.Message:
+    assert sock.poll(timeout_ms), "no reply"
+    return p.decode(sock.recv())
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def test_deeply_nested_frames_get_an_error_and_no_stage_dies(service, client, ctx):
+    """1,000 levels of nesting as the type or version once killed the tokenizer, the detokenizer
+    and the engine's input thread with RecursionError while the error message was built."""
+    eps = service_endpoints(service.url)
+    pids = {name: service.pid(name) for name in STAGES}
+    frames = [b"\x93" + NESTED + msgpack.packb("generate") + msgpack.packb({}),
+              b"\x93\x01" + NESTED + msgpack.packb({})]
+    for endpoint in (eps.tokenizer, eps.stream):
+        sock = raw_socket(ctx, zmq.DEALER, endpoint, uuid.uuid4().bytes)
+        for frame in frames:
+            sock.send(frame)
+            msg = reply(sock)
+            assert isinstance(msg, p.ErrorOutput) and len(msg.message) < 300
+            assert "unknown message type [[[...]]]" in msg.message or "protocol version [[[...]]]" in msg.message
+    for endpoint in (eps.engine, eps.detok):
+        push = raw_socket(ctx, zmq.PUSH, endpoint)
+        for frame in frames:
+            push.send(frame)
+    result = client.generate("def f():", max_tokens=5, ignore_eos=True)
+    assert result.usage["completion_tokens"] == 5  # the engine's input thread still reads
+    service.assert_running()
+    assert {name: service.pid(name) for name in STAGES} == pids
+
+
+def test_sampling_values_at_the_extremes_end_their_request_not_the_engine(client):
+    """top_p=1e-50 once crashed the sampler's gather; temperature=1e-40 produced a token id equal
+    to the vocabulary size, which crashed the next step; a nested temperature crashed validation."""
+    for sampling in ({"top_p": 1e-50, "temperature": 1.0}, {"temperature": 1e-40}, {"temperature": 5e-324, "top_k": 3}):
+        result = client.generate("def f():", max_tokens=4, ignore_eos=True, **sampling)
+        assert result.finish_reason == "length" and all(0 <= t < 2048 for t in result.token_ids)
+    greedy = client.generate("def f():", max_tokens=4, ignore_eos=True, temperature=0)
+    assert client.generate("def f():", max_tokens=4, ignore_eos=True, temperature=1e-40).token_ids == greedy.token_ids
+    with pytest.raises(RequestError, match="repetition_penalty"):
+        client.generate("x", repetition_penalty=1e-300)
+    with pytest.raises(RequestError, match="temperature must be a number"):
+        client.generate("x", temperature=[[[0.5]]])
+    deep: list = [0.5]
+    for _ in range(1000):
+        deep = [deep]
+    with pytest.raises(RequestError, match="deeper than"):
+        client.generate("x", temperature=deep)
+
+
+def run_raw(service, ctx, sampling: dict) -> dict:
+    """One generate request with `sampling` exactly as given, over raw sockets: its terminal delta
+    plus all its text."""
+    eps = service_endpoints(service.url)
+    identity = uuid.uuid4().bytes
+    out = raw_socket(ctx, zmq.DEALER, eps.stream, identity)
+    out.send(p.Ping().encode())
+    assert isinstance(reply(out), p.Pong)
+    tok = raw_socket(ctx, zmq.DEALER, eps.tokenizer, identity)
+    tok.send(p.GenerateReq("r", prompt="def f():", sampling=sampling).encode())
+    poller = zmq.Poller()
+    poller.register(tok, zmq.POLLIN)
+    poller.register(out, zmq.POLLIN)
+    text = ""
+    while True:
+        ready = dict(poller.poll(10_000))
+        assert ready, "no answer"
+        for sock in ready:
+            msg = p.decode(sock.recv())
+            for d in getattr(msg, "deltas", []):
+                text += d["text"]
+                if d["finish_reason"] is not None:
+                    return dict(d, text=text)
+
+
+def test_stop_strings_inside_sampling_are_checked_like_the_others(service, client, ctx):
+    """sampling.stop = 5 once killed the tokenizer; a string there was split into one-character
+    stop strings, and stop strings there skipped the limits `stop` has."""
+    assert "sampling.stop must be a string or a list of strings" in run_raw(service, ctx, {"stop": 5})["error"]
+    assert "at most 64" in run_raw(service, ctx, {"stop": [f"s{i}" for i in range(65)]})["error"]
+    assert "at most 1024 characters" in run_raw(service, ctx, {"stop": ["x" * 1025]})["error"]
+    # One string is one stop string: first character + NUL never matches, so the text runs on.
+    plain = run_raw(service, ctx, {"max_tokens": 40, "ignore_eos": True, "temperature": 0})
+    stopped = run_raw(service, ctx, {"max_tokens": 40, "ignore_eos": True, "temperature": 0,
+                                     "stop": plain["text"][0] + "\x00"})
+    assert stopped["text"] == plain["text"] and stopped["finish_reason"] == "length"
+    assert client.generate("x", max_tokens=2, ignore_eos=True).finish_reason == "length"
+    service.assert_running()
+
+
+def test_malformed_stage_frames_are_dropped_and_counted(service, client, ctx):
+    """A tokenized frame whose meta was {}, not a map, had a str client, an int stop or a 3-byte
+    tail once killed the engine or the detokenizer; step rows were not checked at all."""
+    eps = service_endpoints(service.url)
+    ids = p.pack_token_ids([1, 2, 3])
+    good_meta = {"client": b"x", "rid": "r"}
+    bad_metas = [{}, [1], {"client": "x", "rid": "r"}, dict(good_meta, stop=5), dict(good_meta, tail=b"abc")]
+    before = client.server_stats()
+    engine = raw_socket(ctx, zmq.PUSH, eps.engine)
+    for meta in bad_metas:
+        engine.send(msgpack.packb([p.PROTOCOL_VERSION, "tokenized", {"request_id": "c:r", "prompt_token_ids": ids,
+                                                                      "sampling": {}, "meta": meta}]))
+    detok = raw_socket(ctx, zmq.PUSH, eps.detok)
+    for meta in bad_metas:
+        detok.send(msgpack.packb([p.PROTOCOL_VERSION, "step", {"instance_id": "x", "started": [["c:r", meta]]}]))
+    detok.send(p.StepOutput("x", [], [], [["c:r", b"abc", True, "stop", 1, 1, 0, None]]).encode())
+
+    def counted():
+        stats = client.server_stats()
+        return (stats["engine"]["rejected_frames"] - before["engine"]["rejected_frames"] >= len(bad_metas)
+                and sum(stats["detok"]["rejected_frames"].values())
+                - sum(before["detok"]["rejected_frames"].values()) >= len(bad_metas) + 1)
+
+    wait_for(counted, timeout=10, what="the bad frames to be counted")
+    assert client.generate("def f():", max_tokens=3, ignore_eos=True).usage["completion_tokens"] == 3
+    service.assert_running()
+
+
+def test_a_request_id_can_be_reused_right_after_its_stream_was_cancelled(client):
+    """The old request's final (abort) output once ended the new request that reused its id."""
+    for _ in range(5):
+        old = client.stream("def f():", request_id="same", max_tokens=500, ignore_eos=True)
+        next(old)
+        old.cancel()
+        new = client.generate("def f():", request_id="same", max_tokens=20, ignore_eos=True)
+        assert new.finish_reason == "length" and len(new.token_ids) == 20
+
+
+def test_a_client_the_detokenizer_gave_up_on_is_told_when_it_returns(tokenizer_dir, ctx):
+    """A client whose requests were aborted after a silence (a network blip, a paused process)
+    once waited for them forever. In-process detokenizer, fed by a scripted engine, so the
+    request is surely still running when the client goes quiet."""
+    from transformers import AutoTokenizer
+
+    from detok_proc.server import DetokStage
+
+    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    engine_in = ctx.socket(zmq.PULL)
+    engine_in.bind(eps.engine)
+    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.engine,
+                       client_timeout_s=1.0, engine_timeout_s=60, ctx=ctx)
+    stop = threading.Event()
+    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
+    runner.start()
+    try:
+        engine_out = raw_socket(ctx, zmq.PUSH, eps.detok)
+        identity = uuid.uuid4().bytes
+        out = raw_socket(ctx, zmq.DEALER, eps.stream, identity)
+        out.send(p.Ping().encode())
+        assert isinstance(reply(out), p.Pong)
+        meta = {"client": identity, "rid": "lost"}
+        row = ["c:lost", p.pack_token_ids([65, 66]), False, None, 3, 2, 0, None]
+        engine_out.send(p.StepOutput("engine-1", [["c:lost", meta]], [], [row]).encode())
+        assert isinstance(reply(out), p.EngineStatus)  # the stage now follows engine-1
+        assert isinstance(reply(out), p.StreamOutput)
+        while True:  # silence: the stage gives up on us and aborts the request in the engine
+            msg = p.decode(engine_in.recv()) if engine_in.poll(5000) else None
+            assert msg is not None, "the silent client's request was never aborted"
+            if isinstance(msg, p.AbortReq):
+                assert msg.request_id == "c:lost"
+                break
+        out.send(p.Ping().encode())
+        told = reply(out)
+        assert isinstance(told, p.StreamOutput)
+        (delta,) = told.deltas
+        assert (delta["request_id"], delta["finish_reason"]) == ("lost", "error")
+        assert "gave up on this client" in delta["error"] and "no heartbeat" in delta["error"]
+        assert isinstance(reply(out), p.Pong)  # and it is served as a new client
+    finally:
+        stop.set()
+        runner.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def one_live_service(tiny_model_dir):
+    """An engine that holds one request at a time, so the next ones queue behind it."""
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc", engine_args=TINY_ENGINE_ARGS + ["--max-live", "1"])
+    yield procs
+    procs.stop()
+
+
+def test_an_abort_does_not_wait_behind_the_admission_gate(one_live_service):
+    """Aborts once sat in the engine's inbox, unread, until the live count dropped."""
+    with Client(one_live_service.url, timeout=60) as client:
+        client.wait_engine(timeout=START_TIMEOUT)
+        long = client.stream("def f():", max_tokens=900, ignore_eos=True)
+        next(long)
+        queued = client.stream("x", max_tokens=5, ignore_eos=True)
+        time.sleep(0.3)  # it reached the engine and waits for admission
+        started = time.monotonic()
+        queued.cancel()
+        wait_for(lambda: client.server_stats()["engine"]["num_queued"] == 0, timeout=5, what="the queued request aborted")
+        assert time.monotonic() - started < 3
+        assert client.server_stats()["engine"]["num_live"] == 1  # the long one still runs
+        long.cancel()
+
+
+def test_requests_a_dying_tokenizer_held_are_sent_again_and_finish(tiny_model_dir):
+    """Requests the tokenizer had received but not passed on when it died once ended only at the
+    client's 600 s timeout."""
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc")
+    try:
+        with Client(procs.url, timeout=60) as client:
+            client.wait_engine(timeout=START_TIMEOUT)
+            want = client.generate("def f():", max_tokens=8, ignore_eos=True, temperature=0)
+            time.sleep(1.5)  # the client has seen the tokenizer's instance in a pong
+            os.kill(procs.pid("tokenizer_proc"), signal.SIGSTOP)  # requests pile up unread...
+            results: dict = {}
+            threads = [threading.Thread(target=lambda k=k: results.update(
+                {k: client.generate("def f():", max_tokens=8, ignore_eos=True, temperature=0)})) for k in range(5)]
+            for t in threads:
+                t.start()
+            time.sleep(0.5)
+            procs.kill("tokenizer_proc")  # ...and die with it
+            procs.start("tokenizer_proc")
+            for t in threads:
+                t.join(timeout=60)
+            assert [results[k].token_ids for k in range(5)] == [want.token_ids] * 5
+        procs.assert_running()
+    finally:
+        procs.stop()
+
+
+def test_serve_with_a_missing_model_exits_at_once_with_the_stages_error():
+    import subprocess
+    import sys
+
+    from tests.service.harness import REPO
+
+    runtime_dir = short_tmpdir()
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "nanovllm.supervisor", "--model", "/no/such/model",
+                          "--runtime-dir", runtime_dir], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "'/no/such/model' not found" in out.stderr and "before it was ready" in out.stderr
+    assert time.monotonic() - started < 60
