@@ -105,6 +105,8 @@ class EngineStage:
         self.latest_stats: dict[str, Any] = engine.stats()
         self.num_steps = 0
         self._stopping = threading.Event()
+        self._stop = threading.Event()
+        """Set by whoever runs the stage (a signal): no wait in the main loop outlasts it."""
         self._give_up_at = float("inf")
         # Bind/connect here, in the main thread, before the threads start using the sockets.
         self._in_sock = pipeline_pull(self.ctx, input_endpoint)
@@ -116,6 +118,7 @@ class EngineStage:
     # ------------------------------------------------------------------ main loop
 
     def run(self, stop: threading.Event) -> int:
+        self._stop = stop
         for t in self._threads:
             t.start()
         self._emit(p.EngineStatus(True, self.instance_id, "started", self.latest_stats))
@@ -237,7 +240,18 @@ class EngineStage:
             self._emit(p.Resync(self.instance_id, detok_instance, chunk, i == len(chunks) - 1))
 
     def _emit(self, item: Any, timeout: float | None = None) -> None:
-        self.outbox.put(item, timeout=timeout)
+        """Hand an item to the output thread, waiting while its queue is full (backpressure from
+        a slow detokenizer). Without a timeout the wait ends when the stage is told to stop (the
+        item is dropped: nobody is reading); with one, `queue.Full` says it could not be queued."""
+        while True:
+            try:
+                self.outbox.put(item, timeout=timeout if timeout is not None else 0.1)
+                return
+            except queue.Full:
+                if timeout is not None:
+                    raise
+                if self._stop.is_set():
+                    return
 
     def _shutdown(self, reason: str) -> None:
         self._give_up_at = time.monotonic() + SHUTDOWN_SEND_S

@@ -273,3 +273,30 @@ def test_serve_with_a_missing_model_exits_at_once_with_the_stages_error():
     assert out.returncode == 1, out.stderr[-2000:]
     assert "'/no/such/model' not found" in out.stderr and "before it was ready" in out.stderr
     assert time.monotonic() - started < 60
+
+
+def test_the_engine_stops_promptly_when_its_detokenizer_is_gone(tiny_model_dir, ctx):
+    """With nobody reading its outputs, the engine's queues fill; a stop request once blocked
+    forever on the full output queue (the process never exited)."""
+    from engine_proc.server import SHUTDOWN_SEND_S, EngineStage
+    from nanovllm.config import Config
+    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.sampling_params import SamplingParams
+
+    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=128, num_threads=1))
+    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, out_hwm=2, ctx=ctx)  # no detokenizer binds
+    stop = threading.Event()
+    code: list = []
+    runner = threading.Thread(target=lambda: code.append(stage.run(stop)), daemon=True)
+    runner.start()
+    tok = raw_socket(ctx, zmq.PUSH, eps.engine)
+    for i in range(4):
+        tok.send(p.TokenizedReq(f"c:{i}", p.pack_token_ids([1, 2, 3]), {"max_tokens": 900, "ignore_eos": True},
+                                {"client": b"c", "rid": str(i)}).encode())
+    wait_for(stage.outbox.full, timeout=60, what="the output queue to fill")
+    stopped_at = time.monotonic()
+    stop.set()
+    runner.join(timeout=3 * SHUTDOWN_SEND_S + 5)
+    assert not runner.is_alive(), "the engine did not stop"
+    assert code == [0] and time.monotonic() - stopped_at < 3 * SHUTDOWN_SEND_S + 1
