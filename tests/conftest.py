@@ -1,8 +1,15 @@
-"""Shared fixtures: tiny random-weight models with a real (offline-trained) tokenizer."""
+"""Shared fixtures: tiny random-weight models with a real (offline-trained) tokenizer.
+
+Everything a test run writes to disk goes under one short directory in /tmp (pytest's own
+tmp_path too), removed when the session ends; the session fails if the run left anything else
+new in /tmp.
+"""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -31,3 +38,32 @@ def tiny_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
         arch: make_tiny_model(str(tmp_path_factory.mktemp(f"tiny-{arch}")), arch, tokenizer_dir=tokenizer_dir, seed=i)
         for i, arch in enumerate(("qwen3", "llama", "qwen2"))
     }
+
+
+LEFTOVER_PREFIXES = ("nv-", "nvb-", "nanovllm", "pytest-of-", "tmp", "torchinductor")
+"""Names in /tmp that this suite could create (ipc dirs, pytest's base, tempfile defaults)."""
+_SESSION_DIR_ENV = "NANOVLLM_TEST_TMPDIR"
+_tmp_before: set[str] = set()
+
+
+def session_tmpdir() -> str:
+    """The one directory under /tmp that this test session writes to (short: ipc paths). Kept in
+    the environment, so every module (imported under any name) and every child process agrees."""
+    if not os.environ.get(_SESSION_DIR_ENV):
+        os.environ[_SESSION_DIR_ENV] = tempfile.mkdtemp(prefix="nv-", dir="/tmp")
+    return os.environ[_SESSION_DIR_ENV]
+
+
+def pytest_configure(config):
+    _tmp_before.update(os.listdir("/tmp"))
+    os.environ.pop(_SESSION_DIR_ENV, None)  # a fresh one per session, even if the variable leaked in
+    if not config.option.basetemp:
+        config.option.basetemp = os.path.join(session_tmpdir(), "pytest")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(session_tmpdir(), ignore_errors=True)
+    left = sorted(name for name in set(os.listdir("/tmp")) - _tmp_before if name.startswith(LEFTOVER_PREFIXES))
+    if left:
+        print(f"\nthe test session left files behind in /tmp: {left}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

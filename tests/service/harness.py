@@ -19,8 +19,11 @@ STAGES = ("tokenizer_proc", "engine_proc", "detok_proc")
 
 
 def short_tmpdir() -> str:
-    """ipc:// paths must stay under ~100 bytes, so not pytest's long tmp_path."""
-    return tempfile.mkdtemp(prefix="nv-", dir="/tmp")
+    """A fresh directory under the test session's own (tests/conftest.py removes it at the end).
+    ipc:// paths must stay under ~100 bytes, so not pytest's long tmp_path."""
+    from tests.conftest import session_tmpdir
+
+    return tempfile.mkdtemp(dir=session_tmpdir())
 
 
 def free_tcp_base_port() -> int:
