@@ -41,6 +41,7 @@ log = logging.getLogger("engine_proc")
 _STOP = object()
 RESYNC_CHUNK = 256
 """Requests per `Resync` frame, so one frame stays far below the frame size limit."""
+RESYNC_INTERVAL_S = 1.0
 SHUTDOWN_SEND_S = 2.0
 """How long a stopping engine keeps trying to push its last messages to a detokenizer that is
 not reading (or gone) before it gives up and exits."""
@@ -100,7 +101,9 @@ class EngineStage:
         self.live: dict[str, LiveRequest] = {}
         """request id -> its meta and output so far, for every request added and not yet finished."""
         self.finished = FinishedRing()
-        self._hellos: list[str] = []
+        self._hello: str | None = None
+        """The latest detokenizer that asked for a resync and has not got one yet."""
+        self._next_resync_at = 0.0
         self.rejects = RejectLog(log)
         self.latest_stats: dict[str, Any] = engine.stats()
         self.num_steps = 0
@@ -152,8 +155,8 @@ class EngineStage:
                                  num_steps=self.num_steps, rejected_frames=sum(self.rejects.counts.values()))
         if started or rejected or outputs:
             self._emit(("step", started, rejected, outputs))
-        while self._hellos:
-            self._send_resync(self._hellos.pop(0))
+        if self._hello is not None and time.monotonic() >= self._next_resync_at:
+            self._send_resync(self._hello)
 
     def _take_inbox(self, block: bool, started: list, rejected: list, extra_outputs: list) -> None:
         timeout = 0.05 if block else 0.0
@@ -168,7 +171,7 @@ class EngineStage:
             elif isinstance(msg, p.AbortReq):
                 self._abort(msg.request_id, started, extra_outputs)
             elif isinstance(msg, p.DetokHello):
-                self._hellos.append(msg.instance_id)
+                self._hello = msg.instance_id
 
     def _queue_request(self, req: p.TokenizedReq) -> None:
         rid = req.request_id
@@ -232,6 +235,10 @@ class EngineStage:
             self._num_queued -= 1
 
     def _send_resync(self, detok_instance: str) -> None:
+        """Everything a new detokenizer needs. At most one per `RESYNC_INTERVAL_S`, for the latest
+        hello only: a resync can be thousands of entries, and a hello is a few bytes anyone who
+        reaches the engine's port could repeat (a real detokenizer repeats its hello until answered)."""
+        self._hello, self._next_resync_at = None, time.monotonic() + RESYNC_INTERVAL_S
         entries = [[rid, r.meta, p.pack_token_ids(r.tokens), False, None, *r.counts, None]
                    for rid, r in self.live.items()] + self.finished.values()
         log.info("resync for detokenizer %s: %d request(s)", detok_instance, len(entries))

@@ -70,11 +70,14 @@ def blast(url: str, frames_per_socket: int, seed: int) -> None:
             frames = hostile_frames(random.Random(f"{seed}-{endpoint}"), 2 * frames_per_socket)
             if endpoint == eps.detok:
                 frames = (f for f in frames if not forged_engine_message(f))
-            targets.append((sock, frames))
+            targets.append((endpoint, sock, frames))
         for i in range(frames_per_socket):
-            for sock, frames in targets:
+            for endpoint, sock, frames in targets:
                 frame = next(frames)
-                sock.send_multipart(frame if isinstance(frame, list) else [frame])
+                try:
+                    sock.send_multipart(frame if isinstance(frame, list) else [frame])
+                except zmq.Again:
+                    raise AssertionError(f"{endpoint} stopped reading (frame {i})") from None
                 if sock.type == zmq.DEALER:
                     while sock.poll(0):
                         sock.recv_multipart()

@@ -300,3 +300,37 @@ def test_the_engine_stops_promptly_when_its_detokenizer_is_gone(tiny_model_dir, 
     runner.join(timeout=3 * SHUTDOWN_SEND_S + 5)
     assert not runner.is_alive(), "the engine did not stop"
     assert code == [0] and time.monotonic() - stopped_at < 3 * SHUTDOWN_SEND_S + 1
+
+
+def test_a_flood_of_detokenizer_hellos_gets_at_most_one_resync_a_second(tiny_model_dir, ctx):
+    """A hello is a few bytes and a resync can be thousands of entries: answering each one let a
+    flood of hellos keep the detokenizer busy validating resyncs meant for nobody."""
+    from engine_proc.server import RESYNC_INTERVAL_S, EngineStage
+    from nanovllm.config import Config
+    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.sampling_params import SamplingParams
+
+    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    detok_in = ctx.socket(zmq.PULL)
+    detok_in.bind(eps.detok)
+    engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=64, num_threads=1))
+    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, ctx=ctx)
+    stop = threading.Event()
+    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
+    runner.start()
+    try:
+        push = raw_socket(ctx, zmq.PUSH, eps.engine)
+        started = time.monotonic()
+        for i in range(200):
+            push.send(p.DetokHello(f"d{i}").encode())
+        answered = []
+        while time.monotonic() - started < 2.5:
+            if detok_in.poll(100):
+                msg = p.decode(detok_in.recv())
+                if isinstance(msg, p.Resync):
+                    answered.append(msg.detok_instance)
+        assert 1 <= len(answered) <= 2.5 / RESYNC_INTERVAL_S + 1, answered
+        assert answered[-1] == "d199"  # the latest hello is the one answered
+    finally:
+        stop.set()
+        runner.join(timeout=10)
