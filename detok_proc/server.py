@@ -303,14 +303,13 @@ class DetokStage:
 
     def _apply_resume(self, identity: bytes, rows: list[list]) -> None:
         """Continue each listed stream from what the client has; abort what it no longer wants."""
-        waiting = {s.client_request_id: rid for rid, s in self.requests.items()
-                   if s.awaiting_resume and s.client == identity}
+        mine = {s.client_request_id: (rid, s) for rid, s in self.requests.items() if s.client == identity}
+        waiting = {client_rid: rid for client_rid, (rid, s) in mine.items() if s.awaiting_resume}
         deltas = []
         for client_rid, num_tokens, num_chars in rows:
             request_id = waiting.pop(client_rid, None)
             if request_id is None:
-                known = any(s.client == identity and s.client_request_id == client_rid for s in self.requests.values())
-                if num_tokens and not known:
+                if num_tokens and client_rid not in mine:
                     deltas.append(p.error_delta(client_rid, "the engine no longer holds this request (it restarted, "
                                                             "or the request ended too long ago)", engine_dead=True))
                 continue

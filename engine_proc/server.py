@@ -32,6 +32,7 @@ from typing import Any
 
 import zmq
 
+from nanovllm.engine.llm_engine import RequestOutput
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError
 from nanovllm_client.stage import DEFAULT_HWM, RejectLog, new_instance_id, pipeline_pull, pipeline_push, sd_notify
@@ -214,7 +215,7 @@ class EngineStage:
         self._dequeued()
         self.live[request_id] = LiveRequest(req.meta)
         started.append([request_id, req.meta])
-        out = _Output(request_id, [], True, "abort", len(req.prompt_token_ids), 0, 0, None)
+        out = RequestOutput(request_id, [], True, "abort", len(req.prompt_token_ids), 0, 0)
         extra_outputs.append(out)
         self._record(out)
 
@@ -339,18 +340,5 @@ class EngineStage:
         return p.StepOutput(self.instance_id, started, rejected, rows).encode()
 
 
-@dataclass(slots=True)
-class _Output:
-    """The output of a request that ended before the engine ever held it (aborted in the backlog)."""
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    error: str | None
-
-
-def _error(out: Any) -> str | None:
+def _error(out: RequestOutput) -> str | None:
     return p.clip(out.error) if out.error else None
