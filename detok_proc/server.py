@@ -33,8 +33,8 @@ import zmq
 from nanovllm.detokenize import IncrementalDetokenizer
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError
-from nanovllm_client.stage import (PeerMonitor, RejectLog, client_router, new_instance_id, pipeline_pull, pipeline_push,
-                                   sd_notify)
+from nanovllm_client.stage import (Notifier, PeerMonitor, RejectLog, client_router, new_instance_id, pipeline_pull,
+                                   pipeline_push)
 
 log = logging.getLogger("detok_proc")
 
@@ -88,7 +88,14 @@ class DetokStage:
         self.gone: collections.OrderedDict[bytes, tuple[float, str, list[str]]] = collections.OrderedDict()
         """Clients given up on: when, why, and the request ids they were told nothing about yet."""
         self.engine_alive: bool | None = None
-        """None until the engine is heard from: a stage that just started knows nothing yet."""
+        """None until a ready engine is heard from (a stage that just started knows nothing yet;
+        a loading engine is not dead)."""
+        self.engine_state = ""
+        """The engine's state from its last message: "", loading, ready or draining."""
+        self.engine_uptime_s = 0.0
+        self.state = "ready"
+        self.started_at = time.monotonic()
+        self.notifier = Notifier()
         self.engine_instance = ""
         self.engine_last_seen = 0.0
         self.engine_stats: dict[str, Any] = {}
@@ -107,15 +114,27 @@ class DetokStage:
         poller.register(self.clients_sock, zmq.POLLIN)
         poller.register(self.engine_peers.socket, zmq.POLLIN)
         log.info("detokenizer stage %s serving", self.instance_id)
-        sd_notify(f"READY=1\nSTATUS=detokenizer {self.instance_id} serving")
-        while not stop.is_set():
+        self.notifier.ready(f"detokenizer {self.instance_id} serving")
+        flush_until = float("inf")
+        while time.monotonic() < flush_until:
+            if stop.is_set() and self.state != "draining":
+                # Stopping: the streams live on in the engine (a new detokenizer resyncs them); hand
+                # the clients what is already queued for them, for a second at most, then go.
+                self.state, flush_until = "draining", time.monotonic() + 1.0
+                self.notifier.stopping("flushing queued output to clients")
+            if self.state == "draining" and not any(c.pending for c in self.clients.values()):
+                break
+            self.notifier.tick()
+            self.notifier.status(f"{len(self.requests)} stream(s), {len(self.clients)} client(s), "
+                                 f"engine {self.engine_state or 'not heard from'}")
             has_pending = any(c.pending for c in self.clients.values())
             events = dict(poller.poll(10 if has_pending else 100))
             if self.from_engine in events:
                 self._drain(self.from_engine, lambda parts: self.on_engine_frame(parts[0]))
             if self.clients_sock in events:
                 self._drain(self.clients_sock, lambda parts: self.on_client_frames(parts[0], parts[1:]))
-            if self.engine_peers.socket in events and not self.engine_peers.connected and self.engine_alive:
+            if (self.engine_peers.socket in events and not self.engine_peers.connected and self.engine_state
+                    and self.engine_alive is not False):
                 self._engine_dead("its connection closed")  # crashed or killed: no need to wait for the timeout
             if has_pending:
                 self._flush_all_pending()
@@ -154,9 +173,9 @@ class DetokStage:
             self.rejects("wrong_type", f"{msg.TYPE!r} on the engine socket")
 
     def on_engine_status(self, msg: p.EngineStatus) -> None:
-        self.engine_stats = msg.stats
+        self.engine_stats, self.engine_uptime_s = msg.stats, msg.uptime_s
         if msg.alive:
-            self._engine_speaks(msg.instance_id)
+            self._engine_speaks(msg.instance_id, msg.state)
         elif msg.instance_id in ("", self.engine_instance) or not self.engine_instance:
             self._engine_dead(msg.reason or "engine shut down")
 
@@ -170,15 +189,21 @@ class DetokStage:
         self._engine_speaks(instance_id)
         return True
 
-    def _engine_speaks(self, instance_id: str) -> None:
-        """A live message from engine `instance_id`: a new instance means the old one died."""
+    def _engine_speaks(self, instance_id: str, state: str | None = None) -> None:
+        """A live message from engine `instance_id` (`state` from its heartbeat; outputs mean it is
+        at least ready): a new instance means the old one died."""
         if instance_id != self.engine_instance:
             if self.engine_instance:
                 self._fail_requests(f"engine restarted (instance {instance_id} replaced {self.engine_instance})",
                                     lambda s: s.engine != instance_id)
             self.engine_instance = instance_id
-        if self.engine_alive is not True:
-            self._set_engine_alive(True)
+        if state is None:
+            state = self.engine_state if self.engine_state in ("ready", "draining") else "ready"
+        alive = None if state == "loading" else True
+        if (alive, state) != (self.engine_alive, self.engine_state):
+            self.engine_alive, self.engine_state = alive, state
+            log.info("engine %s is %s", instance_id, state)
+            self._broadcast(p.EngineStatus(True, instance_id, state=state))
 
     def on_step(self, step: p.StepOutput) -> None:
         by_client: dict[bytes, list[dict]] = collections.defaultdict(list)
@@ -219,7 +244,7 @@ class DetokStage:
         if finished:
             final = {"finish_reason": finish_reason, "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_output,
                                                                "cached_tokens": num_cached}}
-            if finish_reason == "error":
+            if error or finish_reason == "error":  # an abort may say why too (a drain that ran out)
                 final["error"] = error or "the request failed in the engine"
         if state.awaiting_resume:  # hold everything until the client says what it has
             state.all_ids.extend(token_ids)
@@ -252,11 +277,6 @@ class DetokStage:
         if len(self._aborted_orphans) > 65536:
             self._aborted_orphans.popitem(last=False)
         self._abort_in_engine(request_id)
-
-    def _set_engine_alive(self, alive: bool) -> None:
-        self.engine_alive = alive
-        log.info("engine %s is %s", self.engine_instance, "alive" if alive else "dead")
-        self._broadcast(p.EngineStatus(alive, self.engine_instance))
 
     def _engine_dead(self, reason: str) -> None:
         """Fail every request in flight; tell every client (they fail the rest and refuse new ones)."""
@@ -349,7 +369,8 @@ class DetokStage:
             self.send_to_client(identity, p.ErrorOutput(p.clip(str(e)), e.request_id).encode())
             return
         if isinstance(msg, p.Ping):
-            self.send_to_client(identity, p.Pong("detokenizer", self.instance_id, self.engine_alive).encode())
+            self.send_to_client(identity, p.Pong("detokenizer", self.instance_id, self.engine_alive, self.state,
+                                                 time.monotonic() - self.started_at, self.engine_state).encode())
         elif isinstance(msg, p.StatsReq):
             self.send_to_client(identity, p.StatsOutput(self.stats()).encode())
         elif isinstance(msg, p.Resume):
@@ -369,7 +390,9 @@ class DetokStage:
             self.send_to_client(identity, p.StreamOutput(deltas).encode())
 
     def stats(self) -> dict[str, Any]:
-        return {"engine_alive": self.engine_alive, "engine": self.engine_stats,
+        return {"engine_alive": self.engine_alive, "engine_state": self.engine_state,
+                "engine_instance": self.engine_instance, "engine_uptime_s": self.engine_uptime_s,
+                "engine": self.engine_stats,
                 "detok": {"num_requests": len(self.requests), "num_clients": len(self.clients),
                           "num_pending_frames": sum(len(c.pending) for c in self.clients.values()),
                           "num_awaiting_resume": sum(s.awaiting_resume for s in self.requests.values()),
@@ -431,7 +454,7 @@ class DetokStage:
         for identity, info in list(self.clients.items()):
             if now - info.last_seen > self.client_timeout_s:
                 self.client_gone(identity, f"no heartbeat for {self.client_timeout_s}s")
-        if self.engine_alive and now - self.engine_last_seen > self.engine_timeout_s:
+        if self.engine_state and self.engine_alive is not False and now - self.engine_last_seen > self.engine_timeout_s:
             self._engine_dead(f"no heartbeat for {self.engine_timeout_s}s")
         if not self.resynced and now >= self._next_hello:
             self._next_hello = now + HELLO_INTERVAL_S

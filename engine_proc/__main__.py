@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 import zmq
@@ -44,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
              default=4096, type=int)
     add_flag(parser, "--max-queued", "most requests received but not yet admitted (beyond --max-live) before "
              "the engine stops reading its input", default=4096, type=int)
+    add_flag(parser, "--drain-timeout", "seconds a stopping engine lets requests in flight finish before it aborts "
+             "them", default=30.0, type=float)
+    add_flag(parser, "--scheduler-policy", "admission/preemption order: fcfs, priority, or package.module:Class "
+             "(a nanovllm.engine.policy.SchedulerPolicy)", default="fcfs")
+    parser.add_argument("--post-step-hook", action="append", metavar="package.module:function",
+                        default=[h for h in os.environ.get("NANOVLLM_POST_STEP_HOOK", "").split(",") if h],
+                        help="call this with every step's StepMetrics (repeatable; env NANOVLLM_POST_STEP_HOOK, "
+                             "comma-separated)")
     add_endpoint_flags(parser)
     config_names = add_config_flags(parser, Config)
     args = parser.parse_args(argv)
@@ -52,19 +61,31 @@ def main(argv: list[str] | None = None) -> int:
     stop = stop_event()
 
     from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.engine.policy import make_policy
+    from nanovllm.plugins import load_hook
     from nanovllm.sampling_params import SamplingParams
 
     from .server import EngineStage
 
     overrides = {n: getattr(args, n) for n in config_names if getattr(args, n) is not None}
     try:
-        engine = LLMEngine(Config(model=args.model, **overrides))
-        log.info("model %s loaded; input at %s; outputs to %s", args.model, endpoints.engine, endpoints.detok)
-        stage = EngineStage(engine, SamplingParams, endpoints.engine, endpoints.detok,
-                            heartbeat_s=args.heartbeat_s, max_live=args.max_live, max_queued=args.max_queued)
-    except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, bad config, address in use
+        # Extension points first: a name that does not resolve fails before the model loads.
+        policy = make_policy(args.scheduler_policy)
+        hooks = [load_hook(spec) for spec in args.post_step_hook]
+        config = Config(model=args.model, **overrides)
+        stage = EngineStage(None, SamplingParams, endpoints.engine, endpoints.detok, heartbeat_s=args.heartbeat_s,
+                            max_live=args.max_live, max_queued=args.max_queued, drain_timeout_s=args.drain_timeout)
+    except (OSError, ValueError, zmq.ZMQError) as e:  # bad flag or path, address in use
         return startup_failed(log, "engine", e)
-    return stage.run(stop)
+
+    def load_engine() -> LLMEngine:
+        engine = LLMEngine(config, scheduler_policy=policy)
+        for hook in hooks:
+            engine.add_post_step_hook(hook)
+        log.info("model %s loaded; input at %s; outputs to %s", args.model, endpoints.engine, endpoints.detok)
+        return engine
+
+    return stage.run(stop, load_engine)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,6 @@ import queue
 import threading
 import time
 import traceback
-from array import array
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -35,59 +33,32 @@ import zmq
 from nanovllm.engine.llm_engine import RequestOutput
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError
-from nanovllm_client.stage import DEFAULT_HWM, RejectLog, new_instance_id, pipeline_pull, pipeline_push, sd_notify
+from nanovllm_client.stage import DEFAULT_HWM, Notifier, RejectLog, new_instance_id, pipeline_pull, pipeline_push
+
+from .ledger import FinishedRing, LiveRequest
 
 log = logging.getLogger("engine_proc")
 
 _STOP = object()
 RESYNC_CHUNK = 256
 """Requests per `Resync` frame, so one frame stays far below the frame size limit."""
+DRAINING = "the engine is draining (shutting down): it takes no new requests; retry on another instance or later"
 RESYNC_INTERVAL_S = 1.0
 SHUTDOWN_SEND_S = 2.0
 """How long a stopping engine keeps trying to push its last messages to a detokenizer that is
 not reading (or gone) before it gives up and exits."""
 
 
-@dataclass(slots=True)
-class LiveRequest:
-    meta: dict[str, Any]
-    tokens: array = field(default_factory=lambda: array("I"))
-    """Output token ids so far (for a resync)."""
-    counts: tuple[int, int, int] = (0, 0, 0)
-    """(num_prompt, num_output, num_cached) from its latest output."""
-
-
-class FinishedRing:
-    """Requests that ended recently, with everything a restarted detokenizer needs to deliver
-    their last delta: bounded in count and age, oldest dropped first."""
-
-    def __init__(self, max_entries: int = 4096, max_age_s: float = 60.0):
-        self.max_entries, self.max_age_s = max_entries, max_age_s
-        self.entries: collections.OrderedDict[str, tuple[float, list[Any]]] = collections.OrderedDict()
-
-    def add(self, request_id: str, entry: list[Any]) -> None:
-        self.entries[request_id] = (time.monotonic(), entry)
-        self.entries.move_to_end(request_id)
-        self._expire()
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.entries
-
-    def values(self) -> list[list[Any]]:
-        self._expire()
-        return [entry for _, entry in self.entries.values()]
-
-    def _expire(self) -> None:
-        oldest = time.monotonic() - self.max_age_s
-        while self.entries and (len(self.entries) > self.max_entries or next(iter(self.entries.values()))[0] < oldest):
-            self.entries.popitem(last=False)
-
-
 class EngineStage:
-    def __init__(self, engine: Any, make_sampling, input_endpoint: str, output_endpoint: str,
+    def __init__(self, engine: Any | None, make_sampling, input_endpoint: str, output_endpoint: str,
                  heartbeat_s: float = 0.25, max_live: int = 4096, max_queued: int = 4096,
-                 out_hwm: int = DEFAULT_HWM, ctx: zmq.Context | None = None):
+                 drain_timeout_s: float = 30.0, out_hwm: int = DEFAULT_HWM, ctx: zmq.Context | None = None):
         self.engine = engine
+        """None until `run` loads it: meanwhile the stage answers, and says it is loading."""
+        self.state = "ready" if engine is not None else "loading"
+        self.started_at = time.monotonic()
+        self.drain_timeout_s = drain_timeout_s
+        self.notifier = Notifier()
         self.make_sampling = make_sampling
         self.instance_id = new_instance_id()
         self.heartbeat_s = heartbeat_s
@@ -106,12 +77,15 @@ class EngineStage:
         """The latest detokenizer that asked for a resync and has not got one yet."""
         self._next_resync_at = 0.0
         self.rejects = RejectLog(log)
-        self.latest_stats: dict[str, Any] = engine.stats()
+        self.latest_stats: dict[str, Any] = engine.stats() if engine is not None else {}
+        self._abort_notes: dict[str, str] = {}
+        self._refused: list[list] = []
+        """Why the stage (not the client) aborted a request: sent with its last output."""
         self.num_steps = 0
         self._stopping = threading.Event()
-        self._stop = threading.Event()
-        """Set by whoever runs the stage (a signal): no wait in the main loop outlasts it."""
         self._give_up_at = float("inf")
+        self._stop = threading.Event()
+        self._drain_deadline: float | None = None
         # Bind/connect here, in the main thread, before the threads start using the sockets.
         self._in_sock = pipeline_pull(self.ctx, input_endpoint)
         # Not IMMEDIATE: outputs queue (up to the HWM) while the detokenizer restarts.
@@ -121,26 +95,61 @@ class EngineStage:
 
     # ------------------------------------------------------------------ main loop
 
-    def run(self, stop: threading.Event) -> int:
+    def run(self, stop: threading.Event, load_engine=None) -> int:
+        """Serve until `stop` is set, then drain; `load_engine()` builds the engine first if the
+        stage was made without one (heartbeats say "loading" meanwhile). Returns the exit code."""
         self._stop = stop
         for t in self._threads:
             t.start()
-        self._emit(p.EngineStatus(True, self.instance_id, "started", self.latest_stats))
+        if self.engine is None:
+            try:
+                self.engine = load_engine()
+            except Exception as e:  # no such model, bad config: say so to everyone, exit non-zero
+                log.error("the engine cannot start: %s", e)
+                self._shutdown(f"cannot start: {type(e).__name__}: {e}")
+                return 1
+            self.latest_stats = self.engine.stats()
+        self.state = "ready"
+        self._emit(self._status(True, "started"))
         log.info("engine stage %s serving", self.instance_id)
-        sd_notify(f"READY=1\nSTATUS=engine {self.instance_id} serving")
+        self.notifier.ready(f"engine {self.instance_id} serving")
         code, reason = 0, "engine shut down"
         try:
             while not stop.is_set():
                 self.run_once()
+            reason = self.drain()
         except Exception as e:  # the engine is broken: tell everyone, then die (the supervisor restarts us)
             log.error("engine loop failed:\n%s", traceback.format_exc())
             code, reason = 1, f"engine crashed: {type(e).__name__}: {e}"
         self._shutdown(reason)
         return code
 
+    def drain(self) -> str:
+        """Stop taking requests; let those in flight finish for up to `drain_timeout_s`, then
+        abort the rest, saying why. Returns the shutdown reason."""
+        self.state = "draining"
+        deadline = self._start_drain_clock()
+        log.info("draining %d request(s) for up to %.0fs", len(self.live) + len(self.backlog), self.drain_timeout_s)
+        self.notifier.stopping(f"draining {len(self.live) + len(self.backlog)} request(s)")
+        self._emit(self._status(True, "draining"))
+        while (self.live or self.backlog) and time.monotonic() < deadline:
+            self.run_once()
+        left = list(self.live) + list(self.backlog)
+        if not left:
+            return "engine shut down after draining"
+        why = f"the engine is shutting down: requests still running after the {self.drain_timeout_s:.0f}s drain were aborted"
+        log.warning("drain timed out: aborting %d request(s)", len(left))
+        for request_id in left:
+            self._abort_notes[request_id] = why
+            self.inbox.put(p.AbortReq(request_id))
+        for _ in range(3):  # the aborts' final outputs come from the next step
+            self.run_once()
+        return f"engine shut down; {len(left)} request(s) aborted after the drain"
+
     def run_once(self) -> None:
         if not all(t.is_alive() for t in self._threads):
             raise RuntimeError("an engine I/O thread died; the engine can no longer receive or send")
+        self.notifier.tick()  # from the step loop itself: a hung step stops the watchdog
         started: list[list] = []
         rejected: list[list] = []
         extra_outputs: list[Any] = []
@@ -152,8 +161,11 @@ class EngineStage:
             self._record(out)
         outputs = extra_outputs + outputs
         self.num_steps += bool(outputs)
-        self.latest_stats = dict(self.engine.stats(), num_live=len(self.live), num_queued=len(self.backlog),
-                                 num_steps=self.num_steps, rejected_frames=sum(self.rejects.counts.values()))
+        stats = self.latest_stats = dict(self.engine.stats(), num_live=len(self.live), num_queued=len(self.backlog),
+                                         num_steps=self.num_steps, rejected_frames=sum(self.rejects.counts.values()))
+        used = 1 - stats["num_free_blocks"] / stats["num_total_blocks"]
+        self.notifier.status(f"{self.state}: {stats['num_running']} running, {stats['num_waiting']} waiting, "
+                             f"{len(self.backlog)} queued, KV cache {used:.0%} used")
         if started or rejected or outputs:
             self._emit(("step", started, rejected, outputs))
         if self._hello is not None and time.monotonic() >= self._next_resync_at:
@@ -169,6 +181,8 @@ class EngineStage:
             timeout = 0.0
             if isinstance(msg, p.TokenizedReq):
                 self._queue_request(msg)
+                rejected.extend(self._refused)
+                self._refused.clear()
             elif isinstance(msg, p.AbortReq):
                 self._abort(msg.request_id, started, extra_outputs)
             elif isinstance(msg, p.DetokHello):
@@ -176,6 +190,10 @@ class EngineStage:
 
     def _queue_request(self, req: p.TokenizedReq) -> None:
         rid = req.request_id
+        if self.state == "draining" and rid not in self.live and rid not in self.backlog:
+            self._dequeued()
+            self._refused.append([rid, req.meta, DRAINING])
+            return
         # A resend (the client's tokenizer restarted) of a request that got through after all,
         # or a client reusing an id that is still live: the first one stands.
         if rid in self.live or rid in self.backlog or (req.resend and rid in self.finished):
@@ -224,6 +242,8 @@ class EngineStage:
         live = self.live.get(out.request_id)
         if live is None:
             return
+        if out.finished and out.request_id in self._abort_notes:
+            out.error = self._abort_notes.pop(out.request_id)
         live.tokens.extend(out.new_token_ids)
         live.counts = (out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
         if out.finished:
@@ -247,10 +267,18 @@ class EngineStage:
         for i, chunk in enumerate(chunks):
             self._emit(p.Resync(self.instance_id, detok_instance, chunk, i == len(chunks) - 1))
 
+    def _start_drain_clock(self) -> float:
+        """The drain's deadline, fixed the first time anyone asks after the stop request (a step
+        may be waiting on a full output queue when it comes)."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + self.drain_timeout_s
+            self._give_up_at = self._drain_deadline + SHUTDOWN_SEND_S  # then nobody is reading: stop waiting
+        return self._drain_deadline
+
     def _emit(self, item: Any, timeout: float | None = None) -> None:
         """Hand an item to the output thread, waiting while its queue is full (backpressure from
-        a slow detokenizer). Without a timeout the wait ends when the stage is told to stop (the
-        item is dropped: nobody is reading); with one, `queue.Full` says it could not be queued."""
+        a slow detokenizer). Without a timeout the wait ends once the drain's time is up (the item
+        is dropped: nobody is reading); with one, `queue.Full` says it could not be queued."""
         while True:
             try:
                 self.outbox.put(item, timeout=timeout if timeout is not None else 0.1)
@@ -259,13 +287,15 @@ class EngineStage:
                 if timeout is not None:
                     raise
                 if self._stop.is_set():
+                    self._start_drain_clock()
+                if time.monotonic() > self._give_up_at:
                     return
 
     def _shutdown(self, reason: str) -> None:
         self._give_up_at = time.monotonic() + SHUTDOWN_SEND_S
         self._stopping.set()
         try:
-            self._emit(p.EngineStatus(False, self.instance_id, p.clip(reason), self.latest_stats), timeout=SHUTDOWN_SEND_S)
+            self._emit(self._status(False, p.clip(reason)), timeout=SHUTDOWN_SEND_S)
             self._emit(_STOP, timeout=SHUTDOWN_SEND_S)
         except queue.Full:
             log.warning("could not queue the last messages: the detokenizer is not reading")
@@ -310,16 +340,20 @@ class EngineStage:
             try:
                 item = self.outbox.get(timeout=max(0.0, next_heartbeat - time.monotonic()))
             except queue.Empty:
-                item = p.EngineStatus(True, self.instance_id, "", self.latest_stats)
+                item = self._status(True)
             if item is _STOP:
                 return
             if isinstance(item, p.EngineStatus):
                 next_heartbeat = time.monotonic() + self.heartbeat_s
-            if not self._send(item.encode() if isinstance(item, p.Message) else self._encode_step(*item[1:])):
-                return
+            # Past the give-up time a frame nobody reads is dropped; the loop still empties the queue.
+            self._send(item.encode() if isinstance(item, p.Message) else self._encode_step(*item[1:]))
             if time.monotonic() >= next_heartbeat:  # busy engines still report their stats
-                self._send(p.EngineStatus(True, self.instance_id, "", self.latest_stats).encode())
+                self._send(self._status(True).encode())
                 next_heartbeat = time.monotonic() + self.heartbeat_s
+
+    def _status(self, alive: bool, reason: str = "") -> p.EngineStatus:
+        return p.EngineStatus(alive, self.instance_id, reason, self.latest_stats, self.state,
+                              time.monotonic() - self.started_at)
 
     def _send(self, frame: bytes) -> bool:
         """Push one frame, waiting at the HWM (backpressure from a slow detokenizer); while

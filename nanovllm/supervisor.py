@@ -2,9 +2,9 @@
 
 Starts `python -m tokenizer_proc`, `engine_proc` and `detok_proc` on one service URL (by default
 ipc:// sockets in a private runtime directory), restarts a stage that exits (with backoff; the
-others keep running and the restarted one rejoins), and on SIGINT/SIGTERM stops all three
-(SIGTERM, then SIGKILL after a grace period). Flags it does not know go to the engine stage
-(e.g. `--max-num-seqs 64`). The current stage pids are written to `<runtime dir>/stages.json`.
+others keep running and the restarted one rejoins), and on SIGINT/SIGTERM stops all three in the
+order that loses nothing: the tokenizer, the engine (which drains), the detokenizer. Flags it does
+not know go to the engine stage (e.g. `--max-num-seqs 64`). The current stage pids are written to `<runtime dir>/stages.json`.
 
 Each stage tells the supervisor when it serves the way it tells systemd: a `READY=1` datagram
 on its own $NOTIFY_SOCKET. A stage that exits before it was ever ready (a bad model path, a bad
@@ -59,10 +59,12 @@ def _die_with_parent() -> None:
 
 class Supervisor:
     def __init__(self, url: str, model: str, runtime_dir: str, engine_args: list[str], log_level: str,
-                 max_backoff_s: float = 30.0):
+                 max_backoff_s: float = 30.0, drain_timeout_s: float = 30.0):
         self.url, self.model, self.runtime_dir = url, model, runtime_dir
         self.max_backoff_s = max_backoff_s
-        self.env = dict(os.environ, NANOVLLM_URL=url, NANOVLLM_MODEL=model, NANOVLLM_LOG_LEVEL=log_level)
+        self.drain_timeout_s = drain_timeout_s
+        self.env = dict(os.environ, NANOVLLM_URL=url, NANOVLLM_MODEL=model, NANOVLLM_LOG_LEVEL=log_level,
+                        NANOVLLM_DRAIN_TIMEOUT=str(drain_timeout_s))
         self.stages = {name: StageProcess(name, [sys.executable, "-m", name] + (engine_args if name == "engine_proc" else []))
                        for name in STAGES}
         for stage in self.stages.values():
@@ -123,16 +125,19 @@ class Supervisor:
                 stage.restarts += 1
                 self.start(stage)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        running = [s.proc for s in self.stages.values() if s.proc is not None and s.proc.poll() is None]
-        for proc in running:
+    def stop(self) -> None:
+        """Stop the stages in the order that loses nothing: the tokenizer first (no new requests),
+        then the engine (it drains: requests in flight finish, for up to its drain timeout), then
+        the detokenizer (it streamed the last tokens). SIGKILL for any that outstays its time."""
+        for name, grace_s in (("tokenizer_proc", 5.0), ("engine_proc", self.drain_timeout_s + 10.0), ("detok_proc", 5.0)):
+            proc = self.stages[name].proc
+            if proc is None or proc.poll() is not None:
+                continue
             proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in running:
             try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                log.warning("pid %d ignored SIGTERM; killing it", proc.pid)
+                log.warning("%s (pid %d) did not stop within %.0fs; killing it", name, proc.pid, grace_s)
                 proc.kill()
                 proc.wait(timeout=5)
         self.write_state()
@@ -177,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="service address, ipc://DIR or tcp://127.0.0.1:PORT (env NANOVLLM_URL; "
                              "default ipc://<runtime dir>)")
     parser.add_argument("--log-level", default=os.environ.get("NANOVLLM_LOG_LEVEL", "INFO"))
+    parser.add_argument("--drain-timeout", type=float, default=float(os.environ.get("NANOVLLM_DRAIN_TIMEOUT", 30)),
+                        help="on SIGTERM, seconds the engine lets requests in flight finish before it aborts them "
+                             "(env NANOVLLM_DRAIN_TIMEOUT; default %(default)s)")
     return parser
 
 
@@ -194,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.makedirs(args.runtime_dir, mode=0o700, exist_ok=True)
     stop = stop_event()
-    return Supervisor(url, args.model, args.runtime_dir, engine_args, args.log_level).run(stop)
+    return Supervisor(url, args.model, args.runtime_dir, engine_args, args.log_level,
+                      drain_timeout_s=args.drain_timeout).run(stop)
 
 
 if __name__ == "__main__":

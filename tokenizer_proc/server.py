@@ -23,10 +23,11 @@ import zmq
 from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError, check_strings, show
-from nanovllm_client.stage import PeerMonitor, RejectLog, client_router, new_instance_id, pipeline_push, sd_notify
+from nanovllm_client.stage import Notifier, PeerMonitor, RejectLog, client_router, new_instance_id, pipeline_push
 
 log = logging.getLogger("tokenizer_proc")
 
+DRAINING = "the tokenizer is draining (shutting down): it takes no new requests; retry on another instance or later"
 NO_ENGINE = "engine is not available (dead, restarting or not started yet); retry later"
 ENGINE_STALL_S = 10.0
 """A request waiting this long for room in the engine pipe is failed instead of held."""
@@ -60,6 +61,9 @@ class TokenizerStage:
         self.pending: collections.deque[tuple[float, bytes, str, bytes]] = collections.deque()
         """(time, client identity, client request id or "", frame) waiting for room in the engine pipe."""
         self.rejects = RejectLog(log)
+        self.state = "ready"
+        self.started_at = time.monotonic()
+        self.notifier = Notifier()
 
     # ------------------------------------------------------------------ loop
 
@@ -68,8 +72,17 @@ class TokenizerStage:
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.to_engine, 0)
         log.info("tokenizer stage %s serving", self.instance_id)
-        sd_notify(f"READY=1\nSTATUS=tokenizer {self.instance_id} serving")
-        while not stop.is_set():
+        self.notifier.ready(f"tokenizer {self.instance_id} serving")
+        flush_until = float("inf")
+        while time.monotonic() < flush_until:
+            if stop.is_set() and self.state != "draining":
+                # Stopping: new requests get a "draining" error; what was accepted goes on to the
+                # engine for a second at most (the tokenizer holds nothing else).
+                self.state, flush_until = "draining", time.monotonic() + 1.0
+                self.notifier.stopping("passing accepted requests on to the engine")
+            if self.state == "draining" and not self.pending:
+                break
+            self.notifier.tick()
             poller.modify(self.frontend, 0 if self.pending else zmq.POLLIN)
             poller.modify(self.to_engine, zmq.POLLOUT if self.pending else 0)
             events = dict(poller.poll(100))
@@ -121,13 +134,17 @@ class TokenizerStage:
         elif isinstance(msg, p.AbortReq):
             self._forward(identity, "", p.AbortReq(engine_request_id(identity, msg.request_id)).encode())
         elif isinstance(msg, p.Ping):
-            self._reply(identity, p.Pong("tokenizer", self.instance_id, self.engine_peers.connected))
+            self._reply(identity, p.Pong("tokenizer", self.instance_id, self.engine_peers.connected, self.state,
+                                         time.monotonic() - self.started_at))
         else:
             self.rejects("wrong_type", f"{msg.TYPE!r} from {identity.hex()}")
             self._reply(identity, p.ErrorOutput(f"the tokenizer does not accept {msg.TYPE!r} messages; "
                                                 "send 'generate', 'abort' or 'ping'"))
 
     def _on_generate(self, identity: bytes, req: p.GenerateReq) -> None:
+        if self.state == "draining":
+            self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, DRAINING)]))
+            return
         try:
             tokenized = self.tokenize(identity, req)
         except RequestRejected as e:

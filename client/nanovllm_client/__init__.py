@@ -10,11 +10,11 @@ Depends on pyzmq and msgpack only (never torch, transformers or numpy).
 from .async_client import AsyncClient, AsyncStream
 from .client_state import Delta, Result
 from .endpoints import Endpoints, default_url, service_endpoints
-from .errors import (EngineDeadError, NanovllmError, RequestError, RequestTimeoutError,
+from .errors import (EngineDeadError, NanovllmError, RequestError, RequestTimeoutError, ServiceDrainingError,
                      ServiceUnavailableError)
 from .protocol import PROTOCOL_VERSION, ProtocolError
 from .sync_client import Client, Stream
 
 __all__ = ["AsyncClient", "AsyncStream", "Client", "Delta", "EngineDeadError", "Endpoints", "NanovllmError",
            "PROTOCOL_VERSION", "ProtocolError", "RequestError", "RequestTimeoutError", "Result",
-           "ServiceUnavailableError", "Stream", "default_url", "service_endpoints"]
+           "ServiceDrainingError", "ServiceUnavailableError", "Stream", "default_url", "service_endpoints"]

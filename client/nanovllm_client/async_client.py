@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from . import protocol as p
-from .client_state import ENGINE_DEAD, ClientBase, Delta, Result, build_request, merge
+from .client_state import ClientBase, Delta, Result, build_request, merge
 from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceUnavailableError
 
 log = logging.getLogger("nanovllm_client")
@@ -96,8 +96,7 @@ class AsyncClient(ClientBase):
         """Start a request; `async for` over the result. See `build_request` for arguments."""
         req = build_request(prompt, **kwargs)
         await self._wait_ready()
-        if self._state.engine_alive is False:
-            raise EngineDeadError(ENGINE_DEAD, req.request_id)
+        self._refuse_if_unavailable(req.request_id)
         wire_id, frame, resend_frame = self._claim(req)
         deltas: asyncio.Queue = asyncio.Queue()
         self._streams[wire_id] = deltas

@@ -28,6 +28,7 @@ import zmq
 
 from . import protocol as p
 from .checks import ProtocolError
+from .errors import EngineDeadError, ServiceDrainingError
 from .endpoints import default_url, service_endpoints
 
 log = logging.getLogger("nanovllm_client")
@@ -122,6 +123,9 @@ class ClientState:
 
     def __init__(self, detok_timeout: float = 3.0, stage_timeout: float = 30.0) -> None:
         self.engine_alive: bool | None = None
+        """True once a ready engine is known, False once it is known dead, None meanwhile."""
+        self.engine_state = ""
+        """The engine's state as the detokenizer reports it: "", loading, ready or draining."""
         self.detok_instance: str | None = None
         self.tokenizer_instance: str | None = None
         self.detok_timeout, self.stage_timeout = detok_timeout, stage_timeout
@@ -156,7 +160,9 @@ class ClientState:
         if isinstance(msg, p.Pong):
             return self._on_pong(msg)
         if isinstance(msg, p.EngineStatus):
-            return Reaction(self._set_engine_alive(msg.alive, msg.reason))
+            if msg.alive:
+                self.engine_state = msg.state
+            return Reaction(self._set_engine_alive(msg.alive if msg.state != "loading" else None, msg.reason))
         if isinstance(msg, p.StatsOutput):
             return Reaction(stats=msg.stats)
         log.warning("unexpected %r message from the service", msg.TYPE)
@@ -190,16 +196,14 @@ class ClientState:
             rows = [[wire_id, f.tokens, f.chars] for wire_id, f in self.inflight.items()]
             log.info("detokenizer restarted: resuming %d stream(s)", len(rows))
             reaction.to_detok = [p.Resume(rows).encode()]
-        self.detok_instance = msg.instance_id
-        if msg.engine_alive is None:  # a detokenizer that just started has not heard from the engine
-            self.engine_alive = None
-        else:
-            reaction.deltas = self._set_engine_alive(msg.engine_alive)
+        self.detok_instance, self.engine_state = msg.instance_id, msg.engine_state
+        reaction.deltas = self._set_engine_alive(msg.engine_alive)
         return reaction
 
-    def _set_engine_alive(self, alive: bool, reason: str = "") -> list[Delta]:
+    def _set_engine_alive(self, alive: bool | None, reason: str = "") -> list[Delta]:
+        """None: not known (a detokenizer that just started, an engine loading) - not a death."""
         was_alive, self.engine_alive = self.engine_alive, alive
-        if was_alive and not alive:
+        if alive is False and was_alive is not False:
             return self._fail_all(f"engine died: {reason}" if reason else "engine died", engine_dead=True)
         return []
 
@@ -256,6 +260,14 @@ class ClientBase:
         """The monotonic time a request started now must end by (its own timeout, else the client's)."""
         limit = timeout if timeout is not None else self.timeout
         return time.monotonic() + (limit if limit is not None else 1e9)
+
+    def _refuse_if_unavailable(self, request_id: str) -> None:
+        """New requests fail at once while the engine is known dead or draining."""
+        if self._state.engine_alive is False:
+            raise EngineDeadError(ENGINE_DEAD, request_id)
+        if self._state.engine_state == "draining":
+            raise ServiceDrainingError(f"the service is draining (shutting down): request {request_id} was not sent; "
+                                       "retry on another instance or later")
 
     def _claim(self, req: p.GenerateReq) -> tuple[str, bytes, bytes]:
         """Register a new stream for the caller's request id; ValueError if that id is in flight."""

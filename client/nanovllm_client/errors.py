@@ -24,3 +24,7 @@ class RequestTimeoutError(NanovllmError):
 
 class ServiceUnavailableError(NanovllmError):
     """The service did not answer at all (no detokenizer reachable at the given address)."""
+
+
+class ServiceDrainingError(ServiceUnavailableError):
+    """The service is shutting down: requests in flight finish, new ones are refused at once."""

@@ -47,6 +47,9 @@ MAX_ROWS = 1 << 16
 """Rows in one step / resync / resume message."""
 MAX_PRIORITY = 1 << 31
 FINISH_REASONS = ("stop", "length", "abort", "error")
+STAGE_STATES = ("loading", "ready", "draining")
+"""A stage's life: loading (the engine's model), ready (serving), draining (stopping: in-flight
+requests finish, new ones are refused)."""
 
 # msgpack's own limits, enforced while unpacking: no single string, binary, array or map can be
 # larger than a frame could legitimately need, and ext types (timestamps, custom) are refused.
@@ -357,6 +360,10 @@ def _check_stats(stats: Any) -> None:
     check_map("stats", stats, 256)
 
 
+def _check_state(name: str, state: Any) -> None:
+    check(state in STAGE_STATES, f"{name} must be one of {STAGE_STATES}, got {show(state)}")
+
+
 @_message("engine_status")
 @dataclass
 class EngineStatus(Message):
@@ -365,12 +372,17 @@ class EngineStatus(Message):
     instance_id: str = ""
     reason: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
+    state: str = "ready"
+    """One of STAGE_STATES while alive."""
+    uptime_s: float = 0.0
 
     def validate(self) -> None:
         check_bool("alive", self.alive)
         check_str("instance_id", self.instance_id, MAX_INSTANCE_ID_LEN, empty=True)
         check_str("reason", self.reason, MAX_ERROR_LEN, empty=True)
         _check_stats(self.stats)
+        _check_state("state", self.state)
+        check_number("uptime_s", self.uptime_s)
 
 
 # ---------------------------------------------------------------- stages -> client
@@ -420,12 +432,21 @@ class Pong(Message):
     role: str
     instance_id: str
     engine_alive: bool | None = None
-    """None while the stage has not heard from the engine yet (it just started): not a death."""
+    """None while the stage has not heard from a ready engine yet (it just started, or the engine
+    is loading): not a death."""
+    state: str = "ready"
+    """This stage's state (one of STAGE_STATES)."""
+    uptime_s: float = 0.0
+    engine_state: str = ""
+    """The engine's state as this stage last heard it ("" if never)."""
 
     def validate(self) -> None:
         check_str("role", self.role, 32)
         check_str("instance_id", self.instance_id, MAX_INSTANCE_ID_LEN)
         check(self.engine_alive is None or isinstance(self.engine_alive, bool), "engine_alive must be true, false or null")
+        _check_state("state", self.state)
+        check_number("uptime_s", self.uptime_s)
+        check(self.engine_state in ("", *STAGE_STATES), f"engine_state must be one of {STAGE_STATES} or empty")
 
 
 @_message("stats_result")

@@ -192,3 +192,43 @@ def startup_failed(logger: logging.Logger, role: str, error: BaseException) -> i
     logger.error("the %s stage cannot start: %s", role, error)
     sd_notify(f"STATUS=cannot start: {error}"[:1000])
     return 1
+
+
+class Notifier:
+    """A stage's line to its service manager (systemd, or `nanovllm serve`): READY=1 once it
+    serves, STATUS= lines a person reads in `systemctl status`, and WATCHDOG=1 from the loop that
+    does the work, so a hung loop gets the stage killed and restarted. `tick()` and `status()`
+    are rate-limited, so a hot loop may call them on every iteration."""
+
+    STATUS_INTERVAL_S = 2.0
+
+    def __init__(self) -> None:
+        usec = os.environ.get("WATCHDOG_USEC")
+        pid = os.environ.get("WATCHDOG_PID")
+        mine = usec is not None and usec.isdigit() and (pid is None or pid == str(os.getpid()))
+        self.watchdog_interval_s = int(usec) / 1e6 / 3 if mine else None
+        """Ping three times per watchdog period (systemd's advice: at least twice)."""
+        self._next_watchdog = 0.0
+        self._next_status = 0.0
+        self._last_status = ""
+
+    def ready(self, status: str) -> None:
+        self._last_status = status
+        sd_notify(f"READY=1\nSTATUS={status}")
+
+    def stopping(self, status: str) -> None:
+        sd_notify(f"STOPPING=1\nSTATUS={status}")
+
+    def tick(self) -> None:
+        if self.watchdog_interval_s is None:
+            return
+        now = time.monotonic()
+        if now >= self._next_watchdog:
+            self._next_watchdog = now + self.watchdog_interval_s
+            sd_notify("WATCHDOG=1")
+
+    def status(self, text: str) -> None:
+        now = time.monotonic()
+        if text != self._last_status and now >= self._next_status:
+            self._next_status, self._last_status = now + self.STATUS_INTERVAL_S, text
+            sd_notify(f"STATUS={text}")

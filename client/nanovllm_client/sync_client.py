@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from . import protocol as p
-from .client_state import ENGINE_DEAD, ClientBase, Delta, Result, build_request, merge
+from .client_state import ClientBase, Delta, Result, build_request, merge
 from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceUnavailableError
 
 log = logging.getLogger("nanovllm_client")
@@ -99,8 +99,7 @@ class Client(ClientBase):
         """Start a request; iterate the result for `Delta`s. See `build_request` for arguments."""
         req = build_request(prompt, **kwargs)
         self._wait_ready()
-        if self._state.engine_alive is False:
-            raise EngineDeadError(ENGINE_DEAD, req.request_id)
+        self._refuse_if_unavailable(req.request_id)
         wire_id, frame, resend_frame = self._claim(req)
         deltas: queue.SimpleQueue = queue.SimpleQueue()
         self._streams[wire_id] = deltas

@@ -46,11 +46,20 @@ POLICIES: dict[str, type[SchedulerPolicy]] = {"fcfs": FCFSPolicy, "priority": Pr
 
 
 def make_policy(policy: str | SchedulerPolicy | None) -> SchedulerPolicy:
-    """A policy from its name ("fcfs", "priority"), an instance, or None for FCFS."""
+    """A policy from its name ("fcfs", "priority"), an import path of a `SchedulerPolicy`
+    subclass ("package.module:Class"), an instance, or None for FCFS."""
     if policy is None:
         return FCFSPolicy()
     if isinstance(policy, SchedulerPolicy):
         return policy
+    if isinstance(policy, str) and ":" in policy:
+        from nanovllm.plugins import load_object
+
+        cls = load_object(policy, "scheduler policy")
+        if not (isinstance(cls, type) and issubclass(cls, SchedulerPolicy)):
+            raise ValueError(f"scheduler policy {policy!r} is not a SchedulerPolicy subclass")
+        return cls()
     if policy not in POLICIES:
-        raise ValueError(f"scheduler_policy must be one of {sorted(POLICIES)} or a SchedulerPolicy, got {policy!r}")
+        raise ValueError(f"scheduler_policy must be one of {sorted(POLICIES)}, package.module:Class or a "
+                         f"SchedulerPolicy, got {policy!r}")
     return POLICIES[policy]()

@@ -285,7 +285,8 @@ def test_the_engine_stops_promptly_when_its_detokenizer_is_gone(tiny_model_dir, 
 
     eps = service_endpoints(f"ipc://{short_tmpdir()}")
     engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=128, num_threads=1))
-    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, out_hwm=2, ctx=ctx)  # no detokenizer binds
+    # No detokenizer binds; a 1 s drain, after which nobody reading is no reason to wait.
+    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, out_hwm=2, drain_timeout_s=1.0, ctx=ctx)
     stop = threading.Event()
     code: list = []
     runner = threading.Thread(target=lambda: code.append(stage.run(stop)), daemon=True)
@@ -297,9 +298,10 @@ def test_the_engine_stops_promptly_when_its_detokenizer_is_gone(tiny_model_dir, 
     wait_for(stage.outbox.full, timeout=60, what="the output queue to fill")
     stopped_at = time.monotonic()
     stop.set()
-    runner.join(timeout=3 * SHUTDOWN_SEND_S + 5)
+    limit = stage.drain_timeout_s + 3 * SHUTDOWN_SEND_S + 1
+    runner.join(timeout=limit + 5)
     assert not runner.is_alive(), "the engine did not stop"
-    assert code == [0] and time.monotonic() - stopped_at < 3 * SHUTDOWN_SEND_S + 1
+    assert code == [0] and time.monotonic() - stopped_at < limit
 
 
 def test_a_flood_of_detokenizer_hellos_gets_at_most_one_resync_a_second(tiny_model_dir, ctx):
