@@ -36,6 +36,12 @@ class StepMetrics:
     num_seqs: int
     """Sequences in this step's batch."""
     step_time_s: float
+    num_generated_tokens: int = 0
+    """Tokens sampled in this step: one per decode, plus one per prompt chunk that completed its
+    prompt (`num_decode_tokens` misses those). Summed over a run, every request's output tokens."""
+    queue_times_s: tuple[float, ...] = ()
+    """For each sequence scheduled for the first time in this step, the seconds it waited since
+    `add_request` (monotonic clock). A preempted sequence admitted again is not counted again."""
 
     @property
     def num_tokens(self) -> int:
@@ -43,7 +49,7 @@ class StepMetrics:
 
     @property
     def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks in use (`nanovllm:kv_cache_usage_perc` / 100)."""
+        """Fraction of KV blocks in use, 0..1 (exposed as `nanovllm:kv_cache_usage_perc`, a fraction like vLLM's)."""
         return self.num_kv_blocks_used / self.num_kv_blocks_total
 
     def to_dict(self) -> dict:

@@ -41,6 +41,10 @@ class StepStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_seqs: int = 0
+    num_generated_tokens: int = 0
+    """Tokens sampled (a prompt chunk that completes its prompt samples one too)."""
+    queue_times_s: tuple[float, ...] = ()
+    """For each sequence scheduled for the first time: seconds since its `add_request`."""
 
 
 @dataclass(slots=True)
@@ -156,10 +160,13 @@ class LLMEngine:
         self._aborted.clear()
         scheduled = self.scheduler.schedule()
         decode_tokens = sum(1 for s in scheduled if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
-        self.last_step = StepStats(sum(s.num_new_tokens for s in scheduled) - decode_tokens, decode_tokens, len(scheduled))
+        prefill_tokens = sum(s.num_new_tokens for s in scheduled) - decode_tokens
+        generated = 0
         if scheduled:
             sampled = self.runner.run(scheduled)
-            self.scheduler.postprocess(scheduled, sampled)
+            generated = self.scheduler.postprocess(scheduled, sampled)
+        self.last_step = StepStats(prefill_tokens, decode_tokens, len(scheduled), generated,
+                                   tuple(self.scheduler.queue_times))
         for item in scheduled:
             seq = item.seq
             if seq.num_output_tokens > seq.num_sent_tokens or seq.is_finished:
@@ -209,6 +216,7 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, num_prefill_tokens=last.num_prefill_tokens,
             num_decode_tokens=last.num_decode_tokens, num_seqs=last.num_seqs, step_time_s=step_time_s,
+            num_generated_tokens=last.num_generated_tokens, queue_times_s=last.queue_times_s,
         )
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass
 
 from nanovllm.engine.block_manager import BlockManager
@@ -56,6 +57,9 @@ class Scheduler:
         """Live sequences in `running`."""
         self._num_dead_waiting = 0
         """Finished sequences still in the `waiting` heap."""
+        self.queue_times: list[float] = []
+        """Seconds each sequence admitted for the first time by the last `schedule()` had waited
+        since it was added; re-admissions after a preemption are not in it."""
 
     def add(self, seq: Sequence) -> None:
         heapq.heappush(self.waiting, (self.policy.key(seq), next(self._insertions), seq))
@@ -90,6 +94,7 @@ class Scheduler:
         self.running = [s for s in self.running if not s.is_finished]
         self.running.sort(key=self.policy.key)  # already sorted under FCFS: a linear check
         budget = self.max_num_batched_tokens
+        self.queue_times = []
         scheduled: list[ScheduledSeq] = []
         preempted = self._schedule_running(scheduled, budget)
         budget -= sum(s.num_new_tokens for s in scheduled)
@@ -130,6 +135,9 @@ class Scheduler:
             heapq.heappop(self.waiting)
             self.block_manager.allocate(seq, num_new, hits)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+                self.queue_times.append(seq.first_scheduled_time - seq.arrival_time)
             self.num_waiting -= 1
             self.num_running += 1
             self.running.append(seq)
@@ -144,11 +152,13 @@ class Scheduler:
         self.add(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> None:
+    def postprocess(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> int:
         """Advance sequences past the step: record computed tokens, append samples, finish.
 
         A SAMPLE_FAILED sample ends its sequence with reason "error" (the sampler keeps the why).
+        Returns the number of tokens appended (failed samples are not).
         """
+        num_appended = 0
         samples = iter(sampled)
         for item in scheduled:
             seq = item.seq
@@ -161,9 +171,11 @@ class Scheduler:
                 self.finish(seq, "error")
                 continue
             seq.token_ids.append(token)
+            num_appended += 1
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
+        return num_appended
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params

@@ -1,6 +1,7 @@
 """A request's live state inside the engine: its tokens, its KV blocks and how far it has run."""
 from __future__ import annotations
 
+import time
 from enum import Enum, auto
 
 from nanovllm.sampling_params import SamplingParams
@@ -20,6 +21,11 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params
         self.arrival = arrival
+        """Arrival order (the FCFS key)."""
+        self.arrival_time = time.monotonic()
+        """When the request was added (monotonic clock), for its queue time."""
+        self.first_scheduled_time: float | None = None
+        """When it was first admitted (monotonic); re-admissions after a preemption keep it."""
         self.priority = priority
         """Higher runs first under the priority scheduling policy."""
         self.status = SequenceStatus.WAITING

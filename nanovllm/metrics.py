@@ -1,0 +1,337 @@
+"""Prometheus metrics for the service: one metric set per stage, and the HTTP endpoint that serves it.
+
+- `EngineMetrics` is an engine post-step hook (hooks.py) plus the engine stage's own gauges and
+  counters: scheduler state, KV-cache use, prefix cache, tokens, queue time, step time.
+- `DetokMetrics` holds the request-level latencies, which only the detokenizer can measure: it
+  sees each request's arrival time (stamped by the tokenizer), every output and the final usage.
+- `TokenizerMetrics` covers the front door: tokenize time, forwarded and refused requests.
+- `serve_metrics` exposes one registry over HTTP on a daemon thread, on loopback unless told.
+
+Each set lives on the `CollectorRegistry` it is given, never on prometheus_client's global one,
+so several stages (or several tests) in one process do not collide. Names use vLLM's with the
+`nanovllm:` prefix (counters gain `_total` in the exposition), so its dashboards translate.
+"""
+from __future__ import annotations
+
+import ipaddress
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from nanovllm.engine.hooks import StepMetrics
+
+PREFIX = "nanovllm:"
+
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0)
+"""Time to first token: 1 ms (a warm GPU) to a minute (a long prompt queued on a CPU)."""
+ITL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03,
+               0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+"""Inter-token latency and step time: 0.1 ms to 10 s."""
+REQUEST_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                        15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
+"""Queue time and end-to-end latency: 1 ms to an hour."""
+STAGE_TIME_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
+                      0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+"""Tokenize / detokenize work per call: 10 us to 2.5 s."""
+TOKEN_COUNT_BUCKETS = tuple(float(2 ** i) for i in range(17))
+"""Token counts: 1, 2, 4, ... 65536."""
+
+ENGINE_STATES = ("loading", "ready", "draining")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+STAGES = ("tokenizer", "engine", "detokenizer")
+MAX_REASONS = 32
+"""Distinct `frames_rejected` reasons kept as labels; more are counted as "other" (each label
+value is a time series, and reasons come from code, but a bug must not grow them forever)."""
+MAX_TRACKED_REQUESTS = 65536
+"""Requests `DetokMetrics` follows at once; past it the oldest is forgotten (not observed)."""
+
+
+class _StageMetrics:
+    """What every stage reports: frames in, frames refused, restarts of other stages it noticed."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+        self.frames_received = Counter(PREFIX + "frames_received", "Frames received on the stage's sockets.",
+                                       registry=registry)
+        self.frames_rejected = Counter(PREFIX + "frames_rejected", "Frames the stage refused, by reason.",
+                                       ["reason"], registry=registry)
+        self.stage_restarts = Counter(PREFIX + "stage_restarts", "Restarts of another stage that this stage noticed.",
+                                      ["stage"], registry=registry)
+        self._reasons: set[str] = set()
+
+    def frame_received(self) -> None:
+        self.frames_received.inc()
+
+    def frame_rejected(self, reason: str) -> None:
+        """`reason` is a short fixed word from the code (as for `RejectLog`), never frame content."""
+        if reason not in self._reasons:
+            if len(self._reasons) >= MAX_REASONS:
+                reason = "other"
+            self._reasons.add(reason)
+        self.frames_rejected.labels(reason=reason).inc()
+
+    def stage_restart_seen(self, stage: str) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+        self.stage_restarts.labels(stage=stage).inc()
+
+
+class _ClientFacingMetrics(_StageMetrics):
+    """A stage that clients connect to: it also counts them."""
+
+    def __init__(self, registry: CollectorRegistry):
+        super().__init__(registry)
+        self.live_clients = Gauge(PREFIX + "live_clients", "Clients the stage currently knows.", registry=registry)
+
+    def set_live_clients(self, n: int) -> None:
+        self.live_clients.set(n)
+
+
+class EngineMetrics(_StageMetrics):
+    """The engine stage's metrics; register the instance itself as a post-step hook.
+
+    The hook runs on the engine's thread after every step: a few gauge sets and counter
+    increments plus one observation per newly scheduled request, no allocation per token.
+    """
+
+    def __init__(self, registry: CollectorRegistry):
+        super().__init__(registry)
+        r = registry
+        self.num_requests_running = Gauge(PREFIX + "num_requests_running", "Requests in the running batch.", registry=r)
+        self.num_requests_waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for admission.",
+                                          registry=r)
+        self.kv_cache_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+                                    registry=r)
+        self.prefix_cache_queries = Counter(PREFIX + "prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_cache_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                                         registry=r)
+        self.num_preemptions = Counter(PREFIX + "num_preemptions", "Preemptions of running requests.", registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefill tokens computed (prefix-cache hits excluded).",
+                                     registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens sampled.", registry=r)
+        self.request_queue_time = Histogram(PREFIX + "request_queue_time_seconds",
+                                            "Time from add_request to first scheduling.",
+                                            buckets=REQUEST_TIME_BUCKETS, registry=r)
+        self.step_time = Histogram(PREFIX + "step_time_seconds", "Duration of one engine step.",
+                                   buckets=ITL_BUCKETS, registry=r)
+        self.engine_state = Gauge(PREFIX + "engine_state", "1 for the engine's current state, 0 for the others.",
+                                  ["state"], registry=r)
+        self.num_requests_live = Gauge(PREFIX + "num_requests_live", "Requests the engine stage holds (admitted).",
+                                       registry=r)
+        self.num_requests_queued = Gauge(PREFIX + "num_requests_queued",
+                                         "Requests received and waiting for the engine stage to admit them.",
+                                         registry=r)
+        self._last_cumulative = (0, 0, 0)
+        self.set_state("loading")
+
+    def __call__(self, m: StepMetrics) -> None:
+        self.num_requests_running.set(m.num_running)
+        self.num_requests_waiting.set(m.num_waiting)
+        self.kv_cache_usage.set(m.kv_cache_usage)
+        cumulative = (m.prefix_cache_queries, m.prefix_cache_hits, m.num_preemptions)
+        for counter, now, before in zip((self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions),
+                                        cumulative, self._last_cumulative):
+            # Below the last value: a new engine reports to this hook, counting from zero again.
+            counter.inc(now - before if now >= before else now)
+        self._last_cumulative = cumulative
+        self.prompt_tokens.inc(m.num_prefill_tokens)
+        self.generation_tokens.inc(m.num_generated_tokens)
+        for seconds in m.queue_times_s:
+            self.request_queue_time.observe(seconds)
+        self.step_time.observe(m.step_time_s)
+
+    def set_state(self, state: str) -> None:
+        """One of "loading", "ready", "draining"."""
+        if state not in ENGINE_STATES:
+            raise ValueError(f"unknown engine state {state!r}; expected one of {ENGINE_STATES}")
+        for s in ENGINE_STATES:
+            self.engine_state.labels(state=s).set(1 if s == state else 0)
+
+    def set_live(self, n: int) -> None:
+        self.num_requests_live.set(n)
+
+    def set_queued(self, n: int) -> None:
+        self.num_requests_queued.set(n)
+
+
+@dataclass(slots=True)
+class _RequestTimes:
+    arrival: float
+    first_token: float | None = None
+    """When its first token went out; None also for a request resumed after it."""
+    last_token: float | None = None
+    """When its latest tokens went out (or it was resumed); None before its first token."""
+
+
+class DetokMetrics(_ClientFacingMetrics):
+    """Request-level latencies, measured where outputs leave the service. One thread only.
+
+    Times are wall-clock seconds (`time.time()`): arrival is stamped by the tokenizer process.
+    Semantics follow vLLM V1 (vllm/v1/metrics/stats.py `IterationStats.update_from_output`,
+    vllm/v1/metrics/loggers.py `PrometheusStatLogger`):
+    - time to first token: from arrival to the first call that carries tokens;
+    - inter-token latency: one observation per later call that carries tokens (one engine step's
+      output for the request), the time since the previous such call, whatever the number of
+      tokens in it (as vLLM observes one value per engine output, not one per token);
+    - time per output token: per finished request, (last token time - first token time) divided
+      by (generation tokens - 1), as vLLM's `request_time_per_output_token_seconds`;
+    - `request_success`, labelled by `finished_reason`, counts every request that finishes through
+      `request_finished`, whatever its reason (stop, length, abort, error), as vLLM counts every
+      request whose engine output carries a finish reason. `request_dropped` (the client is gone)
+      counts nothing, as a request vLLM's frontend aborts itself is not counted.
+    """
+
+    def __init__(self, registry: CollectorRegistry, max_tracked_requests: int = MAX_TRACKED_REQUESTS):
+        super().__init__(registry)
+        r = registry
+        self.time_to_first_token = Histogram(PREFIX + "time_to_first_token_seconds",
+                                             "Time from arrival to the first output token.",
+                                             buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(PREFIX + "inter_token_latency_seconds",
+                                             "Time between consecutive outputs of a request.",
+                                             buckets=ITL_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram(PREFIX + "request_time_per_output_token_seconds",
+                                               "Per request: mean time per output token after the first.",
+                                               buckets=ITL_BUCKETS, registry=r)
+        self.e2e_latency = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last output.",
+                                     buckets=REQUEST_TIME_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per finished request.",
+                                               buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(PREFIX + "request_generation_tokens",
+                                                   "Generated tokens per finished request.",
+                                                   buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
+                                       ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:  # every series exists from the start, as in vLLM
+            self.request_success.labels(finished_reason=reason)
+        self.detokenize_latency = Histogram(PREFIX + "detokenize_latency_seconds",
+                                            "Detokenizer work per engine step.", buckets=STAGE_TIME_BUCKETS, registry=r)
+        self.max_tracked_requests = max_tracked_requests
+        self._requests: dict[str, _RequestTimes] = {}
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._requests)
+
+    def request_started(self, request_id: str, arrival_time: float, *, resumed_at: float | None = None) -> None:
+        """Follow a request from `arrival_time` on. For one rebuilt after a detokenizer restart, pass
+        `resumed_at` (now): its first token was already seen, so no time to first token is
+        observed and the next inter-token gap counts from then."""
+        self._requests.pop(request_id, None)
+        if len(self._requests) >= self.max_tracked_requests:
+            del self._requests[next(iter(self._requests))]
+        self._requests[request_id] = _RequestTimes(arrival_time, last_token=resumed_at)
+
+    def tokens_streamed(self, request_id: str, n_tokens: int, now: float) -> None:
+        """`n_tokens` new tokens of `request_id` went out at `now`; calls without tokens are ignored."""
+        times = self._requests.get(request_id)
+        if times is None or n_tokens <= 0:
+            return
+        if times.last_token is None:
+            self.time_to_first_token.observe(max(0.0, now - times.arrival))
+            times.first_token = now
+        else:
+            self.inter_token_latency.observe(max(0.0, now - times.last_token))
+        times.last_token = now
+
+    def request_finished(self, request_id: str, reason: str, prompt_tokens: int, generation_tokens: int,
+                         now: float) -> None:
+        """The request's terminal output went out; frees its state. Token counts come from the
+        final usage; latencies are observed only for a request seen from `request_started` on."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"unknown finish reason {reason!r}; expected one of {FINISH_REASONS}")
+        times = self._requests.pop(request_id, None)
+        self.request_success.labels(finished_reason=reason).inc()
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        if times is None:
+            return
+        self.e2e_latency.observe(max(0.0, now - times.arrival))
+        if times.first_token is not None and times.last_token is not None and generation_tokens > 1:
+            self.time_per_output_token.observe(max(0.0, times.last_token - times.first_token) / (generation_tokens - 1))
+
+    def request_dropped(self, request_id: str) -> None:
+        """Forget a request without observing anything (its client is gone, its stream given up)."""
+        self._requests.pop(request_id, None)
+
+    def detokenize_seconds(self, seconds: float) -> None:
+        self.detokenize_latency.observe(seconds)
+
+
+class TokenizerMetrics(_ClientFacingMetrics):
+    def __init__(self, registry: CollectorRegistry):
+        super().__init__(registry)
+        self.tokenize_latency = Histogram(PREFIX + "tokenize_latency_seconds", "Validate, template and tokenize one "
+                                          "request.", buckets=STAGE_TIME_BUCKETS, registry=registry)
+        self.requests_forwarded = Counter(PREFIX + "requests_forwarded", "Requests passed on to the engine.",
+                                          registry=registry)
+        self.requests_rejected = Counter(PREFIX + "requests_rejected", "Requests refused with an error to the client.",
+                                         registry=registry)
+
+    def tokenize_seconds(self, seconds: float) -> None:
+        self.tokenize_latency.observe(seconds)
+
+    def request_forwarded(self) -> None:
+        self.requests_forwarded.inc()
+
+    def request_rejected(self) -> None:
+        self.requests_rejected.inc()
+
+
+# ---------------------------------------------------------------------------------- HTTP endpoint
+
+
+class MetricsServer:
+    """A running `/metrics` endpoint; `close()` stops it and frees the port (idempotent)."""
+
+    def __init__(self, server, thread: threading.Thread):
+        self._server, self._thread = server, thread
+        self.host: str = server.server_address[0]
+        self.port: int = server.server_address[1]
+        """The bound port (the one the OS chose when asked for port 0)."""
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, *,
+                  allow_remote: bool = False) -> MetricsServer:
+    """Serve `registry` in Prometheus text format over HTTP on a daemon thread.
+
+    `port` 0 lets the OS pick a free port (read it back from `.port`). The endpoint has no
+    authentication, so only a loopback `host` is accepted unless `allow_remote=True`.
+    Raises OSError if the port cannot be bound.
+    """
+    if not _is_loopback(host) and not allow_remote:
+        raise ValueError(f"metrics host {host!r} is not a loopback address; the endpoint has no authentication, "
+                         "so serve it on 127.0.0.1 or ::1 (or pass allow_remote=True to expose it)")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"metrics port must be an integer in [0, 65535] (0: any free port), got {port!r}")
+    server, thread = start_http_server(port, addr=host, registry=registry)  # prometheus_client >= 0.20
+    return MetricsServer(server, thread)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it could resolve to anything
+        return False
