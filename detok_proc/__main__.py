@@ -8,7 +8,7 @@ import sys
 import zmq
 
 from nanovllm_client.stage import (add_endpoint_flags, add_flag, resolve_endpoints, setup_logging,
-                                   startup_failed, stop_event)
+                                   stage_security, startup_failed, stop_event)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,14 +25,18 @@ def main(argv: list[str] | None = None) -> int:
     endpoints = resolve_endpoints(args)
     stop = stop_event()
 
+    from nanovllm.metrics import DetokMetrics, stage_metrics
     from nanovllm.models.tokenizer import load_tokenizer
 
     from .server import DetokStage
 
     try:
+        ctx = zmq.Context.instance()
+        metrics, _ = stage_metrics(DetokMetrics, args.metrics_host, args.metrics_port)
         stage = DetokStage(load_tokenizer(args.model), endpoints.stream, endpoints.detok, endpoints.engine,
                            client_timeout_s=args.client_timeout_s, engine_timeout_s=args.engine_timeout_s,
-                           max_pending_frames=args.max_pending_frames)
+                           max_pending_frames=args.max_pending_frames, ctx=ctx, security=stage_security(ctx, args),
+                           metrics=metrics)
     except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, no tokenizer in it, address in use
         return startup_failed(log, "detokenizer", e)
     log.info("model %s; clients at %s; engine outputs at %s", args.model, endpoints.stream, endpoints.detok)

@@ -30,9 +30,13 @@ from typing import Any
 
 import zmq
 
+from prometheus_client import CollectorRegistry
+
 from nanovllm.detokenize import IncrementalDetokenizer
+from nanovllm.metrics import DetokMetrics
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError
+from nanovllm_client.security import ServiceSecurity
 from nanovllm_client.stage import (Notifier, PeerMonitor, RejectLog, client_router, new_instance_id, pipeline_pull,
                                    pipeline_push)
 
@@ -59,6 +63,9 @@ class RequestState:
     """While awaiting resume: every output token and every character released so far."""
     final: dict[str, Any] | None = None
     """While awaiting resume: the terminal fields, once the engine finished it."""
+    num_prompt: int = 0
+    num_output: int = 0
+    """Token counts from its latest output (for the metrics of a request that ends here)."""
 
 
 @dataclass
@@ -73,16 +80,19 @@ class ClientInfo:
 class DetokStage:
     def __init__(self, tokenizer: Any, stream_endpoint: str, detok_endpoint: str, engine_endpoint: str,
                  client_timeout_s: float = 5.0, engine_timeout_s: float = 3.0,
-                 max_pending_frames: int = 1000, client_hwm: int = 10_000, ctx: zmq.Context | None = None):
+                 max_pending_frames: int = 1000, client_hwm: int = 10_000, ctx: zmq.Context | None = None,
+                 security: ServiceSecurity | None = None, metrics: DetokMetrics | None = None):
         self.tokenizer = tokenizer
         self.instance_id = new_instance_id()
         self.client_timeout_s, self.engine_timeout_s = client_timeout_s, engine_timeout_s
         self.max_pending_frames = max_pending_frames
         self.ctx = ctx or zmq.Context.instance()
-        self.from_engine = pipeline_pull(self.ctx, detok_endpoint)
+        self.metrics = metrics or DetokMetrics(CollectorRegistry())
+        self.security = security or ServiceSecurity(self.ctx, None, None)
+        self.from_engine = pipeline_pull(self.ctx, detok_endpoint, security=self.security)
         self.engine_peers = PeerMonitor(self.from_engine)
-        self.clients_sock = client_router(self.ctx, stream_endpoint, hwm=client_hwm)
-        self.to_engine = pipeline_push(self.ctx, engine_endpoint)
+        self.clients_sock = client_router(self.ctx, stream_endpoint, hwm=client_hwm, security=self.security)
+        self.to_engine = pipeline_push(self.ctx, engine_endpoint, security=self.security)
         self.requests: dict[str, RequestState] = {}
         self.clients: dict[bytes, ClientInfo] = {}
         self.gone: collections.OrderedDict[bytes, tuple[float, str, list[str]]] = collections.OrderedDict()
@@ -104,7 +114,7 @@ class DetokStage:
         self._resume_deadline = float("inf")
         self._early_resumes: dict[bytes, list[list]] = {}
         self._aborted_orphans: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.rejects = RejectLog(log)
+        self.rejects = RejectLog(log, on_reject=self.metrics.frame_rejected)
 
     # ------------------------------------------------------------------ loop
 
@@ -125,6 +135,7 @@ class DetokStage:
             if self.state == "draining" and not any(c.pending for c in self.clients.values()):
                 break
             self.notifier.tick()
+            self.metrics.set_live_clients(len(self.clients))
             self.notifier.status(f"{len(self.requests)} stream(s), {len(self.clients)} client(s), "
                                  f"engine {self.engine_state or 'not heard from'}")
             has_pending = any(c.pending for c in self.clients.values())
@@ -141,6 +152,7 @@ class DetokStage:
             self.check_timeouts(time.monotonic())
         for sock in (self.engine_peers.socket, self.from_engine, self.clients_sock, self.to_engine):
             sock.close(linger=0)
+        self.security.close()
 
     def _drain(self, sock: zmq.Socket, handle, budget: int = 256) -> None:
         for _ in range(budget):
@@ -156,6 +168,7 @@ class DetokStage:
     # ------------------------------------------------------------------ engine side
 
     def on_engine_frame(self, frame: bytes) -> None:
+        self.metrics.frame_received()
         try:
             msg = p.decode(frame)
         except ProtocolError as e:
@@ -194,6 +207,7 @@ class DetokStage:
         at least ready): a new instance means the old one died."""
         if instance_id != self.engine_instance:
             if self.engine_instance:
+                self.metrics.stage_restart_seen("engine")
                 self._fail_requests(f"engine restarted (instance {instance_id} replaced {self.engine_instance})",
                                     lambda s: s.engine != instance_id)
             self.engine_instance = instance_id
@@ -218,13 +232,14 @@ class DetokStage:
         for client, deltas in by_client.items():
             self.send_to_client(client, p.StreamOutput(deltas).encode())
 
-    def _start(self, request_id: str, meta: dict[str, Any], engine: str) -> RequestState:
+    def _start(self, request_id: str, meta: dict[str, Any], engine: str, resumed: bool = False) -> RequestState:
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_tail=p.unpack_token_ids(meta.get("tail", b"")),
             skip_special_tokens=meta.get("skip", True), stop=meta.get("stop", []),
             include_stop_str_in_output=meta.get("include_stop", False), min_tokens=meta.get("min_tokens", 0))
         client = meta["client"]
         state = self.requests[request_id] = RequestState(client, meta["rid"], detok, engine)
+        self.metrics.request_started(request_id, meta.get("t", time.time()), resumed_at=time.time() if resumed else None)
         self.clients.setdefault(client, ClientInfo(time.monotonic())).request_ids.add(request_id)
         return state
 
@@ -236,7 +251,10 @@ class DetokStage:
                 self._abort_orphan(request_id)
             return None
         token_ids = p.unpack_token_ids(packed_ids)
+        started = time.perf_counter()
         text = state.detok.add(token_ids, finished)
+        self.metrics.detokenize_seconds(time.perf_counter() - started)
+        state.num_prompt, state.num_output = num_prompt, num_output
         if state.detok.stopped and not finished:
             self._abort_in_engine(request_id)
             finished, finish_reason = True, "stop"
@@ -253,12 +271,20 @@ class DetokStage:
             return None
         delta = {"client": state.client, "request_id": state.client_request_id, "text": text,
                  "token_ids": packed_ids, "finish_reason": None}
+        if token_ids:
+            self.metrics.tokens_streamed(request_id, len(token_ids), time.time())
         if final is not None:
             delta.update(final)
-            self._forget(request_id)
+            self._finished(request_id, state, final["finish_reason"])
         return delta
 
+    def _finished(self, request_id: str, state: RequestState, reason: str) -> None:
+        """A terminal delta went (or is going) to the client: count it, forget the request."""
+        self.metrics.request_finished(request_id, reason, state.num_prompt, state.num_output, time.time())
+        self._forget(request_id)
+
     def _forget(self, request_id: str) -> None:
+        self.metrics.request_dropped(request_id)  # nothing left to free if it was counted as finished
         state = self.requests.pop(request_id, None)
         if state is not None and state.client in self.clients:
             self.clients[state.client].request_ids.discard(request_id)
@@ -291,7 +317,7 @@ class DetokStage:
         for request_id, state in list(self.requests.items()):
             if which(state):
                 by_client[state.client].append(p.error_delta(state.client_request_id, why, engine_dead=True))
-                self._forget(request_id)
+                self._finished(request_id, state, "error")
         for client, deltas in by_client.items():
             self.send_to_client(client, p.StreamOutput(deltas).encode())
 
@@ -303,7 +329,7 @@ class DetokStage:
         for request_id, meta, packed_ids, finished, reason, num_prompt, num_output, num_cached, error in msg.entries:
             if request_id in self.requests:
                 continue  # started after we came up: already streaming normally
-            state = self._start(request_id, meta, msg.instance_id)
+            state = self._start(request_id, meta, msg.instance_id, resumed=True)
             state.awaiting_resume = True
             self._advance([request_id, packed_ids, finished, reason, num_prompt, num_output, num_cached, error])
         if msg.last:
@@ -340,7 +366,7 @@ class DetokStage:
                            **(state.final or {})})
             state.all_ids, state.all_text = [], ""
             if state.final is not None:
-                self._forget(request_id)
+                self._finished(request_id, state, state.final["finish_reason"])
         for request_id in waiting.values():  # the client no longer waits for these
             self._drop_unclaimed(request_id)
         if deltas:
@@ -356,6 +382,7 @@ class DetokStage:
 
     def on_client_frames(self, identity: bytes, frames: list[bytes]) -> None:
         self._tell_if_given_up(identity)
+        self.metrics.frame_received()
         info = self.clients.setdefault(identity, ClientInfo(time.monotonic()))
         info.last_seen = time.monotonic()
         if len(frames) != 1:
@@ -436,6 +463,7 @@ class DetokStage:
             log.info("client %s gone (%s): aborting %d request(s)", identity.hex(), why, len(info.request_ids))
         lost = []
         for request_id in info.request_ids:
+            self.metrics.request_dropped(request_id)
             state = self.requests.pop(request_id, None)
             if state is not None:
                 lost.append(state.client_request_id)

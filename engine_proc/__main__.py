@@ -11,7 +11,7 @@ import sys
 import zmq
 
 from nanovllm_client.stage import (add_endpoint_flags, add_flag, resolve_endpoints, setup_logging,
-                                   startup_failed, stop_event)
+                                   stage_security, startup_failed, stop_event)
 
 _SKIP_FIELDS = {"model"}
 
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.engine.policy import make_policy
+    from nanovllm.metrics import EngineMetrics, stage_metrics
     from nanovllm.plugins import load_hook
     from nanovllm.sampling_params import SamplingParams
 
@@ -69,16 +70,19 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = {n: getattr(args, n) for n in config_names if getattr(args, n) is not None}
     try:
-        # Extension points first: a name that does not resolve fails before the model loads.
-        policy = make_policy(args.scheduler_policy)
-        hooks = [load_hook(spec) for spec in args.post_step_hook]
         config = Config(model=args.model, **overrides)
+        ctx = zmq.Context.instance()
+        metrics, _ = stage_metrics(EngineMetrics, args.metrics_host, args.metrics_port)
         stage = EngineStage(None, SamplingParams, endpoints.engine, endpoints.detok, heartbeat_s=args.heartbeat_s,
-                            max_live=args.max_live, max_queued=args.max_queued, drain_timeout_s=args.drain_timeout)
+                            max_live=args.max_live, max_queued=args.max_queued, drain_timeout_s=args.drain_timeout,
+                            ctx=ctx, security=stage_security(ctx, args), metrics=metrics)
     except (OSError, ValueError, zmq.ZMQError) as e:  # bad flag or path, address in use
         return startup_failed(log, "engine", e)
 
     def load_engine() -> LLMEngine:
+        # Extension points first: a name that does not resolve fails before the model loads.
+        policy = make_policy(args.scheduler_policy)
+        hooks = [load_hook(spec) for spec in args.post_step_hook]
         engine = LLMEngine(config, scheduler_policy=policy)
         for hook in hooks:
             engine.add_post_step_hook(hook)

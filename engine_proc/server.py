@@ -30,9 +30,13 @@ from typing import Any
 
 import zmq
 
+from prometheus_client import CollectorRegistry
+
 from nanovllm.engine.llm_engine import RequestOutput
+from nanovllm.metrics import EngineMetrics
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError
+from nanovllm_client.security import ServiceSecurity
 from nanovllm_client.stage import DEFAULT_HWM, Notifier, RejectLog, new_instance_id, pipeline_pull, pipeline_push
 
 from .ledger import FinishedRing, LiveRequest
@@ -52,7 +56,8 @@ not reading (or gone) before it gives up and exits."""
 class EngineStage:
     def __init__(self, engine: Any | None, make_sampling, input_endpoint: str, output_endpoint: str,
                  heartbeat_s: float = 0.25, max_live: int = 4096, max_queued: int = 4096,
-                 drain_timeout_s: float = 30.0, out_hwm: int = DEFAULT_HWM, ctx: zmq.Context | None = None):
+                 drain_timeout_s: float = 30.0, out_hwm: int = DEFAULT_HWM, ctx: zmq.Context | None = None,
+                 security: ServiceSecurity | None = None, metrics: EngineMetrics | None = None):
         self.engine = engine
         """None until `run` loads it: meanwhile the stage answers, and says it is loading."""
         self.state = "ready" if engine is not None else "loading"
@@ -64,6 +69,10 @@ class EngineStage:
         self.heartbeat_s = heartbeat_s
         self.max_live, self.max_queued = max_live, max_queued
         self.ctx = ctx or zmq.Context.instance()
+        self.metrics = metrics or EngineMetrics(CollectorRegistry())
+        """Fed by the engine's own post-step hook (added once the engine exists) and by this stage."""
+        self.metrics.set_state(self.state)
+        self._last_hello = ""
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._num_queued = 0
         """Requests put in `inbox` or `backlog` and not yet admitted, rejected or aborted."""
@@ -76,7 +85,7 @@ class EngineStage:
         self._hello: str | None = None
         """The latest detokenizer that asked for a resync and has not got one yet."""
         self._next_resync_at = 0.0
-        self.rejects = RejectLog(log)
+        self.rejects = RejectLog(log, on_reject=self.metrics.frame_rejected)
         self.latest_stats: dict[str, Any] = engine.stats() if engine is not None else {}
         self._abort_notes: dict[str, str] = {}
         self._refused: list[list] = []
@@ -87,9 +96,11 @@ class EngineStage:
         self._stop = threading.Event()
         self._drain_deadline: float | None = None
         # Bind/connect here, in the main thread, before the threads start using the sockets.
-        self._in_sock = pipeline_pull(self.ctx, input_endpoint)
+        self.security = security or ServiceSecurity(self.ctx, None, None)
+        self._in_sock = pipeline_pull(self.ctx, input_endpoint, security=self.security)
         # Not IMMEDIATE: outputs queue (up to the HWM) while the detokenizer restarts.
-        self._out_sock = pipeline_push(self.ctx, output_endpoint, hwm=out_hwm, immediate=False)
+        self._out_sock = pipeline_push(self.ctx, output_endpoint, hwm=out_hwm, immediate=False,
+                                       security=self.security)
         self._threads = [threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
                          threading.Thread(target=self._output_loop, name="engine-output", daemon=True)]
 
@@ -109,7 +120,8 @@ class EngineStage:
                 self._shutdown(f"cannot start: {type(e).__name__}: {e}")
                 return 1
             self.latest_stats = self.engine.stats()
-        self.state = "ready"
+        self.engine.add_post_step_hook(self.metrics)
+        self._set_state("ready")
         self._emit(self._status(True, "started"))
         log.info("engine stage %s serving", self.instance_id)
         self.notifier.ready(f"engine {self.instance_id} serving")
@@ -127,7 +139,7 @@ class EngineStage:
     def drain(self) -> str:
         """Stop taking requests; let those in flight finish for up to `drain_timeout_s`, then
         abort the rest, saying why. Returns the shutdown reason."""
-        self.state = "draining"
+        self._set_state("draining")
         deadline = self._start_drain_clock()
         log.info("draining %d request(s) for up to %.0fs", len(self.live) + len(self.backlog), self.drain_timeout_s)
         self.notifier.stopping(f"draining {len(self.live) + len(self.backlog)} request(s)")
@@ -137,7 +149,7 @@ class EngineStage:
         left = list(self.live) + list(self.backlog)
         if not left:
             return "engine shut down after draining"
-        why = f"the engine is shutting down: requests still running after the {self.drain_timeout_s:.0f}s drain were aborted"
+        why = f"the engine is shutting down: draining ended after {self.drain_timeout_s:.0f}s and this request was aborted"
         log.warning("drain timed out: aborting %d request(s)", len(left))
         for request_id in left:
             self._abort_notes[request_id] = why
@@ -164,6 +176,8 @@ class EngineStage:
         stats = self.latest_stats = dict(self.engine.stats(), num_live=len(self.live), num_queued=len(self.backlog),
                                          num_steps=self.num_steps, rejected_frames=sum(self.rejects.counts.values()))
         used = 1 - stats["num_free_blocks"] / stats["num_total_blocks"]
+        self.metrics.set_live(len(self.live))
+        self.metrics.set_queued(len(self.backlog))
         self.notifier.status(f"{self.state}: {stats['num_running']} running, {stats['num_waiting']} waiting, "
                              f"{len(self.backlog)} queued, KV cache {used:.0%} used")
         if started or rejected or outputs:
@@ -186,6 +200,8 @@ class EngineStage:
             elif isinstance(msg, p.AbortReq):
                 self._abort(msg.request_id, started, extra_outputs)
             elif isinstance(msg, p.DetokHello):
+                if msg.instance_id != self._hello and self._last_hello and msg.instance_id != self._last_hello:
+                    self.metrics.stage_restart_seen("detokenizer")
                 self._hello = msg.instance_id
 
     def _queue_request(self, req: p.TokenizedReq) -> None:
@@ -260,6 +276,7 @@ class EngineStage:
         hello only: a resync can be thousands of entries, and a hello is a few bytes anyone who
         reaches the engine's port could repeat (a real detokenizer repeats its hello until answered)."""
         self._hello, self._next_resync_at = None, time.monotonic() + RESYNC_INTERVAL_S
+        self._last_hello = detok_instance
         entries = [[rid, r.meta, p.pack_token_ids(r.tokens), False, None, *r.counts, None]
                    for rid, r in self.live.items()] + self.finished.values()
         log.info("resync for detokenizer %s: %d request(s)", detok_instance, len(entries))
@@ -303,6 +320,7 @@ class EngineStage:
             t.join(timeout=SHUTDOWN_SEND_S + 1)
         self._in_sock.close(linger=0)
         self._out_sock.close(linger=0)
+        self.security.close()
 
     # ------------------------------------------------------------------ I/O threads
 
@@ -320,6 +338,7 @@ class EngineStage:
         if not self._in_sock.poll(100):
             return
         frame = self._in_sock.recv()
+        self.metrics.frame_received()
         try:
             msg = p.decode(frame)
             if isinstance(msg, p.TokenizedReq):
@@ -350,6 +369,10 @@ class EngineStage:
             if time.monotonic() >= next_heartbeat:  # busy engines still report their stats
                 self._send(self._status(True).encode())
                 next_heartbeat = time.monotonic() + self.heartbeat_s
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        self.metrics.set_state(state)
 
     def _status(self, alive: bool, reason: str = "") -> p.EngineStatus:
         return p.EngineStatus(alive, self.instance_id, reason, self.latest_stats, self.state,

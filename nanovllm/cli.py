@@ -1,4 +1,5 @@
-"""`nanovllm` command line: `generate` runs the engine in-process, `serve` runs the service."""
+"""`nanovllm` command line: `generate` runs the engine in-process, `serve` runs the service,
+`health` probes a running one, `keygen` writes CURVE key pairs for tcp."""
 from __future__ import annotations
 
 import argparse
@@ -30,11 +31,21 @@ def _generate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"generate": _generate, "serve": _serve}
+    commands = {"generate": _generate, "serve": _serve, "health": _health, "keygen": _keygen}
     if not argv or argv[0] not in commands:
-        print("usage: nanovllm {generate,serve} ...  (nanovllm COMMAND --help for details)", file=sys.stderr)
+        print(f"usage: nanovllm {{{','.join(commands)}}} ...  (nanovllm COMMAND --help for details)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
+
+
+def _health(argv: list[str]) -> int:
+    from nanovllm_client.health import health_main
+    return health_main(argv)
+
+
+def _keygen(argv: list[str]) -> int:
+    from nanovllm_client.security import keygen_main
+    return keygen_main(argv)
 
 
 def _serve(argv: list[str]) -> int:

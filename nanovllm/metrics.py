@@ -335,3 +335,12 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: it could resolve to anything
         return False
+
+
+def stage_metrics(cls, host: str, port: int):
+    """A stage's metric set on its own registry, served on `host:port` unless `port` is 0 (off).
+    A non-loopback `host` is allowed here: the operator asked for it by name (`--metrics-host`)."""
+    registry = CollectorRegistry()
+    metrics = cls(registry)
+    server = serve_metrics(registry, host, port, allow_remote=True) if port else None
+    return metrics, server

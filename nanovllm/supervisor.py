@@ -59,12 +59,15 @@ def _die_with_parent() -> None:
 
 class Supervisor:
     def __init__(self, url: str, model: str, runtime_dir: str, engine_args: list[str], log_level: str,
-                 max_backoff_s: float = 30.0, drain_timeout_s: float = 30.0):
+                 max_backoff_s: float = 30.0, drain_timeout_s: float = 30.0, metrics_port: int = 0,
+                 stage_env: dict[str, str] | None = None):
         self.url, self.model, self.runtime_dir = url, model, runtime_dir
         self.max_backoff_s = max_backoff_s
         self.drain_timeout_s = drain_timeout_s
         self.env = dict(os.environ, NANOVLLM_URL=url, NANOVLLM_MODEL=model, NANOVLLM_LOG_LEVEL=log_level,
-                        NANOVLLM_DRAIN_TIMEOUT=str(drain_timeout_s))
+                        NANOVLLM_DRAIN_TIMEOUT=str(drain_timeout_s), **(stage_env or {}))
+        # Metrics: one port per stage from the base (tokenizer, engine, detokenizer), off by default.
+        self.metrics_ports = {name: metrics_port + i if metrics_port else 0 for i, name in enumerate(STAGES)}
         self.stages = {name: StageProcess(name, [sys.executable, "-m", name] + (engine_args if name == "engine_proc" else []))
                        for name in STAGES}
         for stage in self.stages.values():
@@ -75,7 +78,8 @@ class Supervisor:
         """Why the service could not start, once a stage failed before it was ever ready."""
 
     def start(self, stage: StageProcess) -> None:
-        stage.proc = subprocess.Popen(stage.argv, env=dict(self.env, NOTIFY_SOCKET=stage.notify_name),
+        env = dict(self.env, NOTIFY_SOCKET=stage.notify_name, NANOVLLM_METRICS_PORT=str(self.metrics_ports[stage.name]))
+        stage.proc = subprocess.Popen(stage.argv, env=env,
                                       preexec_fn=_die_with_parent)
         stage.started_at, stage.restart_at, stage.ready = time.monotonic(), None, False
         log.info("started %s (pid %d)", stage.name, stage.proc.pid)
@@ -159,9 +163,16 @@ class Supervisor:
 
     def _announce_ready(self, stop: threading.Event) -> None:
         from nanovllm_client import Client, NanovllmError
+        from nanovllm_client.security import load_keypair
 
         try:
-            with Client(self.url, connect_timeout=600) as client:
+            # With CURVE the service's own key pair is let in everywhere: the supervisor uses it.
+            secret = self.env.get("NANOVLLM_CURVE_SECRET_KEY")
+            curve = None
+            if secret:
+                keys = load_keypair(secret)
+                curve = (keys, keys.public)
+            with Client(self.url, connect_timeout=600, curve=curve) as client:
                 client.wait_engine(timeout=600)
             if not stop.is_set() and self.failed is None:
                 log.info("service ready at %s  (try: nanovllm-client --url %s \"Hello\")", self.url, self.url)
@@ -182,6 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="service address, ipc://DIR or tcp://127.0.0.1:PORT (env NANOVLLM_URL; "
                              "default ipc://<runtime dir>)")
     parser.add_argument("--log-level", default=os.environ.get("NANOVLLM_LOG_LEVEL", "INFO"))
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus metrics: the tokenizer on this port, the engine on the next, the "
+                             "detokenizer on the one after (0: off, the default)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoints bind")
+    parser.add_argument("--curve-secret-key", default=os.environ.get("NANOVLLM_CURVE_SECRET_KEY"),
+                        help="the service's CURVE secret key file: every stage requires CURVE on every socket")
+    parser.add_argument("--curve-clients", default=os.environ.get("NANOVLLM_CURVE_CLIENTS"),
+                        help="directory of allowed client public keys (*.key)")
+    parser.add_argument("--insecure-tcp", action="store_true",
+                        help="allow a non-loopback tcp URL without CURVE keys")
     parser.add_argument("--drain-timeout", type=float, default=float(os.environ.get("NANOVLLM_DRAIN_TIMEOUT", 30)),
                         help="on SIGTERM, seconds the engine lets requests in flight finish before it aborts them "
                              "(env NANOVLLM_DRAIN_TIMEOUT; default %(default)s)")
@@ -202,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.makedirs(args.runtime_dir, mode=0o700, exist_ok=True)
     stop = stop_event()
-    return Supervisor(url, args.model, args.runtime_dir, engine_args, args.log_level,
-                      drain_timeout_s=args.drain_timeout).run(stop)
+    stage_env = {"NANOVLLM_METRICS_HOST": args.metrics_host, "NANOVLLM_INSECURE_TCP": "1" if args.insecure_tcp else "0"}
+    for name, value in (("NANOVLLM_CURVE_SECRET_KEY", args.curve_secret_key), ("NANOVLLM_CURVE_CLIENTS", args.curve_clients)):
+        if value:
+            stage_env[name] = os.path.abspath(value)
+    return Supervisor(url, args.model, args.runtime_dir, engine_args, args.log_level, drain_timeout_s=args.drain_timeout,
+                      metrics_port=args.metrics_port, stage_env=stage_env).run(stop)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import sys
 import zmq
 
 from nanovllm_client.stage import (add_endpoint_flags, add_flag, resolve_endpoints, setup_logging,
-                                   startup_failed, stop_event)
+                                   stage_security, startup_failed, stop_event)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoints = resolve_endpoints(args)
     stop = stop_event()
 
+    from nanovllm.metrics import TokenizerMetrics, stage_metrics
     from nanovllm.models.model_config import context_length
     from nanovllm.models.tokenizer import load_tokenizer
     from nanovllm.sampling_params import SamplingParams
@@ -26,9 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     from .server import TokenizerStage, sampling_fields
 
     try:
+        ctx = zmq.Context.instance()
+        metrics, _ = stage_metrics(TokenizerMetrics, args.metrics_host, args.metrics_port)
         stage = TokenizerStage(load_tokenizer(args.model), sampling_fields(SamplingParams), SamplingParams,
-                               frontend=endpoints.tokenizer, engine=endpoints.engine,
-                               max_prompt_tokens=context_length(args.model))
+                               frontend=endpoints.tokenizer, engine=endpoints.engine, ctx=ctx,
+                               max_prompt_tokens=context_length(args.model), security=stage_security(ctx, args),
+                               metrics=metrics)
     except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, no tokenizer in it, address in use
         return startup_failed(log, "tokenizer", e)
     log.info("model %s; clients at %s; engine at %s", args.model, endpoints.tokenizer, endpoints.engine)

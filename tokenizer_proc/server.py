@@ -20,9 +20,13 @@ from typing import Any
 
 import zmq
 
+from prometheus_client import CollectorRegistry
+
 from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS
+from nanovllm.metrics import TokenizerMetrics
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError, check_strings, show
+from nanovllm_client.security import ServiceSecurity
 from nanovllm_client.stage import Notifier, PeerMonitor, RejectLog, client_router, new_instance_id, pipeline_push
 
 log = logging.getLogger("tokenizer_proc")
@@ -47,7 +51,8 @@ class RequestRejected(ValueError):
 
 class TokenizerStage:
     def __init__(self, tokenizer: Any, sampling_fields: set[str], make_sampling, frontend: str,
-                 engine: str, ctx: zmq.Context | None = None, max_prompt_tokens: int | None = None):
+                 engine: str, ctx: zmq.Context | None = None, max_prompt_tokens: int | None = None,
+                 security: ServiceSecurity | None = None, metrics: TokenizerMetrics | None = None):
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         """The model's context length: no longer prompt can ever be served, so none is tokenized."""
@@ -55,12 +60,17 @@ class TokenizerStage:
         self.make_sampling = make_sampling
         self.instance_id = new_instance_id()
         self.ctx = ctx or zmq.Context.instance()
-        self.frontend = client_router(self.ctx, frontend)
-        self.to_engine = pipeline_push(self.ctx, engine)
+        self.metrics = metrics or TokenizerMetrics(CollectorRegistry())
+        self.security = security or ServiceSecurity(self.ctx, None, None)
+        self.frontend = client_router(self.ctx, frontend, security=self.security)
+        self.to_engine = pipeline_push(self.ctx, engine, security=self.security)
         self.engine_peers = PeerMonitor(self.to_engine)
         self.pending: collections.deque[tuple[float, bytes, str, bytes]] = collections.deque()
         """(time, client identity, client request id or "", frame) waiting for room in the engine pipe."""
-        self.rejects = RejectLog(log)
+        self.rejects = RejectLog(log, on_reject=self.metrics.frame_rejected)
+        self._clients_seen: dict[bytes, float] = {}
+        """Client identity -> when it last sent anything (the live-clients gauge)."""
+        self._next_prune = 0.0
         self.state = "ready"
         self.started_at = time.monotonic()
         self.notifier = Notifier()
@@ -83,6 +93,7 @@ class TokenizerStage:
             if self.state == "draining" and not self.pending:
                 break
             self.notifier.tick()
+            self._count_clients()
             poller.modify(self.frontend, 0 if self.pending else zmq.POLLIN)
             poller.modify(self.to_engine, zmq.POLLOUT if self.pending else 0)
             events = dict(poller.poll(100))
@@ -91,10 +102,19 @@ class TokenizerStage:
                 self._drain_frontend()
         self.close()
 
+    def _count_clients(self, window_s: float = 10.0) -> None:
+        """Clients heard from in the last `window_s` (the tokenizer keeps no other client state)."""
+        now = time.monotonic()
+        if now >= self._next_prune:
+            self._next_prune = now + 1.0
+            self._clients_seen = {c: t for c, t in self._clients_seen.items() if now - t < window_s}
+            self.metrics.set_live_clients(len(self._clients_seen))
+
     def close(self) -> None:
         self.engine_peers.socket.close(linger=0)
         self.frontend.close(linger=0)
         self.to_engine.close(linger=500)
+        self.security.close()
 
     def _drain_frontend(self, budget: int = 256) -> None:
         for _ in range(budget):
@@ -119,6 +139,8 @@ class TokenizerStage:
                                                        f"{type(e).__name__}: {e}")))
 
     def _handle(self, identity: bytes, frames: list[bytes]) -> None:
+        self.metrics.frame_received()
+        self._clients_seen[identity] = time.monotonic()
         if len(frames) != 1:
             self.rejects("multipart", f"{len(frames)} frames from {identity.hex()}")
             self._reply(identity, p.ErrorOutput(f"expected exactly one frame per message, got {len(frames)}"))
@@ -143,11 +165,14 @@ class TokenizerStage:
 
     def _on_generate(self, identity: bytes, req: p.GenerateReq) -> None:
         if self.state == "draining":
+            self.metrics.request_rejected()
             self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, DRAINING)]))
             return
+        started = time.perf_counter()
         try:
             tokenized = self.tokenize(identity, req)
         except RequestRejected as e:
+            self.metrics.request_rejected()
             self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, str(e))]))
             return
         except Exception as e:  # the tokenizer or template failed in a way no check foresaw
@@ -155,6 +180,8 @@ class TokenizerStage:
             self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, f"could not tokenize the request: "
                                                                                 f"{type(e).__name__}: {e}")]))
             return
+        self.metrics.tokenize_seconds(time.perf_counter() - started)
+        self.metrics.request_forwarded()
         self._forward(identity, req.request_id, tokenized.encode())
 
     def tokenize(self, identity: bytes, req: p.GenerateReq) -> p.TokenizedReq:

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from . import protocol as p
 from .client_state import ClientBase, Delta, Result, build_request, merge
+from .security import CurveKeys
 from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceUnavailableError
 
 log = logging.getLogger("nanovllm_client")
@@ -71,8 +72,8 @@ class AsyncClient(ClientBase):
 
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
                  connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000,
-                 stage_timeout: float = 30.0):
-        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout)
+                 stage_timeout: float = 30.0, curve: tuple[CurveKeys, bytes] | None = None):
+        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout, curve)
         self._streams: dict[str, asyncio.Queue] = {}
         self._stats: asyncio.Queue | None = None
         self._ready: asyncio.Event | None = None

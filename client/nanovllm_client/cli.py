@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .endpoints import default_url
 from .errors import NanovllmError
+from .security import CLIENT_KEY_ENV, SERVER_KEY_ENV, client_keys_from_env
 from .sync_client import Client
 
 
@@ -23,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connect-timeout", type=float, default=60.0,
                         help="seconds to wait for the service and its engine to be up (default %(default)s)")
     parser.add_argument("--usage", action="store_true", help="print token usage to stderr at the end")
+    parser.add_argument("--curve-client-key", default=os.environ.get(CLIENT_KEY_ENV),
+                        help=f"this client's CURVE secret key file, for a service that requires keys (env {CLIENT_KEY_ENV})")
+    parser.add_argument("--curve-server-key", default=os.environ.get(SERVER_KEY_ENV),
+                        help=f"the service's CURVE public key file (env {SERVER_KEY_ENV})")
     args = parser.parse_args(argv)
 
     if args.raw:
@@ -31,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         prompt = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt.append({"role": "user", "content": args.prompt})
     try:
-        with Client(args.url, timeout=args.timeout, connect_timeout=args.connect_timeout) as client:
+        curve = client_keys_from_env({CLIENT_KEY_ENV: args.curve_client_key or "", SERVER_KEY_ENV: args.curve_server_key or ""})
+    except ValueError as e:  # one key without the other, or an unreadable key file
+        print(f"nanovllm-client: {e}", file=sys.stderr)
+        return 2
+    try:
+        with Client(args.url, timeout=args.timeout, connect_timeout=args.connect_timeout, curve=curve) as client:
             client.wait_engine(timeout=args.connect_timeout)  # a service just started may still be loading
             last = None
             for delta in client.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,

@@ -29,6 +29,7 @@ import zmq
 from . import protocol as p
 from .checks import ProtocolError
 from .errors import EngineDeadError, ServiceDrainingError
+from .security import CurveKeys, client_keys_from_env, client_socket_security
 from .endpoints import default_url, service_endpoints
 
 log = logging.getLogger("nanovllm_client")
@@ -239,11 +240,16 @@ def merge(deltas: list[Delta], request_id: str) -> Result:
 
 class ClientBase:
     """What the sync `Client` and the `AsyncClient` share: the service address, the limits, the
-    client's identity on both sockets, and the protocol state."""
+    client's identity on both sockets, its CURVE keys, and the protocol state.
+
+    `curve`: (this client's key pair, the service's public key), for a service that requires
+    CURVE; by default from $NANOVLLM_CURVE_CLIENT_KEY and $NANOVLLM_CURVE_SERVER_KEY (files)."""
 
     def __init__(self, url: str | None, timeout: float | None, connect_timeout: float,
-                 heartbeat_interval: float, hwm: int, stage_timeout: float = 30.0):
+                 heartbeat_interval: float, hwm: int, stage_timeout: float = 30.0,
+                 curve: tuple[CurveKeys, bytes] | None = None):
         self.url = url or default_url()
+        self._curve = curve if curve is not None else client_keys_from_env()
         self.endpoints = service_endpoints(self.url)
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self._heartbeat_interval, self._hwm = heartbeat_interval, hwm
@@ -289,5 +295,7 @@ class ClientBase:
         sock.setsockopt(zmq.RCVHWM, self._hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
         sock.setsockopt(zmq.LINGER, 1000)
+        if self._curve is not None:
+            client_socket_security(sock, *self._curve)
         sock.connect(endpoint)
         return sock

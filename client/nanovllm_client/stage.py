@@ -18,6 +18,7 @@ import zmq
 
 from .endpoints import Endpoints, default_url, ensure_ipc_dir, service_endpoints
 from .protocol import MAX_FRAME_BYTES
+from .security import ServiceSecurity
 
 DEFAULT_HWM = 10_000
 """Messages queued per peer before senders see backpressure (EAGAIN / a blocking send)."""
@@ -43,6 +44,14 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, help: str, default=None
         parser.add_argument(flag, type=type, default=default, help=f"{help} (env {env}; default %(default)s)", **kwargs)
 
 
+def add_security_flags(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--curve-secret-key", "the service's CURVE secret key file (made by `nanovllm keygen`): "
+             "encrypt and authenticate every socket")
+    add_flag(parser, "--curve-clients", "directory of client public keys (*.key) allowed to connect")
+    add_flag(parser, "--insecure-tcp", "allow binding a non-loopback tcp address without CURVE keys", default=False,
+             type=bool)
+
+
 def add_endpoint_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--url", "service address from which all endpoints are derived: ipc://DIR or tcp://HOST:PORT",
              default=default_url())
@@ -50,6 +59,14 @@ def add_endpoint_flags(parser: argparse.ArgumentParser) -> None:
                        ("engine", "engine PULL (tokenized requests, aborts)"), ("detok", "detokenizer PULL (engine steps)")):
         add_flag(parser, f"--{name}-endpoint", f"override the {what} endpoint")
     add_flag(parser, "--log-level", "logging level", default="INFO")
+    add_security_flags(parser)
+    add_metrics_flags(parser)
+
+
+def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--metrics-port", "serve Prometheus metrics over HTTP on this port (0: off)", default=0, type=int)
+    add_flag(parser, "--metrics-host", "address the metrics endpoint binds (loopback unless you say otherwise)",
+             default="127.0.0.1")
 
 
 def resolve_endpoints(args: argparse.Namespace) -> Endpoints:
@@ -80,35 +97,53 @@ def bind(sock: zmq.Socket, endpoint: str) -> None:
     sock.bind(endpoint)
 
 
-def client_router(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM) -> zmq.Socket:
-    """A client-facing ROUTER: sends to a vanished or slow peer fail loudly, never silently."""
+def stage_security(ctx: zmq.Context, args: argparse.Namespace) -> ServiceSecurity:
+    """A stage's CURVE setup from its flags: keys (or none) and the loopback rule for tcp binds."""
+    return ServiceSecurity.from_files(ctx, args.curve_secret_key, args.curve_clients, args.insecure_tcp)
+
+
+def client_router(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM,
+                  security: ServiceSecurity | None = None) -> zmq.Socket:
+    """A client-facing ROUTER: sends to a vanished or slow peer fail loudly, never silently.
+    With `security`, only allowed clients' keys get through (and the bind must be allowed)."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH / EAGAIN instead of a silent drop
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     sock.setsockopt(zmq.LINGER, 0)
+    if security is not None:
+        security.check_bind(endpoint)
+        security.server(sock)
     bind(sock, endpoint)
     return sock
 
 
-def pipeline_push(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM, immediate: bool = True) -> zmq.Socket:
+def pipeline_push(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM, immediate: bool = True,
+                  security: ServiceSecurity | None = None) -> zmq.Socket:
     """A PUSH to the next stage. `immediate`: nothing queues for a peer that is not there (the
     send fails instead). Options must be set before connect: libzmq asserts on a change after."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.IMMEDIATE, int(immediate))
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.LINGER, 1000)
+    if security is not None:
+        security.client(sock)  # stage to stage: the service's own key pair
     sock.connect(endpoint)
     return sock
 
 
-def pipeline_pull(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM) -> zmq.Socket:
-    """A PULL from the previous stage; over tcp anyone may connect, so frames are size-limited too."""
+def pipeline_pull(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM,
+                  security: ServiceSecurity | None = None) -> zmq.Socket:
+    """A PULL from the previous stage; over tcp anyone may connect, so frames are size-limited
+    too. With `security`, only the service's own key gets through (not even allowed clients)."""
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     sock.setsockopt(zmq.LINGER, 0)
+    if security is not None:
+        security.check_bind(endpoint)
+        security.pipeline_server(sock)
     bind(sock, endpoint)
     return sock
 
@@ -146,14 +181,18 @@ class RejectLog:
     fixed set (never from the frame itself), since it keys the counts.
     """
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0):
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0, on_reject=None):
         self.logger, self.interval_s = logger, interval_s
+        self.on_reject = on_reject
+        """Called with the reason of every rejected frame (the stage's metrics)."""
         self.counts: dict[str, int] = {}
         self._last_logged: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
     def __call__(self, reason: str, detail: str, *, exc_info: bool = False) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + 1
+        if self.on_reject is not None:
+            self.on_reject(reason)
         now = time.monotonic()
         if now - self._last_logged.get(reason, -1e9) < self.interval_s:
             self._suppressed[reason] = self._suppressed.get(reason, 0) + 1

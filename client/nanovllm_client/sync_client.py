@@ -20,6 +20,7 @@ import zmq
 
 from . import protocol as p
 from .client_state import ClientBase, Delta, Result, build_request, merge
+from .security import CurveKeys
 from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceUnavailableError
 
 log = logging.getLogger("nanovllm_client")
@@ -78,8 +79,8 @@ class Client(ClientBase):
 
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
                  connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000,
-                 stage_timeout: float = 30.0):
-        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout)
+                 stage_timeout: float = 30.0, curve: tuple[CurveKeys, bytes] | None = None):
+        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout, curve)
         self._ready = threading.Event()
         self._streams: dict[str, queue.SimpleQueue] = {}
         self._stats: queue.SimpleQueue = queue.SimpleQueue()
