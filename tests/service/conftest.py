@@ -21,10 +21,11 @@ TINY_ENGINE_ARGS = ["--num-kvcache-blocks", "512", "--max-num-seqs", "64", "--nu
 FAST_FAILURE_ARGS = ["--client-timeout-s", "3", "--engine-timeout-s", "1.5"]
 
 
-def start_service(model: str, url: str, engine_args=TINY_ENGINE_ARGS, detok_args=FAST_FAILURE_ARGS) -> ServiceProcs:
-    procs = ServiceProcs(model, url, engine_args, detok_args).start()
+def start_service(model: str, url: str, engine_args=TINY_ENGINE_ARGS, detok_args=FAST_FAILURE_ARGS,
+                  env: dict[str, dict[str, str]] | None = None, curve=None) -> ServiceProcs:
+    procs = ServiceProcs(model, url, engine_args, detok_args, stage_env=env).start()
     try:
-        with Client(url, connect_timeout=START_TIMEOUT) as c:
+        with Client(url, connect_timeout=START_TIMEOUT, curve=curve) as c:
             c.wait_engine(timeout=START_TIMEOUT)
     except BaseException:
         print(procs.logs())

@@ -53,8 +53,11 @@ def free_tcp_base_port() -> int:
 
 class ServiceProcs:
     def __init__(self, model: str, url: str, engine_args: list[str] | None = None,
-                 detok_args: list[str] | None = None, log_dir: str | None = None):
+                 detok_args: list[str] | None = None, log_dir: str | None = None,
+                 stage_env: dict[str, dict[str, str]] | None = None):
         self.model, self.url = model, url
+        self.stage_env = stage_env or {}
+        """Extra environment per stage name (e.g. its metrics port)."""
         self.args = {"tokenizer_proc": [], "engine_proc": list(engine_args or []), "detok_proc": list(detok_args or [])}
         self.log_dir = log_dir or short_tmpdir()
         self.procs: dict[str, subprocess.Popen] = {}
@@ -72,7 +75,8 @@ class ServiceProcs:
             log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
             self._logs.append(log)
             self.procs[name] = subprocess.Popen([sys.executable, "-m", name, *self.args[name]], cwd=REPO,
-                                                env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+                                                env=dict(self.env(), **self.stage_env.get(name, {})),
+                                                stdout=log, stderr=subprocess.STDOUT)
         return self
 
     def pid(self, stage: str) -> int:
