@@ -1,4 +1,5 @@
-"""`nanovllm` command line: `generate` runs the engine in-process, `serve` runs the service."""
+"""`nanovllm` command line: `generate` runs the engine in-process, `serve` runs the service,
+`install-systemd` installs the units that run it under systemd."""
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,10 @@ def _generate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"generate": _generate, "serve": _serve}
+    commands = {"generate": _generate, "serve": _serve, "install-systemd": _install_systemd}
     if not argv or argv[0] not in commands:
-        print("usage: nanovllm {generate,serve} ...  (nanovllm COMMAND --help for details)", file=sys.stderr)
+        print("usage: nanovllm {generate,serve,install-systemd} ...  (nanovllm COMMAND --help for details)",
+              file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
 
@@ -40,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(argv: list[str]) -> int:
     from nanovllm.supervisor import main as serve_main
     return serve_main(argv)
+
+
+def _install_systemd(argv: list[str]) -> int:
+    from nanovllm.install_systemd import main as install_main
+    return install_main(argv)
 
 
 if __name__ == "__main__":
