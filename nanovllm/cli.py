@@ -1,5 +1,6 @@
 """`nanovllm` command line: `generate` runs the engine in-process, `serve` runs the service,
-`health` probes a running one, `keygen` writes CURVE key pairs for tcp."""
+`health` probes a running one, `keygen` writes CURVE key pairs for tcp, `install-systemd` installs
+the units that run it under systemd."""
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,8 @@ def _generate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"generate": _generate, "serve": _serve, "health": _health, "keygen": _keygen}
+    commands = {"generate": _generate, "serve": _serve, "health": _health, "keygen": _keygen,
+                "install-systemd": _install_systemd}
     if not argv or argv[0] not in commands:
         print(f"usage: nanovllm {{{','.join(commands)}}} ...  (nanovllm COMMAND --help for details)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
@@ -51,6 +53,11 @@ def _keygen(argv: list[str]) -> int:
 def _serve(argv: list[str]) -> int:
     from nanovllm.supervisor import main as serve_main
     return serve_main(argv)
+
+
+def _install_systemd(argv: list[str]) -> int:
+    from nanovllm.install_systemd import main as install_main
+    return install_main(argv)
 
 
 if __name__ == "__main__":

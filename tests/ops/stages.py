@@ -1,0 +1,80 @@
+"""What the unit tests know about the three stages, taken from the code itself: each stage's own
+argparse parser (its `main()` builds it; captured just before it parses), the NANOVLLM_*
+variables the stages and the library read, and the flags and variables the units already use
+that work elsewhere is adding to the stages (tolerated only while a stage still lacks them).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+from pathlib import Path
+from unittest import mock
+
+from nanovllm_client.stage import env_name
+
+REPO = Path(__file__).resolve().parents[2]
+STAGE_OF_UNIT = {"nanovllm-tokenizer@.service": "tokenizer_proc", "nanovllm-engine@.service": "engine_proc",
+                 "nanovllm-detok@.service": "detok_proc"}
+PENDING_FLAGS = {"--metrics-port": 1}
+"""Flags the units pass that the stages are getting in parallel work -> how many values follow."""
+PENDING_VARIABLES = {"NANOVLLM_METRICS_PORT", "NANOVLLM_METRICS_HOST", "NANOVLLM_DRAIN_TIMEOUT"}
+"""Variables of those coming flags (--metrics-port, --metrics-host, the engine's --drain-timeout)."""
+_ENVIRON_READ = re.compile(r"""(?:environ\.get\(|environ\[|getenv\()\s*["'](NANOVLLM_[A-Z0-9_]+)["']""")
+
+
+class _Captured(Exception):
+    pass
+
+
+def stage_parser(module: str) -> argparse.ArgumentParser:
+    """The parser `python -m <module>` builds, with defaults from the current environment."""
+    main = importlib.import_module(f"{module}.__main__").main
+
+    def capture(self, args=None, namespace=None):
+        raise _Captured(self)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
+        try:
+            main([])
+        except _Captured as captured:
+            return captured.args[0]
+    raise AssertionError(f"{module}.main() returned without parsing its arguments")
+
+
+def parser_variables(parser: argparse.ArgumentParser) -> set[str]:
+    """NANOVLLM_<FLAG> for every --flag the parser has (stage.add_flag's naming)."""
+    return {env_name(option) for action in parser._actions for option in action.option_strings
+            if option.startswith("--") and not option.startswith("--no-") and option != "--help"}
+
+
+def library_variables() -> set[str]:
+    """NANOVLLM_* variables read straight from the environment by the library and the stages."""
+    found: set[str] = set()
+    for folder in ("nanovllm", "client/nanovllm_client", "tokenizer_proc", "engine_proc", "detok_proc"):
+        for path in (REPO / folder).rglob("*.py"):
+            found |= set(_ENVIRON_READ.findall(path.read_text(encoding="utf-8")))
+    return found
+
+
+def known_variables() -> set[str]:
+    """Every NANOVLLM_* variable some stage reads today."""
+    names = library_variables()
+    for module in STAGE_OF_UNIT.values():
+        names |= parser_variables(stage_parser(module))
+    return names
+
+
+def without_pending_flags(args: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """`args` minus the pending flags (and their values) this parser does not know yet; and those flags."""
+    known = {option for action in parser._actions for option in action.option_strings}
+    kept, dropped, i = [], [], 0
+    while i < len(args):
+        flag = args[i].split("=", 1)[0]
+        if flag in PENDING_FLAGS and flag not in known:
+            dropped.append(flag)
+            i += 1 + (PENDING_FLAGS[flag] if "=" not in args[i] else 0)
+            continue
+        kept.append(args[i])
+        i += 1
+    return kept, dropped
