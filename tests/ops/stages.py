@@ -1,7 +1,6 @@
 """What the unit tests know about the three stages, taken from the code itself: each stage's own
-argparse parser (its `main()` builds it; captured just before it parses), the NANOVLLM_*
-variables the stages and the library read, and the flags and variables the units already use
-that work elsewhere is adding to the stages (tolerated only while a stage still lacks them).
+argparse parser (its `main()` builds it; captured just before it parses), and the NANOVLLM_*
+variables the stages and the library read.
 """
 from __future__ import annotations
 
@@ -16,10 +15,6 @@ from nanovllm_client.stage import env_name
 REPO = Path(__file__).resolve().parents[2]
 STAGE_OF_UNIT = {"nanovllm-tokenizer@.service": "tokenizer_proc", "nanovllm-engine@.service": "engine_proc",
                  "nanovllm-detok@.service": "detok_proc"}
-PENDING_FLAGS = {"--metrics-port": 1}
-"""Flags the units pass that the stages are getting in parallel work -> how many values follow."""
-PENDING_VARIABLES = {"NANOVLLM_METRICS_PORT", "NANOVLLM_METRICS_HOST", "NANOVLLM_DRAIN_TIMEOUT"}
-"""Variables of those coming flags (--metrics-port, --metrics-host, the engine's --drain-timeout)."""
 _ENVIRON_READ = re.compile(r"""(?:environ\.get\(|environ\[|getenv\()\s*["'](NANOVLLM_[A-Z0-9_]+)["']""")
 
 
@@ -63,18 +58,3 @@ def known_variables() -> set[str]:
     for module in STAGE_OF_UNIT.values():
         names |= parser_variables(stage_parser(module))
     return names
-
-
-def without_pending_flags(args: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
-    """`args` minus the pending flags (and their values) this parser does not know yet; and those flags."""
-    known = {option for action in parser._actions for option in action.option_strings}
-    kept, dropped, i = [], [], 0
-    while i < len(args):
-        flag = args[i].split("=", 1)[0]
-        if flag in PENDING_FLAGS and flag not in known:
-            dropped.append(flag)
-            i += 1 + (PENDING_FLAGS[flag] if "=" not in args[i] else 0)
-            continue
-        kept.append(args[i])
-        i += 1
-    return kept, dropped

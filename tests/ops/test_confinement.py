@@ -20,7 +20,7 @@ import pytest
 
 from nanovllm import install_systemd as installer
 from tests.ops.seccomp_exec import spec_from_unit, supported, wrap
-from tests.ops.stages import STAGE_OF_UNIT, stage_parser, without_pending_flags
+from tests.ops.stages import STAGE_OF_UNIT
 from tests.ops.unit_files import exec_start, parse_unit
 from tests.service.harness import short_tmpdir
 
@@ -80,18 +80,19 @@ class ConfinedStage:
     """One stage started as its unit would start it, under its unit's seccomp rules."""
 
     def __init__(self, unit: Path, env_file: Path, runtime_dir: str, dirs: dict[str, str], log_dir: Path,
-                 spec_overrides: dict | None = None):
+                 spec_overrides: dict | None = None, manager_env: dict[str, str] | None = None):
         self.name = unit.name
         argv, unit_env = exec_start(unit, env_file, "t", runtime_dir=runtime_dir, dirs=dirs)
         module = STAGE_OF_UNIT[unit.name]
-        argv = argv[:3] + without_pending_flags(argv[3:], stage_parser(module))[0]
         for variable in ("RUNTIME_DIRECTORY", "STATE_DIRECTORY", "CACHE_DIRECTORY"):
             os.makedirs(unit_env[variable], mode=0o700, exist_ok=True)  # systemd creates them
         self.notify_path = os.path.join(runtime_dir, f"notify-{module}")
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(self.notify_path)
+        # What systemd itself adds (NOTIFY_SOCKET; WATCHDOG_USEC from WatchdogSec= when given).
         env = dict(unit_env, PATH=os.environ.get("PATH", "/usr/bin:/bin"), NOTIFY_SOCKET=self.notify_path,
                    PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "client")]))
+        env.update(manager_env or {})
         spec = spec_from_unit(parse_unit(unit))
         for key, value in (spec_overrides or {}).items():
             setattr(spec, key, value)
@@ -142,11 +143,15 @@ class ConfinedService:
         self.cache_dir = tmp_path / "cache"
         self.started: list[ConfinedStage] = []
 
-    def start(self, name: str, **spec_overrides) -> ConfinedStage:
+    def start(self, name: str, manager_env: dict[str, str] | None = None, **spec_overrides) -> ConfinedStage:
         dirs = {"S": str(self.tmp_path / "state"), "C": str(self.cache_dir)}
         self.started.append(ConfinedStage(self.units / name, self.env_file, self.runtime_dir, dirs, self.tmp_path,
-                                          spec_overrides))
+                                          spec_overrides, manager_env))
         return self.started[-1]
+
+    @property
+    def url(self) -> str:
+        return f"ipc://{self.runtime_dir}/nanovllm/t"
 
     def stop(self) -> dict[str, int | None]:
         codes = {stage.name: stage.stop() for stage in reversed(self.started)}

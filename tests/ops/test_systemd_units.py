@@ -9,15 +9,13 @@ import shutil
 import stat
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 
 from nanovllm import cli
 from nanovllm import install_systemd as installer
-from tests.ops.stages import (PENDING_VARIABLES, STAGE_OF_UNIT, known_variables, stage_parser,
-                              without_pending_flags)
+from tests.ops.stages import STAGE_OF_UNIT, known_variables, stage_parser
 from tests.ops.unit_files import exec_start, parse_env_text, parse_unit
 
 REPO = Path(__file__).resolve().parents[2]
@@ -210,9 +208,7 @@ def test_exec_start_runs_the_stage_with_flags_it_accepts(prefix, name, monkeypat
     for variable, value in env.items():
         monkeypatch.setenv(variable, value)
     parser = stage_parser(module)  # defaults from the unit's environment, as under systemd
-    args, pending = without_pending_flags(argv[3:], parser)
-    assert pending in ([], ["--metrics-port"])
-    parsed = parser.parse_args(args)
+    parsed = parser.parse_args(argv[3:])
     assert parsed.url == "ipc:///run/nanovllm/prod" and parsed.model == "default"
 
 
@@ -243,15 +239,11 @@ def test_every_variable_of_the_env_example_is_read_by_a_stage(prefix):
     assert exec_variables == {"NANOVLLM_TOKENIZER_METRICS_PORT", "NANOVLLM_ENGINE_METRICS_PORT",
                               "NANOVLLM_DETOK_METRICS_PORT"}
     documented = set(example_assignments(commented=True))
-    unknown = documented - known - exec_variables - PENDING_VARIABLES
+    unknown = documented - known - exec_variables
     assert not unknown, f"the env example names variables no stage reads: {sorted(unknown)}"
     set_in_units = {v for name in SERVICES for v in exec_start(unit_path(prefix, name), None, "prod")[1]
                     if v.startswith("NANOVLLM_")}
     assert not set_in_units - known - exec_variables, "the units set variables no stage reads"
-    still_pending = sorted((documented & PENDING_VARIABLES) - known)
-    if still_pending:
-        warnings.warn(f"variables in the env example that no stage reads yet (flags being added elsewhere): "
-                      f"{still_pending}")
 
 
 def test_the_env_example_values_are_accepted_by_the_stages(monkeypatch):

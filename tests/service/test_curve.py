@@ -17,7 +17,7 @@ from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
 from nanovllm_client.security import generate_keypair, load_keypair, load_public_key
 from tests.service.conftest import start_service
-from tests.service.harness import REPO, free_tcp_base_port, short_tmpdir
+from tests.service.harness import REPO, free_tcp_base_port
 
 
 @pytest.fixture(scope="module")
