@@ -15,6 +15,7 @@ import pytest
 from nanovllm_client import Client
 from nanovllm_client.health import check_health
 from tests.ops.test_confinement import REPO
+from tests.service.harness import wait_for
 from tests.ops.test_confinement import pytestmark as confinement_marks
 from tests.ops.test_confinement import service, units  # noqa: F401  (fixtures)
 
@@ -95,9 +96,11 @@ def test_ready_comes_only_once_each_stage_serves(service, tmp_path):
             assert health.stages["tokenizer"].state == health.stages["detokenizer"].state == "ready"
             assert stages["engine"].stage.proc.poll() is None, stages["engine"].stage.log()
         assert saw_loading, "the engine said READY=1 without ever being seen loading"
-        assert check_health(service.url, timeout=2).healthy  # ready means serving, at once
+        # Ready means serving at once; the detokenizer, which health asks, hears of it with the next heartbeat.
         with Client(service.url, connect_timeout=10, timeout=30) as client:
             assert client.generate("Hello", max_tokens=4, ignore_eos=True).usage["completion_tokens"] == 4
+        wait_for(lambda: check_health(service.url, timeout=1).healthy, timeout=2, interval=0.05,
+                 what="health to report the engine ready")
     finally:
         for n in stages.values():
             n.close()

@@ -82,7 +82,8 @@ def blast(url: str, frames_per_socket: int, seed: int) -> None:
                     while sock.poll(0):
                         sock.recv_multipart()
     finally:
-        ctx.destroy(linger=0)
+        # Linger, so every frame still queued here reaches its stage (linger 0 would drop them).
+        ctx.destroy(linger=10_000)
 
 
 def run_fuzz(service, frames_per_socket: int, seed: int) -> None:
@@ -105,6 +106,10 @@ def run_fuzz(service, frames_per_socket: int, seed: int) -> None:
                     and stats["detok"]["num_requests"] == 0 and stats)
 
         stats = wait_for(settled, timeout=60, interval=0.2, what="the fuzzed requests to drain")
+        # Most frames on the two stage-to-stage sockets are malformed: the engine and the detokenizer saw them.
+        stats = wait_for(lambda: (stats := client.server_stats())["engine"]["rejected_frames"] > frames_per_socket // 3
+                         and sum(stats["detok"]["rejected_frames"].values()) > frames_per_socket // 3 and stats,
+                         timeout=30, interval=0.2, what="the stages to count the malformed frames")
         rss_after = {name: rss_mb(pid) for name, pid in pids.items()}
         print(f"{4 * frames_per_socket} frames handled in {time.monotonic() - started:.1f}s; rejected: engine "
               f"{stats['engine']['rejected_frames']}, detokenizer {stats['detok']['rejected_frames']}; "
@@ -114,9 +119,6 @@ def run_fuzz(service, frames_per_socket: int, seed: int) -> None:
         for name in pids:
             growth = rss_after[name] - rss_before[name]
             assert growth < RSS_GROWTH_LIMIT_MB, f"{name} grew by {growth:.0f} MB"
-        # Most frames on the two stage-to-stage sockets are malformed: the engine and the detokenizer saw them.
-        assert stats["engine"]["rejected_frames"] > frames_per_socket // 3
-        assert sum(stats["detok"]["rejected_frames"].values()) > frames_per_socket // 3
 
 
 def test_thousands_of_hostile_frames_on_every_socket_take_no_stage_down(fuzzed_service):
