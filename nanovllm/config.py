@@ -35,7 +35,8 @@ class Config:
     """Exact number of KV blocks; overrides the memory budget (tests use it to force pressure)."""
     enable_prefix_caching: bool = True
     dtype: str = "auto"
-    """"auto" (float32 on CPU, the checkpoint's dtype on CUDA), "float32", "float16" or "bfloat16"."""
+    """"auto" (on CPU bfloat16 where it has AMX-BF16 or AVX512-BF16, float32 elsewhere; on CUDA the
+    checkpoint's dtype, bfloat16 for float32 checkpoints), "float32", "float16" or "bfloat16"."""
     device: str = "auto"
     num_threads: int | None = None
     """Torch intra-op threads on CPU; defaults to the cores this process may use."""

@@ -29,7 +29,7 @@ from nanovllm.engine.step_input import StepInput, build_cpu_batch, build_gpu_bat
 from nanovllm.engine.tp_workers import WorkerProcesses
 from nanovllm.layers.attention import PagedAttention
 from nanovllm.layers.cpu_gemm import pack_linear_weights
-from nanovllm.layers.cpu_kernels import CpuAttentionKernel, CpuOps
+from nanovllm.layers.cpu_kernels import CpuAttentionKernel, CpuOps, auto_cpu_dtype
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.loader import iter_weights, load_weights
@@ -55,8 +55,9 @@ def resolve_device(config: Config, rank: int = 0) -> torch.device:
 def resolve_dtype(config: Config, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     if config.dtype != "auto":
         return DTYPES[config.dtype]
-    # fp32 on CPU: bf16/fp16 matmuls are several times slower on CPUs without AVX-512.
-    return torch.float32 if device.type == "cpu" else (model_config.torch_dtype if model_config.torch_dtype != torch.float32 else torch.bfloat16)
+    if device.type == "cpu":
+        return auto_cpu_dtype()  # bf16 where the CPU has AMX-BF16 or AVX512-BF16, fp32 elsewhere
+    return model_config.torch_dtype if model_config.torch_dtype != torch.float32 else torch.bfloat16
 
 
 def _shutdown(workers: WorkerProcesses | None, channel: StepChannel | None, workers_serving: bool) -> None:
@@ -136,7 +137,7 @@ class ModelRunner:
             # The kernel only where it serves this model: the step metadata follows the same choice.
             supported = CpuAttentionKernel.supports(self.dtype, self.model_config.head_dim)
             self.set_attention_kernels(CpuAttentionKernel.load() if supported else None, None)
-            self.set_cpu_ops(CpuOps.load() if self.dtype == torch.float32 else None)
+            self.set_cpu_ops(CpuOps.load() if supported else None)
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         if self.device.type == "cuda" and not config.enforce_eager:

@@ -11,9 +11,12 @@
  * and V rows (all heads, contiguous) are read from memory once, scores live in a block-sized
  * scratch row, and the output accumulators are rescaled when a block raises a head's maximum.
  *
- * Layouts: q rows are H*D contiguous floats, q_row_stride floats apart (a view into the fused
- * qkv projection); caches are [num_blocks, block_size, KVH, D]; out is [R, H, D] contiguous.
- * Returns 0, -1 if scratch memory could not be allocated, or -2 for a head size over 256.
+ * Layouts: q rows are H*D contiguous elements, q_row_stride elements apart (a view into the
+ * fused qkv projection); caches are [num_blocks, block_size, KVH, D]; out is [R, H, D] contiguous.
+ * q, the caches and out are all float32 or all bfloat16 (`bf16`); the arithmetic is float32 either
+ * way (bf16 rows are widened as they are read; a row's q once, up front), and out is rounded to
+ * bf16 once at the end. Returns 0, -1 if scratch memory could not be allocated, or -2 for a head
+ * size over 256.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,22 +28,22 @@
 #include <immintrin.h>
 #endif
 
-/* s[i] = exp(s[i] - mx) for i < n; returns their sum. s has room for n rounded up to 8. */
+/* s[i] = exp(s[i] - mx) for i < n; returns their sum. s has room for n rounded up to VL. */
 static inline float exp_shifted(float *s, int64_t n, float mx) {
-    v8f sum = {0};
-    for (int64_t i = 0; i < n; i += 8) {
-        v8f x = exp8(load8(s + i) - mx);
-        if (i + 8 > n)  /* zero the lanes past n */
-            for (int64_t j = n - i; j < 8; j++) x[j] = 0.f;
-        store8(s + i, x);
+    vf sum = {0};
+    for (int64_t i = 0; i < n; i += VL) {
+        vf x = vexp(loadv(s + i) - mx);
+        if (i + VL > n)  /* zero the lanes past n */
+            for (int64_t j = n - i; j < VL; j++) x[j] = 0.f;
+        storev(s + i, x);
         sum += x;
     }
-    return hsum8(sum);
+    return hsum(sum);
 }
 
-/* Scores of one query head against n cached keys, key i at k + i * stride. */
-static inline void scores_block(const float *restrict qh, const float *k, float *restrict s, int64_t n,
-                                int64_t stride, int64_t D_rt, float scale, const int64_t HD) {
+/* Scores of one query head (float) against n cached keys, key i at element k + i * stride. */
+static inline void scores_block(const float *restrict qh, const void *k, float *restrict s, int64_t n,
+                                int64_t stride, int64_t D_rt, float scale, const int64_t HD, const int BF) {
     const int64_t D = HD ? HD : D_rt;
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -50,9 +53,10 @@ static inline void scores_block(const float *restrict qh, const float *k, float 
         for (; i + 8 <= n; i += 8) {
             __m256 a[8];
             for (int t = 0; t < 8; t++) {
-                const float *kt = k + (i + t) * stride;
-                __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(kt));
-                for (int64_t j = 8; j < HD; j += 8) x = _mm256_fmadd_ps(_mm256_loadu_ps(qh + j), _mm256_loadu_ps(kt + j), x);
+                const int64_t kt = (i + t) * stride;
+                __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qh), (__m256)load8x(k, kt, BF));
+                for (int64_t j = 8; j < HD; j += 8)
+                    x = _mm256_fmadd_ps(_mm256_loadu_ps(qh + j), (__m256)load8x(k, kt + j, BF), x);
                 a[t] = x;
             }
             const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
@@ -65,68 +69,70 @@ static inline void scores_block(const float *restrict qh, const float *k, float 
     }
 #endif
     for (; i < n; i++) {
-        const float *kt = k + i * stride;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; d++) dot += qh[d] * kt[d];
+        vf dv = {0};
+        int64_t d = 0;
+        for (; d + VL <= D; d += VL) dv += loadv(qh + d) * vload(k, i * stride + d, BF);
+        float dot = hsum(dv);
+        for (; d < D; d++) dot += qh[d] * sload(k, i * stride + d, BF);
         s[i] = dot * scale;
     }
 }
 
-/* acc = acc * alpha + sum_i p[i] * v_i over n value rows (row i at v + i * stride). With a
- * compile-time head size the accumulator is held in 32-float slices of four 8-lane registers,
- * so it stays in registers across the rows instead of going through memory on every one. */
-static inline void accumulate_values(float *restrict acc, const float *v, const float *restrict p, int64_t n,
-                                     int64_t stride, float alpha, int64_t D_rt, const int64_t HD) {
-    if (HD && HD % 32 == 0) {
-        for (int64_t c = 0; c < HD; c += 32) {
-            v8f a0 = load8(acc + c) * alpha, a1 = load8(acc + c + 8) * alpha;
-            v8f a2 = load8(acc + c + 16) * alpha, a3 = load8(acc + c + 24) * alpha;
+/* acc = acc * alpha + sum_i p[i] * v_i over n value rows (row i at element v + i * stride). With
+ * a compile-time head size the accumulator is held in slices of four VL-lane registers, so it
+ * stays in registers across the rows instead of going through memory on every one. */
+static inline void accumulate_values(float *restrict acc, const void *v, const float *restrict p, int64_t n,
+                                     int64_t stride, float alpha, int64_t D_rt, const int64_t HD, const int BF) {
+    if (HD && HD % (4 * VL) == 0) {
+        for (int64_t c = 0; c < HD; c += 4 * VL) {
+            vf a0 = loadv(acc + c) * alpha, a1 = loadv(acc + c + VL) * alpha;
+            vf a2 = loadv(acc + c + 2 * VL) * alpha, a3 = loadv(acc + c + 3 * VL) * alpha;
             for (int64_t i = 0; i < n; i++) {
-                const float *vi = v + i * stride + c;
+                const int64_t vi = i * stride + c;
                 const float pi = p[i];
-                a0 += pi * load8(vi);
-                a1 += pi * load8(vi + 8);
-                a2 += pi * load8(vi + 16);
-                a3 += pi * load8(vi + 24);
+                a0 += pi * vload(v, vi, BF);
+                a1 += pi * vload(v, vi + VL, BF);
+                a2 += pi * vload(v, vi + 2 * VL, BF);
+                a3 += pi * vload(v, vi + 3 * VL, BF);
             }
-            store8(acc + c, a0); store8(acc + c + 8, a1);
-            store8(acc + c + 16, a2); store8(acc + c + 24, a3);
+            storev(acc + c, a0); storev(acc + c + VL, a1);
+            storev(acc + c + 2 * VL, a2); storev(acc + c + 3 * VL, a3);
         }
         return;
     }
     const int64_t D = HD ? HD : D_rt;
     for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
     for (int64_t i = 0; i < n; i++) {
-        const float pi = p[i], *vi = v + i * stride;
-#pragma omp simd
-        for (int64_t d = 0; d < D; d++) acc[d] += pi * vi[d];
+        const float pi = p[i];
+        for (int64_t d = 0; d < D; d++) acc[d] += pi * sload(v, i * stride + d, BF);
     }
 }
 
-static inline void attend_row(const float *restrict q, float *restrict out, const float *k_cache,
-                              const float *v_cache, const int64_t *table, float *restrict acc,
-                              float *restrict s, float *restrict m, float *restrict l, int64_t L,
-                              int64_t H, int64_t KVH, int64_t D_rt, int64_t BS, int64_t BSP,
-                              float scale, const int64_t HD) {
+static inline void attend_row(const void *q, void *out, const void *k_cache, const void *v_cache,
+                              const int64_t *table, float *restrict qf, float *restrict acc, float *restrict s,
+                              float *restrict m, float *restrict l, int64_t L, int64_t H, int64_t KVH, int64_t D_rt,
+                              int64_t BS, int64_t BSP, float scale, const int64_t HD, const int BF) {
     const int64_t D = HD ? HD : D_rt, G = H / KVH, row = KVH * D;
+    if (BF) for (int64_t j = 0; j < H * D; j++) qf[j] = sload(q, j, BF);
+    else qf = (float *)q;
     for (int64_t h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.f; }
     memset(acc, 0, sizeof(float) * H * D);
     for (int64_t t0 = 0, b = 0; t0 < L; t0 += BS, b++) {
         const int64_t n = (L - t0 < BS) ? L - t0 : BS;
         const int64_t base = table[b] * BS * row;
-        const float *kb = k_cache + base, *vb = v_cache + base;
+        const char *kb = at(k_cache, base, BF), *vb = at(v_cache, base, BF);
         /* Blocks are scattered, so the hardware prefetchers restart at each one: while the scores
          * of this block are computed, fetch its V rows and the next block's K rows, a slice per
          * head so the requests spread over the work instead of queueing up at once. */
-        const float *k_next = t0 + BS < L ? k_cache + table[b + 1] * BS * row : NULL;
-        const int64_t slice = (BS * row + H - 1) / H;
+        const char *k_next = t0 + BS < L ? at(k_cache, table[b + 1] * BS * row, BF) : NULL;
+        const int64_t bytes = BS * row * (BF ? 2 : 4), slice = (bytes + H - 1) / H;
+        const int64_t v_bytes = n * row * (BF ? 2 : 4);
         for (int64_t h = 0; h < H; h++) {
             const int64_t lo = h * slice, hi = (h + 1) * slice;
-            for (int64_t j = lo; j < hi && j < n * row; j += 16) __builtin_prefetch(vb + j);
+            for (int64_t j = lo; j < hi && j < v_bytes; j += 64) __builtin_prefetch(vb + j);
             if (k_next != NULL)
-                for (int64_t j = lo; j < hi && j < BS * row; j += 16) __builtin_prefetch(k_next + j);
-            scores_block(q + h * D, kb + (h / G) * D, s + h * BSP, n, row, D, scale, HD);
+                for (int64_t j = lo; j < hi && j < bytes; j += 64) __builtin_prefetch(k_next + j);
+            scores_block(qf + h * D, at(kb, (h / G) * D, BF), s + h * BSP, n, row, D, scale, HD, BF);
         }
         for (int64_t h = 0; h < H; h++) {
             float *sh = s + h * BSP, mx = m[h];
@@ -135,43 +141,50 @@ static inline void attend_row(const float *restrict q, float *restrict out, cons
             const float sum = exp_shifted(sh, n, mx);
             l[h] = l[h] * alpha + sum;
             m[h] = mx;
-            float *ah = acc + h * D;
-            accumulate_values(ah, vb + (h / G) * D, sh, n, row, alpha, D, HD);
+            accumulate_values(acc + h * D, at(vb, (h / G) * D, BF), sh, n, row, alpha, D, HD, BF);
         }
     }
     for (int64_t h = 0; h < H; h++) {
         const float inv = 1.f / l[h];
-        for (int64_t d = 0; d < D; d++) out[h * D + d] = acc[h * D + d] * inv;
+        for (int64_t d = 0; d < D; d++) sstore(out, h * D + d, acc[h * D + d] * inv, BF);
     }
 }
 
-int paged_attention_rows_f32(const float *q, int64_t q_row_stride, const float *k_cache,
-                             const float *v_cache, const int64_t *block_tables, int64_t max_blocks,
-                             const int64_t *row_table, const int64_t *row_ctx, float *out,
-                             int64_t num_rows, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                             float scale) {
+/* One row at each compile-time head size the kernel specialises (and any other at run time). */
+static inline void attend_row_any(const void *q, void *out, const void *k_cache, const void *v_cache,
+                                  const int64_t *table, float *scratch, int64_t L, int64_t H, int64_t KVH, int64_t D,
+                                  int64_t BS, int64_t BSP, float scale, const int BF) {
+    float *qf = scratch, *acc = qf + H * D, *s = acc + H * D, *m = s + H * BSP, *l = m + H;
+    if (D == 64)
+        attend_row(q, out, k_cache, v_cache, table, qf, acc, s, m, l, L, H, KVH, D, BS, BSP, scale, 64, BF);
+    else if (D == 128)
+        attend_row(q, out, k_cache, v_cache, table, qf, acc, s, m, l, L, H, KVH, D, BS, BSP, scale, 128, BF);
+    else
+        attend_row(q, out, k_cache, v_cache, table, qf, acc, s, m, l, L, H, KVH, D, BS, BSP, scale, 0, BF);
+}
+
+int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                         const int64_t *block_tables, int64_t max_blocks, const int64_t *row_table,
+                         const int64_t *row_ctx, void *out, int64_t num_rows, int64_t H, int64_t KVH, int64_t D,
+                         int64_t BS, float scale, int64_t bf16) {
     if (D > 256) return -2;
-    const int64_t BSP = (BS + 7) / 8 * 8;  /* a head's score row, padded for 8-lane exp */
+    const int64_t BSP = (BS + VL - 1) / VL * VL;  /* a head's score row, padded for VL-lane exp */
+    const int BF = bf16 != 0;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-    float *scratch = (float *)malloc(sizeof(float) * (H * D + H * BSP + 2 * H));
+    float *scratch = (float *)malloc(sizeof(float) * (2 * H * D + H * BSP + 2 * H));
     failed = scratch == NULL;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < num_rows; r++) {
         if (failed) continue;
         const int64_t L = row_ctx[r];
         const int64_t *table = block_tables + row_table[r] * max_blocks;
-        const float *qr = q + r * q_row_stride;
-        float *o = out + r * H * D;
-        if (L == 0) { memset(o, 0, sizeof(float) * H * D); continue; }
-        float *acc = scratch, *s = acc + H * D, *m = s + H * BSP, *l = m + H;
-        if (D == 64)
-            attend_row(qr, o, k_cache, v_cache, table, acc, s, m, l, L, H, KVH, D, BS, BSP, scale, 64);
-        else if (D == 128)
-            attend_row(qr, o, k_cache, v_cache, table, acc, s, m, l, L, H, KVH, D, BS, BSP, scale, 128);
-        else
-            attend_row(qr, o, k_cache, v_cache, table, acc, s, m, l, L, H, KVH, D, BS, BSP, scale, 0);
+        const void *qr = at(q, r * q_row_stride, BF);
+        void *o = at(out, r * H * D, BF);
+        if (L == 0) { memset(o, 0, (size_t)(H * D * (BF ? 2 : 4))); continue; }
+        if (BF) attend_row_any(qr, o, k_cache, v_cache, table, scratch, L, H, KVH, D, BS, BSP, scale, 1);
+        else attend_row_any(qr, o, k_cache, v_cache, table, scratch, L, H, KVH, D, BS, BSP, scale, 0);
     }
     free(scratch);
     }

@@ -25,7 +25,8 @@ _PACKING_BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any ro
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available())
 
 
 def row_bucket(rows: int) -> int:

@@ -5,14 +5,18 @@
 - `cpu_ops.c`: the decoder's elementwise work fused per row (RMSNorm with the residual add; q/k
   norm, rotary embedding and the KV-cache store; SiLU-and-multiply).
 
-They are plain C with no torch headers, so they compile in about a second into one library,
-cached per source and CPU. They parallelise with OpenMP and, loaded after torch, share torch's
+Every kernel serves float32 and bfloat16 tensors from one source: the body is written once
+against the helpers of `cpu_simd.h` and compiled for each element type (the `bf16` argument), and
+for the CPU it is built on (-march=native: 16-lane AVX-512 vectors where the CPU has AVX-512,
+8-lane AVX2 ones elsewhere). They are plain C with no torch headers, so they compile in about a
+second into one library, cached per source and CPU. They parallelise with OpenMP and, loaded after torch, share torch's
 OpenMP runtime (same libgomp.so.1 soname), so kernels and GEMMs use one thread pool. Without a
 compiler, or with NANOVLLM_CPU_KERNELS=0, `load()` returns None and the torch path is used.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -36,6 +40,29 @@ def _cpu_signature() -> str:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return platform.processor()
+
+
+def cpu_flags() -> set[str]:
+    """The running CPU's feature flags as Linux reports them (`avx2`, `avx512_bf16`, `amx_bf16`...)."""
+    line = _cpu_signature()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_BF16_FLAGS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16"}
+
+
+@functools.cache
+def auto_cpu_dtype() -> torch.dtype:
+    """`dtype="auto"` on CPU: bfloat16 where the CPU computes it natively (AMX-BF16 tiles, or
+    AVX512-BF16 dot products), float32 elsewhere, where bf16 matmuls are emulated and several
+    times slower than fp32. Logged once per process, with the reason."""
+    found = [name for flag, name in _BF16_FLAGS.items() if flag in cpu_flags()]
+    if found and torch.backends.mkldnn.is_available():
+        logger.info("dtype auto -> bfloat16: this CPU has %s (set dtype='float32' to override)", " and ".join(found))
+        return torch.bfloat16
+    logger.info("dtype auto -> float32: this CPU has neither AMX-BF16 nor AVX512-BF16, so bf16 would be emulated")
+    return torch.float32
 
 
 def _build() -> str:
@@ -78,11 +105,12 @@ def _load_library() -> ctypes.CDLL | None:
 
 class CpuAttentionKernel:
     def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.paged_attention_rows_f32
+        self._fn = lib.paged_attention_rows
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                             ctypes.c_int64]
 
     @classmethod
     def load(cls) -> "CpuAttentionKernel | None":
@@ -91,12 +119,13 @@ class CpuAttentionKernel:
 
     @staticmethod
     def supports(dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether the kernel can serve a model of this dtype and head size (float32, up to 256)."""
-        return dtype == torch.float32 and head_dim <= 256
+        """Whether the kernel can serve a model of this dtype and head size (float32 or bfloat16, up to 256)."""
+        return dtype in _KERNEL_DTYPES and head_dim <= 256
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  row_table: torch.Tensor, row_ctx: torch.Tensor, scale: float) -> torch.Tensor:
-        """q (R, H, D) with contiguous heads; block_tables (S, max_blocks), row_table/row_ctx (R,) int64."""
+        """q (R, H, D) with contiguous heads, in the caches' dtype; block_tables (S, max_blocks),
+        row_table/row_ctx (R,) int64. The output has q's dtype (float32 accumulation either way)."""
         rows, num_heads, head_dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()
@@ -104,7 +133,7 @@ class CpuAttentionKernel:
         _, block_size, num_kv_heads, _ = k_cache.shape
         failed = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                           block_tables.shape[1], row_table.data_ptr(), row_ctx.data_ptr(), out.data_ptr(), rows,
-                          num_heads, num_kv_heads, head_dim, block_size, scale)
+                          num_heads, num_kv_heads, head_dim, block_size, scale, _is_bf16(q, k_cache, v_cache))
         if failed == -2:
             raise ValueError(f"the CPU attention kernel supports head_dim up to 256, got {head_dim}")
         if failed:
@@ -115,16 +144,27 @@ class CpuAttentionKernel:
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+def _is_bf16(first: torch.Tensor, *rest: torch.Tensor | None) -> int:
+    """1 for bfloat16, 0 for float32: the `bf16` argument of every kernel, whose pointers must all
+    be of that one dtype (a mismatch would be read as garbage, so it is refused here)."""
+    for t in rest:
+        if t is not None and t.dtype != first.dtype:
+            raise TypeError(f"CPU kernel arguments mix {first.dtype} and {t.dtype}")
+    if first.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"the CPU kernels take float32 or bfloat16, not {first.dtype}")
+    return int(first.dtype == torch.bfloat16)
+
+
 class CpuOps:
-    """The fused elementwise ops of `cpu_ops.c`, on float32 CPU tensors with contiguous rows."""
+    """The fused elementwise ops of `cpu_ops.c`, on float32 or bfloat16 CPU tensors with contiguous rows."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self._rms_norm = lib.rms_norm_f32
-        self._rms_norm.argtypes = [_P, _I, _P, _P, _P, _I, _I, _F]
-        self._qk_norm_rope_store = lib.qk_norm_rope_store_f32
-        self._qk_norm_rope_store.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P]
-        self._silu_mul = lib.silu_mul_f32
-        self._silu_mul.argtypes = [_P, _P, _I, _I]
+        self._rms_norm = lib.rms_norm
+        self._rms_norm.argtypes = [_P, _I, _P, _P, _P, _I, _I, _F, _I]
+        self._qk_norm_rope_store = lib.qk_norm_rope_store
+        self._qk_norm_rope_store.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _P, _P, _I]
+        self._silu_mul = lib.silu_mul
+        self._silu_mul.argtypes = [_P, _P, _I, _I, _I]
         for fn in (self._rms_norm, self._qk_norm_rope_store, self._silu_mul):
             fn.restype = None
 
@@ -135,8 +175,8 @@ class CpuOps:
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
-        """2-D float32 rows on the CPU, each row contiguous."""
-        return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+        """2-D float32 or bfloat16 rows on the CPU, each row contiguous."""
+        return x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and x.dim() == 2 and x.stride(1) == 1
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -144,7 +184,7 @@ class CpuOps:
         rows, dim = x.shape
         out = torch.empty((rows, dim), dtype=x.dtype)
         self._rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                       weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+                       weight.data_ptr(), out.data_ptr(), rows, dim, eps, _is_bf16(x, residual, weight))
         return out
 
     def qk_norm_rope_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -156,11 +196,11 @@ class CpuOps:
             qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
             None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
             eps, cos_cache.data_ptr(), sin_cache.data_ptr(), positions.data_ptr(), k_cache.data_ptr(),
-            v_cache.data_ptr(), slots.data_ptr())
+            v_cache.data_ptr(), slots.data_ptr(), _is_bf16(qkv, q_weight, k_weight, cos_cache, sin_cache, k_cache, v_cache))
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of contiguous (T, 2 I) rows [gate | up]."""
         rows, width = gate_up.shape
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _is_bf16(gate_up))
         return out

@@ -1,10 +1,14 @@
 /* The decoder's elementwise work on CPU, fused: one pass over each row instead of a chain of
  * torch ops (each a dispatch, an allocation and a pass over memory, most of them single-threaded
- * at decode sizes). Same formulas and float order as the torch modules they replace:
- *   rms_norm:        out = w * (x * 1/sqrt(mean(x^2) + eps)), after residual += x when given;
- *   qk_norm_rope:    per-head RMSNorm of q and k (Qwen3), rotary embedding ("rotate half"),
- *                    then K and V rows stored into the paged cache;
- *   silu_mul:        out = silu(gate) * up, silu(g) = g / (1 + exp(-g)).
+ * at decode sizes). Same formulas as the torch modules they replace, and in bf16 the same
+ * roundings (torch rounds every op's result to bf16; `sround`/`vround` mark where):
+ *   rms_norm:        out = w * bf16(x * 1/sqrt(mean(x^2) + eps)), after residual += x when given;
+ *   qk_norm_rope:    per-head RMSNorm of q and k (Qwen3), rotary embedding ("rotate half",
+ *                    bf16(x1 * cos) - bf16(x2 * sin) ...), then K and V rows stored into the
+ *                    paged cache;
+ *   silu_mul:        out = bf16(silu(gate)) * up, silu(g) = g / (1 + exp(-g)).
+ * Every entry point takes `bf16` (0: float32 tensors, 1: bfloat16 tensors, weights and tables
+ * included) and runs the same body compiled for that element type (cpu_simd.h).
  * Rows are spread over torch's OpenMP threads (see cpu_attention.c) when there is enough work.
  */
 #include <math.h>
@@ -13,92 +17,127 @@
 
 #include "cpu_simd.h"
 
-#define PARALLEL_MIN_FLOATS 32768 /* below this, a fork/join costs more than it saves */
+#define PARALLEL_MIN_ELEMS 32768 /* below this, a fork/join costs more than it saves */
 
-static inline float inv_rms(const float *x, int64_t n, float eps) {
-    v8f a = {0}, b = {0};
+static inline float inv_rms(const void *x, int64_t n, float eps, const int BF) {
+    vf a = {0}, b = {0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const v8f x0 = load8(x + i), x1 = load8(x + i + 8);
+    for (; i + 2 * VL <= n; i += 2 * VL) {
+        const vf x0 = vload(x, i, BF), x1 = vload(x, i + VL, BF);
         a += x0 * x0;
         b += x1 * x1;
     }
-    float sum = hsum8(a + b);
-    for (; i < n; i++) sum += x[i] * x[i];
+    float sum = hsum(a + b);
+    for (; i < n; i++) {
+        const float xi = sload(x, i, BF);
+        sum += xi * xi;
+    }
     return 1.f / sqrtf(sum / (float)n + eps);
 }
 
-/* y = w * (x * inv) over n floats; y may be x. */
-static inline void scale_by_weight(const float *x, float inv, const float *w, float *y, int64_t n) {
+/* y = w * bf16(x * inv) over n elements; y may be x. */
+static inline void scale_by_weight(const void *x, float inv, const void *w, void *y, int64_t n, const int BF) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) store8(y + i, load8(w + i) * (load8(x + i) * inv));
-    for (; i < n; i++) y[i] = w[i] * (x[i] * inv);
+    for (; i + VL <= n; i += VL) vstore(y, i, vload(w, i, BF) * vround(vload(x, i, BF) * inv, BF), BF);
+    for (; i < n; i++) sstore(y, i, sload(w, i, BF) * sround(sload(x, i, BF) * inv, BF), BF);
 }
 
-/* residual (nullable): residual += x first, and normalise that. x rows are x_stride floats apart;
- * residual and out rows are dim floats apart. */
-void rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *w, float *out, int64_t rows,
-                  int64_t dim, float eps) {
-#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_FLOATS)
+static inline void rms_norm_rows(const void *x, int64_t x_stride, void *residual, const void *w, void *out,
+                                 int64_t rows, int64_t dim, float eps, const int BF) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * x_stride;
+        const void *xr = at(x, r * x_stride, BF);
         if (residual != NULL) {
-            float *res = residual + r * dim;
+            void *res = at(residual, r * dim, BF);
             int64_t i = 0;
-            for (; i + 8 <= dim; i += 8) store8(res + i, load8(res + i) + load8(xr + i));
-            for (; i < dim; i++) res[i] = res[i] + xr[i];
-            xr = res;
+            for (; i + VL <= dim; i += VL) vstore(res, i, vload(res, i, BF) + vload(xr, i, BF), BF);
+            for (; i < dim; i++) sstore(res, i, sload(res, i, BF) + sload(xr, i, BF), BF);
+            xr = res;  /* normalise the sum as stored (rounded, in bf16) */
         }
-        scale_by_weight(xr, inv_rms(xr, dim, eps), w, out + r * dim, dim);
+        scale_by_weight(xr, inv_rms(xr, dim, eps, BF), w, at(out, r * dim, BF), dim, BF);
     }
+}
+
+/* residual (nullable): residual += x first, and normalise that. x rows are x_stride elements
+ * apart; residual and out rows are dim elements apart. */
+void rms_norm(const void *x, int64_t x_stride, void *residual, const void *w, void *out, int64_t rows,
+              int64_t dim, float eps, int64_t bf16) {
+    if (bf16) rms_norm_rows(x, x_stride, residual, w, out, rows, dim, eps, 1);
+    else rms_norm_rows(x, x_stride, residual, w, out, rows, dim, eps, 0);
 }
 
 /* One head in place: optional RMSNorm (weight w), then the rotary embedding with cos/sin of
  * half the head size. */
-static inline void norm_rope_head(float *x, const float *w, float eps, const float *c, const float *s,
-                                  int64_t D) {
-    if (w != NULL) scale_by_weight(x, inv_rms(x, D, eps), w, x, D);
+static inline void norm_rope_head(void *x, const void *w, float eps, const void *c, const void *s, int64_t D,
+                                  const int BF) {
+    if (w != NULL) scale_by_weight(x, inv_rms(x, D, eps, BF), w, x, D, BF);
     const int64_t half = D / 2;
-    for (int64_t i = 0; i < half; i++) {
-        const float x1 = x[i], x2 = x[i + half];
-        x[i] = x1 * c[i] - x2 * s[i];
-        x[i + half] = x2 * c[i] + x1 * s[i];
+    int64_t i = 0;
+    for (; i + VL <= half; i += VL) {
+        const vf x1 = vload(x, i, BF), x2 = vload(x, i + half, BF), cv = vload(c, i, BF), sv = vload(s, i, BF);
+        vstore(x, i, vround(x1 * cv, BF) - vround(x2 * sv, BF), BF);
+        vstore(x, i + half, vround(x2 * cv, BF) + vround(x1 * sv, BF), BF);
+    }
+    for (; i < half; i++) {
+        const float x1 = sload(x, i, BF), x2 = sload(x, i + half, BF), ci = sload(c, i, BF), si = sload(s, i, BF);
+        sstore(x, i, sround(x1 * ci, BF) - sround(x2 * si, BF), BF);
+        sstore(x, i + half, sround(x2 * ci, BF) + sround(x1 * si, BF), BF);
     }
 }
 
-/* qkv rows hold H query heads, then KVH key heads, then KVH value heads, row_stride floats apart.
- * q and k are normalised (when q_w / k_w are given) and rotated in place; each row's K and V are
- * copied into the caches ([slots, KVH, D]) at slots[r], skipped where the slot is negative. */
-void qk_norm_rope_store_f32(float *qkv, int64_t rows, int64_t row_stride, int64_t H, int64_t KVH, int64_t D,
-                            const float *q_w, const float *k_w, float eps, const float *cos_cache,
-                            const float *sin_cache, const int64_t *positions, float *k_cache, float *v_cache,
-                            const int64_t *slots) {
-    const int64_t half = D / 2;
-#pragma omp parallel for schedule(static) if (rows * row_stride >= PARALLEL_MIN_FLOATS)
+static inline void qk_norm_rope_store_rows(void *qkv, int64_t rows, int64_t row_stride, int64_t H, int64_t KVH,
+                                           int64_t D, const void *q_w, const void *k_w, float eps,
+                                           const void *cos_cache, const void *sin_cache, const int64_t *positions,
+                                           void *k_cache, void *v_cache, const int64_t *slots, const int BF) {
+    const int64_t half = D / 2, kv_bytes = KVH * D * (BF ? 2 : 4);
+#pragma omp parallel for schedule(static) if (rows * row_stride >= PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
-        float *row = qkv + r * row_stride;
-        const float *c = cos_cache + positions[r] * half, *s = sin_cache + positions[r] * half;
-        for (int64_t h = 0; h < H; h++) norm_rope_head(row + h * D, q_w, eps, c, s, D);
-        float *k = row + H * D, *v = k + KVH * D;
-        for (int64_t h = 0; h < KVH; h++) norm_rope_head(k + h * D, k_w, eps, c, s, D);
+        void *row = at(qkv, r * row_stride, BF);
+        const void *c = at(cos_cache, positions[r] * half, BF), *s = at(sin_cache, positions[r] * half, BF);
+        for (int64_t h = 0; h < H; h++) norm_rope_head(at(row, h * D, BF), q_w, eps, c, s, D, BF);
+        void *k = at(row, H * D, BF), *v = at(k, KVH * D, BF);
+        for (int64_t h = 0; h < KVH; h++) norm_rope_head(at(k, h * D, BF), k_w, eps, c, s, D, BF);
         if (slots[r] >= 0) {
-            memcpy(k_cache + slots[r] * KVH * D, k, sizeof(float) * KVH * D);
-            memcpy(v_cache + slots[r] * KVH * D, v, sizeof(float) * KVH * D);
+            memcpy(at(k_cache, slots[r] * KVH * D, BF), k, kv_bytes);
+            memcpy(at(v_cache, slots[r] * KVH * D, BF), v, kv_bytes);
         }
     }
 }
 
-/* gate_up rows are [gate (inter) | up (inter)]; out rows are inter floats. */
-void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN_FLOATS)
+/* qkv rows hold H query heads, then KVH key heads, then KVH value heads, row_stride elements
+ * apart. q and k are normalised (when q_w / k_w are given) and rotated in place; each row's K and
+ * V are copied into the caches ([slots, KVH, D]) at slots[r], skipped where the slot is negative.
+ * The cos/sin tables are (positions, D/2) in the tensors' dtype. */
+void qk_norm_rope_store(void *qkv, int64_t rows, int64_t row_stride, int64_t H, int64_t KVH, int64_t D,
+                        const void *q_w, const void *k_w, float eps, const void *cos_cache, const void *sin_cache,
+                        const int64_t *positions, void *k_cache, void *v_cache, const int64_t *slots, int64_t bf16) {
+    if (bf16)
+        qk_norm_rope_store_rows(qkv, rows, row_stride, H, KVH, D, q_w, k_w, eps, cos_cache, sin_cache, positions,
+                                k_cache, v_cache, slots, 1);
+    else
+        qk_norm_rope_store_rows(qkv, rows, row_stride, H, KVH, D, q_w, k_w, eps, cos_cache, sin_cache, positions,
+                                k_cache, v_cache, slots, 0);
+}
+
+static inline void silu_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t inter, const int BF) {
+#pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * 2 * inter, *u = g + inter;
-        float *o = out + r * inter;
+        const void *g = at(gate_up, r * 2 * inter, BF), *u = at(g, inter, BF);
+        void *o = at(out, r * inter, BF);
         int64_t i = 0;
-        for (; i + 8 <= inter; i += 8) {
-            const v8f gv = load8(g + i);
-            store8(o + i, gv / (1.f + exp8(-gv)) * load8(u + i));
+        for (; i + VL <= inter; i += VL) {
+            const vf gv = vload(g, i, BF);
+            vstore(o, i, vround(gv / (1.f + vexp(-gv)), BF) * vload(u, i, BF), BF);
         }
-        for (; i < inter; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        for (; i < inter; i++) {
+            const float gi = sload(g, i, BF);
+            sstore(o, i, sround(gi / (1.f + expf(-gi)), BF) * sload(u, i, BF), BF);
+        }
     }
+}
+
+/* gate_up rows are [gate (inter) | up (inter)]; out rows are inter elements. */
+void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int64_t bf16) {
+    if (bf16) silu_mul_rows(gate_up, out, rows, inter, 1);
+    else silu_mul_rows(gate_up, out, rows, inter, 0);
 }

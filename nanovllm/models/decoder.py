@@ -8,7 +8,7 @@ cache through `PagedAttention`, which receives the per-step metadata as an argum
 Under tensor parallelism (`tp`) each rank builds the same module tree with its share of heads,
 MLP rows and vocabulary (layers/linear.py, layers/embedding.py); one rank is the plain model.
 
-On CPU in float32 the model runner gives the modules `cpu_ops` (layers/cpu_kernels.py): RMSNorm
+On CPU (float32 or bfloat16) the model runner gives the modules `cpu_ops` (layers/cpu_kernels.py): RMSNorm
 with its residual add, q/k norm + rotary + the KV-cache store, and SiLU-and-multiply then run as
 one compiled pass each instead of chains of torch ops. Elsewhere (`cpu_ops` None) torch does it.
 """
@@ -131,7 +131,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, C)
-        rope = self.rotary.for_step(positions, per_token=self.cpu_ops is None or hidden.dtype != torch.float32)
+        rope = self.rotary.for_step(positions, per_token=self.cpu_ops is None or not CpuOps.supports(hidden))
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, meta)

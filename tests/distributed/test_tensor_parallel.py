@@ -64,7 +64,8 @@ def test_tp2_matches_tp1_with_chunked_prefill_and_prefix_cache_then_stops_worker
     # splits prompts into chunks that continue after cached blocks and mix with decode rows.
     shared = random_prompts([24], vocab=2048, seed=1)[0]
     prompts = [shared + p for p in random_prompts([5, 17, 2], vocab=2048, seed=2)] + random_prompts([40, 1, 9], 2048, 3)
-    config = dict(block_size=4, num_kvcache_blocks=200, max_num_batched_tokens=20)
+    # float32: in bf16 each rank's partial sums are rounded before the all-reduce, so TP=2 rounds differently.
+    config = dict(dtype="float32", block_size=4, num_kvcache_blocks=200, max_num_batched_tokens=20)
     expected = LLM(tiny_model_dir, **config).generate(prompts, GREEDY, use_tqdm=False)
     llm = tp_llm(tiny_model_dir, 2, **config)
     got = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -83,8 +84,8 @@ def test_tp2_matches_tp1_with_chunked_prefill_and_prefix_cache_then_stops_worker
 def test_tp2_matches_tp1_on_sharding_corner_cases(sharded_models, name):
     path = sharded_models[name]
     prompts = random_prompts([7, 30, 3], vocab=2048, seed=5)
-    expected = LLM(path, num_kvcache_blocks=64).generate(prompts, GREEDY, use_tqdm=False)
-    llm = tp_llm(path, 2, num_kvcache_blocks=64)
+    expected = LLM(path, dtype="float32", num_kvcache_blocks=64).generate(prompts, GREEDY, use_tqdm=False)
+    llm = tp_llm(path, 2, dtype="float32", num_kvcache_blocks=64)
     try:
         got = llm.generate(prompts, GREEDY, use_tqdm=False)
     finally:

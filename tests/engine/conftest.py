@@ -5,10 +5,11 @@ import pytest
 import torch
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """HF transformers greedy continuations, one prompt at a time (no padding), fp32."""
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """HF transformers greedy continuations, one prompt at a time (no padding), fp32 by default."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     # Like the engine's ignore_eos: EOS may be generated and does not stop generation. (HF's
     # min_new_tokens would instead forbid EOS, which the engine does not do.)
     model.generation_config.eos_token_id = None

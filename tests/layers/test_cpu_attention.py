@@ -67,10 +67,11 @@ def test_engine_greedy_output_is_the_same_with_and_without_the_kernel(tiny_model
     prompts = random_prompts([30, 3, 70], vocab=2048, seed=9)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     # A small step budget forces chunk continuations, which use the kernel too.
-    with_kernel = LLM(tiny_model_dir, block_size=4, num_kvcache_blocks=128, max_num_batched_tokens=24)
+    config = dict(dtype="float32", block_size=4, num_kvcache_blocks=128, max_num_batched_tokens=24)  # bf16 rounds differently
+    with_kernel = LLM(tiny_model_dir, **config)
     assert with_kernel.engine.runner.cpu_kernel is not None or CpuAttentionKernel.load() is None
     monkeypatch.setenv("NANOVLLM_CPU_KERNELS", "0")
-    torch_path = LLM(tiny_model_dir, block_size=4, num_kvcache_blocks=128, max_num_batched_tokens=24)
+    torch_path = LLM(tiny_model_dir, **config)
     assert torch_path.engine.runner.cpu_kernel is None
     a = with_kernel.generate(prompts, params, use_tqdm=False)
     b = torch_path.generate(prompts, params, use_tqdm=False)
@@ -106,14 +107,14 @@ def test_rising_scores_rescale_earlier_blocks(kernel):
 
 
 def test_a_model_the_kernel_cannot_serve_gets_the_torch_path_with_its_masks(tiny_model_dir, monkeypatch):
-    # bfloat16 is outside the kernel: the runner must not hand it out, or the step metadata would
+    # float16 is outside the kernel: the runner must not hand it out, or the step metadata would
     # leave out the masks the torch path needs and decode rows would attend to padding.
     from nanovllm import LLM, SamplingParams
     from tests.engine.conftest import random_prompts
 
     prompts = random_prompts([30, 3, 70], vocab=2048, seed=9)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    config = dict(dtype="bfloat16", block_size=4, num_kvcache_blocks=128, max_num_batched_tokens=24)
+    config = dict(dtype="float16", block_size=4, num_kvcache_blocks=128, max_num_batched_tokens=24)
     default = LLM(tiny_model_dir, **config)
     assert default.engine.runner.cpu_kernel is None
     monkeypatch.setenv("NANOVLLM_CPU_KERNELS", "0")
@@ -121,3 +122,27 @@ def test_a_model_the_kernel_cannot_serve_gets_the_torch_path_with_its_masks(tiny
     a = default.generate(prompts, params, use_tqdm=False)
     b = torch_path.generate(prompts, params, use_tqdm=False)
     assert [o["token_ids"] for o in a] == [o["token_ids"] for o in b]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_bf16_cache_rows_match_the_fp32_reference_within_bf16_rounding(kernel, head_dim):
+    # bf16 q and K/V are widened as read, accumulated in fp32, and the output rounded once.
+    kc, vc = paged_cache(num_blocks=30, block_size=16, kv_heads=2, head_dim=head_dim, seed=head_dim)
+    kc, vc = kc.bfloat16(), vc.bfloat16()
+    torch.manual_seed(head_dim)
+    tables = torch.stack([torch.randperm(30)[:6] for _ in range(5)])
+    ctx = torch.tensor([1, 17, 96, 50, 0])
+    qkv = torch.randn(5, 8 * head_dim + 4 * head_dim).bfloat16()
+    q = qkv[:, : 8 * head_dim].view(5, 8, head_dim)  # strided rows, as from the fused projection
+    out = kernel(q, kc, vc, tables, torch.arange(5), ctx, head_dim ** -0.5)
+    assert out.dtype == torch.bfloat16
+    expected = reference.paged_decode_attention(q.float().contiguous(), kc.float(), vc.float(), tables.int(),
+                                                ctx.int(), head_dim ** -0.5)
+    torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=4e-3)  # one bf16 rounding: 2^-8 relative
+    assert torch.all(out[4] == 0)
+
+
+def test_the_kernel_refuses_mixed_dtypes(kernel):
+    kc, vc = paged_cache()
+    with pytest.raises(TypeError, match="mix"):
+        kernel(torch.randn(1, 2, 16).bfloat16(), kc, vc, torch.tensor([[0]]), torch.arange(1), torch.tensor([1]), 0.25)

@@ -32,13 +32,29 @@ def test_row_buckets_cover_every_count_and_stay_few():
     assert row_bucket(64) == 64 and row_bucket(1) == 1 and row_bucket(33) == 64 and row_bucket(513) == 640
 
 
-def test_only_cpu_float32_weights_are_packed():
-    module = torch.nn.ModuleDict({"a": ColumnParallelLinear(8, 8), "b": RowParallelLinear(8, 8)}).to(torch.bfloat16)
+def test_float16_weights_are_not_packed():
+    module = torch.nn.ModuleDict({"a": ColumnParallelLinear(8, 8), "b": RowParallelLinear(8, 8)}).to(torch.float16)
     assert not can_pack(module["a"].weight)
     assert pack_linear_weights(module) == 0
     assert module["a"].packed_weight is None
-    x = torch.randn(3, 8, dtype=torch.bfloat16)
-    assert linear(x, module["a"].weight, None, None).dtype == torch.bfloat16
+    x = torch.randn(3, 8, dtype=torch.float16)
+    assert linear(x, module["a"].weight, None, None).dtype == torch.float16
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_bf16_linear_matches_f_linear_to_bf16_rounding(rows):
+    # bf16 weights pack too (AMX tiles or AVX512-BF16 where the CPU has them, emulated elsewhere).
+    torch.manual_seed(rows)
+    module = ColumnParallelLinear(256, 192, bias=True)
+    module.weight.data.normal_()
+    module.bias.data.normal_()
+    module = module.to(torch.bfloat16)
+    assert pack_linear_weights(torch.nn.ModuleList([module])) == 1
+    x = torch.randn(rows, 256).to(torch.bfloat16)
+    got = linear(x, module.weight, module.bias, module.packed_weight)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
+    expected = F.linear(x.float(), module.weight.float(), module.bias.float())  # fp32 from the same bf16 values
+    torch.testing.assert_close(got.float(), expected, rtol=1.6e-2, atol=2e-2)
 
 
 def test_engine_packs_every_projection_and_the_lm_head(tiny_model_dir):

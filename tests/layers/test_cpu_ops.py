@@ -78,3 +78,68 @@ def test_silu_mul_matches_torch_including_extremes(ops):
     gate_up[0, :8] = torch.tensor([-200.0, -90.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 200.0])
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+# bf16: the same kernels on bf16 tensors, against fp32 torch computed from the same bf16 values.
+# Each op rounds to bf16 where torch in bf16 would (2^-8 relative each), so a few roundings' worth.
+BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_rms_norm_with_residual_matches_fp32_and_adds_exactly(ops):
+    norm = torch_norm(203, seed=4)
+    x, residual = (torch.randn(300, 203) * 3).bfloat16(), torch.randn(300, 203).bfloat16()
+    w = norm.weight.detach().bfloat16()
+    expected_residual = residual + x  # one bf16 add, rounded once: the kernel must agree exactly
+    s = expected_residual.float()
+    expected = w.float() * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + norm.eps))
+    out = ops.rms_norm(x, w, norm.eps, residual=residual)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0)
+    torch.testing.assert_close(out.float(), expected, **BF16_TOL)
+    # the torch module in bf16 (the CPU path without a compiler) rounds at the same places
+    torch.testing.assert_close(out, norm.to(torch.bfloat16)(expected_residual), rtol=8e-3, atol=8e-3)
+
+
+def test_bf16_qk_norm_rope_store_matches_fp32(ops):
+    heads, kv_heads, dim, rows = 6, 2, 64, 9
+    rotary = RotaryEmbedding(dim, 512, 10000.0)
+    q_norm, k_norm = torch_norm(dim, seed=2), torch_norm(dim, seed=3)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim).bfloat16()
+    positions = torch.tensor([0, 1, 5, 17, 100, 101, 102, 300, 511])
+    slots = torch.tensor([3, 4, -1, 10, 11, 12, 13, 30, 31])
+    k_cache = torch.zeros(4, 8, kv_heads, dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    qw, kw = q_norm.weight.detach().bfloat16(), k_norm.weight.detach().bfloat16()
+    cos, sin = rotary.cos_cache.bfloat16(), rotary.sin_cache.bfloat16()
+
+    q, k, v = qkv.float().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.reshape(rows, heads, dim), k.reshape(rows, kv_heads, dim), v.reshape(rows, kv_heads, dim)
+    q = qw.float() * (q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + q_norm.eps))
+    k = kw.float() * (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + k_norm.eps))
+    q, k = RotaryEmbedding.apply(q, k, cos.float()[positions].unsqueeze(1), sin.float()[positions].unsqueeze(1))
+
+    ops.qk_norm_rope_store(qkv, heads, kv_heads, dim, qw, kw, q_norm.eps, cos, sin, positions, k_cache, v_cache, slots)
+    got_q, got_k, got_v = qkv.float().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    torch.testing.assert_close(got_q.reshape(rows, heads, dim), q, **BF16_TOL)
+    torch.testing.assert_close(got_k.reshape(rows, kv_heads, dim), k, **BF16_TOL)
+    written = slots >= 0
+    torch.testing.assert_close(k_cache.view(-1, kv_heads, dim)[slots[written]].float(), k[written], **BF16_TOL)
+    torch.testing.assert_close(v_cache.view(-1, kv_heads, dim)[slots[written]].float(), v[written], rtol=0, atol=0)
+
+
+def test_bf16_silu_mul_matches_fp32(ops):
+    inter = 203
+    gate_up = (torch.randn(300, 2 * inter) * 4).bfloat16()
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    out = ops.silu_mul(gate_up)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), F.silu(gate) * up, **BF16_TOL)
+    # and exactly what torch computes in bf16 (silu rounded, then the product rounded), but for
+    # the last bit where the two exp implementations round differently
+    g16, u16 = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.silu(g16) * u16, rtol=8e-3, atol=1e-5)
+
+
+def test_mixed_dtypes_are_refused(ops):
+    with pytest.raises(TypeError, match="mix"):
+        ops.rms_norm(torch.randn(2, 8).bfloat16(), torch.ones(8), 1e-6)

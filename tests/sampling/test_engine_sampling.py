@@ -12,7 +12,7 @@ PROMPTS = random_prompts([9, 23, 4, 15, 31], vocab=2048, seed=11)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(tiny_model_dir, block_size=8, num_kvcache_blocks=256)
+    return LLM(tiny_model_dir, dtype="float32", block_size=8, num_kvcache_blocks=256)  # against HF in fp32
 
 
 @pytest.fixture(scope="module")
