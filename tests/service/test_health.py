@@ -10,8 +10,14 @@ from nanovllm_client.health import check_health
 from tests.service.conftest import TINY_ENGINE_ARGS
 from tests.service.harness import REPO, ServiceProcs, short_tmpdir, wait_for
 
-SLOW_IMPORT = '''import time
-time.sleep(4)  # an extension module that takes a while to import: the engine is "loading" meanwhile
+SLOW_IMPORT = '''import os
+import time
+
+# An extension module that takes a while to import: the engine is "loading" until the test
+# creates the file named below (or two minutes pass).
+deadline = time.monotonic() + 120
+while not os.path.exists(os.path.join(os.path.dirname(__file__), "go")) and time.monotonic() < deadline:
+    time.sleep(0.05)
 
 
 def hook(metrics):
@@ -36,6 +42,7 @@ def test_health_tells_loading_from_ready_from_dead(tiny_model_dir, tmp_path):
         assert not loading.healthy and loading.stages["tokenizer"].state == loading.stages["detokenizer"].state == "ready"
         out = health_cli(procs.url)
         assert out.returncode == 1 and "engine       loading" in out.stdout and "NOT healthy" in out.stdout
+        (tmp_path / "go").touch()
 
         ready = wait_for(lambda: (r := check_health(procs.url, timeout=1)).healthy and r, timeout=60,
                          what="the service to be healthy")
