@@ -153,9 +153,9 @@ def nanovllm_timed_runs(args: argparse.Namespace, path: str, prompt_sets: list[l
                               **engine_config))
     run_nanovllm(engine, prompt_sets[0][:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
     runs = [run_nanovllm(engine, ps, params) for ps in prompt_sets]
-    info = {"threads": torch.get_num_threads()}
+    info = {"threads": torch.get_num_threads(), "dtype": str(engine.runner.dtype).removeprefix("torch.")}
     if engine.runner.device.type == "cuda":
-        info.update(device=torch.cuda.get_device_name(engine.runner.device), dtype=str(engine.runner.dtype),
+        info.update(device=torch.cuda.get_device_name(engine.runner.device),
                     cuda_graphs=engine.runner.graphs is not None, num_kv_blocks=engine.runner.num_blocks)
     engine.close()
     return runs, info
