@@ -1,11 +1,15 @@
-"""Offline throughput: nanovllm's engine and HF transformers `generate`, same weights, same run.
+"""Offline throughput: nanovllm's engine, HF transformers `generate` and optionally vLLM's CPU
+backend, same weights, same run.
 
 Workload (nano-vllm's shape, scaled for a CPU): N requests of random token ids with random
 prompt lengths, a fixed number of output tokens each with EOS ignored, all submitted at once.
-Prints a JSON line and a table; `ratio` is nanovllm / HF output tokens per second.
+Prints a JSON line and a table; `ratio` is nanovllm / HF output tokens per second, `vllm_ratio`
+nanovllm / vLLM.
 
     python -m bench.offline --shape tiny            # the 2x-HF target
     python -m bench.offline --shape mid --skip-hf
+    # vLLM's CPU backend side by side, from its own virtualenv (docs/benchmarks.md has the recipe):
+    python -m bench.offline --shape tiny --skip-hf --dtype float32 --vllm-python /work/vllm-venv/bin/python
     # nano-vllm's published GPU workload (random output lengths too):
     python -m bench.offline --shape qwen3-0.6b --skip-hf --num-seqs 256 --min-input 100 --max-input 1024 \
         --min-output 100 --max-output 1024 --max-model-len 4096
@@ -18,6 +22,8 @@ import json
 import multiprocessing
 import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -81,6 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=1, help="timed runs of each engine; the best is reported")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--vllm-python", default=None, metavar="PATH",
+                    help="python of a virtualenv with vLLM's CPU backend: run it side by side (off by default)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: Config's")
@@ -100,16 +108,25 @@ def main(argv: list[str] | None = None) -> dict:
         params = _random_output_lengths(params, args.min_output or 1, args.max_output or args.output_len, len(prompts))
     elif args.min_output is not None or args.max_output is not None:
         ap.error("--min-output/--max-output need --skip-hf (HF generate runs one output length)")
+    if args.vllm_python and args.device == "cuda":
+        ap.error("--vllm-python runs vLLM's CPU backend; it needs --device cpu or auto")
 
     # Fresh prompts for every repeat: resubmitting the same ones would hit the prefix cache and
     # skip nearly all prefill work, which this random-prompt workload must not get for free.
     prompt_sets = [prompts] + [make_workload(args.num_seqs, args.min_input, args.max_input, vocab, seed=r)
                                for r in range(1, args.repeats)]
+    # Warm-ups run on prompts of their own: timed ones would leave their blocks in the prefix cache
+    # and hand the first timed run part of its prefill for free.
+    warm_up = make_workload(8, args.min_input, args.max_input, vocab, seed=-1)
     # Each engine runs in a fresh interpreter, one after the other: measured here, HF generate
     # ran ~13% slower in the process where nanovllm's engine had just run than in a new one.
     hf_runs = None if args.skip_hf else in_fresh_process(hf_timed_runs, path, prompt_sets, args.output_len,
                                                          sampling, args.threads)
-    our_runs, engine_info = in_fresh_process(nanovllm_timed_runs, args, path, prompt_sets, params)
+    if args.vllm_python:
+        our_runs, engine_info, vllm_runs = alternate_with_vllm(args, path, warm_up, prompt_sets, params, sampling)
+    else:
+        our_runs, engine_info = in_fresh_process(nanovllm_timed_runs, args, path, warm_up, prompt_sets, params)
+        vllm_runs = None
     ours = min(our_runs, key=lambda r: r[0])
     result = {
         "bench": "offline", "shape": args.shape, "num_seqs": args.num_seqs,
@@ -128,6 +145,11 @@ def main(argv: list[str] | None = None) -> dict:
                       hf_all_s=[round(r[0], 2) for r in hf_runs],
                       ratio=round((ours[1] / ours[0]) / (hf[1] / hf[0]), 2),
                       cpu_ratio=round((hf[2] / hf[1]) / (ours[2] / ours[1]), 2))
+    if vllm_runs is not None:
+        peer = min(vllm_runs, key=lambda r: r[0])
+        result.update(vllm_s=round(peer[0], 3), vllm_out_tok_s=round(peer[1] / peer[0], 1),
+                      vllm_cpu_s=round(peer[2], 2), vllm_all_s=[round(r[0], 2) for r in vllm_runs],
+                      vllm_ratio=round((ours[1] / ours[0]) / (peer[1] / peer[0]), 2))
     print(json.dumps(result))
     print_table(result)
     return result
@@ -140,8 +162,9 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def nanovllm_timed_runs(args: argparse.Namespace, path: str, prompt_sets: list[list[list[int]]],
-                        params: SamplingParams | list[SamplingParams]) -> tuple[list[tuple[float, int, float]], dict]:
+def nanovllm_timed_runs(args: argparse.Namespace, path: str, warm_up: list[list[int]],
+                        prompt_sets: list[list[list[int]]], params: SamplingParams | list[SamplingParams]
+                        ) -> tuple[list[tuple[float, int, float]], dict]:
     """A warm-up, then one timed run per prompt set; with a little about the engine."""
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -151,14 +174,67 @@ def nanovllm_timed_runs(args: argparse.Namespace, path: str, prompt_sets: list[l
                               num_threads=args.threads, device=args.device, dtype=args.dtype,
                               enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
                               **engine_config))
-    run_nanovllm(engine, prompt_sets[0][:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
+    run_nanovllm(engine, warm_up, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     runs = [run_nanovllm(engine, ps, params) for ps in prompt_sets]
-    info = {"threads": torch.get_num_threads()}
+    info = {"threads": torch.get_num_threads(), "dtype": str(engine.runner.dtype).removeprefix("torch.")}
     if engine.runner.device.type == "cuda":
-        info.update(device=torch.cuda.get_device_name(engine.runner.device), dtype=str(engine.runner.dtype),
+        info.update(device=torch.cuda.get_device_name(engine.runner.device),
                     cuda_graphs=engine.runner.graphs is not None, num_kv_blocks=engine.runner.num_blocks)
     engine.close()
     return runs, info
+
+
+def alternate_with_vllm(args: argparse.Namespace, path: str, warm_up: list[list[int]],
+                        prompt_sets: list[list[list[int]]], params: SamplingParams | list[SamplingParams],
+                        sampling: dict | None
+                        ) -> tuple[list[tuple[float, int, float]], dict, list[tuple[float, int, float]]]:
+    """nanovllm, vLLM, nanovllm, vLLM ...: one prompt set per turn, each in a fresh process, so
+    the load drifting on a shared machine falls on both engines alike."""
+    our_runs, vllm_runs = [], []
+    output_lens = [p.max_tokens for p in params] if isinstance(params, list) else [params.max_tokens] * args.num_seqs
+    for prompts in prompt_sets:
+        runs, engine_info = in_fresh_process(nanovllm_timed_runs, args, path, warm_up, [prompts], params)
+        our_runs += runs
+        # "auto" gives vLLM what nanovllm resolved it to, so both compute in the same dtype.
+        job = dict(model=path, dtype=engine_info["dtype"], warm_up=warm_up, prompt_sets=[prompts],
+                   output_lens=output_lens, sampling=sampling, max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_num_seqs=args.max_num_seqs or Config.max_num_seqs, max_model_len=args.max_model_len)
+        vllm_runs += run_vllm_peer(args.vllm_python, job, engine_info["threads"])
+    return our_runs, engine_info, vllm_runs
+
+
+def run_vllm_peer(python: str, job: dict, threads: int) -> list[tuple[float, int, float]]:
+    """bench/vllm_peer.py under vLLM's own interpreter; its timed runs."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+    # -I keeps bench/ off sys.path: its models.py or serve.py could shadow a module vLLM imports.
+    proc = subprocess.run([python, "-I", script], input=json.dumps(job), env=vllm_env(python, threads),
+                          capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"runs"')]
+    if proc.returncode != 0 or not lines:  # vLLM logs to stdout too: the result is the marked line
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}); its output is above")
+    return [tuple(run) for run in json.loads(lines[-1])["runs"]]
+
+
+def vllm_env(python: str, threads: int) -> dict[str, str]:
+    """What made vLLM's CPU backend fast here (../shared/ENVIRONMENT.md): OpenMP threads bound to
+    every core (by default it computes on one), tcmalloc and its bundled libiomp5 preloaded."""
+    preload = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", bundled_libiomp5(python)]
+    missing = [lib for lib in preload if not lib or not os.path.isfile(lib)]
+    if missing:
+        raise RuntimeError(f"vLLM peer needs tcmalloc (apt-get install libtcmalloc-minimal4) and the venv's "
+                           f"libiomp5.so; missing: {missing}")
+    scratch = os.path.join(tempfile.gettempdir(), "nanovllm-bench-vllm-cache")  # its compile cache
+    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "LD_PRELOAD": ":".join(preload),
+            "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": scratch, "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+def bundled_libiomp5(python: str) -> str | None:
+    venv = os.path.dirname(os.path.dirname(python))
+    for root, _, files in os.walk(os.path.join(venv, "lib")):
+        if "libiomp5.so" in files:
+            return os.path.join(root, "libiomp5.so")
+    return None
 
 
 def hf_timed_runs(path: str, prompt_sets: list[list[list[int]]], output_len: int, sampling: dict | None,
@@ -187,6 +263,9 @@ def print_table(r: dict) -> None:
     if "hf_s" in r:
         print(f"{'hf transformers':<16}{r['hf_s']:>10.2f}{r['hf_out_tok_s']:>12.1f}{r['hf_cpu_s']:>14.2f}")
         print(f"ratio nanovllm / hf: {r['ratio']:.2f}x wall, {r['cpu_ratio']:.2f}x in CPU time per token")
+    if "vllm_s" in r:
+        print(f"{'vllm cpu':<16}{r['vllm_s']:>10.2f}{r['vllm_out_tok_s']:>12.1f}{r['vllm_cpu_s']:>14.2f}")
+        print(f"ratio nanovllm / vllm: {r['vllm_ratio']:.2f}x wall ({r['dtype']})")
 
 
 if __name__ == "__main__":
