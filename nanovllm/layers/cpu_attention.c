@@ -18,6 +18,21 @@
  * bf16 once at the end. Returns 0, -1 if scratch memory could not be allocated, or -2 for a head
  * size over 256.
  */
+// [ZH-START]
+// 本文件在整体架构中的位置：引擎一步（step）之内的注意力计算，CPU 路径。
+//
+//   scheduler -> step_input（块表、每行上下文长度）-> model_runner -> 每层 Attention
+//       -> qk_norm_rope_store（cpu_ops.c：新 token 的 K/V 先写进分页缓存）
+//       -> paged_attention_rows（本文件：读缓存做注意力）-> o_proj -> ... -> sampler
+//
+// 核心思路：KV 缓存按块（block）分页存放，布局 [num_blocks, block_size, KVH, D]。
+// torch 的做法要先把每条序列的块 gather 成一份连续的填充副本；这里直接按块表
+// 原地读取，每行（一个查询 token 的全部 head）只遍历一次上下文，用 online softmax
+// 逐块累加，所以 K/V 每块只从内存读一次。
+// float32 与 bfloat16 共用同一份源码：BF 是编译期常量，cpu_simd.h 的 vload/vstore
+// 在读时把 bf16 展开成 fp32，写时按就近偶数舍入；所有累加都是 fp32。
+// 有 AVX512-BF16 的 CPU 上，bf16 的打分改用 vdpbf16ps，一次 16 个 key。
+// [ZH-END]
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -155,6 +170,18 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
                               const int64_t *table, float *restrict qf, float *restrict acc, float *restrict s,
                               float *restrict m, float *restrict l, int64_t L, int64_t H, int64_t KVH, int64_t D_rt,
                               int64_t BS, int64_t BSP, float scale, const int64_t HD, const int BF) {
+    // [ZH-START]
+    // 一行（一个查询 token）的注意力，online softmax，按缓存块推进：
+    // 1. bf16 时先把这一行的 q（H*D 个元素）展开成 fp32 放进 qf；fp32 直接用原指针。
+    // 2. 每个 head 的运行最大值 m[h] = -inf、分母 l[h] = 0，累加器 acc 清零。
+    // 3. 对上下文的第 b 块（块号 table[b]，本块有 n = min(BS, L - t0) 个 token）：
+    //    a. 预取本块的 V 行和下一块的 K 行（块在内存里是分散的，硬件预取器每块都要重新起步）；
+    //    b. 对每个 head 算 n 个分数 s = q·k * scale（GQA：第 h 个 head 读第 h / G 个 KV head）；
+    //    c. 新最大值 mx 若超过 m[h]，旧累加按 alpha = exp(m[h] - mx) 缩放；
+    //       s 变成 exp(s - mx)，l[h] = l[h] * alpha + sum(s)；
+    //    d. acc[h] = acc[h] * alpha + sum_i s[i] * v_i。
+    // 4. 输出 out[h] = acc[h] / l[h]，bf16 时这里才舍入一次。
+    // [ZH-END]
     const int64_t D = HD ? HD : D_rt, G = H / KVH, row = KVH * D;
     if (BF) for (int64_t j = 0; j < H * D; j++) qf[j] = sload(q, j, BF);
     else qf = (float *)q;
@@ -210,6 +237,17 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
                          const int64_t *block_tables, int64_t max_blocks, const int64_t *row_table,
                          const int64_t *row_ctx, void *out, int64_t num_rows, int64_t H, int64_t KVH, int64_t D,
                          int64_t BS, float scale, int64_t bf16) {
+    // [ZH-START]
+    // 入口（Python 侧 CpuAttentionKernel.__call__ 经 ctypes 调用）：
+    // 1. head_dim 超过 256 返回 -2（标量路径的临时缓冲按这个上限设计）。
+    // 2. 每个 OpenMP 线程 malloc 一块临时区：qf、acc（各 H*D 个 float）、
+    //    分数行 s（H * BSP，BSP 是块大小向上取整到向量宽度 VL）、m 和 l（各 H 个）；失败返回 -1。
+    // 3. 各行用 schedule(dynamic, 1) 分给线程（各行上下文长短不一）：
+    //    第 r 行读 block_tables 的第 row_table[r] 行，上下文长度 L = row_ctx[r]；
+    //    L == 0（CUDA graph 填充行、空行）输出全零。
+    // 4. 按 head_dim 选编译期特化的版本（64、128，其余走运行时长度），
+    //    再按 bf16 标志选元素类型，调用 attend_row。
+    // [ZH-END]
     if (D > 256) return -2;
     const int64_t BSP = (BS + VL - 1) / VL * VL;  /* a head's score row, padded for VL-lane exp */
     const int BF = bf16 != 0;
