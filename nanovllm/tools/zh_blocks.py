@@ -96,7 +96,7 @@ def strip_text(text: str, blocks: list[Block]) -> str:
 
 def python_scopes(text: str) -> tuple[int, list[Scope]]:
     """(line of the first statement after the module docstring, every class and function)."""
-    tree = ast.parse(text)
+    tree, lines = ast.parse(text), text.splitlines()
     body = tree.body[1:] if tree.body and _is_docstring(tree.body[0]) else tree.body
     first = min([body[0].lineno] + [d.lineno for d in getattr(body[0], "decorator_list", [])]) if body else 1 << 30
     scopes: list[Scope] = []
@@ -105,13 +105,25 @@ def python_scopes(text: str) -> tuple[int, list[Scope]]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 kind = "class" if isinstance(child, ast.ClassDef) else "function"
-                scopes.append(Scope(child.lineno, child.end_lineno or child.lineno, kind, prefix + child.name))
+                last = _comments_after(lines, child.end_lineno or child.lineno, child.col_offset)
+                scopes.append(Scope(child.lineno, last, kind, prefix + child.name))
                 visit(child, f"{prefix}{child.name}.")
             else:
                 visit(child, prefix)
 
     visit(tree, "")
     return first, scopes
+
+
+def _comments_after(lines: list[str], last: int, col: int) -> int:
+    """Extend a node that ends on line `last` over the comment lines indented past its `col`
+    that follow it: a body that is only a docstring ends before the block written after it."""
+    while last < len(lines):
+        line = lines[last]
+        if line.strip() and not (line.lstrip().startswith("#") and len(line) - len(line.lstrip()) > col):
+            break
+        last += 1
+    return last
 
 
 def _is_docstring(node: ast.stmt) -> bool:

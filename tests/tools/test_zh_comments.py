@@ -188,3 +188,16 @@ def test_stats_sees_a_missing_method_block_and_c_levels(module_copy, stripped_re
     assert c.header and "BlockManager.commit" not in c.keys_annotated and len(c.keys_annotated) == len(c.keys) - 1
     planted_c = next(c for c in zh.coverage(stripped_repo[0]) if c.path.endswith(".c"))
     assert planted_c.header and planted_c.keys_annotated == planted_c.keys
+
+
+def test_a_block_after_a_docstring_only_body_belongs_to_that_body():
+    text = "\n".join([
+        '"""A module."""', START, "# 文件头", END, "",
+        "class Rejected(ValueError):", '    """Only a docstring."""', "    " + START, "    # 类的说明", "    " + END, "",
+        "class Policy:", "    def key(self):", '        """Abstract."""', "        " + START, "        # 1. 步骤",
+        "        " + END, "    " + START, "    # 跟在方法后面、缩进在类体里：属于类，不属于方法", "    " + END, ""])
+    blocks, problems = zb.find_blocks("m.py", text, "#")
+    assert problems == []
+    coverage = zh.analyse("m.py", text, ".py", ["Policy.key"], blocks)
+    assert coverage.header and coverage.classes_annotated == ["Rejected", "Policy"]
+    assert coverage.keys_annotated == ["Policy.key"]
