@@ -374,6 +374,11 @@ class DetokStage:
             self.clients[state.client].request_ids.discard(request_id)
 
     def _abort_in_engine(self, request_id: str) -> None:
+        # [ZH-START]
+        # 1. 把 AbortReq(request_id) 用 NOBLOCK 推给引擎的输入 socket（与 tokenizer 的请求同一个入口）。
+        # 2. zmq.Again 说明没有引擎连着：引擎不在，也就没有要 abort 的请求，记一行日志即可，
+        #    绝不阻塞 detokenizer 的主循环。
+        # [ZH-END]
         try:
             self.to_engine.send(p.AbortReq(request_id).encode(), zmq.NOBLOCK)
         except zmq.Again:  # no engine connected: there is nothing left to abort
