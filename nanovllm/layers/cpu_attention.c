@@ -56,54 +56,11 @@ static inline float exp_shifted(float *s, int64_t n, float mx) {
     return hsum(sum);
 }
 
-#if defined(__AVX512BF16__)
-/* One vector of the sixteen horizontal sums of a[0..15], in order: pairs interleaved within each
- * 128-bit lane, then 64-bit halves, then the four lanes folded across. */
-static inline __m512 sum16(const __m512 *a) {
-    __m512 b[8], c[4], d[2];
-    for (int t = 0; t < 8; t++)
-        b[t] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * t], a[2 * t + 1]), _mm512_unpackhi_ps(a[2 * t], a[2 * t + 1]));
-    for (int t = 0; t < 4; t++) {
-        const __m512d x = _mm512_castps_pd(b[2 * t]), y = _mm512_castps_pd(b[2 * t + 1]);
-        c[t] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int t = 0; t < 2; t++)
-        d[t] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * t], c[2 * t + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * t], c[2 * t + 1], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
-}
-
-/* bf16 scores of sixteen keys at a time with AVX512-BF16 dot products (32 products a
- * `vdpbf16ps`, exact, summed in fp32); returns how many keys it did (a multiple of 16). */
-static inline int64_t scores_bf16_dp(const uint16_t *qb, const uint16_t *k, float *restrict s, int64_t n,
-                                     int64_t stride, float scale, const int64_t HD) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512 a[16];
-        for (int t = 0; t < 16; t++) {
-            const uint16_t *kt = k + (i + t) * stride;
-            __m512 x = _mm512_setzero_ps();
-            for (int64_t j = 0; j < HD; j += 32)
-                x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(qb + j), (__m512bh)_mm512_loadu_si512(kt + j));
-            a[t] = x;
-        }
-        _mm512_storeu_ps(s + i, _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale)));
-    }
-    return i;
-}
-#endif
-
-/* Scores of one query head against n cached keys, key i at element k + i * stride: q as floats
- * (qh) and, for bf16, as stored (qb). */
-static inline void scores_block(const float *restrict qh, const void *qb, const void *k, float *restrict s, int64_t n,
+/* Scores of one query head (float) against n cached keys, key i at element k + i * stride. */
+static inline void scores_block(const float *restrict qh, const void *k, float *restrict s, int64_t n,
                                 int64_t stride, int64_t D_rt, float scale, const int64_t HD, const int BF) {
     const int64_t D = HD ? HD : D_rt;
     int64_t i = 0;
-#if defined(__AVX512BF16__)
-    if (BF && HD && HD % 32 == 0) i = scores_bf16_dp((const uint16_t *)qb, (const uint16_t *)k, s, n, stride, scale, HD);
-#else
-    (void)qb;
-#endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (HD && HD % 8 == 0) {
         /* Eight keys at a time: eight independent FMA chains (one per key) instead of one long
@@ -202,7 +159,7 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
             for (int64_t j = lo; j < hi && j < v_bytes; j += 64) __builtin_prefetch(vb + j);
             if (k_next != NULL)
                 for (int64_t j = lo; j < hi && j < bytes; j += 64) __builtin_prefetch(k_next + j);
-            scores_block(qf + h * D, at(q, h * D, BF), at(kb, (h / G) * D, BF), s + h * BSP, n, row, D, scale, HD, BF);
+            scores_block(qf + h * D, at(kb, (h / G) * D, BF), s + h * BSP, n, row, D, scale, HD, BF);
         }
         for (int64_t h = 0; h < H; h++) {
             float *sh = s + h * BSP, mx = m[h];
