@@ -31,7 +31,6 @@
 // 逐块累加，所以 K/V 每块只从内存读一次。
 // float32 与 bfloat16 共用同一份源码：BF 是编译期常量，cpu_simd.h 的 vload/vstore
 // 在读时把 bf16 展开成 fp32，写时按就近偶数舍入；所有累加都是 fp32。
-// 有 AVX512-BF16 的 CPU 上，bf16 的打分改用 vdpbf16ps，一次 16 个 key。
 // [ZH-END]
 #include <math.h>
 #include <stdint.h>
