@@ -69,10 +69,10 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, num_new_tokens: int, hits: list[int]) -> bool:
+    def can_allocate(self, num_new_tokens: int, hits: list[int], keep_free: int = 0) -> bool:
         fresh = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # hits that sit in the free list
-        return fresh + revived <= self.num_free_blocks
+        return fresh + revived + keep_free <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> None:
         """Give a waiting sequence its cached prefix blocks plus room for `num_new_tokens`."""
@@ -88,10 +88,10 @@ class BlockManager:
     # -- growth ------------------------------------------------------------------------------
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._blocks_short(seq, num_new_tokens) <= self.num_free_blocks
+        return self.blocks_short(seq, num_new_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        for _ in range(self._blocks_short(seq, num_new_tokens)):
+        for _ in range(self.blocks_short(seq, num_new_tokens)):
             seq.block_table.append(self._take_free_block())
 
     def commit(self, seq: Sequence) -> None:
@@ -124,7 +124,8 @@ class BlockManager:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _blocks_short(self, seq: Sequence, num_new_tokens: int) -> int:
+    def blocks_short(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks `seq` must take to hold `num_new_tokens` more tokens."""
         return max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:

@@ -73,7 +73,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = self.model_config.eos_token_ids + self._generation_eos_ids()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.eos_token_ids, make_policy(scheduler_policy))
+                                   self.max_model_len, self.eos_token_ids, make_policy(scheduler_policy),
+                                   config.kv_watermark, config.preempt_ratio)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._arrivals = 0

@@ -5,7 +5,9 @@ each when decoding, or the next chunk of an unfinished prompt); the rest of the 
 waiting sequences, whose prompts may be split across steps (chunked prefill). When the KV cache
 runs out, a running sequence is preempted: its blocks are freed and it is recomputed later (the
 prefix cache usually makes that cheap). Which sequence is admitted first and which is preempted
-first is the `SchedulerPolicy`'s call (policy.py): FCFS by default, or by priority.
+first is the `SchedulerPolicy`'s call (policy.py): FCFS by default, or by priority. Two knobs
+(docs/tuning.md) damp preemption: `kv_watermark` keeps a share of blocks free at admission, and
+`preempt_ratio` makes one preemption free a share of blocks at once.
 
 An abort is O(1) amortized and counts are O(1): a sequence aborted while waiting stays in the
 heap as a dead entry (skipped when it reaches the top), and the heap is rebuilt without them
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
@@ -38,8 +41,14 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...], policy: SchedulerPolicy | None = None):
+                 max_model_len: int, eos_token_ids: tuple[int, ...], policy: SchedulerPolicy | None = None,
+                 kv_watermark: float = 0.0, preempt_ratio: float = 0.0):
         self.block_manager = block_manager
+        self.preempt_blocks = _share_of(preempt_ratio, block_manager.num_total_blocks)
+        """Blocks a step that preempts leaves free (Config.preempt_ratio)."""
+        self.watermark_blocks = max(_share_of(kv_watermark, block_manager.num_total_blocks), self.preempt_blocks)
+        """Blocks an admission leaves free while anything runs: Config.kv_watermark, raised to
+        `preempt_blocks`, or the room a preemption made would be refilled on the next step."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -96,7 +105,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.queue_times = []
         scheduled: list[ScheduledSeq] = []
-        preempted = self._schedule_running(scheduled, budget)
+        preempted = self.preempt_blocks > 0 and self._make_room(budget)
+        preempted = self._schedule_running(scheduled, budget) or preempted
         budget -= sum(s.num_new_tokens for s in scheduled)
         if not preempted:
             self._schedule_waiting(scheduled, budget)
@@ -121,6 +131,29 @@ class Scheduler:
             i += 1
         return preempted
 
+    def _make_room(self, budget: int) -> bool:
+        """If the running sequences cannot all grow this step, preempt (the policy's last first)
+        until they can with `preempt_blocks` to spare: one preemption frees a share of the cache
+        at once, instead of one sequence per step while the cache stays full. Returns whether it
+        preempted; `_schedule_running` then finds room for every sequence left. O(running)."""
+        needs = []
+        for seq in self.running:  # what `_schedule_running` will take, in the same order
+            if budget <= 0:
+                break
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            needs.append(self.block_manager.blocks_short(seq, num_new))
+            budget -= num_new
+        short = sum(needs)
+        if short <= self.block_manager.num_free_blocks:
+            return False
+        # The policy's first sequence stays: alone it always fits, and evicting it would throw
+        # away the most work for the sake of a margin.
+        while len(self.running) > 1 and short + self.preempt_blocks > self.block_manager.num_free_blocks:
+            if len(needs) == len(self.running):
+                short -= needs.pop()
+            self._preempt(self.running.pop())
+        return True
+
     def _schedule_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0][2]
@@ -130,7 +163,9 @@ class Scheduler:
                 continue
             hits = self.block_manager.match_prefix(seq)
             num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
-            if not self.block_manager.can_allocate(num_new, hits):
+            # An idle engine admits whatever fits, so no request waits forever on the watermark.
+            keep_free = self.watermark_blocks if self.num_running else 0
+            if not self.block_manager.can_allocate(num_new, hits, keep_free):
                 break
             heapq.heappop(self.waiting)
             self.block_manager.allocate(seq, num_new, hits)
@@ -185,3 +220,8 @@ class Scheduler:
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+
+def _share_of(share: float, num_blocks: int) -> int:
+    """`share` of `num_blocks`, rounded up (less a hair, so 0.3 of 10 is 3, not 4)."""
+    return max(0, math.ceil(share * num_blocks - 1e-9))
