@@ -232,6 +232,8 @@ class LLMEngine:
             "num_free_blocks": bm.num_free_blocks,
             "num_total_blocks": bm.num_total_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "kv_watermark_blocks": self.scheduler.watermark_blocks,
+            "preempt_blocks": self.scheduler.preempt_blocks,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
         }

@@ -80,6 +80,7 @@ def test_defaults_leave_the_scheduler_as_it_was(baseline):
 def test_watermark_keeps_its_share_free_through_a_burst_of_admissions(tiny_model_dir, baseline):
     outputs, history, engine = run(tiny_model_dir, kv_watermark=0.25)
     reserve = math.ceil(0.25 * NUM_BLOCKS)
+    assert history[0]["kv_watermark_blocks"] == reserve and history[0]["preempt_blocks"] == 0
     admitted = admitting_steps(history)
     assert len(admitted) >= 3  # the burst is admitted over several steps, not all at once
     assert all(s["num_free_blocks"] >= reserve for s in admitted), [s["num_free_blocks"] for s in admitted]
@@ -92,6 +93,7 @@ def test_watermark_keeps_its_share_free_through_a_burst_of_admissions(tiny_model
 def test_preempt_ratio_frees_its_share_at_once_and_preempts_less_often(tiny_model_dir, baseline):
     outputs, history, engine = run(tiny_model_dir, preempt_ratio=0.25)
     share = math.ceil(0.25 * NUM_BLOCKS)
+    assert history[0]["preempt_blocks"] == history[0]["kv_watermark_blocks"] == share
     preempting = preempting_steps(history)
     assert preempting, "the workload must preempt for this test to mean anything"
     # After every step that preempted, the share is free (unless a single sequence is left).
