@@ -20,6 +20,16 @@ A restarted detokenizer loses no stream: it asks the engine for every request it
 (`DetokHello` -> `Resync`, which carries each request's output so far) and each client tells
 it how much of each stream it already received (`Resume`); the stream continues from there.
 """
+# [ZH-START]
+# 【模块定位】服务的最后一站，也是唯一向客户端发输出的进程。
+#   客户端 → tokenizer_proc → engine_proc ─PUSH→【detok_proc】─ROUTER→ 客户端 DEALER
+#   反方向只有一条：detok_proc ─PUSH→ engine_proc（abort：stop 命中 / 客户端消失；DetokHello）
+# 每个引擎 step 变成文本增量（nanovllm.detokenize），每步每个客户端合成一个 StreamOutput，按客户端路由 id 发出。
+# 它同时是服务的故障探测器：
+#   客户端每秒 ping；停止 ping 或 socket 消失（ROUTER_MANDATORY → EHOSTUNREACH）→ 在引擎里 abort 它的请求；
+#   引擎每 0.25 秒心跳；它说要死、连接断开、安静超过 engine_timeout_s 或换了实例 → 旧实例的请求全部报错，并通知所有客户端。
+# 重启后不丢流：向引擎要回全部在途请求（DetokHello → Resync），客户端告知已收到多少（Resume），从那里继续。
+# [ZH-END]
 from __future__ import annotations
 
 import collections
@@ -51,6 +61,12 @@ GONE_CLIENT_MEMORY_S = 600.0
 
 @dataclass
 class RequestState:
+    # [ZH-START]
+    # 【职责】本进程为一个在途请求保存的状态：所属客户端、客户端侧的请求 id（流的 wire id）、
+    # IncrementalDetokenizer、持有它的引擎实例；resync 重建后等待 Resume 期间累积的全部 token / 文本 / 终止字段；最近的 token 计数。
+    # 【边界】不保存 prompt 或采样参数（这些在引擎里）；不直接发送任何东西。
+    # 【协作者】DetokStage._start 创建，_advance 每步推进，_apply_resume 在客户端报到后放出累积内容。
+    # [ZH-END]
     client: bytes
     client_request_id: str
     detok: IncrementalDetokenizer
@@ -70,6 +86,12 @@ class RequestState:
 
 @dataclass
 class ClientInfo:
+    # [ZH-START]
+    # 【职责】一个客户端的连接信息：最近一次收到它消息的时间、它的在途请求（引擎侧 id）、
+    # socket 暂时放不下而按序排队的帧。
+    # 【边界】不保存请求内容；队列长度受 max_pending_frames 限制，超过就放弃该客户端。
+    # 【协作者】on_client_frames 更新 last_seen；send_to_client / _flush_all_pending 用 pending；client_gone / check_timeouts 清理。
+    # [ZH-END]
     last_seen: float
     request_ids: set[str] = field(default_factory=set)
     """Engine request ids of this client's requests in flight."""
@@ -78,6 +100,14 @@ class ClientInfo:
 
 
 class DetokStage:
+    # [ZH-START]
+    # 【职责】接收引擎的 StepOutput / Resync / EngineStatus，逐请求反分词并处理 stop string，把增量路由给客户端；
+    # 回答客户端的 ping / stats / resume；探测客户端和引擎的死亡；重启后与引擎 resync、与客户端 resume。
+    # 【边界】不接收请求（那是 tokenizer 的入口）；不调度、不采样；只跟随一个引擎实例，
+    # 别的实例发来的输出直接丢弃；客户端太慢时排队有上限，不无限占内存。
+    # 【协作者】engine_proc（PULL 收输出，PUSH 发 abort / DetokHello）；客户端 DEALER（ROUTER，同一路由 id 两条连接）；
+    # IncrementalDetokenizer；PeerMonitor 看引擎连接；DetokMetrics、Notifier。
+    # [ZH-END]
     def __init__(self, tokenizer: Any, stream_endpoint: str, detok_endpoint: str, engine_endpoint: str,
                  client_timeout_s: float = 5.0, engine_timeout_s: float = 3.0,
                  max_pending_frames: int = 1000, client_hwm: int = 10_000, ctx: zmq.Context | None = None,
@@ -119,6 +149,19 @@ class DetokStage:
     # ------------------------------------------------------------------ loop
 
     def run(self, stop) -> None:
+        # [ZH-START]
+        # 1. poller 注册引擎 PULL、客户端 ROUTER 和引擎连接的监视 socket；notifier.ready。
+        # 2. 循环直到 flush_until：
+        #    a. stop 被置位：进入 draining，最多再花 1 秒把已排队的帧发给客户端（流本身活在引擎里，新的 detokenizer 会 resync）；
+        #    b. draining 且没有待发帧：退出；
+        #    c. 看门狗 tick、更新指标和 systemd 状态行；
+        #    d. 有待发帧时 poll 10 ms，否则 100 ms；
+        #    e. 引擎有帧 → _drain(on_engine_frame)；客户端有帧 → _drain(on_client_frames)；
+        #    f. 监视 socket 有事件、引擎已不在连接、之前听到过它且未被判死 → _engine_dead("its connection closed")，崩溃毫秒级发现；
+        #    g. 有待发帧 → _flush_all_pending；
+        #    h. check_timeouts(now)：客户端 / 引擎超时、hello 重发、resume 期限、gone 过期。
+        # 3. 关闭所有 socket。
+        # [ZH-END]
         poller = zmq.Poller()
         poller.register(self.from_engine, zmq.POLLIN)
         poller.register(self.clients_sock, zmq.POLLIN)
@@ -155,6 +198,10 @@ class DetokStage:
         self.security.close()
 
     def _drain(self, sock: zmq.Socket, handle, budget: int = 256) -> None:
+        # [ZH-START]
+        # 1. 每次最多处理 budget = 256 条，NOBLOCK 收取，收空就返回。
+        # 2. 每条都包在 try 里：处理时的任何 bug 记为 "internal" 拒绝帧，只花掉这一帧，进程继续。
+        # [ZH-END]
         for _ in range(budget):
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK)
@@ -168,6 +215,12 @@ class DetokStage:
     # ------------------------------------------------------------------ engine side
 
     def on_engine_frame(self, frame: bytes) -> None:
+        # [ZH-START]
+        # 1. 解帧，坏帧记 "bad_frame" 后丢弃；更新 engine_last_seen（心跳超时计时）。
+        # 2. EngineStatus → on_engine_status。
+        # 3. StepOutput → 只有来自当前跟随的引擎实例才 on_step。
+        # 4. Resync → on_resync；其他类型记 "wrong_type"。
+        # [ZH-END]
         self.metrics.frame_received()
         try:
             msg = p.decode(frame)
@@ -186,6 +239,11 @@ class DetokStage:
             self.rejects("wrong_type", f"{msg.TYPE!r} on the engine socket")
 
     def on_engine_status(self, msg: p.EngineStatus) -> None:
+        # [ZH-START]
+        # 1. 记下引擎统计和运行时长（stats 请求会返回它们）。
+        # 2. alive=True → _engine_speaks(实例 id, 状态)。
+        # 3. alive=False 且来自我们跟随的实例（或还没跟随任何实例）→ _engine_dead(原因)。
+        # [ZH-END]
         self.engine_stats, self.engine_uptime_s = msg.stats, msg.uptime_s
         if msg.alive:
             self._engine_speaks(msg.instance_id, msg.state)
@@ -205,6 +263,11 @@ class DetokStage:
     def _engine_speaks(self, instance_id: str, state: str | None = None) -> None:
         """A live message from engine `instance_id` (`state` from its heartbeat; outputs mean it is
         at least ready): a new instance means the old one died."""
+        # [ZH-START]
+        # 1. 实例 id 与跟随的不同：若之前跟随过别的实例，记一次引擎重启，并让旧实例的所有请求以 "engine restarted" 报错；改为跟随新实例。
+        # 2. 没带状态（来自输出）时，有输出说明至少是 ready：沿用 ready / draining，否则设为 ready。
+        # 3. alive = loading 时为 None（加载中不算死），否则 True；(alive, state) 有变化就记日志并向所有客户端广播 EngineStatus。
+        # [ZH-END]
         if instance_id != self.engine_instance:
             if self.engine_instance:
                 self.metrics.stage_restart_seen("engine")
@@ -220,6 +283,12 @@ class DetokStage:
             self._broadcast(p.EngineStatus(True, instance_id, state=state))
 
     def on_step(self, step: p.StepOutput) -> None:
+        # [ZH-START]
+        # 1. started 行：为每个新请求 _start，建好反分词器（meta 比它的第一个 token 先到，同一条有序管道）。
+        # 2. rejected 行：按 meta 里的 client / rid 生成错误增量（引擎拒绝的请求从这里告诉客户端）。
+        # 3. outputs 行：逐行 _advance，得到的增量按客户端分组。
+        # 4. 每个客户端发一个 StreamOutput，包含它这一步的全部增量。
+        # [ZH-END]
         by_client: dict[bytes, list[dict]] = collections.defaultdict(list)
         for request_id, meta in step.started:
             self._start(request_id, meta, step.instance_id)
@@ -233,6 +302,11 @@ class DetokStage:
             self.send_to_client(client, p.StreamOutput(deltas).encode())
 
     def _start(self, request_id: str, meta: dict[str, Any], engine: str, resumed: bool = False) -> RequestState:
+        # [ZH-START]
+        # 1. 用 meta 建 IncrementalDetokenizer：tail（prompt 最后几个 token）、skip、stop、include_stop、min_tokens。
+        # 2. 建 RequestState(客户端身份, 客户端 rid, 反分词器, 引擎实例) 记进 requests。
+        # 3. 指标记录开始时间（resync 重建的额外记下恢复时间）；把请求加到该客户端的 ClientInfo.request_ids（没有就新建）。
+        # [ZH-END]
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_tail=p.unpack_token_ids(meta.get("tail", b"")),
             skip_special_tokens=meta.get("skip", True), stop=meta.get("stop", []),
@@ -244,6 +318,16 @@ class DetokStage:
         return state
 
     def _advance(self, row: list[Any]) -> dict[str, Any] | None:
+        # [ZH-START]
+        # 1. 解开一行 [id, 打包 token, finished, reason, prompt 数, output 数, cached 数, error]。
+        # 2. 本地不认识这个请求（已结束、客户端已走、或比 resync 还早）：若引擎仍在生成且已 resync，就 _abort_orphan 一次；返回 None。
+        # 3. 解包 token，text = detok.add(token, finished)，记录反分词耗时和计数。
+        # 4. 反分词器命中 stop string 但引擎还没结束：向引擎发 abort，本地按 finished、reason "stop" 处理。
+        # 5. 已结束：final = {finish_reason, usage{prompt_tokens, completion_tokens, cached_tokens}}，有错误（或 reason 为 error）加 error。
+        # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，返回 None。
+        # 7. 否则组装增量 {client, request_id, text, token_ids（原样打包）, finish_reason: None}，合入 final；
+        #    已结束就 _finished（计指标、遗忘该请求）；返回增量。
+        # [ZH-END]
         request_id, packed_ids, finished, finish_reason, num_prompt, num_output, num_cached, error = row
         state = self.requests.get(request_id)
         if state is None:  # already ended here, orphaned (client gone), or older than our resync
@@ -290,6 +374,11 @@ class DetokStage:
             self.clients[state.client].request_ids.discard(request_id)
 
     def _abort_in_engine(self, request_id: str) -> None:
+        # [ZH-START]
+        # 1. 把 AbortReq(request_id) 用 NOBLOCK 推给引擎的输入 socket（与 tokenizer 的请求同一个入口）。
+        # 2. zmq.Again 说明没有引擎连着：引擎不在，也就没有要 abort 的请求，记一行日志即可，
+        #    绝不阻塞 detokenizer 的主循环。
+        # [ZH-END]
         try:
             self.to_engine.send(p.AbortReq(request_id).encode(), zmq.NOBLOCK)
         except zmq.Again:  # no engine connected: there is nothing left to abort
@@ -297,6 +386,10 @@ class DetokStage:
 
     def _abort_orphan(self, request_id: str) -> None:
         """Abort, once, a request whose outputs have no owner here."""
+        # [ZH-START]
+        # 1. 已经为这个 id 发过 abort 就返回：每个孤儿只 abort 一次。
+        # 2. 记进 _aborted_orphans（有序字典，超过 65536 个淘汰最旧的），再 _abort_in_engine。
+        # [ZH-END]
         if request_id in self._aborted_orphans:
             return
         self._aborted_orphans[request_id] = None
@@ -306,6 +399,11 @@ class DetokStage:
 
     def _engine_dead(self, reason: str) -> None:
         """Fail every request in flight; tell every client (they fail the rest and refuse new ones)."""
+        # [ZH-START]
+        # 1. 所有在途请求以 "engine died: 原因" 报错（标 engine_dead）。
+        # 2. 若还没判过死：记警告，engine_alive = False，向所有客户端广播 EngineStatus(alive=False)；
+        #    客户端据此让剩下的请求失败，并在新的心跳到来前拒绝新请求。
+        # [ZH-END]
         self._fail_requests(f"engine died: {reason}", lambda s: True)
         if self.engine_alive is not False:
             log.warning("engine %s dead: %s", self.engine_instance, reason)
@@ -313,6 +411,10 @@ class DetokStage:
             self._broadcast(p.EngineStatus(False, self.engine_instance, p.clip(reason)))
 
     def _fail_requests(self, why: str, which) -> None:
+        # [ZH-START]
+        # 1. 遍历所有请求，which(state) 为真的生成错误增量（engine_dead=True），按客户端分组，并 _finished(..., "error")。
+        # 2. 每个客户端发一个 StreamOutput。
+        # [ZH-END]
         by_client: dict[bytes, list[dict]] = collections.defaultdict(list)
         for request_id, state in list(self.requests.items()):
             if which(state):
@@ -324,6 +426,13 @@ class DetokStage:
     # ------------------------------------------------------------------ restart: resync + resume
 
     def on_resync(self, msg: p.Resync) -> None:
+        # [ZH-START]
+        # 1. 不是给本实例的回答、已经 resync 过、或不是当前跟随的引擎发来的：忽略。
+        # 2. 每个条目：已经在正常流式输出的（我们起来之后才开始的）跳过；否则 _start(resumed=True)，
+        #    标 awaiting_resume，把它至今的全部输出一次喂进 _advance（一次解码完，结果累积不发）。
+        # 3. 最后一帧：resynced = True，resume 期限 = 现在 + max(2 × client_timeout_s, 10 秒)；
+        #    把 resync 完成前先到的 Resume（_early_resumes）逐个应用。
+        # [ZH-END]
         if msg.detok_instance != self.instance_id or self.resynced or not self._from_current_engine(msg.instance_id):
             return  # an answer to another detokenizer's hello, a repeat, or not from our engine
         for request_id, meta, packed_ids, finished, reason, num_prompt, num_output, num_cached, error in msg.entries:
@@ -342,6 +451,10 @@ class DetokStage:
             self._early_resumes.clear()
 
     def on_resume(self, identity: bytes, msg: p.Resume) -> None:
+        # [ZH-START]
+        # 1. 已 resync：立刻 _apply_resume。
+        # 2. 还没 resync：先存进 _early_resumes（每个客户端保留最新一份），等 resync 的最后一帧再应用。
+        # [ZH-END]
         if self.resynced:
             self._apply_resume(identity, msg.requests)
         else:
@@ -349,6 +462,15 @@ class DetokStage:
 
     def _apply_resume(self, identity: bytes, rows: list[list]) -> None:
         """Continue each listed stream from what the client has; abort what it no longer wants."""
+        # [ZH-START]
+        # 1. mine = 该客户端的全部请求（按客户端 rid 索引），waiting = 其中等待 resume 的。
+        # 2. 对客户端报上的每一行 [rid, 已收 token 数, 已收字符数]：
+        #    a. 不在 waiting 里：若客户端已收到过 token 而我们根本没有这个请求 → 回错误增量（引擎已不持有它，标 engine_dead）；跳过；
+        #    b. 在 waiting 里：清除等待标记，增量 = all_text[已收字符数:] 和 all_ids[已收 token 数:]，已结束则带上 final；
+        #       释放累积缓冲；已结束就 _finished。
+        # 3. 等待中但客户端没提到的请求：客户端已不要了 → _drop_unclaimed（未结束就在引擎里 abort）。
+        # 4. 有增量就作为一个 StreamOutput 发给该客户端。
+        # [ZH-END]
         mine = {s.client_request_id: (rid, s) for rid, s in self.requests.items() if s.client == identity}
         waiting = {client_rid: rid for client_rid, (rid, s) in mine.items() if s.awaiting_resume}
         deltas = []
@@ -373,6 +495,10 @@ class DetokStage:
             self.send_to_client(identity, p.StreamOutput(deltas).encode())
 
     def _drop_unclaimed(self, request_id: str) -> None:
+        # [ZH-START]
+        # 1. 请求还没结束（final 为 None）：在引擎里 abort，释放它的 KV 块。
+        # 2. _forget：从 requests 和客户端的 request_ids 里删掉。
+        # [ZH-END]
         state = self.requests.get(request_id)
         if state is not None and state.final is None:
             self._abort_in_engine(request_id)
@@ -381,6 +507,14 @@ class DetokStage:
     # ------------------------------------------------------------------ client side
 
     def on_client_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        # [ZH-START]
+        # 1. _tell_if_given_up：我们放弃过的客户端又出现了，告诉它哪些流已丢。
+        # 2. 计数；更新（或新建）ClientInfo.last_seen——任何消息都算心跳。
+        # 3. 不是恰好一帧 → "multipart" 错误；解帧失败 → "bad_frame" 错误（带能认出的 request_id）。
+        # 4. Ping → 回 Pong("detokenizer", 实例 id, engine_alive, 状态, 运行时长, 引擎状态)；
+        #    StatsReq → 回 StatsOutput；Resume → on_resume；
+        #    其他 → "wrong_type"，并告诉客户端请求应发到 tokenizer 端点。
+        # [ZH-END]
         self._tell_if_given_up(identity)
         self.metrics.frame_received()
         info = self.clients.setdefault(identity, ClientInfo(time.monotonic()))
@@ -410,6 +544,10 @@ class DetokStage:
 
     def _tell_if_given_up(self, identity: bytes) -> None:
         """A client we gave up on is back (a network blip, a long pause): end its lost streams."""
+        # [ZH-START]
+        # 1. 从 gone 里取出这个客户端的记录（取出即删除）。
+        # 2. 有当时丢掉的流：每个 rid 回一个错误增量，说明服务因何放弃了它、请求已被 abort；客户端不必一直等下去。
+        # [ZH-END]
         record = self.gone.pop(identity, None)
         if record is not None and record[2]:
             why = f"the service gave up on this client ({record[1]}) and aborted its requests"
@@ -426,6 +564,12 @@ class DetokStage:
                           "rejected_frames": dict(self.rejects.counts)}}
 
     def send_to_client(self, identity: bytes, frame: bytes) -> None:
+        # [ZH-START]
+        # 1. 该客户端已有排队帧：追加到队尾，保证顺序。
+        # 2. 否则 NOBLOCK 发送。
+        # 3. zmq.Again（客户端管道满）：排队（_queue）。
+        # 4. 其他 ZMQError（ROUTER_MANDATORY 下的 EHOSTUNREACH：客户端 socket 已不存在）→ client_gone。
+        # [ZH-END]
         info = self.clients.get(identity)
         if info is not None and info.pending:
             self._queue(identity, info, frame)
@@ -439,11 +583,19 @@ class DetokStage:
             self.client_gone(identity, f"its socket is gone ({e.strerror})")
 
     def _queue(self, identity: bytes, info: ClientInfo, frame: bytes) -> None:
+        # [ZH-START]
+        # 1. 帧追加到客户端的 pending。
+        # 2. 超过 max_pending_frames（默认 1000）：认为客户端卡住了 → client_gone，内存保持有界。
+        # [ZH-END]
         info.pending.append(frame)
         if len(info.pending) > self.max_pending_frames:
             self.client_gone(identity, f"it left {self.max_pending_frames} output messages unread")
 
     def _flush_all_pending(self) -> None:
+        # [ZH-START]
+        # 1. 对每个有积压的客户端，按序 NOBLOCK 发队头，成功才出队。
+        # 2. zmq.Again：这个客户端还是满的，换下一个；其他 ZMQError → client_gone。
+        # [ZH-END]
         for identity, info in list(self.clients.items()):
             while info.pending:
                 try:
@@ -456,6 +608,11 @@ class DetokStage:
                 info.pending.popleft()
 
     def client_gone(self, identity: bytes, why: str) -> None:
+        # [ZH-START]
+        # 1. 移除 ClientInfo；不认识的客户端直接返回。
+        # 2. 对它的每个请求：丢掉指标、移除状态、记下客户端 rid；还没结束的在引擎里 abort（释放 KV 块）。
+        # 3. 在 gone 里记 (时间, 原因, 丢掉的 rid 列表)，最多 4096 个客户端，它回来时好告诉它。
+        # [ZH-END]
         info = self.clients.pop(identity, None)
         if info is None:
             return
@@ -479,6 +636,13 @@ class DetokStage:
             self.send_to_client(identity, frame)
 
     def check_timeouts(self, now: float) -> None:
+        # [ZH-START]
+        # 1. 客户端超过 client_timeout_s（默认 5 秒）没有任何消息 → client_gone。
+        # 2. 听到过引擎、未判死、超过 engine_timeout_s（默认 3 秒）没有消息 → _engine_dead（引擎挂起）。
+        # 3. 还没 resync：每 0.5 秒（HELLO_INTERVAL_S）向引擎发一次 DetokHello，直到 Resync 到来；没有引擎时跳过。
+        # 4. 过了 resume 期限：还在等 resume 的请求一律 _drop_unclaimed。
+        # 5. gone 里超过 600 秒（GONE_CLIENT_MEMORY_S）的记录从最旧的开始删除。
+        # [ZH-END]
         for identity, info in list(self.clients.items()):
             if now - info.last_seen > self.client_timeout_s:
                 self.client_gone(identity, f"no heartbeat for {self.client_timeout_s}s")

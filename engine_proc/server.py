@@ -18,6 +18,17 @@ Every request the engine accepted is kept (meta + output tokens so far) until it
 for a minute after (`FinishedRing`), so a detokenizer that restarts can ask for all of it
 (`DetokHello` -> `Resync`) and its clients' streams continue instead of failing.
 """
+# [ZH-START]
+# 【模块定位】服务的中间站：把 LLMEngine.step() 包成一个独立进程。
+#   客户端 → tokenizer_proc ─PUSH→【engine_proc：准入、调度循环、模型一步】─PUSH→ detok_proc → 客户端
+#   输入 PULL 还收 detok_proc 推来的 abort 和 DetokHello（与 tokenizer 的请求进同一个 inbox）
+# 三个线程，让 socket I/O 与 msgpack 编解码和模型计算重叠（torch 计算时释放 GIL）：
+#   输入线程：收帧、解码、检查 → inbox（保持到达顺序）；backlog 满 max_queued 时停止读 socket；
+#   主线程：应用请求与 abort，跑一步，把原始输出交给 outbox；
+#   输出线程：每步编码一个 StepOutput 推出去；空闲时每 heartbeat_s 发 EngineStatus 心跳，退出前最后发 alive=False。
+# 每个已接受的请求都记账（meta + 已输出 token），结束后再保留一分钟（FinishedRing），
+# 重启的 detokenizer 发 DetokHello 就能拿回全部（Resync），客户端的流得以继续。
+# [ZH-END]
 from __future__ import annotations
 
 import collections
@@ -54,6 +65,16 @@ not reading (or gone) before it gives up and exits."""
 
 
 class EngineStage:
+    # [ZH-START]
+    # 【职责】引擎进程的外壳：输入 / 主 / 输出三线程；准入闸门（最多 max_live 个请求在引擎里，
+    # 其余排在 backlog，backlog 满 max_queued 才停止读输入）；abort 处理（包括还没准入的请求）；
+    # 为 resync 记账；心跳与统计；draining 与关停。
+    # 【边界】不分词也不反分词；不直接回复客户端（没有回复通道，拒绝理由作为 rejected 行随 step 发给 detokenizer）；
+    # 不做调度细节（LLMEngine / Scheduler 负责）；只有主线程碰 engine 对象。
+    # 【协作者】tokenizer_proc（请求、abort）与 detok_proc（abort、DetokHello）都推到同一个 PULL；
+    # detok_proc 收 StepOutput / Resync / EngineStatus；LLMEngine；ledger 里的 LiveRequest / FinishedRing；
+    # EngineMetrics、Notifier（systemd）。
+    # [ZH-END]
     def __init__(self, engine: Any | None, make_sampling, input_endpoint: str, output_endpoint: str,
                  heartbeat_s: float = 0.25, max_live: int = 4096, max_queued: int = 4096,
                  drain_timeout_s: float = 30.0, out_hwm: int = DEFAULT_HWM, ctx: zmq.Context | None = None,
@@ -109,6 +130,14 @@ class EngineStage:
     def run(self, stop: threading.Event, load_engine=None) -> int:
         """Serve until `stop` is set, then drain; `load_engine()` builds the engine first if the
         stage was made without one (heartbeats say "loading" meanwhile). Returns the exit code."""
+        # [ZH-START]
+        # 1. 启动输入、输出线程（此时已能收帧和发 "loading" 心跳）。
+        # 2. 还没有引擎就调 load_engine() 加载；失败（模型不存在、配置错误）→ _shutdown("cannot start ...") 告诉所有人，返回 1。
+        # 3. 挂上指标的 post-step 钩子，状态设为 ready，发一次存活状态，notifier.ready。
+        # 4. stop 未置位就不断 run_once()；置位后 drain() 得到关停原因。
+        # 5. 循环里任何异常 = 引擎坏了：记 traceback，退出码 1，原因 "engine crashed: ..."（supervisor 会重启本进程）。
+        # 6. _shutdown(reason) 最后发 alive=False，返回退出码。
+        # [ZH-END]
         self._stop = stop
         for t in self._threads:
             t.start()
@@ -139,6 +168,14 @@ class EngineStage:
     def drain(self) -> str:
         """Stop taking requests; let those in flight finish for up to `drain_timeout_s`, then
         abort the rest, saying why. Returns the shutdown reason."""
+        # [ZH-START]
+        # 1. 状态设为 draining；deadline = _start_drain_clock()（默认 30 秒，只在第一次确定）。
+        # 2. 发一次 draining 状态：客户端看到后不再发新请求；新到的请求在 _queue_request 里回 DRAINING。
+        # 3. 只要还有 live 或 backlog 且未到期限，就继续 run_once()，让在途请求正常跑完。
+        # 4. 全部结束 → 返回 "engine shut down after draining"。
+        # 5. 到期仍有剩余：为每个请求记下原因（_abort_notes），往 inbox 放 AbortReq；
+        #    再 run_once() 3 次，让这些 abort 的最终输出（带原因）发出去。
+        # [ZH-END]
         self._set_state("draining")
         deadline = self._start_drain_clock()
         log.info("draining %d request(s) for up to %.0fs", len(self.live) + len(self.backlog), self.drain_timeout_s)
@@ -159,6 +196,18 @@ class EngineStage:
         return f"engine shut down; {len(left)} request(s) aborted after the drain"
 
     def run_once(self) -> None:
+        # [ZH-START]
+        # 1. 任一 I/O 线程已死 → RuntimeError（无法再收发，按引擎崩溃处理）。
+        # 2. notifier.tick() 放在主循环里：一步卡死时看门狗就停了，systemd 能发现。
+        # 3. idle = 引擎没有未完成请求且 backlog 为空：此时 _take_inbox 最多阻塞 50 ms 等消息，否则不等。
+        # 4. _take_inbox：按到达顺序应用请求（进 backlog）、abort、DetokHello。
+        # 5. _admit：backlog 中最早的请求依次加入引擎，直到 live 达到 max_live。
+        # 6. 引擎有未完成请求就 step()，每个输出 _record 记账。
+        # 7. outputs = extra_outputs（未准入就被 abort 的请求的终止输出）+ 本步输出；有输出才计一步。
+        # 8. 汇总 stats（引擎统计 + live / queued / 步数 / 拒绝帧数）存进 latest_stats（心跳会带上），更新指标和 systemd 状态行（含 KV cache 占用率）。
+        # 9. 有 started / rejected / outputs 就把 ("step", started, rejected, outputs) 交给输出线程（编码在那边做）。
+        # 10. 有待答的 hello 且距上次 resync 已满 1 秒 → _send_resync。
+        # [ZH-END]
         if not all(t.is_alive() for t in self._threads):
             raise RuntimeError("an engine I/O thread died; the engine can no longer receive or send")
         self.notifier.tick()  # from the step loop itself: a hung step stops the watchdog
@@ -186,6 +235,12 @@ class EngineStage:
             self._send_resync(self._hello)
 
     def _take_inbox(self, block: bool, started: list, rejected: list, extra_outputs: list) -> None:
+        # [ZH-START]
+        # 1. block 时第一条消息最多等 0.05 秒，否则不等；取到一条后改为不等，把 inbox 里现有的一次取完。
+        # 2. TokenizedReq → _queue_request；draining 时被拒的（_refused）转进 rejected 列表。
+        # 3. AbortReq → _abort（与请求同一队列，所以 abort 不会跑到它的请求前面）。
+        # 4. DetokHello → 记下最新的 detokenizer 实例 id；与上次服务过的实例不同就计一次 detokenizer 重启。
+        # [ZH-END]
         timeout = 0.05 if block else 0.0
         while True:
             try:
@@ -205,6 +260,12 @@ class EngineStage:
                 self._hello = msg.instance_id
 
     def _queue_request(self, req: p.TokenizedReq) -> None:
+        # [ZH-START]
+        # 1. draining 且这个 id 没见过：计数减一，放进 _refused，附 DRAINING 原因。
+        # 2. id 已在 live / backlog 中，或是 resend 且在最近一分钟结束的请求里：忽略（第一次的那个有效）；
+        #    不是 resend 的重复记为 "duplicate" 拒绝帧。计数减一。
+        # 3. 否则放进 backlog（OrderedDict，保持到达顺序）。
+        # [ZH-END]
         rid = req.request_id
         if self.state == "draining" and rid not in self.live and rid not in self.backlog:
             self._dequeued()
@@ -226,6 +287,14 @@ class EngineStage:
             self._add(req, started, rejected)
 
     def _add(self, req: p.TokenizedReq, started: list, rejected: list) -> None:
+        # [ZH-START]
+        # 1. make_sampling(**sampling) 建参数，engine.add_request(id, prompt ids, params, priority)。
+        # 2. 失败：ValueError / TypeError 是请求本身的问题（参数、超过 max_model_len、永远放不进 KV cache、词表外 id），
+        #    其他异常额外记 traceback；两者都作为 rejected 行 [id, meta, 错误] 发出，
+        #    并以 "error" 条目记进 FinishedRing，resync 时也知道它已结束。
+        # 3. 成功：live[id] = LiveRequest(meta)，started 加 [id, meta]——detokenizer 在同一条有序管道上
+        #    先拿到 meta，再拿到第一个 token。
+        # [ZH-END]
         try:
             params = self.make_sampling(**req.sampling)
             self.engine.add_request(req.request_id, req.prompt_token_ids, params, priority=req.priority)
@@ -241,6 +310,12 @@ class EngineStage:
         started.append([req.request_id, req.meta])
 
     def _abort(self, request_id: str, started: list, extra_outputs: list) -> None:
+        # [ZH-START]
+        # 1. 不在 backlog：engine.abort(id)（幂等；最终输出由下一步产生）。
+        # 2. 在 backlog（从未准入）：移出、计数减一；记进 live 并加入 started，再合成一个
+        #    RequestOutput(finished=True, reason="abort", prompt 长度) 放进 extra_outputs 并 _record——
+        #    它在同一条消息里开始并结束，客户端立刻得到终止增量，abort 不必等准入。
+        # [ZH-END]
         req = self.backlog.pop(request_id, None)
         if req is None:
             self.engine.abort(request_id)  # idempotent; its final output comes from the next step
@@ -255,6 +330,12 @@ class EngineStage:
 
     def _record(self, out: Any) -> None:
         """Keep what a resync needs: the output so far, and the whole request once it ends."""
+        # [ZH-START]
+        # 1. 不在 live 里的输出忽略。
+        # 2. 已结束且有 _abort_notes（例如 drain 超时）→ 把原因写进 out.error。
+        # 3. 追加新 token，更新 (prompt, output, cached) 计数。
+        # 4. 已结束：移出 live，把完整条目 [id, meta, 打包的全部 token, True, reason, 计数..., error] 记进 FinishedRing。
+        # [ZH-END]
         live = self.live.get(out.request_id)
         if live is None:
             return
@@ -275,6 +356,12 @@ class EngineStage:
         """Everything a new detokenizer needs. At most one per `RESYNC_INTERVAL_S`, for the latest
         hello only: a resync can be thousands of entries, and a hello is a few bytes anyone who
         reaches the engine's port could repeat (a real detokenizer repeats its hello until answered)."""
+        # [ZH-START]
+        # 1. 清掉待答 hello，下次最早 1 秒后（RESYNC_INTERVAL_S）：hello 只有几个字节，谁都能重复发，resync 可能有几千条。
+        # 2. 条目 = 每个 live 请求 [id, meta, 已输出 token, False, None, 计数..., None] + FinishedRing 里最近结束的。
+        # 3. 每 256 条（RESYNC_CHUNK）一帧，最后一帧 last=True；没有条目也发一个空的最后帧。
+        # 4. 经 _emit 进 outbox，与 step 同一管道，所以 resync 与后续 step 的顺序有保证。
+        # [ZH-END]
         self._hello, self._next_resync_at = None, time.monotonic() + RESYNC_INTERVAL_S
         self._last_hello = detok_instance
         entries = [[rid, r.meta, p.pack_token_ids(r.tokens), False, None, *r.counts, None]
@@ -296,6 +383,11 @@ class EngineStage:
         """Hand an item to the output thread, waiting while its queue is full (backpressure from
         a slow detokenizer). Without a timeout the wait ends once the drain's time is up (the item
         is dropped: nobody is reading); with one, `queue.Full` says it could not be queued."""
+        # [ZH-START]
+        # 1. 往 outbox（最多 64 项）放；默认每次最多等 0.1 秒，然后重试——detokenizer 慢，引擎就跟着等，但不丢。
+        # 2. 给了 timeout 时 queue.Full 直接抛给调用方。
+        # 3. 没给 timeout：stop 已置位就启动 drain 计时（同时定下放弃时间）；超过 _give_up_at 说明没人在读，丢弃这一项返回。
+        # [ZH-END]
         while True:
             try:
                 self.outbox.put(item, timeout=timeout if timeout is not None else 0.1)
@@ -309,6 +401,11 @@ class EngineStage:
                     return
 
     def _shutdown(self, reason: str) -> None:
+        # [ZH-START]
+        # 1. 放弃时间 = 现在 + 2 秒（SHUTDOWN_SEND_S），置 _stopping 让输入线程退出。
+        # 2. 依次放入 EngineStatus(alive=False, 原因) 和 _STOP，各最多等 2 秒；放不进只记警告。
+        # 3. join 两个线程（各最多 3 秒），关闭 socket，释放安全设置。
+        # [ZH-END]
         self._give_up_at = time.monotonic() + SHUTDOWN_SEND_S
         self._stopping.set()
         try:
@@ -325,6 +422,10 @@ class EngineStage:
     # ------------------------------------------------------------------ I/O threads
 
     def _input_loop(self) -> None:
+        # [ZH-START]
+        # 1. 直到 _stopping：反复 _receive()。
+        # 2. 任何异常只记为 "internal" 拒绝帧：一个 bug 只花掉一帧，不会杀死输入线程（进而杀死引擎）。
+        # [ZH-END]
         while not self._stopping.is_set():
             try:
                 self._receive()
@@ -332,6 +433,14 @@ class EngineStage:
                 self.rejects("internal", "unexpected error while receiving a frame", exc_info=True)
 
     def _receive(self) -> None:
+        # [ZH-START]
+        # 1. 已排队未准入的请求 >= max_queued：睡 10 ms 不读 socket，让它填满，tokenizer 就会停下来挡住客户端。
+        # 2. poll 100 ms，有帧就收。
+        # 3. 解帧；TokenizedReq 顺便解包 prompt ids；只接受 TokenizedReq / AbortReq / DetokHello，
+        #    其他一律 ProtocolError → 记 "bad_frame"（对面只有 stage，没有回复通道）。
+        # 4. TokenizedReq 在锁内把 _num_queued 加一。
+        # 5. 放进 inbox，保持到达顺序。
+        # [ZH-END]
         if self._num_queued >= self.max_queued:  # admission backlog full: let the socket fill
             time.sleep(0.01)
             return
@@ -354,6 +463,15 @@ class EngineStage:
         self.inbox.put(msg)
 
     def _output_loop(self) -> None:
+        # [ZH-START]
+        # 1. next_heartbeat = 现在 + heartbeat_s（默认 0.25 秒）。
+        # 2. 从 outbox 取一项，最多等到下次心跳；超时就生成一个 EngineStatus(alive=True) 作为心跳。
+        # 3. 取到 _STOP → 退出线程。
+        # 4. 是 EngineStatus 就重置心跳计时。
+        # 5. 编码并 _send：Message 直接 encode，step 元组交给 _encode_step（打包在这个线程做，不占主线程）；
+        #    过了放弃时间的帧发不出去就丢，但队列照样清空。
+        # 6. 引擎很忙、一直有 step 时，到点也额外发一次心跳，detokenizer 才能持续拿到统计并确认存活。
+        # [ZH-END]
         next_heartbeat = time.monotonic() + self.heartbeat_s
         while True:
             try:
@@ -381,6 +499,10 @@ class EngineStage:
     def _send(self, frame: bytes) -> bool:
         """Push one frame, waiting at the HWM (backpressure from a slow detokenizer); while
         stopping, give up after `SHUTDOWN_SEND_S` so a vanished detokenizer cannot hold us."""
+        # [ZH-START]
+        # 1. NOBLOCK 推一帧，成功返回 True。
+        # 2. zmq.Again（到达 HWM，detokenizer 慢）：超过 _give_up_at 返回 False；否则 poll POLLOUT 100 ms 再试。
+        # [ZH-END]
         while True:
             try:
                 self._out_sock.send(frame, zmq.NOBLOCK)
@@ -392,6 +514,11 @@ class EngineStage:
 
     def _encode_step(self, started: list[list], rejected: list[list], outputs: list[Any]) -> bytes:
         """One StepOutput frame; token ids packed (one C call per request, no per-token loop)."""
+        # [ZH-START]
+        # 1. 每个输出变成一行 [id, 打包的新 token, finished, reason, prompt 数, output 数, cached 数, error]，
+        #    token 打包是每请求一次 C 调用，没有逐 token 的 Python 循环。
+        # 2. 连同引擎实例 id、started、rejected 组成一个 StepOutput 帧。
+        # [ZH-END]
         rows = [[o.request_id, p.pack_token_ids(o.new_token_ids), o.finished, o.finish_reason,
                  o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, _error(o)] for o in outputs]
         return p.StepOutput(self.instance_id, started, rejected, rows).encode()

@@ -10,6 +10,14 @@ per-request state: a restarted tokenizer loses nothing that is already past it.
 Backpressure: while the engine pipe is full, the stage stops reading clients, so their sockets
 fill up and their sends wait. With no engine connected at all, requests are refused at once.
 """
+# [ZH-START]
+# 【模块定位】服务的第一站：客户端请求的"前门"。
+#   客户端 DEALER →【tokenizer_proc：校验、套 chat 模板、分词】→ PUSH → engine_proc → detok_proc → 客户端
+# 每个请求在这里被检查（出错直接回给发送者，进程继续服务别人）、转成 TokenizedReq 推给引擎；
+# abort 走同一条 PUSH，所以永远排在它的请求之后到达引擎。
+# 本进程不保存任何请求状态：重启只会丢掉还没推给引擎的请求，而客户端发现 tokenizer 实例换了会重发它们。
+# 背压：引擎管道满时停止读客户端，客户端的发送随之等待；完全没有引擎连接时，请求在 1 秒宽限后被拒绝。
+# [ZH-END]
 from __future__ import annotations
 
 import collections
@@ -47,9 +55,22 @@ long for the model before spending time tokenizing it."""
 
 class RequestRejected(ValueError):
     """A request the stage refuses; the text goes back to the client."""
+    # [ZH-START]
+    # 【职责】"这个请求被拒绝"的异常，消息文本原样作为错误增量回给客户端。
+    # 【边界】只表示请求本身的问题（参数、长度、模板）；内部 bug 不用它，由 handle 的兜底捕获。
+    # 【协作者】tokenize / _prompt_ids / _bounded / _as_stop_list 抛出，_on_generate 捕获并回复。
+    # [ZH-END]
 
 
 class TokenizerStage:
+    # [ZH-START]
+    # 【职责】从客户端 ROUTER 收消息，校验采样参数与 stop string、套 chat 模板、分词、检查长度，
+    # 把 TokenizedReq 和 abort 推给引擎；回答 ping（带上引擎是否已连接）。
+    # 【边界】不保存请求状态（只有等待管道空位的 pending 帧队列，以及供存活客户端计数用的最近活动时间）；
+    # 不发送输出（那是 detok_proc）；不判断 prompt 能否放进 KV cache（引擎 add_request 判断）。
+    # 【协作者】客户端的 DEALER；engine_proc 的 PULL（经 pipeline_push）；PeerMonitor 看引擎是否连着；
+    # Notifier 向 systemd 报 READY / 看门狗；TokenizerMetrics 记指标。
+    # [ZH-END]
     def __init__(self, tokenizer: Any, sampling_fields: set[str], make_sampling, frontend: str,
                  engine: str, ctx: zmq.Context | None = None, max_prompt_tokens: int | None = None,
                  security: ServiceSecurity | None = None, metrics: TokenizerMetrics | None = None):
@@ -78,6 +99,17 @@ class TokenizerStage:
     # ------------------------------------------------------------------ loop
 
     def run(self, stop) -> None:
+        # [ZH-START]
+        # 1. poller 注册客户端 ROUTER（POLLIN）和引擎 PUSH（先不关心事件）；notifier.ready 报告已在服务。
+        # 2. 循环直到 flush_until：
+        #    a. stop 被置位且还没在 draining：进入 draining，flush_until = 现在 + 1 秒（新请求回 DRAINING 错误，
+        #       已接收的继续推给引擎，最多一秒）；
+        #    b. draining 且 pending 已空：退出；
+        #    c. notifier.tick（看门狗）、每秒刷新一次存活客户端数；
+        #    d. 背压开关：pending 非空时不读客户端、改等引擎 PUSH 可写；pending 为空时只读客户端；
+        #    e. poll 100 ms → _flush_pending() 尽量把积压推给引擎 → 客户端可读就 _drain_frontend()。
+        # 3. 关闭所有 socket。
+        # [ZH-END]
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.to_engine, 0)
@@ -117,6 +149,11 @@ class TokenizerStage:
         self.security.close()
 
     def _drain_frontend(self, budget: int = 256) -> None:
+        # [ZH-START]
+        # 1. 每轮最多处理 budget = 256 条消息，免得一个繁忙客户端饿死循环里的其他工作。
+        # 2. 一旦 pending 非空（引擎管道满）立即停止读取，剩下的留在 socket 里形成背压。
+        # 3. NOBLOCK 收一条：parts[0] 是 ROUTER 加上的客户端身份，其余交给 handle。
+        # [ZH-END]
         for _ in range(budget):
             if self.pending:
                 return
@@ -131,6 +168,11 @@ class TokenizerStage:
     def handle(self, identity: bytes, frames: list[bytes]) -> None:
         """One client message. Whatever it holds, the stage answers and carries on: a bug while
         handling one frame costs that frame an error reply, never the stage."""
+        # [ZH-START]
+        # 1. 调 _handle 处理一条客户端消息。
+        # 2. 任何未预料的异常：记为 "internal" 拒绝（带 traceback），给这个客户端回一个 ErrorOutput；
+        #    进程继续运行——一个 bug 只花掉这一帧。
+        # [ZH-END]
         try:
             self._handle(identity, frames)
         except Exception as e:
@@ -139,6 +181,17 @@ class TokenizerStage:
                                                        f"{type(e).__name__}: {e}")))
 
     def _handle(self, identity: bytes, frames: list[bytes]) -> None:
+        # [ZH-START]
+        # 1. 计数，记下该客户端最近活动时间。
+        # 2. 不是恰好一帧 → 记 "multipart"，回错误。
+        # 3. p.decode 解帧（协议版本、类型、字段、大小与嵌套都在这里检查）；ProtocolError → 记 "bad_frame"，
+        #    回 ErrorOutput（能认出 request_id 就带上）。
+        # 4. 按类型分发：
+        #    GenerateReq → _on_generate；
+        #    AbortReq → 换成引擎侧 id "<客户端身份 hex>:<request_id>"，经 _forward 排进同一队列（request_id 传 "" 表示不需要回复）；
+        #    Ping → 回 Pong("tokenizer", 实例 id, 引擎是否已连接, 状态, 运行时长)；
+        #    其他类型 → 记 "wrong_type"，回错误说明只接受 generate / abort / ping。
+        # [ZH-END]
         self.metrics.frame_received()
         self._clients_seen[identity] = time.monotonic()
         if len(frames) != 1:
@@ -164,6 +217,11 @@ class TokenizerStage:
                                                 "send 'generate', 'abort' or 'ping'"))
 
     def _on_generate(self, identity: bytes, req: p.GenerateReq) -> None:
+        # [ZH-START]
+        # 1. draining 中：回 DRAINING 错误增量。
+        # 2. tokenize()：RequestRejected → 回它的文本；其他异常（分词器或模板意外失败）→ 记 "internal"，回 "could not tokenize"。
+        # 3. 记录分词耗时，_forward 把 TokenizedReq 帧排队推给引擎。
+        # [ZH-END]
         if self.state == "draining":
             self.metrics.request_rejected()
             self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, DRAINING)]))
@@ -186,6 +244,16 @@ class TokenizerStage:
 
     def tokenize(self, identity: bytes, req: p.GenerateReq) -> p.TokenizedReq:
         """Validate and tokenize; `RequestRejected` says what was wrong."""
+        # [ZH-START]
+        # 1. sampling 里有未知字段 → 拒绝并列出允许的字段；有服务尚不支持的字段（logprobs、logits_processors）→ 拒绝。
+        # 2. stop = req.stop + sampling.stop（单个字符串或列表），两处合计受同一限制（最多 64 个、每个 1024 字符）。
+        # 3. 取出 skip_special_tokens、include_stop_str_in_output：这些是文本侧字段，交给 detokenizer，不给引擎。
+        # 4. 用 make_sampling(...) 试建一次 SamplingParams 做校验；ValueError / TypeError → "invalid sampling parameters"。
+        # 5. ids = _prompt_ids(req)。
+        # 6. meta = {client 身份, rid, stop, skip, include_stop, min_tokens, tail = prompt 最后 8 个 token（打包）, t = 时间}，
+        #    引擎原样转给 detokenizer，用来建 IncrementalDetokenizer 和路由输出。
+        # 7. 返回 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend)。
+        # [ZH-END]
         unknown = set(req.sampling) - self.sampling_fields
         if unknown:
             raise RequestRejected(f"unknown sampling parameter(s) {show(sorted(unknown))}; "
@@ -216,6 +284,13 @@ class TokenizerStage:
                               priority=req.priority, resend=req.resend)
 
     def _prompt_ids(self, req: p.GenerateReq) -> list[int]:
+        # [ZH-START]
+        # 1. 给了 prompt_token_ids：直接用。
+        # 2. 给了 messages：apply_chat_template(add_generation_prompt=True, tokenize=False)，失败 → 拒绝；
+        #    文本先过 _bounded，再 encode(add_special_tokens=False)（模板里已经带了特殊 token）。
+        # 3. 否则是 prompt 文本：_bounded 后 encode。
+        # 4. 空 prompt → 拒绝；token 数 >= max_prompt_tokens（模型上下文长度）→ 拒绝：prompt 加至少一个输出 token 必须放得下。
+        # [ZH-END]
         if req.prompt_token_ids is not None:
             ids = req.prompt_token_ids
         elif req.messages is not None:
@@ -236,6 +311,10 @@ class TokenizerStage:
     def _bounded(self, text: str) -> str:
         """Refuse, before tokenizing, text far longer than any prompt the model could take: a
         megabyte of text costs the stage seconds and hundreds of MB to turn into tokens."""
+        # [ZH-START]
+        # 1. 字符数 > 64 × max_prompt_tokens：不可能是放得下的 prompt，分词前就拒绝（1 MB 文本分词要花几秒和几百 MB）。
+        # 2. 否则原样返回。
+        # [ZH-END]
         if self.max_prompt_tokens is not None and len(text) > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:
             raise RequestRejected(f"prompt has {len(text)} characters, more than the model's context length of "
                                   f"{self.max_prompt_tokens} tokens could hold (at most {MAX_CHARS_PER_TOKEN} "
@@ -247,6 +326,12 @@ class TokenizerStage:
         self._flush_pending()
 
     def _flush_pending(self) -> None:
+        # [ZH-START]
+        # 1. 按顺序取队头 (入队时间, 客户端身份, request_id, 帧)，NOBLOCK 推给引擎；成功就出队，继续下一个。
+        # 2. zmq.Again（管道满或没有引擎）：已等时间 < 上限就返回，继续持有并停止读客户端；
+        #    上限 = 引擎连着时 10 秒（ENGINE_STALL_S），没连着时 1 秒（ENGINE_RECONNECT_GRACE_S，给重启的引擎重连）。
+        # 3. 超过上限：丢弃队头；如果是请求（request_id 非空）就回一个 NO_ENGINE 错误增量并标 engine_dead，abort 则不用回复。
+        # [ZH-END]
         while self.pending:
             queued_at, identity, request_id, frame = self.pending[0]
             try:
@@ -264,6 +349,10 @@ class TokenizerStage:
             self.pending.popleft()
 
     def _reply(self, identity: bytes, msg: p.Message) -> None:
+        # [ZH-START]
+        # 1. NOBLOCK 发 [客户端身份, 消息] 到 ROUTER。
+        # 2. 失败（EHOSTUNREACH：客户端已走；EAGAIN：它不读）只记日志，不重试也不阻塞前门。
+        # [ZH-END]
         try:
             self.frontend.send_multipart([identity, msg.encode()], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: client gone; EAGAIN: it is not reading

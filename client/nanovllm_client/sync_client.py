@@ -6,6 +6,15 @@ the tokenizer for requests/aborts, DEALER to the detokenizer for outputs) and th
 User threads hand it commands through a lock-guarded inproc PUSH and read their deltas from a
 per-stream queue.
 """
+# [ZH-START]
+# 【模块定位】阻塞式客户端库，位于整条流水线的两端：
+#   应用 →【Client：DEALER → tokenizer_proc】→ engine_proc → detok_proc →【DEALER ← Client】→ Stream 迭代器 → 应用
+# 一个 Client 对象可被多个线程同时使用、承载多条并发流。ZeroMQ socket 不是线程安全的，
+# 所以由一个后台 I/O 线程独占两个 DEALER（发往 tokenizer 的请求 / abort，来自 detokenizer 的输出）
+# 和协议状态 ClientState（在途请求、各 stage 的健康、stage 重启后的重发与续传）；
+# 用户线程通过加锁的 inproc PUSH 给它发命令，从每条流自己的队列里读增量。
+# 只依赖 pyzmq + msgpack，不装 torch。
+# [ZH-END]
 from __future__ import annotations
 
 import collections
@@ -31,6 +40,12 @@ _instances = itertools.count()
 
 class Stream:
     """Iterator over one request's deltas. Breaking out, `cancel()` or garbage collection aborts it."""
+    # [ZH-START]
+    # 【职责】一个请求的增量迭代器：按截止时间等待下一个 Delta，看到终止增量就结束并释放请求 id，
+    # 出错时（raise_on_error）抛 EngineDeadError / RequestError；中途 break、cancel() 或被回收都会 abort 该请求。
+    # 【边界】不碰 socket（一切经 Client 的 I/O 线程）；不拼接文本（Client.generate 用 merge 拼）。
+    # 【协作者】Client.stream 创建它；它读的 SimpleQueue 由 I/O 线程的 _route 填充；cancel 经 Client._send 发 abort。
+    # [ZH-END]
 
     def __init__(self, client: Client, request_id: str, wire_id: str, deltas: queue.SimpleQueue, deadline: float,
                  raise_on_error: bool):
@@ -44,6 +59,14 @@ class Stream:
         return self
 
     def __next__(self) -> Delta:
+        # [ZH-START]
+        # 1. 已结束 → StopIteration。
+        # 2. 从本流的队列取一个增量，最多等到 deadline；超时 → cancel()（在服务端 abort）并抛 RequestTimeoutError。
+        # 3. 把增量的 request_id 换回调用方给的 id（线上用的是 wire id "<id>#<n>"）。
+        # 4. 终止增量：标记结束，_end_stream 释放 id（之后可立即复用）；
+        #    finish_reason 为 error 且 raise_on_error → engine_dead 时抛 EngineDeadError，否则抛 RequestError。
+        # 5. 返回增量。
+        # [ZH-END]
         if self._done:
             raise StopIteration
         try:
@@ -62,6 +85,11 @@ class Stream:
 
     def cancel(self) -> None:
         """Abort the request in the engine (idempotent); the iterator ends."""
+        # [ZH-START]
+        # 1. 已结束则什么都不做（幂等）。
+        # 2. 标记结束，_end_stream 注销本流（之后到达的输出被丢弃）。
+        # 3. 向 I/O 线程发 _ABORT 命令（wire id + AbortReq 帧）；它会排在该请求之后经 tokenizer 到达引擎，释放 KV 块。
+        # [ZH-END]
         if not self._done:
             self._done = True
             self._client._end_stream(self.request_id, self._wire_id)
@@ -76,10 +104,26 @@ class Stream:
 
 class Client(ClientBase):
     """`Client("ipc:///run/nanovllm")` or `Client("tcp://127.0.0.1:5550")`; a context manager."""
+    # [ZH-START]
+    # 【职责】同步客户端：对外提供 stream / generate / abort / server_stats / wait_engine / close；
+    # 对内一个后台 I/O 线程持有两个 DEALER 和 ClientState，定时 ping 两个 stage，把收到的帧变成增量分发到各流。
+    # 【边界】协议逻辑（tokenizer 重启后重发、detokenizer 重启后 Resume、引擎死亡判定）在 client_state.ClientState，
+    # 与 AsyncClient 共用，这里只做 I/O 和线程间传递；不自动重试失败的请求；两个 DEALER 用同一个随机路由 id，
+    # 以便 detokenizer 把输出路由回来。
+    # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping）；detok_proc（Ping / StatsReq / Resume，收 StreamOutput /
+    # Pong / EngineStatus / StatsOutput）；Stream；ClientBase 提供地址、id 分配和超时。
+    # [ZH-END]
 
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
                  connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000,
                  stage_timeout: float = 30.0, curve: tuple[CurveKeys, bytes] | None = None):
+        # [ZH-START]
+        # 1. ClientBase 初始化：解析服务 URL 得到四个端点、超时、随机路由 id、ClientState、CURVE 密钥。
+        # 2. _ready 事件：detokenizer 回了 pong（它已认识我们的路由 id）之后才置位。
+        # 3. _streams：wire id → 该流的 SimpleQueue；_stats：server_stats 的回复队列。
+        # 4. 新建 zmq.Context，绑定一个本实例唯一的 inproc 命令端点，PUSH 端由 _cmd_lock 保护。
+        # 5. 启动守护线程 _io_loop。
+        # [ZH-END]
         super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout, curve)
         self._ready = threading.Event()
         self._streams: dict[str, queue.SimpleQueue] = {}
@@ -98,6 +142,16 @@ class Client(ClientBase):
     def stream(self, prompt: Any = None, *, timeout: float | None = None, raise_on_error: bool = True,
                **kwargs: Any) -> Stream:
         """Start a request; iterate the result for `Delta`s. See `build_request` for arguments."""
+        # [ZH-START]
+        # 1. build_request：检查参数，建 GenerateReq。
+        # 2. _wait_ready：等 detokenizer 应答 ping，最多 connect_timeout；不然抛 ServiceUnavailableError——
+        #    在它认识我们的路由 id 之前发请求，输出可能被 ROUTER 丢掉。
+        # 3. _refuse_if_unavailable：已知引擎死亡 → EngineDeadError；服务在 draining → ServiceDrainingError。
+        # 4. _claim：分配 wire id "<id>#<序号 hex>"，得到请求帧和 resend 帧；同一 id 仍在途 → ValueError。
+        # 5. 先建队列登记到 _streams，再发送，保证第一个增量到达时一定有人接。
+        # 6. 向 I/O 线程发 _GENERATE（wire id、帧、resend 帧）。
+        # 7. 返回 Stream（deadline = 该请求的 timeout，否则客户端默认值）。
+        # [ZH-END]
         req = build_request(prompt, **kwargs)
         self._wait_ready()
         self._refuse_if_unavailable(req.request_id)
@@ -114,6 +168,10 @@ class Client(ClientBase):
 
     def abort(self, request_id: str) -> None:
         """Abort the stream of `request_id` (idempotent: unknown or finished ids are ignored)."""
+        # [ZH-START]
+        # 1. 按调用方 id 查在途的 wire id；不存在（未知或已结束）就忽略——abort 是幂等的。
+        # 2. _end_stream 注销该流，再向 I/O 线程发 _ABORT 命令（AbortReq 帧经 tokenizer 发往引擎）。
+        # [ZH-END]
         wire_id = self._wire_ids.get(request_id)
         if wire_id is not None:
             self._end_stream(request_id, wire_id)
@@ -139,6 +197,11 @@ class Client(ClientBase):
 
     def close(self, linger: float = 1.0) -> None:
         """Abort every request in flight, flush, and stop the I/O thread."""
+        # [ZH-START]
+        # 1. 已关闭则返回。
+        # 2. abort 所有在途请求，再发 _STOP 让 I/O 线程退出；最多等 linger + 5 秒。
+        # 3. 标记关闭，关闭命令 socket，terminate context。
+        # [ZH-END]
         if self._closed:
             return
         for app_id in list(self._wire_ids):
@@ -167,12 +230,30 @@ class Client(ClientBase):
         self._release(app_id, wire_id)
 
     def _send(self, *command: bytes) -> None:
+        # [ZH-START]
+        # 1. 已关闭 → RuntimeError。
+        # 2. 在 _cmd_lock 内把命令（多帧）发到 inproc PUSH：多个用户线程共用一个 socket，锁保证不交错。
+        # [ZH-END]
         if self._closed:
             raise RuntimeError("client is closed")
         with self._cmd_lock:
             self._cmd.send_multipart(list(command))
 
     def _io_loop(self) -> None:
+        # [ZH-START]
+        # 1. 在 I/O 线程里创建全部 socket：发往 tokenizer 的 DEALER、发往 detokenizer 的 DEALER（同一路由 id）、
+        #    接收命令的 PULL；pending_tok 暂存 tokenizer 暂时收不下的帧。
+        # 2. 循环：
+        #    a. 到了 ping 时间：ClientState.check_detok()（detokenizer 沉默太久就让在途流失败）并分发结果；
+        #       未就绪就清掉 _ready；对两个 stage 各发 Ping（管道满说明该 stage 不在，跳过）；
+        #       下次 ping：已就绪 heartbeat_interval（默认 1 秒）后，否则 0.1 秒后（尽快完成握手）；
+        #    b. 有积压时才关心 tokenizer socket 的可写事件；
+        #    c. poll 到下次 ping 为止；
+        #    d. 有命令 → _drain_commands；收到 _STOP 就跳出循环；
+        #    e. tokenizer 可写时按序发出积压帧（背压时保持顺序，abort 不会越过请求）；
+        #    f. 两个 DEALER 有帧 → _drain_incoming。
+        # 3. 退出时：把积压帧（close() 排下的 abort）NOBLOCK 交给 zmq（linger 1 秒），然后关闭 socket。
+        # [ZH-END]
         tok = self._dealer(self._ctx, self.endpoints.tokenizer)
         out = self._dealer(self._ctx, self.endpoints.stream)
         cmd = self._ctx.socket(zmq.PULL)
@@ -212,6 +293,13 @@ class Client(ClientBase):
                 sock.close()
 
     def _drain_commands(self, cmd: zmq.Socket, out: zmq.Socket, pending_tok: collections.deque) -> bool:
+        # [ZH-START]
+        # 1. NOBLOCK 取完所有命令。
+        # 2. _STOP → 返回 True，让 I/O 循环退出。
+        # 3. _GENERATE：ClientState.sent(wire id, resend 帧) 登记在途（供重发 / 续传），请求帧进 pending_tok。
+        # 4. _ABORT：ClientState.forget(wire id)，abort 帧进 pending_tok（与请求同一队列，顺序不乱）。
+        # 5. _TO_STREAM：直接发给 detokenizer（如 StatsReq）。
+        # [ZH-END]
         while True:
             try:
                 command = cmd.recv_multipart(zmq.NOBLOCK)
@@ -230,6 +318,14 @@ class Client(ClientBase):
                 out.send(command[1])
 
     def _drain_incoming(self, sock: zmq.Socket, out: zmq.Socket, pending_tok: collections.deque) -> None:
+        # [ZH-START]
+        # 1. NOBLOCK 收完该 socket 的帧，逐帧交给 ClientState.handle 得到 Reaction；处理出错只记日志跳过这一帧，
+        #    I/O 线程不能死（所有流都在等它）。
+        # 2. ClientState 就绪 → 置位 _ready。
+        # 3. stats 回复放进 _stats 队列。
+        # 4. 需要重发给 tokenizer 的请求（tokenizer 换了实例）进 pending_tok；发给 detokenizer 的 Resume 立即发送。
+        # 5. _route 把增量分发到各流。
+        # [ZH-END]
         while True:
             try:
                 frame = sock.recv(zmq.NOBLOCK)
@@ -250,6 +346,10 @@ class Client(ClientBase):
             self._route(reaction.deltas)
 
     def _route(self, deltas: list[Delta]) -> None:
+        # [ZH-START]
+        # 1. 按增量的 wire id 找到流的队列并放入。
+        # 2. 找不到（流已结束或已取消）就丢弃：旧流迟到的输出永远到不了复用同一 id 的新流。
+        # [ZH-END]
         for delta in deltas:
             target = self._streams.get(delta.request_id)
             if target is not None:

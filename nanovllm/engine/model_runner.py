@@ -10,6 +10,24 @@ CUDA graphs (engine/cuda_graphs.py). With `tensor_parallel_size` N this object i
 starts ranks 1..N-1 as worker processes (engine/tp_workers.py), each running its own ModelRunner
 shard, and broadcasts every step's inputs to them; only rank 0 samples.
 """
+# [ZH-START]
+# 【模块定位】引擎里"真正执行一步"的那一层：调度器决定这一步算哪些 token，
+# ModelRunner 把它们送进模型、读写分页 KV cache、采样出下一个 token。
+# 服务整体：客户端 → tokenizer_proc → engine_proc(LLMEngine) → detok_proc → 客户端
+# 引擎内部的一步（本文件是中间这段的总控）：
+#   Scheduler.schedule() → list[ScheduledSeq]
+#     → ModelRunner.run()
+#         StepInput.from_scheduled()          纯 list 数据（step_input.py）
+#         → build_cpu_batch / build_gpu_batch  张量 + AttentionMetadata
+#         → DecoderForCausalLM 前向，每层 PagedAttention 读写 KV（attention.py）
+#         → compute_logits (B, V) → Sampler（sampler.py）→ 每条序列一个 token id
+#     → Scheduler.postprocess() 追加 token、判定结束 → LLMEngine 产出 RequestOutput
+# 它独占两样资源：模型权重，和所有层共用的一整块 KV cache 张量。
+# KV 块数在这里算出（CPU 按 kv_cache_memory_gib，GPU 靠预热实测，见 kv_budget.py），
+# BlockManager 再按这个块数管理块 id。
+# 张量并行时本对象就是 rank 0：拉起 rank 1..N-1 的 worker 进程，每步把 StepInput
+# 广播过去，各 rank 同步前向，只有 rank 0 采样。
+# [ZH-END]
 from __future__ import annotations
 
 import importlib
@@ -67,6 +85,12 @@ def _shutdown(workers: WorkerProcesses | None, channel: StepChannel | None, work
     The goodbye runs in a thread with a deadline: a worker stuck in a collective rank 0 never
     joined (rank 0 failed mid-step) cannot receive it, and terminating it unblocks the send.
     """
+    # [ZH-START]
+    # 1. 有 worker 且它们已进入 serve_steps：开一个守护线程发 ["exit"]，最多等 5 秒
+    #    （worker 若卡在 rank 0 没参加的集合通信里，send 会一直阻塞，所以放线程里限时）。
+    # 2. workers.close()：正常道别时给 10 秒退出，否则（启动失败）timeout 0 直接 terminate。
+    # 3. 再等道别线程 1 秒；有 channel 时 shutdown_tensor_parallel() 退出进程组。
+    # [ZH-END]
     goodbye = None
     if workers is not None and channel is not None and workers_serving:
         goodbye = threading.Thread(target=_say_goodbye, args=(channel,), daemon=True)
@@ -88,7 +112,27 @@ def _say_goodbye(channel: StepChannel) -> None:
 
 
 class ModelRunner:
+    # [ZH-START]
+    # 【职责】持有模型权重、整块 KV cache 和（仅 rank 0）Sampler；选注意力路径
+    # （Triton / 编译好的 C 核 / torch 算子）；算出 KV 块数；把调度结果执行成一步前向 + 采样。
+    # 【边界】不决定调度谁、不分配块（Scheduler / BlockManager 的事，它只照块表读写 slot）；
+    # 不管请求生命周期、不做停止判定、不做 detokenize；不知道引擎层的 max_model_len，
+    # 自己用 resolve_max_model_len 重算同一个默认值（用于块表宽度和 CUDA graph）。
+    # 【协作者】LLMEngine 调 run() 并读 num_blocks / sampler / device；
+    # PagedAttention 各层从这里拿到 k_cache / v_cache 视图和 cpu_kernel / triton_ops；
+    # DecodeGraphs 负责 decode 步的 CUDA graph；WorkerProcesses + StepChannel 负责张量并行。
+    # [ZH-END]
     def __init__(self, config: Config, model_config: ModelConfig, model_path: str, rank: int = 0):
+        # [ZH-START]
+        # 1. validate_tensor_parallel：heads / kv heads / intermediate_size 必须能被 TP size 整除。
+        # 2. resolve_device：auto → 有 CUDA 用 cuda，否则 cpu；TP 时 rank r 固定用 cuda:r。
+        #    resolve_dtype：auto 时 CPU 看指令集（AMX-BF16 / AVX512-BF16 → bf16，否则 fp32），
+        #    GPU 用模型自带 dtype，模型是 fp32 则改用 bf16。
+        # 3. max_model_len 按同一规则解析；workers / channel / graphs 先置空，tp 先是单卡 TensorParallel()。
+        # 4. 调 _start() 真正加载；任何异常（BaseException，含 Ctrl-C）都先 _shutdown(workers_serving=False)
+        #    把已拉起的 worker 直接终止，再把异常抛出去。
+        # 5. 成功后挂 weakref.finalize(_shutdown, ..., True)：close()、对象回收或进程退出时都会道别一次。
+        # [ZH-END]
         mc = model_config
         validate_tensor_parallel(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, config.tensor_parallel_size)
         self.config = config
@@ -110,6 +154,22 @@ class ModelRunner:
         self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.channel, True)
 
     def _start(self, model_path: str) -> None:
+        # [ZH-START]
+        # 1. CUDA：set_device，并记下 free_at_start = mem_get_info()[0]，这是 KV 预算里"本进程用了多少"的基线；
+        #    CPU：torch.set_num_threads(num_threads 或 可用核数 // TP size)，各 rank 平分核。
+        # 2. TP size > 1：rank 0 先 check_can_init()，再 WorkerProcesses.start + wait_ready（worker 起不来立刻报错）；
+        #    然后所有 rank 调 init_tensor_parallel，得到计算组 tp 和控制组 channel。
+        # 3. 只有 rank 0 建 Sampler(vocab_size, device, seed)，其他 rank 为 None。
+        # 4. 在目标设备上构建 DecoderForCausalLM 并转成 dtype → load_weights 逐张量流式加载
+        #    → pack_linear_weights（CPU 上给 oneDNN 预打包权重）→ eval()。
+        # 5. 收集模型里所有 PagedAttention 层。
+        # 6. 选注意力路径：CUDA 上才 import triton_attention 模块并交给各层（CPU 上从不导入 triton）；
+        #    CPU 上 dtype 为 fp32/bf16 且 head_dim <= 256 时加载 CpuAttentionKernel 和融合算子 CpuOps，
+        #    否则（或无编译器、NANOVLLM_CPU_KERNELS=0 时 load() 返回 None）走 torch 算子。
+        # 7. num_blocks = _num_kv_blocks()，再 _allocate_kv_cache() 分配真正的 cache。
+        # 8. CUDA 且非 enforce_eager：DecodeGraphs 捕获 decode CUDA graph（batch 桶 1,2,4,8,16,32,... 直到
+        #    max_num_seqs），块表缓冲宽 max_blocks_per_seq。
+        # [ZH-END]
         config, size = self.config, self.config.tensor_parallel_size
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -181,6 +241,14 @@ class ModelRunner:
         return 2 * cfg.num_layers * self.block_size * self.num_local_kv_heads * cfg.head_dim * elem
 
     def _num_kv_blocks(self) -> int:
+        # [ZH-START]
+        # 1. 用户给了 num_kvcache_blocks 就直接用。
+        # 2. CUDA：_measure_gpu_kv_blocks() 实测，再 tp.min_int 取所有 rank 的最小值
+        #    （各 rank 必须持有同一组块 id，否则同一个 slot 在不同 rank 上含义不同）。
+        # 3. CPU：预算 = kv_cache_memory_gib × 2^30 字节，块数 = 预算 // bytes_per_block；
+        #    bytes_per_block = 2(K 和 V) × 层数 × block_size × 本 rank 的 kv heads × head_dim × 元素字节数。
+        # 4. 一块都放不下就抛 ValueError，告诉用户调大 kv_cache_memory_gib。
+        # [ZH-END]
         if self.config.num_kvcache_blocks is not None:
             return self.config.num_kvcache_blocks
         if self.device.type == "cuda":
@@ -196,6 +264,12 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_cache(self) -> None:
+        # [ZH-START]
+        # 1. 一次分配整块 cache：形状 (2, num_layers, num_blocks, block_size, local_kv_heads, head_dim)，
+        #    第 0 维 0 是 K、1 是 V；用 zeros，保证从未写过的 slot 也是有限值。
+        # 2. 第 i 个 PagedAttention 层拿到 kv_cache[0, i] / kv_cache[1, i] 两个视图，
+        #    每个形状 (num_blocks, block_size, KVH, D)，与 Triton 核的布局相同，不发生拷贝。
+        # [ZH-END]
         cfg = self.model_config
         shape = (2, cfg.num_layers, self.num_blocks, self.block_size, self.num_local_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -204,6 +278,21 @@ class ModelRunner:
 
     def _measure_gpu_kv_blocks(self) -> int:
         """Run the largest step once on a scratch cache, then budget what is left (kv_budget.py)."""
+        # [ZH-START]
+        # 1. 构造"最大的一步"：seq_len = min(max_model_len, max_num_batched_tokens)，
+        #    num_seqs = max(1, min(max_num_batched_tokens // seq_len, max_num_seqs))，
+        #    每条序列 blocks_per_seq = ceil(seq_len / block_size) 块。
+        # 2. 临时把 num_blocks 设为 num_seqs × blocks_per_seq，分配一个只够这次预热的草稿 cache。
+        # 3. StepInput：num_seqs 条全 0 token 的 prefill，各 seq_len 个 token、从位置 0 开始、块连续编号；
+        #    sample_rows 取 max_num_seqs 行（i % rows），于是 logits 是 (max_num_seqs, V)，模拟满批采样。
+        # 4. reset_peak_memory_stats → _execute(step)；rank 0 再对 logits 做一次整词表 sort（top-p 的显存峰值）。
+        # 5. synchronize 后读 peak = max_memory_allocated、allocated = memory_allocated；草稿 cache 在重置峰值
+        #    之前就已分配，所以 peak - allocated 正好是激活显存。
+        # 6. 释放草稿 cache（kv_cache=None，各层 k/v 换成空张量）+ empty_cache，再读 free_now, total。
+        # 7. gpu_kv_cache_bytes：激活 = peak - allocated；本进程已用 = (free_at_start - free_now) + 激活；
+        #    预算 = min(utilization × total - 本进程已用, free_now - 激活)，最少为 0。
+        # 8. num_blocks_for：预算 // bytes_per_block；一块都不够就 ValueError，提示调 gpu_memory_utilization 等参数。
+        # [ZH-END]
         cfg = self.config
         seq_len = min(self.max_model_len, cfg.max_num_batched_tokens)
         num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
@@ -240,6 +329,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> list[int]:
+        # [ZH-START]
+        # 1. StepInput.from_scheduled(scheduled)：转成纯 list 数据，decode 行在前、prefill 分块在后。
+        # 2. 张量并行时先经 channel 广播 ["step", step.to_wire()]：worker 在 serve_steps 里收到后同步执行，
+        #    前向中的 all-reduce 才凑得齐所有 rank。
+        # 3. 本步没有任何序列要采样（都是没到末尾的 prefill 分块）：只做前向把 K/V 写进 cache，返回 []。
+        # 4. 否则 logits = _execute(step)，形状 (B, V)，B 为要采样的序列数，顺序与 scheduled 中的采样项一致。
+        # 5. sampler(logits, [s.seq ...]) → 每条序列一个 token id；采样失败的行是 SAMPLE_FAILED(-1)，
+        #    由 Scheduler 以 finish_reason "error" 结束该请求。
+        # [ZH-END]
         step = StepInput.from_scheduled(scheduled)
         if self.channel is not None:
             self.channel.send(["step", step.to_wire()])
@@ -252,6 +350,12 @@ class ModelRunner:
 
     def serve_steps(self) -> None:
         """Worker ranks: run each step rank 0 broadcasts, in lockstep, until it sends "exit"."""
+        # [ZH-START]
+        # 1. worker rank 循环：channel.receive() 阻塞等 rank 0 的下一条消息（控制组超时一年，空闲等待不算故障）。
+        # 2. 收到 ["exit"] 就返回（进程随后退出）。
+        # 3. 收到 ["step", wire]：StepInput.from_wire 还原，在 inference_mode 下 _execute；
+        #    本 rank 的 compute_logits 返回 None，不采样。
+        # [ZH-END]
         while True:
             message = self.channel.receive()
             if message[0] == "exit":
@@ -261,6 +365,16 @@ class ModelRunner:
 
     def _execute(self, step: StepInput) -> torch.Tensor | None:
         """Forward one step on this rank; logits of `step.sample_rows` on rank 0, None elsewhere."""
+        # [ZH-START]
+        # 1. Triton 路径（CUDA，或测试里 TRITON_INTERPRET）：build_gpu_batch 生成设备上的 input_ids、positions
+        #    和 int32 元数据（pinned 内存异步上传）。
+        #    只有 decode 行、有 graphs 且 graphs.can_run(num_decode, 块表宽度)（能落进某个 batch 桶、
+        #    块表不比捕获时宽）时重放 CUDA graph，否则 eager 调 model。
+        # 2. CPU 路径：build_cpu_batch（cpu_kernel 为 None 时额外生成 torch 注意力需要的 mask / slot 列表），
+        #    eager 前向得到 hidden (T, C)。
+        # 3. 没有 sample_rows → 返回 None（纯 prefill 分块的步）。
+        # 4. hidden[sample_rows] → (B, C) → compute_logits → rank 0 上 (B, V) float32，其他 rank 为 None。
+        # [ZH-END]
         if self.triton_ops is not None:
             input_ids, positions, meta = build_gpu_batch(step, self.block_size, self.device)
             graphed = (self.graphs is not None and not step.prefill_token_ids

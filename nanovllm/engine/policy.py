@@ -13,6 +13,16 @@ Custom policies subclass `SchedulerPolicy` and pass an instance as `scheduler_po
 read when a sequence enters the waiting queue and on each step for running ones, so it must not
 change while the request lives (key on `arrival`, `priority`, `num_prompt_tokens`, `params`).
 """
+# [ZH-START]
+# 【模块定位】调度策略：waiting 里谁先被接纳、running 里谁先分到 token 预算、显存不够时谁先被抢占。
+# 在引擎一步之内的位置：
+#   LLMEngine.step → Scheduler.schedule ──policy.key(seq)──▶ 排序（接纳 / 分预算 / 抢占）
+#                  → ModelRunner.run（含 Sampler）→ Scheduler.postprocess
+# 整个服务：client → tokenizer → engine（本模块在这里）→ detokenizer → client。
+# 只有一个排序键 key(seq)：键小的先接纳、后抢占；键大的后接纳、先抢占。
+# 一个键管两件事，两者就不会矛盾——最先接纳的最后被踢。
+#   FCFSPolicy：(arrival,)      PriorityPolicy：(-priority, arrival)
+# [ZH-END]
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -21,6 +31,13 @@ from nanovllm.engine.sequence import Sequence
 
 
 class SchedulerPolicy(ABC):
+    # [ZH-START]
+    # 职责：抽象基类，只规定 key(seq) -> tuple，给出顺序。
+    # 不做的事：不看 KV 块、不看 token 预算，也不修改 Sequence。
+    # 和谁打交道：只被 Scheduler 调用（入 waiting 堆时一次，每步给 running 排序时一次）。
+    # 约束：键在请求存活期间不能变（只基于 arrival、priority、num_prompt_tokens、params），
+    # 否则已经入堆的顺序就失效了。
+    # [ZH-END]
     name: str = "custom"
 
     @abstractmethod
@@ -29,16 +46,33 @@ class SchedulerPolicy(ABC):
 
 
 class FCFSPolicy(SchedulerPolicy):
+    # [ZH-START]
+    # 先来先服务（默认）：按到达序号排序，抢占时踢掉最晚到达的 running 序列。
+    # [ZH-END]
     name = "fcfs"
 
     def key(self, seq: Sequence) -> tuple:
+        # [ZH-START]
+        # 1. 取 seq.arrival：add_request 时递增分配的整数，越小越早到。
+        # 2. 包成一元组返回；Scheduler 的 waiting 堆条目是 (key, 插入序号, seq)，running 按 key 升序排，
+        #    抢占从 running 末尾 pop，即最晚到达者。
+        # [ZH-END]
         return (seq.arrival,)
 
 
 class PriorityPolicy(SchedulerPolicy):
+    # [ZH-START]
+    # 优先级调度：priority 大的先接纳；同优先级内按到达顺序。抢占时先踢优先级最低、到达最晚的。
+    # priority 由 add_request(priority=...) 给出（整数，默认 0）。
+    # [ZH-END]
     name = "priority"
 
     def key(self, seq: Sequence) -> tuple:
+        # [ZH-START]
+        # 1. 第一项取 -priority：堆是最小堆，-priority 越小即 priority 越大 → 越先接纳、越晚被抢占。
+        # 2. 第二项 arrival：同优先级内先来先服务。
+        # 3. 返回 (-priority, arrival)。例：priority 5 的请求即使晚到，也排在所有 priority 0 的前面。
+        # [ZH-END]
         return (-seq.priority, seq.arrival)
 
 
@@ -48,6 +82,14 @@ POLICIES: dict[str, type[SchedulerPolicy]] = {"fcfs": FCFSPolicy, "priority": Pr
 def make_policy(policy: str | SchedulerPolicy | None) -> SchedulerPolicy:
     """A policy from its name ("fcfs", "priority"), an import path of a `SchedulerPolicy`
     subclass ("package.module:Class"), an instance, or None for FCFS."""
+    # [ZH-START]
+    # 1. None → FCFSPolicy()。
+    # 2. 已经是 SchedulerPolicy 实例 → 原样返回。
+    # 3. 含 ":" 的字符串（"package.module:Class"）→ plugins.load_object 导入；
+    #    导入结果不是 SchedulerPolicy 的子类 → ValueError，否则无参实例化返回。
+    # 4. 其它：必须是 POLICIES 里的名字（"fcfs" / "priority"），否则 ValueError 列出所有可选写法。
+    # 5. 返回 POLICIES[policy]() 的新实例。
+    # [ZH-END]
     if policy is None:
         return FCFSPolicy()
     if isinstance(policy, SchedulerPolicy):

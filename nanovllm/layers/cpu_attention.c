@@ -18,6 +18,21 @@
  * bf16 once at the end. Returns 0, -1 if scratch memory could not be allocated, or -2 for a head
  * size over 256.
  */
+// [ZH-START]
+// 本文件在整体架构中的位置：引擎一步（step）之内的注意力计算，CPU 路径。
+//
+//   scheduler -> step_input（块表、每行上下文长度）-> model_runner -> 每层 Attention
+//       -> qk_norm_rope_store（cpu_ops.c：新 token 的 K/V 先写进分页缓存）
+//       -> paged_attention_rows（本文件：读缓存做注意力）-> o_proj -> ... -> sampler
+//
+// 核心思路：KV 缓存按块（block）分页存放，布局 [num_blocks, block_size, KVH, D]。
+// torch 的做法要先把每条序列的块 gather 成一份连续的填充副本；这里直接按块表
+// 原地读取，每行（一个查询 token 的全部 head）只遍历一次上下文，用 online softmax
+// 逐块累加，所以 K/V 每块只从内存读一次。
+// float32 与 bfloat16 共用同一份源码：BF 是编译期常量，cpu_simd.h 的 vload/vstore
+// 在读时把 bf16 展开成 fp32，写时按就近偶数舍入；所有累加都是 fp32。
+// 有 AVX512-BF16 的 CPU 上，bf16 的打分改用 vdpbf16ps，一次 16 个 key。
+// [ZH-END]
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -41,11 +56,54 @@ static inline float exp_shifted(float *s, int64_t n, float mx) {
     return hsum(sum);
 }
 
-/* Scores of one query head (float) against n cached keys, key i at element k + i * stride. */
-static inline void scores_block(const float *restrict qh, const void *k, float *restrict s, int64_t n,
+#if defined(__AVX512BF16__)
+/* One vector of the sixteen horizontal sums of a[0..15], in order: pairs interleaved within each
+ * 128-bit lane, then 64-bit halves, then the four lanes folded across. */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int t = 0; t < 8; t++)
+        b[t] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * t], a[2 * t + 1]), _mm512_unpackhi_ps(a[2 * t], a[2 * t + 1]));
+    for (int t = 0; t < 4; t++) {
+        const __m512d x = _mm512_castps_pd(b[2 * t]), y = _mm512_castps_pd(b[2 * t + 1]);
+        c[t] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int t = 0; t < 2; t++)
+        d[t] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * t], c[2 * t + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * t], c[2 * t + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+}
+
+/* bf16 scores of sixteen keys at a time with AVX512-BF16 dot products (32 products a
+ * `vdpbf16ps`, exact, summed in fp32); returns how many keys it did (a multiple of 16). */
+static inline int64_t scores_bf16_dp(const uint16_t *qb, const uint16_t *k, float *restrict s, int64_t n,
+                                     int64_t stride, float scale, const int64_t HD) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 a[16];
+        for (int t = 0; t < 16; t++) {
+            const uint16_t *kt = k + (i + t) * stride;
+            __m512 x = _mm512_setzero_ps();
+            for (int64_t j = 0; j < HD; j += 32)
+                x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(qb + j), (__m512bh)_mm512_loadu_si512(kt + j));
+            a[t] = x;
+        }
+        _mm512_storeu_ps(s + i, _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale)));
+    }
+    return i;
+}
+#endif
+
+/* Scores of one query head against n cached keys, key i at element k + i * stride: q as floats
+ * (qh) and, for bf16, as stored (qb). */
+static inline void scores_block(const float *restrict qh, const void *qb, const void *k, float *restrict s, int64_t n,
                                 int64_t stride, int64_t D_rt, float scale, const int64_t HD, const int BF) {
     const int64_t D = HD ? HD : D_rt;
     int64_t i = 0;
+#if defined(__AVX512BF16__)
+    if (BF && HD && HD % 32 == 0) i = scores_bf16_dp((const uint16_t *)qb, (const uint16_t *)k, s, n, stride, scale, HD);
+#else
+    (void)qb;
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (HD && HD % 8 == 0) {
         /* Eight keys at a time: eight independent FMA chains (one per key) instead of one long
@@ -112,6 +170,18 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
                               const int64_t *table, float *restrict qf, float *restrict acc, float *restrict s,
                               float *restrict m, float *restrict l, int64_t L, int64_t H, int64_t KVH, int64_t D_rt,
                               int64_t BS, int64_t BSP, float scale, const int64_t HD, const int BF) {
+    // [ZH-START]
+    // 一行（一个查询 token）的注意力，online softmax，按缓存块推进：
+    // 1. bf16 时先把这一行的 q（H*D 个元素）展开成 fp32 放进 qf；fp32 直接用原指针。
+    // 2. 每个 head 的运行最大值 m[h] = -inf、分母 l[h] = 0，累加器 acc 清零。
+    // 3. 对上下文的第 b 块（块号 table[b]，本块有 n = min(BS, L - t0) 个 token）：
+    //    a. 预取本块的 V 行和下一块的 K 行（块在内存里是分散的，硬件预取器每块都要重新起步）；
+    //    b. 对每个 head 算 n 个分数 s = q·k * scale（GQA：第 h 个 head 读第 h / G 个 KV head）；
+    //    c. 新最大值 mx 若超过 m[h]，旧累加按 alpha = exp(m[h] - mx) 缩放；
+    //       s 变成 exp(s - mx)，l[h] = l[h] * alpha + sum(s)；
+    //    d. acc[h] = acc[h] * alpha + sum_i s[i] * v_i。
+    // 4. 输出 out[h] = acc[h] / l[h]，bf16 时这里才舍入一次。
+    // [ZH-END]
     const int64_t D = HD ? HD : D_rt, G = H / KVH, row = KVH * D;
     if (BF) for (int64_t j = 0; j < H * D; j++) qf[j] = sload(q, j, BF);
     else qf = (float *)q;
@@ -132,7 +202,7 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
             for (int64_t j = lo; j < hi && j < v_bytes; j += 64) __builtin_prefetch(vb + j);
             if (k_next != NULL)
                 for (int64_t j = lo; j < hi && j < bytes; j += 64) __builtin_prefetch(k_next + j);
-            scores_block(qf + h * D, at(kb, (h / G) * D, BF), s + h * BSP, n, row, D, scale, HD, BF);
+            scores_block(qf + h * D, at(q, h * D, BF), at(kb, (h / G) * D, BF), s + h * BSP, n, row, D, scale, HD, BF);
         }
         for (int64_t h = 0; h < H; h++) {
             float *sh = s + h * BSP, mx = m[h];
@@ -167,6 +237,17 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
                          const int64_t *block_tables, int64_t max_blocks, const int64_t *row_table,
                          const int64_t *row_ctx, void *out, int64_t num_rows, int64_t H, int64_t KVH, int64_t D,
                          int64_t BS, float scale, int64_t bf16) {
+    // [ZH-START]
+    // 入口（Python 侧 CpuAttentionKernel.__call__ 经 ctypes 调用）：
+    // 1. head_dim 超过 256 返回 -2（标量路径的临时缓冲按这个上限设计）。
+    // 2. 每个 OpenMP 线程 malloc 一块临时区：qf、acc（各 H*D 个 float）、
+    //    分数行 s（H * BSP，BSP 是块大小向上取整到向量宽度 VL）、m 和 l（各 H 个）；失败返回 -1。
+    // 3. 各行用 schedule(dynamic, 1) 分给线程（各行上下文长短不一）：
+    //    第 r 行读 block_tables 的第 row_table[r] 行，上下文长度 L = row_ctx[r]；
+    //    L == 0（CUDA graph 填充行、空行）输出全零。
+    // 4. 按 head_dim 选编译期特化的版本（64、128，其余走运行时长度），
+    //    再按 bf16 标志选元素类型，调用 attend_row。
+    // [ZH-END]
     if (D > 256) return -2;
     const int64_t BSP = (BS + VL - 1) / VL * VL;  /* a head's score row, padded for VL-lane exp */
     const int BF = bf16 != 0;

@@ -17,6 +17,16 @@ leaves NaN or +inf in the row, ends its own request with an error (the sampler's
   of the tokens, see `token_bytes`). One Aho-Corasick automaton over the request's words
   follows the output, so a step costs the bytes of the new tokens, not the words' lengths.
 """
+# [ZH-START]
+# 【模块定位】每个请求自己的输出约束，在采样器内部运行：
+#   model runner → compute_logits → Sampler：惩罚项 → 【logits processors】→ 温度 / top-k / top-p → 抽样
+# processor 看到一个请求的 logits (V,) 和它已生成的 token，返回（可原地修改的）logits；
+# 在这里设为 -inf 的 token，greedy 与否都不会被选中。
+# 决定只能依赖 output_token_ids：被抢占的请求会重算，必须得到同样的决定。
+# 本文件提供三个内置 processor：AllowedTokenIds（白名单）、BannedTokenSequences（禁 token 序列）、
+# BannedWords（禁字符串，按字节用 Aho-Corasick 自动机跟踪输出），由 build_logits_processors 按
+# SamplingParams 组装；processor 抛异常或留下 NaN / +inf，只结束它自己的请求。
+# [ZH-END]
 from __future__ import annotations
 
 import bisect
@@ -33,12 +43,22 @@ MAX_CACHED_MATCHERS = 256
 
 
 class LogitsProcessor(Protocol):
+    # [ZH-START]
+    # 【职责】logits processor 的接口约定：(output_token_ids, logits (V,) float32) → 要采样的 logits。
+    # 【边界】只是 Protocol，不含实现；不得依赖输出以外的状态做决定。
+    # 【协作者】Sampler._apply_constraints 逐个调用；用户可通过 SamplingParams.logits_processors 传入自己的实现（仅进程内）。
+    # [ZH-END]
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """logits (V,) float32 of one request -> the logits to sample from."""
         ...
 
 
 class AllowedTokenIds:
+    # [ZH-START]
+    # 【职责】只允许列出的 token：构造时建好 (V,) 的布尔 blocked 掩码（列出的为 False），每步一次 masked_fill_ 填 -inf。
+    # 【边界】不检查 id 是否越界（build_logits_processors 已检查）；与输出内容无关，无状态。
+    # 【协作者】由 build_logits_processors 根据 allowed_token_ids 创建，Sampler 每步调用。
+    # [ZH-END]
     def __init__(self, token_ids: list[int], vocab_size: int, device: torch.device | str = "cpu"):
         self.blocked = torch.ones(vocab_size, dtype=torch.bool, device=device)
         self.blocked[torch.tensor(token_ids, dtype=torch.long, device=device)] = False
@@ -48,11 +68,22 @@ class AllowedTokenIds:
 
 
 class BannedTokenSequences:
+    # [ZH-START]
+    # 【职责】禁止 token id 序列出现在输出里：单 token 序列永远屏蔽；多 token 序列在输出已以其前缀结尾时屏蔽最后一个 token。
+    # 【边界】只处理 token id 序列，不管字符串（那是 BannedWords）；不保存状态，每步重新比较输出尾部。
+    # 【协作者】由 build_logits_processors 根据 banned_words 里的 id 列表创建。
+    # [ZH-END]
     def __init__(self, sequences: list[list[int]], device: torch.device | str = "cpu"):
         self.always = torch.tensor([s[0] for s in sequences if len(s) == 1], dtype=torch.long, device=device)
         self.longer = [(list(s[:-1]), s[-1]) for s in sequences if len(s) > 1]
 
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        # [ZH-START]
+        # 1. always 里的单 token 序列：index_fill_ 成 -inf。
+        # 2. 对每个多 token 序列 (prefix, last)：输出长度 >= len(prefix) 且最后 len(prefix) 个 token 等于 prefix，
+        #    就把 logits[last] 设为 -inf。
+        # 3. 每步代价与所有前缀长度之和成正比。
+        # [ZH-END]
         logits.index_fill_(0, self.always, float("-inf"))
         for prefix, last in self.longer:
             n = len(prefix)
@@ -63,6 +94,13 @@ class BannedTokenSequences:
 
 class WordIndex:
     """For one vocabulary: which tokens contain, or start with the rest of, a banned string."""
+    # [ZH-START]
+    # 【职责】针对一个词表（每个 token 的字节 table）回答：哪些 token 的字节包含整个禁用字符串，
+    # 哪些 token 以字符串的"剩余部分"开头；并缓存编译好的 BannedWord（最多 4096 个）和 WordMatcher（最多 256 个），LRU 淘汰。
+    # 【边界】不跟踪任何请求的输出；不屏蔽 logits。token 字节表由引擎在后台线程建好后传入。
+    # 【协作者】LLMEngine 启动时在后台线程建一个（load_word_index），有字符串禁用词时经 _words() 取用；
+    # BannedWords 从它取 matcher，同一份禁用词列表的请求共享一个自动机。
+    # [ZH-END]
 
     def __init__(self, table: list[bytes], device: torch.device | str = "cpu"):
         self.table = table
@@ -78,6 +116,13 @@ class WordIndex:
         self._matchers: OrderedDict[tuple[str, ...], WordMatcher] = OrderedDict()
 
     def word(self, text: str) -> BannedWord:
+        # [ZH-START]
+        # 1. key = 字符串的 UTF-8 字节；已缓存就 move_to_end（LRU）后返回。
+        # 2. 对 k = 1..len-1：completing[k] = 字节以 key[k:] 开头的 token（输出已以前 k 个字节结尾时，它们会补全整个词），
+        #    用 _starting_with 在按字节排序的表上二分查找。
+        # 3. containing = 字节里完整包含 key 的 token（_containing）。
+        # 4. 存成 BannedWord，超过 MAX_CACHED_WORDS = 4096 个就淘汰最久未用的。
+        # [ZH-END]
         key = text.encode()
         if key in self._words:
             self._words.move_to_end(key)
@@ -90,6 +135,11 @@ class WordIndex:
 
     def matcher(self, words: list[str]) -> WordMatcher:
         """The automaton for a request's banned strings, shared by requests with the same list."""
+        # [ZH-START]
+        # 1. key = tuple(words)；已缓存就 move_to_end 后返回（请求常常共用同一份禁用词列表）。
+        # 2. 否则对每个词调 word() 得到 BannedWord，建 WordMatcher。
+        # 3. 超过 MAX_CACHED_MATCHERS = 256 个就淘汰最久未用的。
+        # [ZH-END]
         key = tuple(words)
         if key in self._matchers:
             self._matchers.move_to_end(key)
@@ -111,6 +161,12 @@ class WordIndex:
         return out
 
     def _containing(self, needle: bytes) -> list[int]:
+        # [ZH-START]
+        # 1. _blob 是所有 token 字节首尾相接的大串，_offsets 是每个 token 的起始偏移（前缀和）。
+        # 2. 用 bytes.find 在 blob 里逐个找 needle（C 速度扫描，不在 Python 里遍历词表）。
+        # 3. 对每个命中位置，bisect 出它所在的 token；命中完全落在该 token 内（不跨到下一个 token）才算。
+        # 4. 从 pos + 1 继续找；最后去重排序返回。
+        # [ZH-END]
         # One C-speed scan of all token bytes laid end to end, instead of a loop over the vocabulary.
         out = []
         pos = self._blob.find(needle)
@@ -123,6 +179,12 @@ class WordIndex:
 
 
 class BannedWord:
+    # [ZH-START]
+    # 【职责】一个禁用字符串的预计算结果：text（字节）、containing（包含整个词的 token）、
+    # completing（k → 输出以前 k 个字节结尾时能补全该词的 token，空的 k 已去掉）。
+    # 【边界】纯数据，不跟踪输出。
+    # 【协作者】WordIndex.word 生成并缓存；WordMatcher 把它们挂到字典树节点上。
+    # [ZH-END]
     def __init__(self, text: bytes, containing: torch.Tensor, completing: dict[int, torch.Tensor]):
         self.text = text
         self.containing = containing
@@ -139,8 +201,23 @@ class WordMatcher:
     failure links; there, the tokens starting with word[k:] would complete the word. Dictionary
     links skip the chain's nodes that block nothing, so a step visits only nodes that do.
     """
+    # [ZH-START]
+    # 【职责】一组禁用词字节上的 Aho-Corasick 自动机：状态 = 字典树节点（输出尾部中最长的、某个词的前缀），
+    # 每个节点附带"在此状态下会补全某个词的 token"，再用字典链接跳过不屏蔽任何东西的节点。
+    # 【边界】不持有请求状态（状态是 int，由 BannedWords 保存），可被多个请求共享；不直接改 logits。
+    # 【协作者】WordIndex.matcher 创建并缓存；BannedWords 每步调 advance / blocked。
+    # [ZH-END]
 
     def __init__(self, words: list[BannedWord]):
+        # [ZH-START]
+        # 1. always = 所有词的 containing 拼起来：任何状态下都屏蔽。
+        # 2. 建字典树：对每个词逐字节向下走（没有子节点就新建），走到深度 k 的节点时，
+        #    若 word.completing 有 k，就把那组 token 挂到该节点的 completing 上。
+        # 3. blocks[node]：没有则 None，一组直接用，多组 torch.cat 成一个张量。
+        # 4. BFS 建失败链接：子节点沿父节点的 fail 链找第一个有同一字节子节点的节点，fail[child] 指向那个子节点，找不到指向根 0；
+        #    BFS 保证 fail 指向的更浅节点已处理过。
+        # 5. 同时建字典链接 next_blocking[node]：fail[node] 本身屏蔽东西就指向它，否则沿用 next_blocking[fail[node]]。
+        # [ZH-END]
         self.always = torch.cat([w.containing for w in words])
         """Tokens that hold a whole word: blocked in every state."""
         self.children: list[dict[int, int]] = [{}]
@@ -174,6 +251,11 @@ class WordMatcher:
 
     def advance(self, state: int, data: bytes) -> int:
         """The state after the output grows by `data` (amortized O(len(data)))."""
+        # [ZH-START]
+        # 1. 对 data 的每个字节：当前状态没有这个字节的子节点，就沿 fail 链后退（到根为止）。
+        # 2. 有子节点就走过去，否则回到根 0。
+        # 3. 返回新状态；均摊 O(len(data))。
+        # [ZH-END]
         children, fail = self.children, self.fail
         for byte in data:
             while state and byte not in children[state]:
@@ -183,6 +265,11 @@ class WordMatcher:
 
     def blocked(self, state: int) -> list[torch.Tensor]:
         """Token ids that would complete a word from `state` (besides `always`)."""
+        # [ZH-START]
+        # 1. 起点：当前状态自己有 blocks 就从它开始，否则从 next_blocking[state] 开始。
+        # 2. 沿字典链接一路收集 blocks[node]，直到根 0。
+        # 3. 返回张量列表（不含 always）；只访问真正会屏蔽东西的节点。
+        # [ZH-END]
         out = []
         node = state if self.blocks[state] is not None else self.next_blocking[state]
         while node:
@@ -198,6 +285,12 @@ class BannedWords:
     it costs only the new tokens' bytes; any other (shorter, or with a different token where the
     last seen one was, e.g. another caller's) is matched again from its start.
     """
+    # [ZH-START]
+    # 【职责】一个请求的禁用字符串 processor：屏蔽"会让输出字节里出现某个禁用词"的 token，
+    # 不管模型用什么 token 切分拼出这个词。跨步保存自动机状态，每步只处理新 token 的字节。
+    # 【边界】只看输出 token（不看 prompt）；字节匹配，不做大小写或 Unicode 归一化；自动机本身属于 WordIndex 缓存。
+    # 【协作者】build_logits_processors 创建；WordIndex 提供 table（token → 字节）和共享的 WordMatcher；Sampler 每步调用。
+    # [ZH-END]
 
     def __init__(self, words: list[str], index: WordIndex):
         self.table = index.table
@@ -207,6 +300,14 @@ class BannedWords:
         self._last_seen = -1
 
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        # [ZH-START]
+        # 1. 先屏蔽 matcher.always（字节里包含整个禁用词的 token）。
+        # 2. n = 当前输出长度，seen = 上次处理到的长度；若输出变短，或位置 seen - 1 的 token 与上次记下的不同
+        #    （不是上次那个输出的延续），状态和 seen 归零，从头匹配。
+        # 3. 对 [seen, n) 的每个 token，用 table[token] 的字节推进自动机状态。
+        # 4. 保存 state、_num_seen = n 和最后一个 token。
+        # 5. matcher.blocked(state) 给出的每组 token 都填成 -inf，返回 logits。
+        # [ZH-END]
         logits.index_fill_(0, self.matcher.always, float("-inf"))
         n, seen = len(output_token_ids), self._num_seen
         if n < seen or (seen and output_token_ids[seen - 1] != self._last_seen):
@@ -227,6 +328,12 @@ def build_logits_processors(params: SamplingParams, vocab_size: int, device: tor
 
     `word_index` is called only when string banned words are present (it may load a tokenizer).
     """
+    # [ZH-START]
+    # 1. 有 allowed_token_ids：检查都 < vocab_size（否则 ValueError），加 AllowedTokenIds。
+    # 2. banned_words 里的 token id 列表：检查后加一个 BannedTokenSequences。
+    # 3. banned_words 里的字符串：此时才调用 word_index()（可能要等后台线程建好字节表），加 BannedWords。
+    # 4. 最后追加请求自己的 logits_processors；顺序即 Sampler 调用的顺序。
+    # [ZH-END]
     processors: list[LogitsProcessor] = []
     if params.allowed_token_ids is not None:
         _check_ids("allowed_token_ids", params.allowed_token_ids, vocab_size)

@@ -30,6 +30,16 @@ its tokens do not depend on which other requests share the batch. If a request's
 leave no token at all, its row is sampled without them (with a warning) rather than from an
 empty set.
 """
+# [ZH-START]
+# 【模块定位】引擎一步的最后一段：把 LM head 的 logits 变成下一个 token。
+#   scheduler → step_input → model runner → 解码层 / PagedAttention → compute_logits (B, V)
+#     → 【Sampler】→ list[int]（每条序列一个 token id）→ Scheduler.postprocess → detokenizer → 客户端
+# 只在 rank 0 运行。每一步的顺序：原始分布的 logprobs → 惩罚项（repetition / presence / frequency）
+# → 每请求的约束（logit_bias、min_tokens 前屏蔽 EOS / stop token、logits processors）
+# → greedy 取 argmax，其余按温度缩放、top_k / top_p / min_p 过滤，再用逆 CDF 抽样。
+# 全是整批张量运算，Python 循环只遍历"有约束或有种子"的请求；全是普通 greedy 的批只是一次 argmax。
+# 某一行采样失败只结束该请求（返回 SAMPLE_FAILED = -1，原因留给 take_error），不影响同批其他行。
+# [ZH-END]
 from __future__ import annotations
 
 import logging
@@ -53,6 +63,11 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class TokenLogprobs:
     """Log-probabilities of one generated token under the raw model distribution."""
+    # [ZH-START]
+    # 【职责】一个已生成 token 在原始模型分布（惩罚、约束、温度之前）下的 logprob、排名和前几名候选。
+    # 【边界】纯数据，不参与采样决策。
+    # 【协作者】token_logprobs() 生成，存进 RequestState.logprobs，LLMEngine 经 take_logprobs 取走放进 RequestOutput。
+    # [ZH-END]
     token_id: int
     logprob: float
     rank: int
@@ -64,6 +79,13 @@ class TokenLogprobs:
 @dataclass(slots=True)
 class RequestState:
     """What the sampler keeps per request between steps."""
+    # [ZH-START]
+    # 【职责】采样器为每个请求跨步保存的东西：SamplingParams、logits processors、预先建好的张量
+    # （min_tokens 期间要屏蔽的 id、logit_bias 的 id 与值）、有种子时自己的 Generator、
+    # 尚未上报的 logprobs、以及采样失败的原因。
+    # 【边界】不保存 token 序列（在 Sequence 里），不管请求何时开始结束（LLMEngine 调 add / remove）。
+    # 【协作者】Sampler._new_state 创建；plain_greedy 决定整批能否走 greedy 快路径。
+    # [ZH-END]
     params: SamplingParams
     processors: list[LogitsProcessor]
     min_tokens_blocked: torch.Tensor | None
@@ -84,6 +106,14 @@ class RequestState:
 
 
 class Sampler:
+    # [ZH-START]
+    # 【职责】整批采样，每行用自己请求的参数；管理每请求状态（add_request / remove_request），
+    # 暂存 logprobs 和失败原因供引擎取走（take_logprobs / take_error）。
+    # 【边界】不算 logits（ModelRunner / LM head）；不判定请求结束（EOS、max_tokens、SAMPLE_FAILED 都由
+    # Scheduler 处理）；不管 stop string（detokenizer 的事）；不抛异常结束整批，失败只落在单行上。
+    # 【协作者】ModelRunner.run 调 __call__(logits, seqs)；LLMEngine.add_request 传入由
+    # build_logits_processors 建好的 processors；sample_rows / apply_penalties_ / filter_candidates / draw 是它的整批算子。
+    # [ZH-END]
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0):
         self.vocab_size = vocab_size
         self.device = device
@@ -117,6 +147,13 @@ class Sampler:
         return out
 
     def _new_state(self, params: SamplingParams, processors: list[LogitsProcessor], eos_token_ids: Seq[int]) -> RequestState:
+        # [ZH-START]
+        # 1. blocked = stop_token_ids + （除非 ignore_eos）模型的 EOS id 列表。
+        # 2. logit_bias 里有 id >= vocab_size 就抛 ValueError（add_request 时就拒绝，不等到采样）。
+        # 3. 非 greedy 且给了 seed：建一个只属于这个请求的 Generator(seed)。
+        # 4. 组装 RequestState：只有 min_tokens > 0 时才建 min_tokens_blocked 张量；有 bias 才建 bias_ids / bias_values，
+        #    都放在采样器的设备上，之后每步直接 index_fill_ / index_add_。
+        # [ZH-END]
         dev = self.device
         blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
         bias = [(t, b) for t, b in params.logit_bias.items() if t < self.vocab_size]
@@ -146,6 +183,20 @@ class Sampler:
 
         A row that could not be sampled gets SAMPLE_FAILED, and `take_error` says why.
         """
+        # [ZH-START]
+        # 1. 为每条序列取 RequestState（直接调用 runner、没经引擎 add 的序列用它自己的 params 临时建一份）。
+        # 2. 整批都是 plain_greedy（greedy 且无惩罚、processor、logprobs、bias、min_tokens）→ _greedy 快路径：
+        #    不复制、不算 softmax、不取随机数。
+        # 3. logits.float()（compute_logits 已是 float32，此处不复制，下面原地修改）。
+        # 4. 要 logprobs 的行先算 raw_logprobs = log_softmax，形状 (R, V)——取的是惩罚和约束之前的原始分布。
+        # 5. 有惩罚的行：apply_penalties_(这些行, prompt+输出 ids, 输出 ids, 各行的三个系数)；若取的是子集副本就写回 logits。
+        # 6. _constrain：bias、min_tokens 屏蔽、processors；出错或留下非有限值的行记进 failed {行号: 原因}。
+        # 7. 有失败行：tokens 先全填 SAMPLE_FAILED，只把好的行交给 _choose，失败行不参与抽样、不干扰别人；
+        #    否则整批 _choose。
+        # 8. _check_ids：抽到的 id 不在 [0, vocab_size)（logits 比词表宽时可能发生）的行也算失败。
+        # 9. 没失败的行把 logprobs 记进各自的 state。
+        # 10. _report：转成 list，失败行改成 SAMPLE_FAILED 并记下 state.error、打 warning。
+        # [ZH-END]
         states = [self._state(s) for s in seqs]
         if all(st.plain_greedy for st in states):
             return self._greedy(logits, seqs, states)  # no copies, no softmax, no random numbers
@@ -185,6 +236,14 @@ class Sampler:
                 states[i].logprobs.append(lp)
 
     def _greedy(self, logits: torch.Tensor, seqs: list[Sequence], states: list[RequestState]) -> list[int]:
+        # [ZH-START]
+        # 1. tokens = argmax(logits, dim=-1)，形状 (B,)。
+        # 2. chosen = 每行被选中的那个值 (B,)：行里有 NaN 或 +inf 时 argmax 会落在它上面，
+        #    全是 -inf 时才落在 -inf 上，所以只检查这 B 个值就能发现坏行，不必扫 (B, V)。
+        # 3. 有限且 < vocab_size 的保留，否则换成 SAMPLE_FAILED，tolist()——整步只有这一次设备同步。
+        # 4. 没有失败直接返回。
+        # 5. 有失败（少见）：对非有限行用 _non_finite 写原因，再 _check_ids 标出越界 id，最后 _report。
+        # [ZH-END]
         tokens = logits.argmax(dim=-1)  # (B,)
         # argmax lands on a NaN or +inf when its row has one, and on -inf only when the row holds
         # nothing else: the B chosen values tell whether any row is non-finite.
@@ -215,6 +274,14 @@ class Sampler:
     def _constrain(self, logits: torch.Tensor, seqs: list[Sequence], states: list[RequestState],
                    failed: dict[int, str]) -> None:
         """Apply each row's constraints; rows that fail them, or are left non-finite, go into `failed`."""
+        # [ZH-START]
+        # 1. maskable = 有 processors，或 min_tokens 仍生效（输出数 < min_tokens）的行：只有它们可能把整行屏蔽光。
+        # 2. 先复制这些行 before (C, V)，以便撤销"什么都不剩"的屏蔽。
+        # 3. 逐行 _apply_constraints；返回错误文本的行记进 failed。
+        # 4. best = 每行 amax (B,)：NaN 表示有 NaN，+inf 表示有 +inf，-inf 表示一个 token 都不剩。
+        # 5. maskable 中未失败、best 为 -inf 的行：打 warning，从 before 恢复原行并重算 best，即这一步不带约束采样。
+        # 6. best 仍非有限的行记为失败（setdefault：processor 的报错优先），原因加上 "after penalties and constraints"。
+        # [ZH-END]
         maskable = [i for i, (seq, st) in enumerate(zip(seqs, states))
                     if st.processors or (st.min_tokens_blocked is not None and seq.num_output_tokens < st.params.min_tokens)]
         before = logits[maskable] if maskable else None  # (C, V) copy, to undo masks that leave nothing
@@ -239,6 +306,13 @@ class Sampler:
     @staticmethod
     def _apply_constraints(logits: torch.Tensor, i: int, seq: Sequence, st: RequestState) -> str | None:
         """Constrain row i in place; the error text if one of the request's processors failed."""
+        # [ZH-START]
+        # 1. 有 bias：logits[i].index_add_(bias_ids, bias_values)。
+        # 2. 输出数 < min_tokens：把 min_tokens_blocked（stop token 和 EOS）填成 -inf。
+        # 3. 依次调用 processors(output_token_ids, row)，row 是 logits[i] 的视图；返回了别的张量就 copy_ 回 row。
+        # 4. processor 抛异常 → 返回 "logits processor <类名> raised <异常>"（最长 500 字符），由调用方把该行记为失败。
+        # 5. 一切正常返回 None。
+        # [ZH-END]
         if st.bias_ids is not None:
             logits[i].index_add_(0, st.bias_ids, st.bias_values)
         if st.min_tokens_blocked is not None and seq.num_output_tokens < st.params.min_tokens:
@@ -256,6 +330,13 @@ class Sampler:
         return None
 
     def _choose(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+        # [ZH-START]
+        # 1. tokens = empty (B,)。
+        # 2. 按参数把行分三组：greedy（is_greedy）、filtered（0 < top_k < V、top_p < 1 或 min_p > 0）、plain（只有温度）。
+        # 3. greedy 组直接 argmax。
+        # 4. plain 和 filtered 各调一次 sample_rows（带各行的 Generator 和共享 Generator）：
+        #    分开是为了不让只有温度的行陪着做整词表排序。
+        # [ZH-END]
         tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)  # (B,)
         vocab = logits.shape[1]
         # Sampled rows go in two batches, with and without top-k/top-p/min-p, so plain-temperature
@@ -304,6 +385,15 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
 
     Each row takes one uniform number: from its own generator if it has one, else from `shared`.
     """
+    # [ZH-START]
+    # 1. 温度先转 float64，clamp 到 dtype 的 [tiny, max]，再转回 logits 的 dtype：1e-40 这种会变成 0 的温度不会除出 inf / NaN。
+    # 2. scaled = (logits - 行最大值) / 温度，形状 (R, V)：最优 token 变成 0，极小温度把其余推向 -inf，等价于 greedy。
+    # 3. 任何一行有过滤：top_k 为 0 或 >= V 的行按 V 处理，filter_candidates 得到候选 (R, W) 和对应 token id；
+    #    否则候选就是 scaled，ids 为 None。
+    # 4. uniform (R,) float64 从共享 Generator 取；有种子的行再用自己的 Generator 取一个数覆盖，
+    #    所以它的结果不受同批其他请求影响。
+    # 5. choice = draw(candidates, uniform)；有过滤时经 ids.gather 映射回真实 token id，返回 (R,)。
+    # [ZH-END]
     vocab = logits.shape[1]
     finfo = torch.finfo(logits.dtype)
     # Clamped to the dtype's normal range: a temperature that rounds to 0 (1e-40 in float32) or
@@ -345,6 +435,16 @@ def apply_penalties_(logits: torch.Tensor, token_ids: list[list[int]], output_id
     occurs c > 0 times in the output loses `presence + c * frequency`. Work is proportional to
     the tokens seen, not to the vocabulary.
     """
+    # [ZH-START]
+    # 1. seen (R, L)：每行 prompt + 输出的 id，长度不足用本行第一个 id 补齐（同一值重复写入无影响）。
+    # 2. repetition：取出这些位置的值，正的除以惩罚、负的乘以惩罚，scatter_ 回去；
+    #    每个出现过的 token 只被惩罚一次，代价与 token 数成正比，与词表大小无关。
+    # 3. 没有输出 token，或所有行 presence 和 frequency 都为 0，到此返回。
+    # 4. out (R, Lo)：输出 ids 用 V 补齐后排序（补齐值排在最后）；real = out < V；
+    #    first = 每组相同 id 中的第一个。
+    # 5. weight = -(frequency × real + presence × first)：出现 c 次的 token 共减 presence + c × frequency，补齐位为 0。
+    # 6. scatter_add_ 到 out.clamp(max=V - 1)（补齐位加 0，无影响），原地返回 logits。
+    # [ZH-END]
     dev = logits.device
     # Pad with each row's own first token: writing its penalized value twice changes nothing.
     seen = torch.tensor([ids + ids[:1] * (max(map(len, token_ids)) - len(ids)) for ids in token_ids], device=dev)  # (R, L)
@@ -374,6 +474,13 @@ def filter_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     PROBE_WIDTH most likely tokens: when every such row's set ends inside them, the full sort of
     the vocabulary is skipped (the result is the same; only the cost differs).
     """
+    # [ZH-START]
+    # 1. W = 各行 top_k 的最大值（没有 top_k 的行记为 V）。
+    # 2. 探测：若 W == V、V > 256，且每行的 k 要么 <= 256 要么是 V（没有 top_k），
+    #    先只取 topk(256) 调 _filter；每个无 top_k 行的保留集合都在这 256 个内结束，就直接返回，省掉整词表排序。
+    # 3. 否则 W < V 时 topk(W)，W == V 时整词表降序 sort，再 _filter。
+    # 4. 返回候选 logits 与 token id，都是 (R, W)，降序排列，被过滤的位置为 -inf。
+    # [ZH-END]
     vocab = logits.shape[1]
     width = max(top_k)
     if width == vocab and vocab > PROBE_WIDTH and all(k <= PROBE_WIDTH or k == vocab for k in top_k):
@@ -387,6 +494,17 @@ def filter_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float]
 def _filter(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, top_k: list[int], top_p: list[float],
             min_p: list[float]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Mask sorted candidates (R, W); None if a row's set may extend past the W candidates."""
+    # [ZH-START]
+    # 1. 每行第 k 个之后的候选置 -inf（top_k）。
+    # 2. norm = 候选的 logsumexp (R, 1)；没有 top_k 的行改用整词表的 logsumexp（候选可能只是探测的 256 个）。
+    #    即 top_p / min_p 都在 top_k 重新归一化后的分布上判断。
+    # 3. probs = exp(values - norm)，(R, W)。
+    # 4. top_p：某 token 之前的累计概率已 >= top_p 就丢掉；top_p == 1 的行不做此判断（舍入后的 cumsum 可能提前到 1）。
+    # 5. min_p：概率 < min_p × 最优 token 概率的丢掉。
+    # 6. 第 0 列（最可能的 token）永远保留，哪怕 top_p 小到 1e-50。
+    # 7. W < V 时，若某个无 top_k 的行连最后一个候选都保留着，它的集合可能延续到 W 之外 → 返回 None 让调用方整词表排序。
+    # 8. 返回 (丢弃位置填 -inf 的 values, ids)。
+    # [ZH-END]
     dev, vocab, width = logits.device, logits.shape[1], values.shape[1]
     k = torch.tensor(top_k, device=dev).unsqueeze(1)
     values = values.masked_fill(torch.arange(width, device=dev).unsqueeze(0) >= k, _NEG_INF)
@@ -414,6 +532,13 @@ def draw(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     `uniform` (R,) holds one number in [0, 1) per row: cheaper than noise per token, and a seeded
     generator advances by exactly one number per token whatever the row's width.
     """
+    # [ZH-START]
+    # 1. weights = exp(logits - 行最大值)，(R, W)，被屏蔽的 -inf 变成 0。
+    # 2. cdf = float64 的 cumsum（15 万词表也足够精确）。
+    # 3. u = (1 - uniform) × 总和，落在 (0, 总和] 内。
+    # 4. searchsorted(cdf, u)：第一个 cdf >= u 的下标，它的权重一定为正；返回 (R,)。
+    # 每行只消耗一个随机数：有种子的 Generator 每个 token 恰好前进一步，与候选宽度无关。
+    # [ZH-END]
     weights = (logits - logits.max(dim=-1, keepdim=True).values).exp_()  # (R, W); masked -> 0
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # float64: exact enough over 150k tokens
     u = (1 - uniform).unsqueeze(1) * cdf[:, -1:]
@@ -423,6 +548,12 @@ def draw(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
     """logprobs (R, V), chosen (R,) -> per row the chosen token's logprob, rank and top alternatives."""
+    # [ZH-START]
+    # 1. chosen_lp = 选中 token 的 logprob，(R, 1)。
+    # 2. rank = 严格大于它的个数 + 1（1 表示最可能）。
+    # 3. n = 各行要的 top 数的最大值；n > 0 时 topk(n)，否则用空张量。
+    # 4. 每行组装 TokenLogprobs(token, logprob, rank, 前 k 个 id, 前 k 个 logprob)，k 是该行自己要的个数。
+    # [ZH-END]
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # (R, 1)
     ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
     n = max(num_top)

@@ -1,0 +1,193 @@
+"""The Chinese annotation layer's tool (nanovllm/tools/zh_comments.py): `strip` leaves the code
+identical (same Python ASTs, same C object code), `check` names broken blocks by file and line,
+`stats` covers every core module."""
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nanovllm.tools import zh_comments as zh
+from nanovllm.tools import zh_blocks as zb
+
+ROOT = Path(__file__).resolve().parents[2]
+ANNOTATED_HERE = [m for m in zh.CORE_MODULES if m.endswith(".py")]
+"""The Python core modules: every one carries the layer."""
+CC = shutil.which("cc") or shutil.which("gcc")
+START, END = f"# {zb.START}", f"# {zb.END}"
+
+
+def plant_c_blocks(text: str) -> str:
+    """`text` with a level-1 block after the header comment and a level-3 block at the top of
+    every function body (the C files hold few blocks of their own yet)."""
+    lines = text.splitlines(keepends=True)
+    header_end = next(i for i, line in enumerate(lines) if "*/" in line) + 1
+    bodies = []
+    for scope in zb.c_scopes(text)[1]:
+        bodies.append(next(i for i in range(scope.first - 1, scope.last) if lines[i].rstrip().endswith("{")) + 1)
+    block = ["// [ZH-START]\n", "// 测试用的块：strip 之后目标代码必须逐字节相同\n", "// [ZH-END]\n"]
+    for at in sorted(bodies + [header_end], reverse=True):
+        indent = "" if at == header_end else "    "
+        lines[at:at] = [indent + line for line in block]
+    return "".join(lines)
+
+
+@pytest.fixture(scope="module")
+def stripped_repo(tmp_path_factory) -> tuple[Path, Path]:
+    """(a copy of the repository with extra C blocks planted, its stripped copy)."""
+    base = tmp_path_factory.mktemp("zh")
+    src, out = base / "src", base / "out"
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(*zh.SKIP_DIRS, "*.egg-info"))
+    for path in (src / "nanovllm/layers").glob("*.[ch]"):
+        path.write_text(plant_c_blocks(path.read_text(encoding="utf-8")), encoding="utf-8")
+    assert zh.main(["strip", str(src), "--out", str(out)]) == 0
+    return src, out
+
+
+def test_strip_keeps_every_python_ast(stripped_repo):
+    src, out = stripped_repo
+    changed = 0
+    for path in zh.source_files(src):
+        if path.suffix != ".py":
+            continue
+        rel = path.relative_to(src)
+        before, after = path.read_text(encoding="utf-8"), (out / rel).read_text(encoding="utf-8")
+        assert ast.dump(ast.parse(after)) == ast.dump(ast.parse(before)), rel
+        assert zb.find_blocks(str(rel), after, "#") == ([], []), rel
+        changed += before != after
+    assert changed >= len(ANNOTATED_HERE)
+    assert (out / "README.md").read_bytes() == (src / "README.md").read_bytes()
+    assert (out / "nanovllm/systemd").is_symlink() and not (out / ".git").exists()
+
+
+def test_strip_removes_exactly_the_blocks(stripped_repo):
+    src, out = stripped_repo
+    for path in (src / "nanovllm/layers").glob("*.[ch]"):
+        pristine = (ROOT / path.relative_to(src)).read_text(encoding="utf-8")
+        expected = zb.strip_text(pristine, zb.find_blocks(path.name, pristine, "//")[0])
+        assert (out / path.relative_to(src)).read_text(encoding="utf-8") == expected, path.name
+    for rel in ANNOTATED_HERE:
+        text = (out / rel).read_text(encoding="utf-8")
+        assert zb.START not in text and not any(0x4E00 <= ord(c) <= 0x9FFF for c in text), rel
+
+
+@pytest.mark.skipif(CC is None, reason="no C compiler")
+def test_strip_keeps_c_object_code(stripped_repo, tmp_path):
+    src, out = stripped_repo
+    sources = [p.relative_to(src) for p in (src / "nanovllm/layers").glob("*.c")]
+    assert sources
+    jobs = {}
+    for tree in (src, out):
+        for rel in sources:
+            obj = tmp_path / f"{tree.name}-{rel.stem}.o"
+            cmd = [CC, "-O2", "-march=native", "-fopenmp", "-I", "nanovllm/layers", "-c", str(rel), "-o", str(obj)]
+            jobs[obj] = subprocess.Popen(cmd, cwd=tree)
+    assert all(job.wait() == 0 for job in jobs.values())
+    for rel in sources:
+        original, stripped = (tmp_path / f"{tree}-{rel.stem}.o" for tree in ("src", "out"))
+        assert original.read_bytes() == stripped.read_bytes(), rel
+
+
+def test_check_passes_on_the_repo():
+    problems, summary = zh.check(ROOT)
+    assert [str(p) for p in problems] == []
+    assert "Chinese blocks" in summary
+
+
+@pytest.fixture
+def module_copy(tmp_path) -> tuple[Path, list[str]]:
+    """A copy of block_manager.py at its package path in tmp, and its lines."""
+    path = tmp_path / "nanovllm/engine/block_manager.py"
+    path.parent.mkdir(parents=True)
+    shutil.copy(ROOT / "nanovllm/engine/block_manager.py", path)
+    return path, path.read_text(encoding="utf-8").splitlines()
+
+
+def first_method_block(lines: list[str]) -> int:
+    return lines.index("        " + START)
+
+
+def plant(name: str, lines: list[str]) -> tuple[list[str], str, int]:
+    """(lines with one planted defect, the problem kind, its 1-based line)."""
+    lines, i = list(lines), first_method_block(lines)
+    if name == "unclosed":
+        return lines + [START, "# 没有结尾的块"], "unpaired", len(lines) + 1
+    if name == "stray-end":
+        return lines + [END], "unpaired", len(lines) + 1
+    if name == "nested":
+        lines.insert(i + 1, "        " + START)
+        return lines, "nested", i + 2
+    if name == "no-chinese":
+        return lines + [START, "# English only", END], "no-chinese", len(lines) + 1
+    if name == "code-inside":
+        lines.insert(i + 1, "        x = 1")
+        return lines, "not-comment", i + 2
+    if name == "malformed":
+        return lines + ["#[ZH-START]"], "malformed", len(lines) + 1
+    assert name == "no-header"
+    start = lines.index(START)
+    return lines[:start] + lines[lines.index(END) + 1:], "no-header", 1
+
+
+def test_check_passes_on_a_clean_copy(module_copy, capsys):
+    path, _ = module_copy
+    assert zh.main(["check", str(path)]) == 0
+    assert "no problems" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("defect", ["unclosed", "stray-end", "nested", "no-chinese", "code-inside", "malformed",
+                                    "no-header"])
+def test_check_names_file_and_line_of_a_planted_defect(module_copy, capsys, defect):
+    path, lines = module_copy
+    planted, kind, line = plant(defect, lines)
+    path.write_text("\n".join(planted) + "\n", encoding="utf-8")
+    problems, _ = zh.check(path)
+    assert [(p.kind, p.line) for p in problems] == [(kind, line)]
+    assert zh.main(["check", str(path)]) == 1
+    assert f"{path}:{line}: " in capsys.readouterr().err
+
+
+def test_strip_refuses_a_file_with_broken_markers(module_copy, capsys):
+    path, lines = module_copy
+    path.write_text("\n".join(plant("unclosed", lines)[0]) + "\n", encoding="utf-8")
+    assert zh.main(["strip", str(path)]) == 1
+    assert capsys.readouterr().out == ""
+
+
+def test_stats_lists_every_core_module_and_full_coverage_of_ours(capsys):
+    assert zh.main(["stats", str(ROOT)]) == 0
+    table = capsys.readouterr().out
+    coverage = {c.path: c for c in zh.coverage(ROOT)}
+    assert list(coverage) == list(zh.CORE_MODULES)
+    for module, c in coverage.items():
+        assert module in table
+        assert c.exists and c.keys_unknown == [], f"{module}: CORE_MODULES names {c.keys_unknown}"
+    for module, c in coverage.items():  # every core module on all three levels
+        assert c.header and c.classes_annotated == c.classes and c.keys_annotated == c.keys, module
+
+
+def test_stats_sees_a_missing_method_block_and_c_levels(module_copy, stripped_repo):
+    path, lines = module_copy
+    at = lines.index('        """Offer the blocks whose K/V are now written to the prefix cache (after a step)."""') + 1
+    end = lines.index("        " + END, at)
+    path.write_text("\n".join(lines[:at] + lines[end + 1:]) + "\n", encoding="utf-8")
+    c = next(c for c in zh.coverage(path.parents[2]) if c.path == "nanovllm/engine/block_manager.py")
+    assert c.header and "BlockManager.commit" not in c.keys_annotated and len(c.keys_annotated) == len(c.keys) - 1
+    planted_c = next(c for c in zh.coverage(stripped_repo[0]) if c.path.endswith(".c"))
+    assert planted_c.header and planted_c.keys_annotated == planted_c.keys
+
+
+def test_a_block_after_a_docstring_only_body_belongs_to_that_body():
+    text = "\n".join([
+        '"""A module."""', START, "# 文件头", END, "",
+        "class Rejected(ValueError):", '    """Only a docstring."""', "    " + START, "    # 类的说明", "    " + END, "",
+        "class Policy:", "    def key(self):", '        """Abstract."""', "        " + START, "        # 1. 步骤",
+        "        " + END, "    " + START, "    # 跟在方法后面、缩进在类体里：属于类，不属于方法", "    " + END, ""])
+    blocks, problems = zb.find_blocks("m.py", text, "#")
+    assert problems == []
+    coverage = zh.analyse("m.py", text, ".py", ["Policy.key"], blocks)
+    assert coverage.header and coverage.classes_annotated == ["Rejected", "Policy"]
+    assert coverage.keys_annotated == ["Policy.key"]
