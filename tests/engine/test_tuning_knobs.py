@@ -72,9 +72,11 @@ def baseline(tiny_model_dir):
 def test_defaults_leave_the_scheduler_as_it_was(baseline):
     _, history, engine = baseline
     assert engine.config.kv_watermark == 0 and engine.config.preempt_ratio == 0
-    # Without the knobs admissions fill the cache to the last block, and the cache then thrashes.
+    # The scheduler before the knobs existed ran this burst in 101 steps with 14 preemptions in
+    # 11 of them (lengths alone decide it: EOS is ignored). Admissions fill the cache to the last
+    # block, and the cache then thrashes.
+    assert (len(history) - 1, history[-1]["num_preemptions"], len(preempting_steps(history))) == (101, 14, 11)
     assert min(s["num_free_blocks"] for s in admitting_steps(history)) <= 1
-    assert len(preempting_steps(history)) >= 8
 
 
 def test_watermark_keeps_its_share_free_through_a_burst_of_admissions(tiny_model_dir, baseline):
