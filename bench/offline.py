@@ -10,6 +10,8 @@ nanovllm / vLLM.
     python -m bench.offline --shape mid --skip-hf
     # vLLM's CPU backend side by side, from its own virtualenv (docs/benchmarks.md has the recipe):
     python -m bench.offline --shape tiny --skip-hf --dtype float32 --vllm-python /work/vllm-venv/bin/python
+    # a KV cache a third of what the batch needs, with the tuning knobs (docs/tuning.md):
+    python -m bench.offline --shape tiny --skip-hf --num-kvcache-blocks 400 --kv-watermark 0.1 --preempt-ratio 0.2
     # nano-vllm's published GPU workload (random output lengths too):
     python -m bench.offline --shape qwen3-0.6b --skip-hf --num-seqs 256 --min-input 100 --max-input 1024 \
         --min-output 100 --max-output 1024 --max-model-len 4096
@@ -32,6 +34,7 @@ import torch
 
 from bench.models import make_bench_model
 from nanovllm.config import Config
+from nanovllm.engine.hooks import StepMetrics
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
 
@@ -94,6 +97,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: Config's")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: Config's")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--block-size", type=int, default=None, help="default: Config's")
+    ap.add_argument("--num-kvcache-blocks", type=int, default=None,
+                    help="an exact KV cache size instead of the memory budget (to put the cache under pressure)")
+    ap.add_argument("--kv-watermark", type=float, default=None, help="default: Config's (docs/tuning.md)")
+    ap.add_argument("--preempt-ratio", type=float, default=None, help="default: Config's (docs/tuning.md)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench-models"))
     args = ap.parse_args(argv)
@@ -168,20 +176,42 @@ def nanovllm_timed_runs(args: argparse.Namespace, path: str, warm_up: list[list[
     """A warm-up, then one timed run per prompt set; with a little about the engine."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine_config = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len).items()
-                     if v is not None}
+    knobs = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
+                 num_kvcache_blocks=args.num_kvcache_blocks, kv_watermark=args.kv_watermark,
+                 preempt_ratio=args.preempt_ratio)
+    engine_config = {k: v for k, v in knobs.items() if v is not None}
     engine = LLMEngine(Config(model=path, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gib=2.0,
                               num_threads=args.threads, device=args.device, dtype=args.dtype,
                               enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
                               **engine_config))
     run_nanovllm(engine, warm_up, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    pressure = PreemptionCount(engine.scheduler.num_preemptions)
+    engine.add_post_step_hook(pressure)
     runs = [run_nanovllm(engine, ps, params) for ps in prompt_sets]
-    info = {"threads": torch.get_num_threads(), "dtype": str(engine.runner.dtype).removeprefix("torch.")}
+    info = {"threads": torch.get_num_threads(), "dtype": str(engine.runner.dtype).removeprefix("torch."),
+            "num_kv_blocks": engine.runner.num_blocks, "steps": pressure.steps, "preemptions": pressure.preemptions,
+            "preempting_steps": pressure.preempting_steps, "prefill_tokens": pressure.prefill_tokens}
     if engine.runner.device.type == "cuda":
-        info.update(device=torch.cuda.get_device_name(engine.runner.device),
-                    cuda_graphs=engine.runner.graphs is not None, num_kv_blocks=engine.runner.num_blocks)
+        info.update(device=torch.cuda.get_device_name(engine.runner.device), cuda_graphs=engine.runner.graphs is not None)
     engine.close()
     return runs, info
+
+
+class PreemptionCount:
+    """A post-step hook: steps, sequences preempted, steps that preempted and prompt tokens
+    computed (recomputation after preemption included, prefix-cache hits not) over the timed runs."""
+
+    def __init__(self, preemptions_so_far: int):
+        self.steps = self.preemptions = self.preempting_steps = self.prefill_tokens = 0
+        self._last = preemptions_so_far
+
+    def __call__(self, m: StepMetrics) -> None:
+        if m.num_preemptions > self._last:
+            self.preemptions += m.num_preemptions - self._last
+            self.preempting_steps += 1
+        self._last = m.num_preemptions
+        self.steps += 1
+        self.prefill_tokens += m.num_prefill_tokens
 
 
 def alternate_with_vllm(args: argparse.Namespace, path: str, warm_up: list[list[int]],

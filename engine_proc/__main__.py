@@ -86,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         engine = LLMEngine(config, scheduler_policy=policy)
         for hook in hooks:
             engine.add_post_step_hook(hook)
-        log.info("model %s loaded; input at %s; outputs to %s", args.model, endpoints.engine, endpoints.detok)
+        runner = engine.runner
+        log.info("model %s loaded; KV cache %d blocks of %d tokens (%.0f MiB), %d kept free at admission; "
+                 "input at %s; outputs to %s", args.model, runner.num_blocks, config.block_size,
+                 runner.num_blocks * runner.bytes_per_block / (1 << 20), engine.scheduler.watermark_blocks,
+                 endpoints.engine, endpoints.detok)
         return engine
 
     return stage.run(stop, load_engine)

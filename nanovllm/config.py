@@ -14,6 +14,14 @@ def _positive(name: str, value: int | float | None) -> None:
         raise ValueError(f"{name} must be > 0, got {value!r}")
 
 
+def _share(name: str, value: float, meaning: str, *, one_allowed: bool) -> None:
+    """A fraction of the KV cache: a number from 0 to 1 (1 itself only if `one_allowed`)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and 0 <= value and (value <= 1 if one_allowed else value < 1)):
+        bound = "[0, 1]" if one_allowed else "[0, 1)"
+        raise ValueError(f"{name} must be a number in {bound}, the {meaning}; got {value!r}")
+
+
 @dataclass
 class Config:
     model: str = "default"
@@ -21,11 +29,12 @@ class Config:
     max_num_batched_tokens: int = 2048
     """Token budget of one engine step (decode tokens plus prefill chunks)."""
     max_num_seqs: int = 256
-    """Most sequences running at once."""
+    """Most sequences running at once (the design's `max_batch_size`)."""
     max_model_len: int | None = None
     """Prompt plus output limit; defaults to the model's context length, capped at 4096."""
     block_size: int = 16
-    """Tokens per KV-cache block."""
+    """Tokens per KV-cache block (bytes per block: 2 x layers x block_size x kv_heads x head_dim x
+    dtype size, `ModelRunner.bytes_per_block`)."""
     kv_cache_memory_gib: float = 1.0
     """KV-cache budget on CPU (GiB per tensor-parallel rank). On CUDA it comes from `gpu_memory_utilization`."""
     gpu_memory_utilization: float = 0.9
@@ -34,6 +43,16 @@ class Config:
     num_kvcache_blocks: int | None = None
     """Exact number of KV blocks; overrides the memory budget (tests use it to force pressure)."""
     enable_prefix_caching: bool = True
+    kv_watermark: float = 0.0
+    """Share of the KV blocks that admitting a waiting sequence must leave free, so running ones
+    can grow without being preempted at once (the design's 0.9 utilisation is 0.1). An idle engine
+    admits its first sequence whatever the watermark, so every request that fits the cache runs."""
+    preempt_ratio: float = 0.0
+    """When the running sequences cannot all grow in a step, preempt (the policy's last first)
+    until they can with this share of the KV blocks left free, not just the blocks they need: one
+    preemption makes room for several steps instead of one sequence per step. Admissions leave the
+    share free too (the watermark is at least this), or the preempted sequences would refill it on
+    the next step. 0: preempt only what is needed."""
     dtype: str = "auto"
     """"auto" (on CPU bfloat16 where it has AMX-BF16 or AVX512-BF16, float32 elsewhere; on CUDA the
     checkpoint's dtype, bfloat16 for float32 checkpoints), "float32", "float16" or "bfloat16"."""
@@ -59,6 +78,8 @@ class Config:
         _positive("num_kvcache_blocks", self.num_kvcache_blocks)
         _positive("num_threads", self.num_threads)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _share("kv_watermark", self.kv_watermark, "share of KV blocks kept free when admitting", one_allowed=False)
+        _share("preempt_ratio", self.preempt_ratio, "share of KV blocks a preemption makes free", one_allowed=True)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

@@ -108,16 +108,17 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, num_new_tokens: int, hits: list[int]) -> bool:
+    def can_allocate(self, num_new_tokens: int, hits: list[int], keep_free: int = 0) -> bool:
         # [ZH-START]
         # 1. fresh = blocks_for(命中块数 × block_size + num_new_tokens) - 命中块数：要从空闲表新拿的块。
         # 2. revived = 命中块里 ref_count == 0 的个数：命中了，但此刻还躺在空闲表里，
         #    allocate 会把它们从空闲表摘走，同样占空闲名额。
-        # 3. fresh + revived <= num_free_blocks 才能分配。
+        # 3. fresh + revived + keep_free <= num_free_blocks 才能分配（keep_free：调度器要求分配后仍空着的块数，
+        #    即 kv_watermark；默认 0）。
         # [ZH-END]
         fresh = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # hits that sit in the free list
-        return fresh + revived <= self.num_free_blocks
+        return fresh + revived + keep_free <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> None:
         """Give a waiting sequence its cached prefix blocks plus room for `num_new_tokens`."""
@@ -142,16 +143,16 @@ class BlockManager:
     # -- growth ------------------------------------------------------------------------------
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._blocks_short(seq, num_new_tokens) <= self.num_free_blocks
+        return self.blocks_short(seq, num_new_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         # [ZH-START]
-        # 1. _blocks_short：装下 num_computed_tokens + num_new_tokens 个 token 要的块数 - len(block_table)，
+        # 1. blocks_short：装下 num_computed_tokens + num_new_tokens 个 token 要的块数 - len(block_table)，
         #    最少为 0（decode 时通常是 0，跨过块边界那一步是 1）。
         # 2. 差几块就调几次 _take_free_block，从空闲表头（最早释放的）取块，追加到 block_table 末尾。
         # 调用方（Scheduler）事先用 can_append / can_allocate 确认过块够。
         # [ZH-END]
-        for _ in range(self._blocks_short(seq, num_new_tokens)):
+        for _ in range(self.blocks_short(seq, num_new_tokens)):
             seq.block_table.append(self._take_free_block())
 
     def commit(self, seq: Sequence) -> None:
@@ -204,7 +205,8 @@ class BlockManager:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _blocks_short(self, seq: Sequence, num_new_tokens: int) -> int:
+    def blocks_short(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks `seq` must take to hold `num_new_tokens` more tokens."""
         return max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:

@@ -114,7 +114,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = self.model_config.eos_token_ids + self._generation_eos_ids()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.eos_token_ids, make_policy(scheduler_policy))
+                                   self.max_model_len, self.eos_token_ids, make_policy(scheduler_policy),
+                                   config.kv_watermark, config.preempt_ratio)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._arrivals = 0
@@ -308,6 +309,8 @@ class LLMEngine:
             "num_free_blocks": bm.num_free_blocks,
             "num_total_blocks": bm.num_total_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "kv_watermark_blocks": self.scheduler.watermark_blocks,
+            "preempt_blocks": self.scheduler.preempt_blocks,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
         }

@@ -5,7 +5,9 @@ each when decoding, or the next chunk of an unfinished prompt); the rest of the 
 waiting sequences, whose prompts may be split across steps (chunked prefill). When the KV cache
 runs out, a running sequence is preempted: its blocks are freed and it is recomputed later (the
 prefix cache usually makes that cheap). Which sequence is admitted first and which is preempted
-first is the `SchedulerPolicy`'s call (policy.py): FCFS by default, or by priority.
+first is the `SchedulerPolicy`'s call (policy.py): FCFS by default, or by priority. Two knobs
+(docs/tuning.md) damp preemption: `kv_watermark` keeps a share of blocks free at admission, and
+`preempt_ratio` makes one preemption free a share of blocks at once.
 
 An abort is O(1) amortized and counts are O(1): a sequence aborted while waiting stays in the
 heap as a dead entry (skipped when it reaches the top), and the heap is rebuilt without them
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
@@ -61,12 +64,18 @@ class Scheduler:
     # 不做的事：不跑模型、不采样（ModelRunner、Sampler 的事）；不匹配 stop 字符串（在 detokenize.py）；
     # 不持有请求表（那是 LLMEngine.requests）。
     # 和谁打交道：被 LLMEngine 调用（add / finish / schedule / postprocess）；调用 BlockManager
-    # （match_prefix / can_allocate / allocate / can_append / append_slots / commit / free）和 policy.key。
+    # （match_prefix / can_allocate / allocate / can_append / blocks_short / append_slots / commit / free）和 policy.key。
     # num_waiting / num_running 在每次搬动时精确维护，从不现数（指标每步都要读）。
     # [ZH-END]
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...], policy: SchedulerPolicy | None = None):
+                 max_model_len: int, eos_token_ids: tuple[int, ...], policy: SchedulerPolicy | None = None,
+                 kv_watermark: float = 0.0, preempt_ratio: float = 0.0):
         self.block_manager = block_manager
+        self.preempt_blocks = _share_of(preempt_ratio, block_manager.num_total_blocks)
+        """Blocks a step that preempts leaves free (Config.preempt_ratio)."""
+        self.watermark_blocks = max(_share_of(kv_watermark, block_manager.num_total_blocks), self.preempt_blocks)
+        """Blocks an admission leaves free while anything runs: Config.kv_watermark, raised to
+        `preempt_blocks`, or the room a preemption made would be refilled on the next step."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -136,7 +145,8 @@ class Scheduler:
         # 1. running 去掉已结束的序列（finish 时没删，这里惰性清理），再按 policy.key 排序
         #    （FCFS 下本来就有序，sort 只是一次线性检查）。
         # 2. budget = max_num_batched_tokens，清空 queue_times。
-        # 3. _schedule_running：按顺序给 running 序列分 token 和块，块不够就抢占。
+        # 3. preempt_blocks > 0（设了 preempt_ratio）时先 _make_room：块不够就一次抢占到留出这一份。
+        #    然后 _schedule_running：按顺序给 running 序列分 token 和块，块不够就抢占。
         # 4. budget 减去已分出去的 token 数。
         # 5. 本步没发生抢占才 _schedule_waiting 接纳新序列：刚因为块不够踢了人，再接纳只会互相抢占、来回抖动。
         # 6. 返回 scheduled：前面是 running 的，后面是新接纳的。
@@ -146,7 +156,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.queue_times = []
         scheduled: list[ScheduledSeq] = []
-        preempted = self._schedule_running(scheduled, budget)
+        preempted = self.preempt_blocks > 0 and self._make_room(budget)
+        preempted = self._schedule_running(scheduled, budget) or preempted
         budget -= sum(s.num_new_tokens for s in scheduled)
         if not preempted:
             self._schedule_waiting(scheduled, budget)
@@ -180,6 +191,36 @@ class Scheduler:
             i += 1
         return preempted
 
+    def _make_room(self, budget: int) -> bool:
+        """If the running sequences cannot all grow this step, preempt (the policy's last first)
+        until they can with `preempt_blocks` to spare: one preemption frees a share of the cache
+        at once, instead of one sequence per step while the cache stays full. Returns whether it
+        preempted; `_schedule_running` then finds room for every sequence left. O(running)."""
+        # [ZH-START]
+        # 1. 按 _schedule_running 的顺序和预算，算出每个 running 序列本步要补的块数 needs，求和 short。
+        # 2. short <= 空闲块数 → 不用抢占，返回 False。
+        # 3. 否则从 running 末尾（policy 排最后的）逐个 _preempt，直到 short + preempt_blocks <= 空闲块数；
+        #    被抢占的序列若在 needs 里，short 减去它那份。policy 排第一的序列不为留余量而被抢占。
+        # 4. 返回 True：剩下的序列本步都装得下，步后仍至少空着 preempt_blocks 块（滞回，不会每步抢一个）。
+        # [ZH-END]
+        needs = []
+        for seq in self.running:  # what `_schedule_running` will take, in the same order
+            if budget <= 0:
+                break
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            needs.append(self.block_manager.blocks_short(seq, num_new))
+            budget -= num_new
+        short = sum(needs)
+        if short <= self.block_manager.num_free_blocks:
+            return False
+        # The policy's first sequence stays: alone it always fits, and evicting it would throw
+        # away the most work for the sake of a margin.
+        while len(self.running) > 1 and short + self.preempt_blocks > self.block_manager.num_free_blocks:
+            if len(needs) == len(self.running):
+                short -= needs.pop()
+            self._preempt(self.running.pop())
+        return True
+
     def _schedule_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         # [ZH-START]
         # 循环条件：waiting 非空、budget > 0、len(running) < max_num_seqs。
@@ -187,7 +228,9 @@ class Scheduler:
         # 2. hits = block_manager.match_prefix(seq)：前缀缓存命中的块。
         # 3. num_new = min(num_tokens - 命中块数 × block_size, budget)：剩下的 token 本步算多少，
         #    超出预算的部分以后作为 running 分块继续算（chunked prefill）。
-        # 4. can_allocate(num_new, hits) 不满足 → break：严格按 policy 顺序接纳，不跳过堆顶去接纳后面的小请求。
+        # 4. can_allocate(num_new, hits, keep_free) 不满足 → break：严格按 policy 顺序接纳，不跳过堆顶去接纳
+        #    后面的小请求。keep_free = watermark_blocks（kv_watermark 与 preempt_ratio 取大）：有序列在跑时
+        #    接纳后至少留这么多空闲块；引擎空闲时为 0，装得下的请求总能跑起来。
         # 5. 弹出堆顶，allocate(seq, num_new, hits)，status = RUNNING；
         #    第一次被调度时记 first_scheduled_time，并把排队时间追加到 queue_times（抢占后重新接纳不算）。
         # 6. num_waiting -= 1，num_running += 1，追加到 running 和 scheduled，budget -= num_new。
@@ -201,7 +244,9 @@ class Scheduler:
                 continue
             hits = self.block_manager.match_prefix(seq)
             num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
-            if not self.block_manager.can_allocate(num_new, hits):
+            # An idle engine admits whatever fits, so no request waits forever on the watermark.
+            keep_free = self.watermark_blocks if self.num_running else 0
+            if not self.block_manager.can_allocate(num_new, hits, keep_free):
                 break
             heapq.heappop(self.waiting)
             self.block_manager.allocate(seq, num_new, hits)
@@ -280,3 +325,8 @@ class Scheduler:
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+
+def _share_of(share: float, num_blocks: int) -> int:
+    """`share` of `num_blocks`, rounded up (less a hair, so 0.3 of 10 is 3, not 4)."""
+    return max(0, math.ceil(share * num_blocks - 1e-9))
