@@ -91,7 +91,8 @@ def unpack_token_ids(data: bytes | list[int]) -> list[int]:
 
 
 def check_packed(name: str, value: Any, max_tokens: int) -> None:
-    check(isinstance(value, (bytes, bytearray)), f"{name} must be packed uint32 bytes, got {show(value)}")
+    if not isinstance(value, (bytes, bytearray)):
+        raise ProtocolError(f"{name} must be packed uint32 bytes, got {show(value)}")
     check(len(value) % 4 == 0, f"packed {name} must be a multiple of 4 bytes, got {len(value)}")
     check(len(value) <= 4 * max_tokens, f"{name} may hold at most {max_tokens} tokens, got {len(value) // 4}")
 
@@ -294,15 +295,21 @@ class DetokHello(Message):
 def check_output_row(row: Any, extra: int = 0) -> None:
     """[request_id, packed ids, finished, finish_reason, num_prompt, num_output, num_cached, error],
     after `extra` leading items (a resync entry has the meta second)."""
-    check(isinstance(row, list) and len(row) == 8 + extra, f"an output row must have {8 + extra} items")
+    if not (isinstance(row, list) and len(row) == 8 + extra):
+        raise ProtocolError(f"an output row must have {8 + extra} items")
     rid, ids, finished, reason, *counts, error = row[:1] + row[1 + extra:]
     check_str("output request_id", rid, MAX_ENGINE_ID_LEN)
     check_packed("output token ids", ids, MAX_FRAME_BYTES // 4)
     check_bool("output finished", finished)
-    check(reason is None or reason in FINISH_REASONS, f"finish_reason must be null or one of {FINISH_REASONS}")
+    _check_finish_reason(reason)
     for count in counts:
         check_int("output token count", count, 0, 2**31)
     check_opt_str("output error", error, MAX_ERROR_LEN)
+
+
+def _check_finish_reason(reason: Any) -> None:
+    if reason is not None and reason not in FINISH_REASONS:
+        raise ProtocolError(f"finish_reason must be null or one of {FINISH_REASONS}")
 
 
 @_message("step")
@@ -361,7 +368,8 @@ def _check_stats(stats: Any) -> None:
 
 
 def _check_state(name: str, state: Any) -> None:
-    check(state in STAGE_STATES, f"{name} must be one of {STAGE_STATES}, got {show(state)}")
+    if state not in STAGE_STATES:
+        raise ProtocolError(f"{name} must be one of {STAGE_STATES}, got {show(state)}")
 
 
 @_message("engine_status")
@@ -406,8 +414,7 @@ class StreamOutput(Message):
             check_str("delta request_id", d["request_id"], MAX_ENGINE_ID_LEN)
             check_str("delta text", d.get("text", ""), MAX_FRAME_BYTES, empty=True)
             check_packed("delta token_ids", d.get("token_ids", b""), MAX_FRAME_BYTES // 4)
-            reason = d.get("finish_reason")
-            check(reason is None or reason in FINISH_REASONS, f"finish_reason must be null or one of {FINISH_REASONS}")
+            _check_finish_reason(d.get("finish_reason"))
             check_opt_str("delta error", d.get("error"), MAX_ERROR_LEN)
             if d.get("usage") is not None:
                 check_map("delta usage", d["usage"], 16)
