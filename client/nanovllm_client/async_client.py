@@ -211,6 +211,10 @@ class AsyncClient(ClientBase):
             for resume in reaction.to_detok:
                 await self._out.send(resume)
             self._route(reaction.deltas)
+            # A recv that finds a frame waiting returns without yielding to the loop: without this,
+            # a backlog of frames would starve the heartbeat (the service gives up on a client after
+            # 5 s without a ping) and the streams' own consumers until the whole backlog is decoded.
+            await asyncio.sleep(0)
 
     def _route(self, deltas: list[Delta]) -> None:
         for delta in deltas:
