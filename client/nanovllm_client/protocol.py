@@ -93,8 +93,10 @@ def unpack_token_ids(data: bytes | list[int]) -> list[int]:
 def check_packed(name: str, value: Any, max_tokens: int) -> None:
     if not isinstance(value, (bytes, bytearray)):
         raise ProtocolError(f"{name} must be packed uint32 bytes, got {show(value)}")
-    check(len(value) % 4 == 0, f"packed {name} must be a multiple of 4 bytes, got {len(value)}")
-    check(len(value) <= 4 * max_tokens, f"{name} may hold at most {max_tokens} tokens, got {len(value) // 4}")
+    if len(value) % 4:
+        raise ProtocolError(f"packed {name} must be a multiple of 4 bytes, got {len(value)}")
+    if len(value) > 4 * max_tokens:
+        raise ProtocolError(f"{name} may hold at most {max_tokens} tokens, got {len(value) // 4}")
 
 
 # ---------------------------------------------------------------- message registry
@@ -130,18 +132,22 @@ class Message:
 
 def decode(frame: bytes) -> Message:
     """One frame -> a typed, checked message, or `ProtocolError` naming the problem."""
-    check(len(frame) <= MAX_FRAME_BYTES, f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     try:
         obj = msgpack.unpackb(frame, raw=False, use_list=True, **_UNPACK_LIMITS)
     except Exception as e:  # msgpack raises several unrelated types for garbage; the text is its own
         raise ProtocolError(f"frame is not valid msgpack within the limits ({type(e).__name__}: {show(str(e))})") from None
     check(isinstance(obj, list) and len(obj) == 3, "a message must be a msgpack array [protocol_version, type, body]")
     version, type_name, body = obj  # only `show` (bounded) looks at these before the depth check
-    check(version == PROTOCOL_VERSION,
-          f"protocol version {show(version)} is not supported; this service speaks version {PROTOCOL_VERSION}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {show(version)} is not supported; "
+                            f"this service speaks version {PROTOCOL_VERSION}")
     cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
-    check(cls is not None, f"unknown message type {show(type_name)}; known types: {', '.join(sorted(_REGISTRY))}")
-    check(isinstance(body, dict), f"the body of a {type_name!r} message must be a map")
+    if cls is None:
+        raise ProtocolError(f"unknown message type {show(type_name)}; known types: {', '.join(sorted(_REGISTRY))}")
+    if not isinstance(body, dict):
+        raise ProtocolError(f"the body of a {type_name!r} message must be a map")
     rid = body.get("request_id")
     rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ENGINE_ID_LEN else None
     try:
