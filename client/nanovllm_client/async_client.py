@@ -196,7 +196,10 @@ class AsyncClient(ClientBase):
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frame = await sock.recv()
+            try:  # a frame already waiting costs ~2 us this way, ~15 us through the poller
+                frame = await sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                frame = await sock.recv()
             try:
                 reaction = self._state.handle(frame)
             except Exception:  # a bug must cost one frame, never the reader every stream waits on
