@@ -43,7 +43,8 @@ def markdown_tables(result: dict) -> str:
         if "offline" in top:
             out.append(f"\n{title} at concurrency {top['concurrency']}: service {top['output_tok_s']:,.1f} out tok/s, "
                        f"`LLM.generate` in-process {top['offline']['output_tok_s']:,.1f} "
-                       f"(runs: {', '.join(f'{v:,.1f}' for v in top['all_offline_tok_s'])}), "
+                       f"({top['offline'].get('dtype', 'dtype not recorded')}; "
+                       f"runs: {', '.join(f'{v:,.1f}' for v in top['all_offline_tok_s'])}), "
                        f"ratio **{top['service_over_offline']:.3f}**.")
     if result.get("pressure"):
         out += ["\nKV-cache pressure:\n",
@@ -78,9 +79,9 @@ def plot(result: dict, path: str) -> None:
         if "offline" in top:
             ax.plot([top["concurrency"]], [top["offline"]["output_tok_s"]], "s", label="LLM.generate in-process")
         for r in result.get("pressure", []):
-            knobs = ", ".join(f"{k}={v}" for k, v in r["knobs"].items())
+            knobs = "".join(f", {k}={v}" for k, v in r["knobs"].items())
             ax.plot([r["concurrency"]], [r["output_tok_s"]], "v",
-                    label=f"{r['num_kvcache_blocks']} KV blocks {knobs}, {r['preemptions']} preemptions")
+                    label=f"{r['num_kvcache_blocks']} KV blocks{knobs}: {r['preemptions']} preemptions")
         ax.set_ylim(bottom=0)
         _axis(ax, "model: output tokens/s", "tokens/s", x)
         ax = axes.pop(0)
@@ -98,7 +99,7 @@ def plot(result: dict, path: str) -> None:
         top = rows[-1]
         if "offline" in top:
             ax.plot([top["concurrency"]], [top["offline"]["output_tok_s"]], "^", label="tokens/s, engine in-process")
-        ax.set_ylim(bottom=0)
+        ax.set_yscale("log")
         _axis(ax, "null model (no model work)", "per second", x)
     fig.suptitle(f"nanovllm serve, {result.get('cpu_model') or 'CPU'}, {result.get('cores')} cores, "
                  f"{result.get('date', '')}", fontsize=9)

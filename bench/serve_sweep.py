@@ -94,6 +94,8 @@ def run_config(args: argparse.Namespace, model: str, vocab: int, null_model: boo
     with Service(model, engine_flags(config), args.profile) as service:
         offline = None if args.skip_offline else Offline(model, config)
         rows = sweep_levels(service, offline, args, vocab, tag, output_len, min_requests)
+    if offline:  # what dtype="auto" resolved to, as the service's engine resolves it on this machine
+        rows[-1]["offline"]["dtype"] = str(offline.llm.engine.runner.dtype).removeprefix("torch.")
     del offline
     gc.collect()  # the in-process engine's KV cache, before the next service starts
     return rows
