@@ -2,22 +2,36 @@
 
     python bench/serve.py                         # tiny random Qwen3 (hidden 512, 4 layers)
     python bench/serve.py --model default --num-requests 16 --output-len 64
+    python bench/serve.py --sweep                 # concurrency 1, 4, 16, 64; KV pressure; null model
+    python bench/serve.py --sweep --null-model    # the null-model sweep alone
 
+A single run:
 1. starts `nanovllm serve` (the supervisor) on ipc:// in a temp dir, warms it up, then sends
    `--num-requests` requests (random prompt token ids, `--output-len` tokens each, EOS ignored,
    greedy) from `--clients` concurrent AsyncClients, all in flight at once; records TTFT (submit
    -> first token) and ITL (gap between consecutive deltas, per token);
 2. runs the same prompts through `LLM.generate` in this process (the service idle meanwhile),
-   alternating the two `--repeats` times so other load on the machine hits both alike;
+   alternating the two `--repeats` times so other load on the machine hits both alike; every
+   repeat draws fresh prompts (the same for both sides), so no run hits the prefix cache;
 3. prints a table and one JSON line: best output tok/s of both, their ratio, TTFT/ITL p50/p99,
    and CPU seconds (engine stage vs. in-process, plus tokenizer and detokenizer stages).
+
+`--sweep` (bench/serve_sweep.py) runs the same measurement at each `--concurrency` level
+(`max(level, --min-requests)` requests, at most `level` in flight, one client connection per
+stream), adds engine steps/s, preemptions and KV-cache use from the server's stats, and also runs
+a KV cache too small for the top level (`--pressure-kv-blocks`, knobs from `--engine-arg`) and
+the same levels on the null model (`Config.null_model`: fixed logits, no model work). It writes
+JSON and a PNG (matplotlib: `pip install -e '.[bench]'`).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import glob
 import json
 import os
+import pstats
 import random
 import shutil
 import signal
@@ -27,7 +41,13 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+SOURCE_PATH = [REPO, os.path.join(REPO, "client")]
+"""This checkout's packages (the client package too), first for this process and the service."""
+sys.path[:0] = SOURCE_PATH
+PROFILE_HOOK_DIR = os.path.join(REPO, "bench", "stage_profile")
+"""Holds the sitecustomize.py that profiles each stage under `--profile`."""
+STATS_PERIOD_S = 0.1
+"""How often the KV-cache use is sampled from the server's stats (the engine reports every 0.25 s)."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -47,61 +67,117 @@ def build_tiny_model(path: str) -> str:
     return path
 
 
-def make_prompts(n: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+def make_prompts(n: int, vocab: int, lo: int, hi: int, seed: int | str) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 # ---------------------------------------------------------------- service side
 
-async def one_request(client, prompt: list[int], output_len: int, record: list) -> None:
-    sent = time.perf_counter()
-    arrivals: list[tuple[float, int]] = []
-    stream = await client.stream(prompt_token_ids=prompt, max_tokens=output_len, ignore_eos=True, temperature=0)
-    async for delta in stream:
-        if delta.token_ids:
-            arrivals.append((time.perf_counter(), len(delta.token_ids)))
-    record.append((sent, arrivals))
+async def one_request(client, prompt: list[int], output_len: int, record: list, slots: asyncio.Semaphore) -> None:
+    async with slots:
+        sent = time.perf_counter()
+        arrivals: list[tuple[float, int]] = []
+        stream = await client.stream(prompt_token_ids=prompt, max_tokens=output_len, ignore_eos=True, temperature=0)
+        async for delta in stream:
+            if delta.token_ids:
+                arrivals.append((time.perf_counter(), len(delta.token_ids)))
+        record.append((sent, arrivals))
 
 
-async def run_clients(url: str, prompts: list[list[int]], output_len: int, num_clients: int) -> dict:
+async def engine_stats(client) -> dict:
+    """The engine's latest reported stats (from its heartbeat, relayed by the detokenizer)."""
+    return (await client.server_stats())["engine"]
+
+
+async def watch_kv_usage(client, used: list[int], stop: asyncio.Event) -> None:
+    """Sample the KV blocks in use every STATS_PERIOD_S until `stop` is set."""
+    while not stop.is_set():
+        stats = await engine_stats(client)
+        used.append(stats["num_total_blocks"] - stats["num_free_blocks"])
+        try:
+            await asyncio.wait_for(stop.wait(), STATS_PERIOD_S)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def settled_stats(client) -> dict:
+    """Stats from a heartbeat sent after everything before this call happened."""
+    await asyncio.sleep(0.35)
+    return await engine_stats(client)
+
+
+async def run_clients(url: str, prompts: list[list[int]], output_len: int, num_clients: int,
+                      concurrency: int | None = None) -> dict:
+    """Send all `prompts` over `num_clients` connections, at most `concurrency` in flight."""
     from nanovllm_client import AsyncClient
 
     clients = [AsyncClient(url, timeout=3600) for _ in range(num_clients)]
     for c in clients:
         await c.start()
     await asyncio.gather(*(c.generate(prompt_token_ids=prompts[0][:8], max_tokens=4) for c in clients))  # warm-up
+    before = await settled_stats(clients[0])
     record: list = []
+    slots = asyncio.Semaphore(concurrency or len(prompts))
+    kv_used: list[int] = []
+    stop_watch = asyncio.Event()
+    watch = asyncio.create_task(watch_kv_usage(clients[0], kv_used, stop_watch))
     start = time.perf_counter()
-    await asyncio.gather(*(one_request(clients[i % num_clients], p, output_len, record) for i, p in enumerate(prompts)))
+    await asyncio.gather(*(one_request(clients[i % num_clients], p, output_len, record, slots)
+                           for i, p in enumerate(prompts)))
     elapsed = time.perf_counter() - start
+    stop_watch.set()
+    await watch
+    after = await settled_stats(clients[0])
     for c in clients:
         await c.close()
     ttft = [arr[0][0] - sent for sent, arr in record if arr]
     itl = [(b[0] - a[0]) / b[1] for _, arr in record for a, b in zip(arr, arr[1:])]
     tokens = sum(n for _, arr in record for _, n in arr)
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
+    steps = after["num_steps"] - before["num_steps"]
+    total_blocks = after["num_total_blocks"]
+    return {"concurrency": concurrency or len(prompts), "num_requests": len(prompts), "clients": num_clients,
+            "elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
             "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
-            "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99)}
+            "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
+            "steps": steps, "steps_per_s": steps / elapsed,
+            "preemptions": after["num_preemptions"] - before["num_preemptions"],
+            "kv_blocks": total_blocks, "kv_blocks_peak": max(kv_used, default=0),
+            "kv_usage_peak": max(kv_used, default=0) / total_blocks,
+            "kv_usage_mean": sum(kv_used) / len(kv_used) / total_blocks if kv_used else 0.0}
 
 
 class Service:
-    """`nanovllm serve` in a temp runtime dir, for the duration of a `with` block."""
+    """`nanovllm serve` in a temp runtime dir and its own process group, for a `with` block.
 
-    def __init__(self, model: str, engine_args: list[str]):
+    With `profile_dir`, every stage runs under cProfile (bench/stage_profile/sitecustomize.py)
+    and writes one .prof file per thread there when it exits.
+    """
+
+    def __init__(self, model: str, engine_args: list[str], profile_dir: str | None = None):
         self.runtime_dir = tempfile.mkdtemp(prefix="nvb-", dir="/tmp")
         self.url = f"ipc://{self.runtime_dir}"
         self.argv = [sys.executable, "-m", "nanovllm.supervisor", "--model", model, "--runtime-dir", self.runtime_dir,
                      "--log-level", "WARNING", *engine_args]
+        path = ([PROFILE_HOOK_DIR] if profile_dir else []) + SOURCE_PATH
+        self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+        self.profile_dir = profile_dir
+        if profile_dir:
+            os.makedirs(profile_dir, exist_ok=True)
+            self.env["NANOVLLM_PROFILE_DIR"] = os.path.abspath(profile_dir)
 
     def __enter__(self) -> Service:
         from nanovllm_client import Client
 
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
-        with Client(self.url, connect_timeout=300) as c:
-            c.wait_engine(timeout=300)
-        with open(os.path.join(self.runtime_dir, "stages.json")) as f:
-            self.pids = {k: v for k, v in json.load(f).items() if k != "url"}
+        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env, start_new_session=True)
+        try:
+            with Client(self.url, connect_timeout=300) as c:
+                c.wait_engine(timeout=300)
+            with open(os.path.join(self.runtime_dir, "stages.json")) as f:
+                self.pids = {k: v for k, v in json.load(f).items() if k != "url"}
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def cpu_seconds(self) -> dict[str, float]:
@@ -114,16 +190,22 @@ class Service:
             out[name] = (int(fields[11]) + int(fields[12])) / ticks
         return out
 
-    def run(self, prompts, output_len: int, num_clients: int) -> dict:
+    def run(self, prompts, output_len: int, num_clients: int, concurrency: int | None = None) -> dict:
         try:
             import uvloop
             runner = uvloop.run
         except ImportError:
             runner = asyncio.run
-        before = self.cpu_seconds()
-        result = runner(run_clients(self.url, prompts, output_len, num_clients))
-        after = self.cpu_seconds()
-        result["cpu_s"] = {k: round(after[k] - before[k], 2) for k in after}
+        profile = cProfile.Profile() if self.profile_dir else None
+        before, own = self.cpu_seconds(), time.process_time()
+        if profile:
+            profile.enable()
+        result = runner(run_clients(self.url, prompts, output_len, num_clients, concurrency))
+        if profile:
+            profile.disable()
+            profile.dump_stats(os.path.join(self.profile_dir, f"clients-{os.getpid()}-{time.monotonic_ns()}.prof"))
+        after, own = self.cpu_seconds(), time.process_time() - own
+        result["cpu_s"] = {**{k: round(after[k] - before[k], 2) for k in after}, "clients": round(own, 2)}
         return result
 
     def __exit__(self, *exc) -> None:
@@ -131,8 +213,17 @@ class Service:
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the stages too: they are in its group
+            self.proc.wait()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def print_profiles(profile_dir: str, top: int = 12) -> None:
+    """The hottest functions (own time) of each stage thread that the profile hook recorded."""
+    for path in sorted(glob.glob(os.path.join(profile_dir, "*.prof"))):
+        stats = pstats.Stats(path)
+        print(f"\n=== {os.path.basename(path)}: {stats.total_tt:.2f} s profiled")
+        stats.sort_stats("tottime").print_stats(top)
 
 
 # ---------------------------------------------------------------- in-process side
@@ -156,44 +247,107 @@ class Offline:
 
 
 def engine_flags(config: dict) -> list[str]:
-    return [x for k, v in config.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    """`nanovllm serve` flags for engine Config fields (booleans as --flag / --no-flag)."""
+    flags = []
+    for key, value in config.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
 
 
-def main(argv: list[str] | None = None) -> int:
+def engine_config(args: argparse.Namespace, null_model: bool) -> dict:
+    """The engine settings both sides share. The null model runs one torch thread: with no model
+    work, a second OpenMP thread only makes each small tensor op wait for it to wake."""
+    config = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype}
+    if null_model:
+        config.update(null_model=True, num_threads=1)
+    return config
+
+
+def alternate(service: Service, offline: Offline | None, prompt_sets: list[list[list[int]]], output_len: int,
+              num_clients: int, concurrency: int | None = None) -> tuple[list[dict], list[dict]]:
+    """Service and in-process runs in turn, one prompt set each per repeat, so load from other
+    work on the machine hits both alike; fresh prompts per repeat keep the prefix cache cold."""
+    services, offlines = [], []
+    for prompts in prompt_sets:
+        services.append(service.run(prompts, output_len, num_clients, concurrency))
+        if offline:
+            offlines.append(offline.run(prompts, output_len))
+    return services, offlines
+
+
+def best(runs: list[dict]) -> dict | None:
+    return max(runs, key=lambda r: r["output_tok_s"]) if runs else None
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="'tiny' (built on the fly), 'default', or a model path")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--clients", type=int, default=4, help="concurrent client objects (connections)")
+    parser.add_argument("--num-requests", type=int, default=64, help="single run: requests, all in flight at once")
+    parser.add_argument("--clients", type=int, default=None,
+                        help="client connections (default: 4 for a single run; one per stream in a sweep)")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[71, 255], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="alternating service/in-process runs; best is reported")
     parser.add_argument("--skip-offline", action="store_true")
-    args = parser.parse_args(argv)
+    parser.add_argument("--null-model", action="store_true",
+                        help="only the null model (fixed logits, no model work): what the scheduler, sampler and "
+                             "the three stages sustain alone")
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help="run every stage under cProfile, write .prof files to DIR and print their top entries")
+    sweep = parser.add_argument_group("sweep (--sweep)")
+    sweep.add_argument("--sweep", action="store_true", help="the concurrency sweep, KV pressure and null-model runs")
+    sweep.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    sweep.add_argument("--min-requests", type=int, default=8, help="requests per level: max(level, this)")
+    sweep.add_argument("--pressure-kv-blocks", type=int, default=None,
+                       help="KV blocks for the pressure run at the top level (default: half what its requests need "
+                            "at full length; 0 skips it)")
+    sweep.add_argument("--engine-arg", action="append", default=[], metavar="KEY=V1[,V2...]",
+                       help="engine Config field for the pressure run (repeatable); several values: one run each")
+    sweep.add_argument("--null-output-len", type=int, default=1024, help="output tokens per null-model request")
+    sweep.add_argument("--null-min-requests", type=int, default=8, help="null-model requests per level: max(level, this)")
+    sweep.add_argument("--skip-null", action="store_true", help="leave the null-model sweep out")
+    sweep.add_argument("--json", default=os.path.join(REPO, "docs", "results", "serve_sweep.json"),
+                       help="where the sweep's JSON goes")
+    sweep.add_argument("--png", default=os.path.join(REPO, "docs", "img", "serve_sweep.png"),
+                       help="where the sweep's plot goes ('' for none)")
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     model = args.model
     if model == "tiny":
         model = build_tiny_model(os.path.join(tempfile.gettempdir(), "nanovllm-bench-tiny"))
     from nanovllm.models.tokenizer import load_tokenizer
 
     vocab = len(load_tokenizer(model))
-    prompts = make_prompts(args.num_requests, vocab, *args.prompt_len, args.seed)
-    config = {"max_num_seqs": args.max_num_seqs}
+    if args.sweep:
+        from bench.serve_sweep import run_sweep
 
-    # Alternate the two so load from other work on the machine hits both alike; report the best.
-    services, offlines = [], []
-    with Service(model, engine_flags(config)) as service:
+        return run_sweep(args, model, vocab)
+    return run_single(args, model, vocab)
+
+
+def run_single(args: argparse.Namespace, model: str, vocab: int) -> int:
+    output_len = args.null_output_len if args.null_model else args.output_len
+    prompt_sets = [make_prompts(args.num_requests, vocab, *args.prompt_len, f"{args.seed}-{r}")
+                   for r in range(args.repeats)]
+    config = engine_config(args, args.null_model)
+    clients = args.clients or 4
+    with Service(model, engine_flags(config), args.profile) as service:
         offline = None if args.skip_offline else Offline(model, config)
-        for _ in range(args.repeats):
-            services.append(service.run(prompts, args.output_len, args.clients))
-            if offline:
-                offlines.append(offline.run(prompts, args.output_len))
-    service = max(services, key=lambda r: r["output_tok_s"])
-    offline = max(offlines, key=lambda r: r["output_tok_s"]) if offlines else None
-    result = {"model": args.model, "num_requests": args.num_requests, "clients": args.clients,
-              "prompt_tokens": sum(map(len, prompts)), "output_len": args.output_len, "repeats": args.repeats,
-              "service": service, "offline": offline,
+        services, offlines = alternate(service, offline, prompt_sets, output_len, clients)
+    service, offline = best(services), best(offlines)
+    result = {"model": args.model, "null_model": args.null_model, "num_requests": args.num_requests, "clients": clients,
+              "prompt_tokens": [sum(map(len, s)) for s in prompt_sets], "output_len": output_len,
+              "repeats": args.repeats, "config": config, "service": service, "offline": offline,
               "service_over_offline": service["output_tok_s"] / offline["output_tok_s"] if offline else None,
               "all_service_tok_s": [round(r["output_tok_s"], 1) for r in services],
               "all_offline_tok_s": [round(r["output_tok_s"], 1) for r in offlines]}
@@ -201,13 +355,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'':24}{'service':>12}{'in-process':>12}")
     print(f"{'output tok/s':24}{service['output_tok_s']:12.1f}{(offline or {}).get('output_tok_s', float('nan')):12.1f}")
     print(f"{'elapsed s':24}{service['elapsed_s']:12.2f}{(offline or {}).get('elapsed_s', float('nan')):12.2f}")
-    for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+    for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "steps_per_s"):
         print(f"{key:24}{service[key]:12.1f}{'-':>12}")
     engine_cpu = service["cpu_s"]["engine_proc"]
     print(f"{'engine CPU s':24}{engine_cpu:12.2f}{(offline or {}).get('cpu_s', float('nan')):12.2f}")
     print(f"{'tokenizer+detok CPU s':24}{service['cpu_s']['tokenizer_proc'] + service['cpu_s']['detok_proc']:12.2f}")
     if offline:
         print(f"{'service / in-process':24}{result['service_over_offline']:12.3f}")
+    if args.profile:
+        print_profiles(args.profile)
     print(json.dumps(result))
     return 0
 

@@ -68,6 +68,10 @@ class Config:
     dist_init_method: str = field(default_factory=lambda: os.environ.get("NANOVLLM_DIST_INIT", "tcp://127.0.0.1:29517"))
     """Rendezvous for tensor parallelism; from config so two instances on one host do not collide.
     It is the only per-instance name tensor parallelism uses (no shared memory)."""
+    null_model: bool = False
+    """Benchmark tool: replace the transformer with `models/null_model.py`, whose logits are fixed
+    and instant, to measure what the scheduler, KV accounting, sampler and service stages sustain
+    alone. The model folder gives only its config.json and tokenizer; no weights are read."""
 
     def __post_init__(self) -> None:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -196,7 +196,10 @@ class AsyncClient(ClientBase):
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frame = await sock.recv()
+            try:  # a frame already waiting costs ~2 us this way, ~15 us through the poller
+                frame = await sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                frame = await sock.recv()
             try:
                 reaction = self._state.handle(frame)
             except Exception:  # a bug must cost one frame, never the reader every stream waits on
@@ -211,6 +214,10 @@ class AsyncClient(ClientBase):
             for resume in reaction.to_detok:
                 await self._out.send(resume)
             self._route(reaction.deltas)
+            # A recv that finds a frame waiting returns without yielding to the loop: without this,
+            # a backlog of frames would starve the heartbeat (the service gives up on a client after
+            # 5 s without a ping) and the streams' own consumers until the whole backlog is decoded.
+            await asyncio.sleep(0)
 
     def _route(self, deltas: list[Delta]) -> None:
         for delta in deltas:

@@ -45,6 +45,8 @@ def show(value: Any) -> str:
 
 
 def check(ok: bool, message: str) -> None:
+    """Raise `ProtocolError(message)` unless `ok`. The message is built before the call, so hot
+    checks whose message formats the value (`show`) test first and build it only on failure."""
     if not ok:
         raise ProtocolError(message)
 
@@ -67,8 +69,9 @@ def is_int(value: Any) -> bool:
 
 
 def check_str(name: str, value: Any, max_len: int, *, empty: bool = False) -> None:
-    check(isinstance(value, str) and (empty or value != "") and len(value) <= max_len,
-          f"{name} must be a {'' if empty else 'non-empty '}string of at most {max_len} characters, got {show(value)}")
+    if not (isinstance(value, str) and (empty or value != "") and len(value) <= max_len):
+        raise ProtocolError(f"{name} must be a {'' if empty else 'non-empty '}string of at most {max_len} characters, "
+                            f"got {show(value)}")
 
 
 def check_opt_str(name: str, value: Any, max_len: int) -> None:
@@ -77,44 +80,47 @@ def check_opt_str(name: str, value: Any, max_len: int) -> None:
 
 
 def check_bytes(name: str, value: Any, max_len: int) -> None:
-    check(isinstance(value, bytes) and len(value) <= max_len,
-          f"{name} must be binary of at most {max_len} bytes, got {show(value)}")
+    if not (isinstance(value, bytes) and len(value) <= max_len):
+        raise ProtocolError(f"{name} must be binary of at most {max_len} bytes, got {show(value)}")
 
 
 def check_bool(name: str, value: Any) -> None:
-    check(isinstance(value, bool), f"{name} must be true or false, got {show(value)}")
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{name} must be true or false, got {show(value)}")
 
 
 def check_int(name: str, value: Any, lo: int, hi: int) -> None:
-    check(is_int(value) and lo <= value <= hi, f"{name} must be an integer in [{lo}, {hi}], got {show(value)}")
+    if not (is_int(value) and lo <= value <= hi):
+        raise ProtocolError(f"{name} must be an integer in [{lo}, {hi}], got {show(value)}")
 
 
 def check_number(name: str, value: Any) -> None:
-    check((is_int(value) or isinstance(value, float)) and value == value and abs(value) != float("inf"),
-          f"{name} must be a finite number, got {show(value)}")
+    if not ((is_int(value) or isinstance(value, float)) and value == value and abs(value) != float("inf")):
+        raise ProtocolError(f"{name} must be a finite number, got {show(value)}")
 
 
 def check_list(name: str, value: Any, max_len: int) -> None:
-    check(isinstance(value, list) and len(value) <= max_len,
-          f"{name} must be a list of at most {max_len} items, got {show(value)}")
+    if not (isinstance(value, list) and len(value) <= max_len):
+        raise ProtocolError(f"{name} must be a list of at most {max_len} items, got {show(value)}")
 
 
 def check_map(name: str, value: Any, max_len: int) -> None:
     """A map with string keys (what msgpack maps from JSON-like senders hold)."""
-    check(isinstance(value, dict) and len(value) <= max_len and all(isinstance(k, str) for k in value),
-          f"{name} must be a map of at most {max_len} entries with string keys, got {show(value)}")
+    if not (isinstance(value, dict) and len(value) <= max_len and all(isinstance(k, str) for k in value)):
+        raise ProtocolError(f"{name} must be a map of at most {max_len} entries with string keys, got {show(value)}")
 
 
 def check_strings(name: str, value: Any, max_count: int, max_len: int) -> None:
-    check(isinstance(value, list) and len(value) <= max_count
-          and all(isinstance(s, str) and s != "" and len(s) <= max_len for s in value),
-          f"{name} must be a list of at most {max_count} non-empty strings of at most {max_len} characters, "
-          f"got {show(value)}")
+    if not (isinstance(value, list) and len(value) <= max_count
+            and all(isinstance(s, str) and s != "" and len(s) <= max_len for s in value)):
+        raise ProtocolError(f"{name} must be a list of at most {max_count} non-empty strings of at most {max_len} "
+                            f"characters, got {show(value)}")
 
 
 def check_fields(name: str, value: dict, allowed: frozenset[str], required: frozenset[str] = frozenset()) -> None:
     """Exactly the keys a structured map may have: unknown keys and missing required ones are errors."""
     unknown = [k for k in value if k not in allowed]
-    check(not unknown, f"unknown field(s) {show(sorted(map(str, unknown)))} in {name}; allowed: {sorted(allowed)}")
-    missing = sorted(required - value.keys())
-    check(not missing, f"missing field(s) {missing} in {name}")
+    if unknown:
+        raise ProtocolError(f"unknown field(s) {show(sorted(map(str, unknown)))} in {name}; allowed: {sorted(allowed)}")
+    if not required <= value.keys():
+        raise ProtocolError(f"missing field(s) {sorted(required - value.keys())} in {name}")

@@ -91,9 +91,12 @@ def unpack_token_ids(data: bytes | list[int]) -> list[int]:
 
 
 def check_packed(name: str, value: Any, max_tokens: int) -> None:
-    check(isinstance(value, (bytes, bytearray)), f"{name} must be packed uint32 bytes, got {show(value)}")
-    check(len(value) % 4 == 0, f"packed {name} must be a multiple of 4 bytes, got {len(value)}")
-    check(len(value) <= 4 * max_tokens, f"{name} may hold at most {max_tokens} tokens, got {len(value) // 4}")
+    if not isinstance(value, (bytes, bytearray)):
+        raise ProtocolError(f"{name} must be packed uint32 bytes, got {show(value)}")
+    if len(value) % 4:
+        raise ProtocolError(f"packed {name} must be a multiple of 4 bytes, got {len(value)}")
+    if len(value) > 4 * max_tokens:
+        raise ProtocolError(f"{name} may hold at most {max_tokens} tokens, got {len(value) // 4}")
 
 
 # ---------------------------------------------------------------- message registry
@@ -129,18 +132,22 @@ class Message:
 
 def decode(frame: bytes) -> Message:
     """One frame -> a typed, checked message, or `ProtocolError` naming the problem."""
-    check(len(frame) <= MAX_FRAME_BYTES, f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     try:
         obj = msgpack.unpackb(frame, raw=False, use_list=True, **_UNPACK_LIMITS)
     except Exception as e:  # msgpack raises several unrelated types for garbage; the text is its own
         raise ProtocolError(f"frame is not valid msgpack within the limits ({type(e).__name__}: {show(str(e))})") from None
     check(isinstance(obj, list) and len(obj) == 3, "a message must be a msgpack array [protocol_version, type, body]")
     version, type_name, body = obj  # only `show` (bounded) looks at these before the depth check
-    check(version == PROTOCOL_VERSION,
-          f"protocol version {show(version)} is not supported; this service speaks version {PROTOCOL_VERSION}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {show(version)} is not supported; "
+                            f"this service speaks version {PROTOCOL_VERSION}")
     cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
-    check(cls is not None, f"unknown message type {show(type_name)}; known types: {', '.join(sorted(_REGISTRY))}")
-    check(isinstance(body, dict), f"the body of a {type_name!r} message must be a map")
+    if cls is None:
+        raise ProtocolError(f"unknown message type {show(type_name)}; known types: {', '.join(sorted(_REGISTRY))}")
+    if not isinstance(body, dict):
+        raise ProtocolError(f"the body of a {type_name!r} message must be a map")
     rid = body.get("request_id")
     rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ENGINE_ID_LEN else None
     try:
@@ -294,15 +301,21 @@ class DetokHello(Message):
 def check_output_row(row: Any, extra: int = 0) -> None:
     """[request_id, packed ids, finished, finish_reason, num_prompt, num_output, num_cached, error],
     after `extra` leading items (a resync entry has the meta second)."""
-    check(isinstance(row, list) and len(row) == 8 + extra, f"an output row must have {8 + extra} items")
+    if not (isinstance(row, list) and len(row) == 8 + extra):
+        raise ProtocolError(f"an output row must have {8 + extra} items")
     rid, ids, finished, reason, *counts, error = row[:1] + row[1 + extra:]
     check_str("output request_id", rid, MAX_ENGINE_ID_LEN)
     check_packed("output token ids", ids, MAX_FRAME_BYTES // 4)
     check_bool("output finished", finished)
-    check(reason is None or reason in FINISH_REASONS, f"finish_reason must be null or one of {FINISH_REASONS}")
+    _check_finish_reason(reason)
     for count in counts:
         check_int("output token count", count, 0, 2**31)
     check_opt_str("output error", error, MAX_ERROR_LEN)
+
+
+def _check_finish_reason(reason: Any) -> None:
+    if reason is not None and reason not in FINISH_REASONS:
+        raise ProtocolError(f"finish_reason must be null or one of {FINISH_REASONS}")
 
 
 @_message("step")
@@ -361,7 +374,8 @@ def _check_stats(stats: Any) -> None:
 
 
 def _check_state(name: str, state: Any) -> None:
-    check(state in STAGE_STATES, f"{name} must be one of {STAGE_STATES}, got {show(state)}")
+    if state not in STAGE_STATES:
+        raise ProtocolError(f"{name} must be one of {STAGE_STATES}, got {show(state)}")
 
 
 @_message("engine_status")
@@ -406,8 +420,7 @@ class StreamOutput(Message):
             check_str("delta request_id", d["request_id"], MAX_ENGINE_ID_LEN)
             check_str("delta text", d.get("text", ""), MAX_FRAME_BYTES, empty=True)
             check_packed("delta token_ids", d.get("token_ids", b""), MAX_FRAME_BYTES // 4)
-            reason = d.get("finish_reason")
-            check(reason is None or reason in FINISH_REASONS, f"finish_reason must be null or one of {FINISH_REASONS}")
+            _check_finish_reason(d.get("finish_reason"))
             check_opt_str("delta error", d.get("error"), MAX_ERROR_LEN)
             if d.get("usage") is not None:
                 check_map("delta usage", d["usage"], 16)

@@ -8,7 +8,8 @@ On CPU attention is torch / compiled C; on CUDA it is the Triton kernels, the KV
 from memory measured after a warm-up forward (engine/kv_budget.py) and decode-only steps replay
 CUDA graphs (engine/cuda_graphs.py). With `tensor_parallel_size` N this object is rank 0: it
 starts ranks 1..N-1 as worker processes (engine/tp_workers.py), each running its own ModelRunner
-shard, and broadcasts every step's inputs to them; only rank 0 samples.
+shard, and broadcasts every step's inputs to them; only rank 0 samples. With `null_model` (a
+benchmark tool) the model is `models/null_model.py`: no weights, no cache tensor, fixed logits.
 """
 # [ZH-START]
 # 【模块定位】引擎里"真正执行一步"的那一层：调度器决定这一步算哪些 token，
@@ -52,6 +53,7 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.loader import iter_weights, load_weights
 from nanovllm.models.model_config import DTYPES, ModelConfig, resolve_max_model_len
+from nanovllm.models.null_model import NullModel
 
 
 def resolve_device(config: Config, rank: int = 0) -> torch.device:
@@ -184,11 +186,7 @@ class ModelRunner:
                 self.workers.wait_ready()
             self.tp, self.channel = init_tensor_parallel(config.dist_init_method, self.rank, size, self.device)
         self.sampler = Sampler(self.model_config.vocab_size, self.device, config.seed) if self.rank == 0 else None
-        with torch.device(self.device):
-            self.model = DecoderForCausalLM(self.model_config, self.tp).to(self.dtype)
-        load_weights(self.model, iter_weights(model_path))
-        pack_linear_weights(self.model)
-        self.model.eval()
+        self.model = self._load_model(model_path)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         if self.device.type == "cuda":
             # Imported only on CUDA: triton is not needed (and not always installed) on CPU.
@@ -200,9 +198,18 @@ class ModelRunner:
             self.set_cpu_ops(CpuOps.load() if supported else None)
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and not config.null_model:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_blocks_per_seq,
                                        self.model_config.hidden_size, self.dtype, self.device)
+
+    def _load_model(self, model_path: str) -> DecoderForCausalLM | NullModel:
+        if self.config.null_model:
+            return NullModel(self.model_config.vocab_size)
+        with torch.device(self.device):
+            model = DecoderForCausalLM(self.model_config, self.tp).to(self.dtype)
+        load_weights(model, iter_weights(model_path))
+        pack_linear_weights(model)
+        return model.eval()
 
     def set_attention_kernels(self, cpu_kernel: CpuAttentionKernel | None, triton_ops: object | None) -> None:
         """Choose the attention path: the compiled CPU kernel, the Triton kernel module, or neither
@@ -265,11 +272,15 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         # [ZH-START]
-        # 1. 一次分配整块 cache：形状 (2, num_layers, num_blocks, block_size, local_kv_heads, head_dim)，
+        # 1. null model（基准测试用，没有注意力层）：块只记账、从不写入，不分配 cache。
+        # 2. 否则一次分配整块 cache：形状 (2, num_layers, num_blocks, block_size, local_kv_heads, head_dim)，
         #    第 0 维 0 是 K、1 是 V；用 zeros，保证从未写过的 slot 也是有限值。
-        # 2. 第 i 个 PagedAttention 层拿到 kv_cache[0, i] / kv_cache[1, i] 两个视图，
+        # 3. 第 i 个 PagedAttention 层拿到 kv_cache[0, i] / kv_cache[1, i] 两个视图，
         #    每个形状 (num_blocks, block_size, KVH, D)，与 Triton 核的布局相同，不发生拷贝。
         # [ZH-END]
+        if not self.attention_layers:  # the null model: blocks are accounted for, never written
+            self.kv_cache = None
+            return
         cfg = self.model_config
         shape = (2, cfg.num_layers, self.num_blocks, self.block_size, self.num_local_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

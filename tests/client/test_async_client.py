@@ -1,0 +1,83 @@
+"""AsyncClient under load: its reader must not starve the rest of the event loop."""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+
+import zmq
+
+from nanovllm_client import AsyncClient
+from nanovllm_client import protocol as p
+from nanovllm_client.endpoints import service_endpoints
+
+FLOOD = 40_000
+"""Frames queued for the client at once: far more than it decodes in one heartbeat interval."""
+
+
+def fake_detokenizer(endpoint: str, report) -> None:
+    """Answers pings. After the first ping it queues FLOOD stream frames, in batches between which
+    it keeps reading, so each ping's arrival time is noted within a few ms; a stats request is
+    answered once the whole flood is queued, so the answer arrives behind it. Sends (flood start,
+    ping arrival times) to `report` when told to stop."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.bind(endpoint)
+    delta = p.StreamOutput([{"request_id": "nobody#1", "text": "x", "token_ids": p.pack_token_ids([7])}]).encode()
+    pings: list[float] = []
+    flood_started, left, client, stats_for = None, FLOOD, None, []
+    while not report.poll():
+        if client is not None and left:
+            for _ in range(min(left, 500)):
+                sock.send_multipart([client, delta])
+            left -= min(left, 500)
+        if not left:
+            for identity in stats_for:
+                sock.send_multipart([identity, p.StatsOutput({"engine": {}}).encode()])
+            stats_for.clear()
+        if not sock.poll(0 if left and client is not None else 10):
+            continue
+        identity, frame = sock.recv_multipart()
+        msg = p.decode(frame)
+        if isinstance(msg, p.Ping):
+            pings.append(time.monotonic())
+            sock.send_multipart([identity, p.Pong("detokenizer", "d1", True).encode()])
+            if client is None:
+                client, flood_started = identity, time.monotonic()
+        elif isinstance(msg, p.StatsReq):
+            stats_for.append(identity)
+    report.send((flood_started, pings))
+    sock.close(linger=0)
+    ctx.term()
+
+
+def test_a_client_draining_a_backlog_keeps_sending_heartbeats(tmp_path):
+    # A service gives up on a client that sends no ping for 5 s, so a reader that decodes a backlog
+    # without ever yielding to the loop would get a busy client's requests aborted.
+    url = f"ipc://{tmp_path}"
+    report, fake_end = multiprocessing.Pipe()
+    fake = multiprocessing.get_context("spawn").Process(target=fake_detokenizer,
+                                                        args=(service_endpoints(url).stream, fake_end))
+    fake.start()
+
+    async def drain() -> float:
+        client = AsyncClient(url, heartbeat_interval=0.05, connect_timeout=60)
+        try:
+            await client.wait_engine(timeout=60)  # the first pong: the flood follows it
+            await client.server_stats(timeout=120)  # answered behind the whole flood
+            return time.monotonic()
+        finally:
+            await client.close()
+
+    try:
+        finished = asyncio.run(drain())
+    finally:
+        report.send("stop")
+        started, pings = report.recv()
+        fake.join(10)
+    during = [started] + [t for t in pings if started < t < finished] + [finished]
+    longest_gap = max(b - a for a, b in zip(during, during[1:]))
+    assert finished - started > 0.3, "the backlog was too small to tell"
+    assert longest_gap < max(0.25, (finished - started) / 4), (
+        f"no ping for {longest_gap:.2f}s of the {finished - started:.2f}s spent on the backlog")
