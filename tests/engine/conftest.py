@@ -23,6 +23,18 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
     return outs
 
 
+def finish_all(engine, step, ids: list[str], terminal) -> None:
+    """Step until nothing is left (at most 500 steps); every request then ended exactly once
+    (`terminal` counts finished outputs per id) and every KV block is free again."""
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        step()
+    assert not engine.has_unfinished_requests(), "requests left hanging"
+    assert all(terminal[r] == 1 for r in ids), f"terminal outputs per request: {terminal}"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
 def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
+from tests.engine.conftest import finish_all
 
 NUM_BLOCKS = 24
 BLOCK_SIZE = 4
@@ -86,11 +87,5 @@ def test_random_traffic_never_leaks_or_overcommits(engine, ops, data):
         else:
             for _ in range(op[1]):
                 step()
-    for _ in range(500):
-        if not engine.has_unfinished_requests():
-            break
-        step()
-    assert not engine.has_unfinished_requests(), "requests left hanging"
-    assert all(terminal[r] == 1 for r in ids), f"terminal outputs per request: {terminal}"
-    assert engine.block_manager.num_free_blocks == NUM_BLOCKS
+    finish_all(engine, step, ids, terminal)
     assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0

@@ -23,7 +23,7 @@ from engine_proc.__main__ import add_config_flags
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
-from tests.engine.conftest import random_prompts
+from tests.engine.conftest import finish_all, random_prompts
 
 NUM_BLOCKS = 48
 BLOCK_SIZE = 4
@@ -180,13 +180,7 @@ def test_with_both_knobs_random_traffic_loses_and_leaks_nothing(tight_engine, op
         else:
             for _ in range(op[1]):
                 step()
-    for _ in range(500):
-        if not engine.has_unfinished_requests():
-            break
-        step()
-    assert not engine.has_unfinished_requests(), "requests left hanging"
-    assert all(terminal[r] == 1 for r in ids), f"terminal outputs per request: {terminal}"
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    finish_all(engine, step, ids, terminal)
 
 
 @pytest.mark.parametrize("knob, value, allowed", [
