@@ -19,6 +19,13 @@ from tests.helpers.tiny_models import make_tiny_model, make_tokenizer  # noqa: E
 
 
 @pytest.fixture(scope="session")
+def server_wheel(tmp_path_factory):
+    """The server wheel, built once per session (tests/helpers/wheel.py)."""
+    from tests.helpers.wheel import build_server_wheel
+    return build_server_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("tokenizer"))
     make_tokenizer(path)
@@ -26,9 +33,23 @@ def tokenizer_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def server_wheel(tmp_path_factory):
+    """The server wheel, built once per session (tests/helpers/wheel.py)."""
+    from tests.helpers.wheel import build_server_wheel
+    return build_server_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> str:
     """A random-weight tiny Qwen3 folder with a tokenizer (`<|im_end|>` is EOS)."""
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen3")), "qwen3", tokenizer_dir=tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def server_wheel(tmp_path_factory):
+    """The server wheel, built once per session (tests/helpers/wheel.py)."""
+    from tests.helpers.wheel import build_server_wheel
+    return build_server_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 @pytest.fixture(scope="session")

@@ -120,22 +120,11 @@ def test_cli_reports_an_unreachable_service(tmp_path):
     assert out.returncode == 1 and "no answer from the service" in out.stderr
 
 
-def test_the_server_distribution_carries_the_client_package_its_stages_import(tmp_path):
+def test_the_server_distribution_carries_the_client_package_its_stages_import(server_wheel):
     """`pip install .` alone must give stages that can import nanovllm_client."""
-    import pathlib
-    import shutil
     import zipfile
 
-    repo = pathlib.Path(__file__).resolve().parents[2]
-    source = tmp_path / "src"  # a copy: building writes build/ and *.egg-info next to the sources
-    shutil.copytree(repo, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__",
-                                                                "tests", "bench", "docs"))
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=300,
-                           cwd=tmp_path)
-    assert build.returncode == 0, build.stderr
-    (wheel,) = tmp_path.glob("nanovllm-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
+    names = set(zipfile.ZipFile(server_wheel).namelist())
     for module in ("nanovllm_client/protocol.py", "nanovllm_client/stage.py", "engine_proc/server.py",
                    "nanovllm/supervisor.py"):
         assert module in names, module

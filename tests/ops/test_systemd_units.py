@@ -309,15 +309,8 @@ def seconds(value: str) -> float:
 # --- the package carries the templates ---------------------------------------------------------
 
 
-def test_a_wheel_carries_the_templates_and_its_install_systemd_uses_them(tmp_path):
-    source = tmp_path / "src"  # a copy: building writes build/ and *.egg-info next to the sources
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__",
-                                                                "tests", "bench", "docs"))
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=300,
-                           cwd=tmp_path)
-    assert build.returncode == 0, build.stderr
-    (wheel,) = tmp_path.glob("nanovllm-*.whl")
+def test_a_wheel_carries_the_templates_and_its_install_systemd_uses_them(server_wheel, tmp_path):
+    wheel = server_wheel
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "-q", "--target", str(target),
                     str(wheel)], check=True, capture_output=True, timeout=300)
