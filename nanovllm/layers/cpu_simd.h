@@ -27,7 +27,6 @@ typedef int32_t vi __attribute__((vector_size(VL * 4)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 
@@ -36,7 +35,6 @@ typedef uint16_t v8h __attribute__((vector_size(16)));
 static inline vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline v8f load8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
 /* ---- bfloat16: the top half of a float32. Rounding to nearest even, NaN kept a (quiet) NaN. */
 
