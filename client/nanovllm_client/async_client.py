@@ -1,19 +1,24 @@
 """asyncio client (works under uvloop): many concurrent streams from many tasks on one object.
 
-All socket work happens on the event loop (zmq.asyncio), so no thread is needed: one reader task
-per socket routes deltas into per-stream asyncio queues, one task sends heartbeats to both
-stages. The protocol state (`ClientState`) is the sync client's, so both behave the same across
-stage restarts.
+All socket work happens on the event loop, so no thread is needed: a reader callback on each
+socket's file descriptor routes deltas into per-stream asyncio queues, one task sends heartbeats
+to both stages. The protocol state (`ClientState`) is the sync client's, so both behave the same
+across stage restarts.
+
+The sockets are plain (not zmq.asyncio) ones: zmq.asyncio wraps every recv in a future and
+re-arms its poller state per frame, which cost more than decoding the frame itself. Here the
+loop calls `_readable` when the socket's descriptor fires and it reads with NOBLOCK until the
+socket is empty; sends are NOBLOCK and only a full pipe makes a sender wait for the descriptor.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from . import protocol as p
 from .client_state import ClientBase, Delta, Result, build_request, merge
@@ -21,6 +26,25 @@ from .security import CurveKeys
 from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceUnavailableError
 
 log = logging.getLogger("nanovllm_client")
+
+_TIMED_OUT = object()
+"""Put into a stream's queue when its deadline passes (by one timer per stream, not per delta)."""
+
+READ_BATCH = 64
+"""Frames `_readable` handles before it lets the loop's other callbacks and tasks run."""
+SEND_RECHECK_S = 0.1
+"""A sender waiting on a full pipe retries at least this often (a missed wake-up costs no more)."""
+
+_shared: tuple[int, zmq.Context] | None = None
+
+
+def _shared_context() -> zmq.Context:
+    """One context (one zmq I/O thread) for every AsyncClient of this process: 64 clients with a
+    context each would wake 64 I/O threads for one step's frames. A forked child makes its own."""
+    global _shared
+    if _shared is None or _shared[0] != os.getpid() or _shared[1].closed:
+        _shared = (os.getpid(), zmq.Context())
+    return _shared[1]
 
 
 class AsyncStream:
@@ -33,6 +57,11 @@ class AsyncStream:
         self._client, self._deltas, self._deadline = client, deltas, deadline
         self._raise_on_error = raise_on_error
         self._done = False
+        # One timer for the whole request (a wait_for per delta costs a task and a timer each).
+        # It holds the queue, not the stream, so a dropped stream is still collected (and aborted).
+        remaining = deadline - time.monotonic()
+        self._timer = (asyncio.get_running_loop().call_later(max(0.0, remaining), deltas.put_nowait, _TIMED_OUT)
+                       if remaining < 1e8 else None)
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -40,14 +69,14 @@ class AsyncStream:
     async def __anext__(self) -> Delta:
         if self._done:
             raise StopAsyncIteration
-        try:
-            delta = await asyncio.wait_for(self._deltas.get(), max(0.0, self._deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        delta = self._deltas.get_nowait() if self._deltas.qsize() else await self._deltas.get()
+        if delta is _TIMED_OUT:
             self.cancel()
-            raise RequestTimeoutError(f"request {self.request_id} did not finish within its timeout") from None
+            raise RequestTimeoutError(f"request {self.request_id} did not finish within its timeout")
         delta.request_id = self.request_id
         if delta.finished:
             self._done = True
+            self._stop_timer()
             self._client._end_stream(self.request_id, self._wire_id)
             if delta.finish_reason == "error" and self._raise_on_error:
                 error = EngineDeadError if delta.engine_dead else RequestError
@@ -58,7 +87,13 @@ class AsyncStream:
         """Abort the request in the engine (idempotent); the iterator ends."""
         if not self._done:
             self._done = True
+            self._stop_timer()
             self._client._abort_wire_nowait(self.request_id, self._wire_id)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def __del__(self) -> None:
         try:
@@ -77,20 +112,25 @@ class AsyncClient(ClientBase):
         self._streams: dict[str, asyncio.Queue] = {}
         self._stats: asyncio.Queue | None = None
         self._ready: asyncio.Event | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._ctx: zmq.Context | None = None
+        self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._send_waiters: dict[zmq.Socket, list[asyncio.Future]] = {}
+        """Senders waiting for room in a socket's pipe, woken by `_readable` on POLLOUT."""
 
     async def start(self) -> None:
         if self._ctx is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = _shared_context()
         self._ready, self._stats = asyncio.Event(), asyncio.Queue()
         self._tok = self._dealer(self._ctx, self.endpoints.tokenizer)
         self._out = self._dealer(self._ctx, self.endpoints.stream)
-        self._tasks = [asyncio.ensure_future(self._read(self._tok)), asyncio.ensure_future(self._read(self._out)),
-                       asyncio.ensure_future(self._heartbeat())]
+        for sock in (self._tok, self._out):
+            self._send_waiters[sock] = []
+            self._loop.add_reader(sock.getsockopt(zmq.FD), self._readable, sock)
+            self._loop.call_soon(self._readable, sock)  # the descriptor only signals changes from now on
+        self._spawn(self._heartbeat())
 
     async def stream(self, prompt: Any = None, *, timeout: float | None = None, raise_on_error: bool = True,
                      **kwargs: Any) -> AsyncStream:
@@ -102,7 +142,7 @@ class AsyncClient(ClientBase):
         deltas: asyncio.Queue = asyncio.Queue()
         self._streams[wire_id] = deltas
         self._state.sent(wire_id, resend_frame)
-        await self._tok.send(frame)  # waits (backpressure) while the tokenizer's pipe is full
+        await self._send(self._tok, frame)  # waits (backpressure) while the tokenizer's pipe is full
         return AsyncStream(self, req.request_id, wire_id, deltas, self._deadline(timeout), raise_on_error)
 
     async def generate(self, prompt: Any = None, **kwargs: Any) -> Result:
@@ -114,7 +154,7 @@ class AsyncClient(ClientBase):
         wire_id = self._wire_ids.get(request_id)
         if wire_id is not None:
             self._end_stream(request_id, wire_id)
-            await self._tok.send(p.AbortReq(wire_id).encode())
+            await self._send(self._tok, p.AbortReq(wire_id).encode())
 
     def abort_nowait(self, request_id: str) -> None:
         """Abort from synchronous code (a finalizer, another thread)."""
@@ -125,7 +165,7 @@ class AsyncClient(ClientBase):
     def _abort_wire_nowait(self, app_id: str, wire_id: str) -> None:
         self._end_stream(app_id, wire_id)
         if self._loop is not None and not self._loop.is_closed() and self._ctx is not None:
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._safe_abort(wire_id)))
+            self._loop.call_soon_threadsafe(lambda: self._spawn(self._safe_abort(wire_id)))
 
     def _end_stream(self, app_id: str, wire_id: str) -> None:
         self._streams.pop(wire_id, None)
@@ -134,7 +174,7 @@ class AsyncClient(ClientBase):
 
     async def server_stats(self, timeout: float = 10.0) -> dict[str, Any]:
         await self._wait_ready()
-        await self._out.send(p.StatsReq().encode())
+        await self._send(self._out, p.StatsReq().encode())
         try:
             return await asyncio.wait_for(self._stats.get(), timeout)
         except asyncio.TimeoutError:
@@ -154,12 +194,16 @@ class AsyncClient(ClientBase):
             return
         for app_id in list(self._wire_ids):
             await self.abort(app_id)
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tok.close(linger=1000)
-        self._out.close(linger=1000)
-        self._ctx.term()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sock in (self._tok, self._out):
+            self._loop.remove_reader(sock.getsockopt(zmq.FD))
+            for waiter in self._send_waiters.pop(sock, []):
+                if not waiter.done():
+                    waiter.set_exception(ServiceUnavailableError("the client was closed"))
+            sock.close(linger=1000)  # the shared context's I/O thread still delivers the aborts
         self._ctx = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -171,9 +215,33 @@ class AsyncClient(ClientBase):
 
     # ------------------------------------------------------------------ internals
 
+    def _spawn(self, coro) -> None:
+        """Run `coro` as a task this client holds (and cancels on close)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _safe_abort(self, wire_id: str) -> None:
         if self._ctx is not None:
-            await self._tok.send(p.AbortReq(wire_id).encode())
+            await self._send(self._tok, p.AbortReq(wire_id).encode())
+
+    async def _send(self, sock: zmq.Socket, frame: bytes) -> None:
+        """Send without blocking the loop; while the pipe is full, wait for room."""
+        while True:
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                if self._ctx is None:
+                    raise ServiceUnavailableError("the client was closed") from None
+                waiter = self._loop.create_future()
+                self._send_waiters[sock].append(waiter)
+                await asyncio.wait([waiter], timeout=SEND_RECHECK_S)
+                if waiter.done():
+                    waiter.result()  # raises if the client was closed meanwhile
+        # A send can consume the descriptor's edge for frames that arrived meanwhile: look now.
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._loop.call_soon(self._readable, sock)
 
     async def _wait_ready(self) -> None:
         await self.start()
@@ -189,35 +257,51 @@ class AsyncClient(ClientBase):
             self._route(self._state.check_detok())
             if not self._state.ready:
                 self._ready.clear()
-            await self._out.send(p.Ping().encode())
+            await self._send(self._out, p.Ping().encode())
             if self._tok.getsockopt(zmq.EVENTS) & zmq.POLLOUT:  # a tokenizer pushing back answers later
-                await self._tok.send(p.Ping().encode())
+                await self._send(self._tok, p.Ping().encode())
             await asyncio.sleep(self._heartbeat_interval if self._ready.is_set() else 0.1)
 
-    async def _read(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            try:  # a frame already waiting costs ~2 us this way, ~15 us through the poller
-                frame = await sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                frame = await sock.recv()
+    def _readable(self, sock: zmq.Socket) -> None:
+        """The socket's descriptor fired (or a previous call left frames): handle what is waiting.
+        The descriptor is edge-triggered, so a call reads until the socket is empty; after
+        READ_BATCH frames it hands the loop back and comes again, so a backlog cannot starve the
+        heartbeat (the service gives up on a client after 5 s without a ping) or the consumers."""
+        if self._ctx is None or sock.closed:
+            return
+        for _ in range(READ_BATCH):
             try:
-                reaction = self._state.handle(frame)
-            except Exception:  # a bug must cost one frame, never the reader every stream waits on
-                log.exception("could not handle a frame from the service")
-                continue
-            if self._state.ready:
-                self._ready.set()
-            if reaction.stats is not None:
-                self._stats.put_nowait(reaction.stats)
-            for resend in reaction.to_tokenizer:
-                await self._tok.send(resend)
-            for resume in reaction.to_detok:
-                await self._out.send(resume)
-            self._route(reaction.deltas)
-            # A recv that finds a frame waiting returns without yielding to the loop: without this,
-            # a backlog of frames would starve the heartbeat (the service gives up on a client after
-            # 5 s without a ping) and the streams' own consumers until the whole backlog is decoded.
-            await asyncio.sleep(0)
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._on_frame(frame)
+        else:
+            self._loop.call_soon(self._readable, sock)
+        waiters = self._send_waiters.get(sock)
+        if waiters and sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            waiters.clear()
+
+    def _on_frame(self, frame: bytes) -> None:
+        try:
+            reaction = self._state.handle(frame)
+        except Exception:  # a bug must cost one frame, never the reader every stream waits on
+            log.exception("could not handle a frame from the service")
+            return
+        if self._state.ready:
+            self._ready.set()
+        if reaction.stats is not None:
+            self._stats.put_nowait(reaction.stats)
+        if reaction.to_tokenizer or reaction.to_detok:
+            self._spawn(self._send_all([(self._tok, f) for f in reaction.to_tokenizer] +
+                                       [(self._out, f) for f in reaction.to_detok]))
+        self._route(reaction.deltas)
+
+    async def _send_all(self, frames: list[tuple[zmq.Socket, bytes]]) -> None:
+        for sock, frame in frames:
+            await self._send(sock, frame)
 
     def _route(self, deltas: list[Delta]) -> None:
         for delta in deltas:

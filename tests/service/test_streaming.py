@@ -153,6 +153,29 @@ def test_request_timeout_ends_the_stream_with_an_error_and_aborts(client):
     wait_for(lambda: engine_idle(client), timeout=5, interval=0.1, what="timed-out request aborted")
 
 
+def test_async_request_timeout_ends_the_stream_with_an_error_and_aborts(client, service):
+    from nanovllm_client import RequestTimeoutError
+
+    async def main():
+        async with AsyncClient(service.url, timeout=60) as ac:
+            quick = await ac.generate(PROMPTS[0], max_tokens=4, temperature=0, timeout=30)
+            stream = await ac.stream("def main():", max_tokens=1000, ignore_eos=True, timeout=0.3)
+            started = time.monotonic()
+            got = 0
+            with pytest.raises(RequestTimeoutError):
+                async for delta in stream:
+                    got += len(delta.token_ids)
+            elapsed = time.monotonic() - started
+            with pytest.raises(StopAsyncIteration):
+                await stream.__anext__()  # the stream ended with its timeout
+            return quick, got, elapsed
+
+    quick, got, elapsed = asyncio.run(main())
+    assert quick.finish_reason == "length" and quick.usage["completion_tokens"] == 4
+    assert 0 < got < 1000 and elapsed < 5
+    wait_for(lambda: engine_idle(client), timeout=5, interval=0.1, what="timed-out request aborted")
+
+
 def test_aborts_are_idempotent(client):
     stream = client.stream("x", max_tokens=600, ignore_eos=True)
     next(stream)
