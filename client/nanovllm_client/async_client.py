@@ -35,6 +35,9 @@ READ_BATCH = 64
 SEND_RECHECK_S = 0.1
 """A sender waiting on a full pipe retries at least this often (a missed wake-up costs no more)."""
 
+_EVENTS, _POLLIN, _POLLOUT, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
+"""Plain ints: bit operations on zmq's enum flags build enum members, a cost on every frame."""
+
 _shared: tuple[int, zmq.Context] | None = None
 
 
@@ -229,7 +232,7 @@ class AsyncClient(ClientBase):
         """Send without blocking the loop; while the pipe is full, wait for room."""
         while True:
             try:
-                sock.send(frame, zmq.NOBLOCK)
+                sock.send(frame, _NOBLOCK)
                 break
             except zmq.Again:
                 if self._ctx is None:
@@ -240,7 +243,7 @@ class AsyncClient(ClientBase):
                 if waiter.done():
                     waiter.result()  # raises if the client was closed meanwhile
         # A send can consume the descriptor's edge for frames that arrived meanwhile: look now.
-        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if sock.getsockopt(_EVENTS) & _POLLIN:
             self._loop.call_soon(self._readable, sock)
 
     async def _wait_ready(self) -> None:
@@ -270,15 +273,13 @@ class AsyncClient(ClientBase):
         if self._ctx is None or sock.closed:
             return
         for _ in range(READ_BATCH):
-            try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
+            if not sock.getsockopt(_EVENTS) & _POLLIN:  # asking is cheaper than a recv raising Again
                 break
-            self._on_frame(frame)
+            self._on_frame(sock.recv(_NOBLOCK))
         else:
             self._loop.call_soon(self._readable, sock)
         waiters = self._send_waiters.get(sock)
-        if waiters and sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+        if waiters and sock.getsockopt(_EVENTS) & _POLLOUT:
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(None)
