@@ -286,7 +286,7 @@ class DetokStage:
         # [ZH-START]
         # 1. started 行：为每个新请求 _start，建好反分词器（meta 比它的第一个 token 先到，同一条有序管道）。
         # 2. rejected 行：按 meta 里的 client / rid 生成错误增量（引擎拒绝的请求从这里告诉客户端）。
-        # 3. outputs 行：逐行 _advance，得到的增量按客户端分组。
+        # 3. outputs 行：逐行 _advance，得到的增量按客户端分组；整步的反分词耗时记一次指标。
         # 4. 每个客户端发一个 StreamOutput，包含它这一步的全部增量。
         # [ZH-END]
         by_client: dict[bytes, list[dict]] = collections.defaultdict(list)
@@ -294,10 +294,13 @@ class DetokStage:
             self._start(request_id, meta, step.instance_id)
         for request_id, meta, error in step.rejected:
             by_client[meta["client"]].append(p.error_delta(meta["rid"], error))
+        started = time.perf_counter()
         for row in step.outputs:
             delta = self._advance(row)
             if delta is not None:
                 by_client[delta.pop("client")].append(delta)
+        if step.outputs:
+            self.metrics.detokenize_seconds(time.perf_counter() - started)
         for client, deltas in by_client.items():
             self.send_to_client(client, p.StreamOutput(deltas).encode())
 
@@ -321,7 +324,7 @@ class DetokStage:
         # [ZH-START]
         # 1. 解开一行 [id, 打包 token, finished, reason, prompt 数, output 数, cached 数, error]。
         # 2. 本地不认识这个请求（已结束、客户端已走、或比 resync 还早）：若引擎仍在生成且已 resync，就 _abort_orphan 一次；返回 None。
-        # 3. 解包 token，text = detok.add(token, finished)，记录反分词耗时和计数。
+        # 3. 解包 token，text = detok.add(token, finished)。
         # 4. 反分词器命中 stop string 但引擎还没结束：向引擎发 abort，本地按 finished、reason "stop" 处理。
         # 5. 已结束：final = {finish_reason, usage{prompt_tokens, completion_tokens, cached_tokens}}，有错误（或 reason 为 error）加 error。
         # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，返回 None。
@@ -335,9 +338,7 @@ class DetokStage:
                 self._abort_orphan(request_id)
             return None
         token_ids = p.unpack_token_ids(packed_ids)
-        started = time.perf_counter()
         text = state.detok.add(token_ids, finished)
-        self.metrics.detokenize_seconds(time.perf_counter() - started)
         state.num_prompt, state.num_output = num_prompt, num_output
         if state.detok.stopped and not finished:
             self._abort_in_engine(request_id)

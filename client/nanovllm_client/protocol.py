@@ -107,7 +107,8 @@ _REGISTRY: dict[str, type[Message]] = {}
 def _message(type_name: str):
     def register(cls: type[Message]) -> type[Message]:
         cls.TYPE = type_name
-        cls._FIELDS = frozenset(f.name for f in fields(cls))
+        cls._NAMES = tuple(f.name for f in fields(cls))
+        cls._FIELDS = frozenset(cls._NAMES)
         cls._REQUIRED = frozenset(f.name for f in fields(cls)
                                   if f.default is MISSING and f.default_factory is MISSING)
         _REGISTRY[type_name] = cls
@@ -119,11 +120,12 @@ def _message(type_name: str):
 @dataclass
 class Message:
     TYPE: ClassVar[str] = ""
+    _NAMES: ClassVar[tuple[str, ...]] = ()
     _FIELDS: ClassVar[frozenset[str]] = frozenset()
     _REQUIRED: ClassVar[frozenset[str]] = frozenset()
 
     def encode(self) -> bytes:
-        body = {f.name: getattr(self, f.name) for f in fields(self)}
+        body = {name: getattr(self, name) for name in self._NAMES}
         return msgpack.packb([PROTOCOL_VERSION, self.TYPE, body], use_bin_type=True)
 
     def validate(self) -> None:

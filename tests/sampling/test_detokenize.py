@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
+from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, direct_decode
 from nanovllm.sampling_params import SamplingParams
 
 ALPHABET = st.sampled_from(list("ab cd\n文字中国😀🚀🎉éüß—") + ["ñ", "한", "ア", "\u0301"])
@@ -230,3 +230,33 @@ def test_any_split_of_the_tokens_releases_the_same_text_and_stops_at_the_same_to
         assert params["min_tokens"] <= len(whole.token_ids) <= len(ids) and ids[:len(whole.token_ids)] == whole.token_ids
     else:
         assert whole.token_ids == ids
+
+
+# ---------------------------------------------------------------- the direct decode
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_direct_decode_equals_the_tokenizers_decode(tok, data):
+    direct = direct_decode(tok)
+    assert direct is not None, "the test tokenizer should take the direct path"
+    special = sorted(tok.all_special_ids)
+    ids = data.draw(st.lists(st.one_of(st.integers(0, len(tok) - 1), st.sampled_from(special)), max_size=12))
+    for skip in (True, False):
+        assert direct(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_the_direct_decode_is_not_taken_where_decode_does_more(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    cleaning = AutoTokenizer.from_pretrained(tokenizer_dir, clean_up_tokenization_spaces=True)
+    assert direct_decode(cleaning) is None
+
+    class Shouting(type(cleaning)):
+        def decode(self, *args, **kwargs):
+            return super().decode(*args, **kwargs).upper()
+
+    shouting = Shouting.from_pretrained(tokenizer_dir, clean_up_tokenization_spaces=False)
+    assert direct_decode(shouting) is None
+    d = IncrementalDetokenizer(shouting)
+    ids = shouting.encode("hello world", add_special_tokens=False)
+    assert d.add(ids, finished=True) == "HELLO WORLD"

@@ -78,6 +78,9 @@ def test_metrics_agree_exactly_with_what_the_clients_received(metered):
     assert value(detok, "nanovllm:time_to_first_token_seconds_count") == 48
     assert value(detok, "nanovllm:e2e_request_latency_seconds_count") == 48
     assert value(detok, "nanovllm:frames_received_total") > 0
+    # One observation per engine step that had outputs, not one per request and step.
+    assert 0 < value(detok, "nanovllm:detokenize_latency_seconds_count") \
+        <= value(engine, "nanovllm:step_time_seconds_count") < completion_tokens
 
     tokenizer = scrape(ports["tokenizer_proc"])
     assert value(tokenizer, "nanovllm:requests_forwarded_total") == 48
