@@ -34,6 +34,8 @@ READ_BATCH = 64
 """Frames `_readable` handles before it lets the loop's other callbacks and tasks run."""
 SEND_RECHECK_S = 0.1
 """A sender waiting on a full pipe retries at least this often (a missed wake-up costs no more)."""
+RECHECK_S = 0.1
+"""Each socket is also looked at this often, whatever its descriptor says (see `_events`)."""
 
 _EVENTS, _POLLIN, _POLLOUT, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
 """Plain ints: bit operations on zmq's enum flags build enum members, a cost on every frame."""
@@ -134,6 +136,7 @@ class AsyncClient(ClientBase):
             self._loop.add_reader(sock.getsockopt(zmq.FD), self._readable, sock)
             self._loop.call_soon(self._readable, sock)  # the descriptor only signals changes from now on
         self._spawn(self._heartbeat())
+        self._spawn(self._recheck())
 
     async def stream(self, prompt: Any = None, *, timeout: float | None = None, raise_on_error: bool = True,
                      **kwargs: Any) -> AsyncStream:
@@ -242,9 +245,16 @@ class AsyncClient(ClientBase):
                 await asyncio.wait([waiter], timeout=SEND_RECHECK_S)
                 if waiter.done():
                     waiter.result()  # raises if the client was closed meanwhile
-        # A send can consume the descriptor's edge for frames that arrived meanwhile: look now.
-        if sock.getsockopt(_EVENTS) & _POLLIN:
+        self._events(sock)  # the send may have taken the descriptor's edge for frames that arrived meanwhile
+
+    def _events(self, sock: zmq.Socket) -> int:
+        """The socket's zmq.EVENTS; schedules a read if frames wait. Asking processes the socket's
+        pending commands, which resets its descriptor: frames that arrived would then signal
+        nothing, so every look at EVENTS outside `_readable` goes through here."""
+        events = sock.getsockopt(_EVENTS)
+        if events & _POLLIN:
             self._loop.call_soon(self._readable, sock)
+        return events
 
     async def _wait_ready(self) -> None:
         await self.start()
@@ -261,9 +271,17 @@ class AsyncClient(ClientBase):
             if not self._state.ready:
                 self._ready.clear()
             await self._send(self._out, p.Ping().encode())
-            if self._tok.getsockopt(zmq.EVENTS) & zmq.POLLOUT:  # a tokenizer pushing back answers later
+            if self._events(self._tok) & _POLLOUT:  # a tokenizer pushing back answers later
                 await self._send(self._tok, p.Ping().encode())
             await asyncio.sleep(self._heartbeat_interval if self._ready.is_set() else 0.1)
+
+    async def _recheck(self) -> None:
+        """A safety net under the edge-triggered descriptors: whatever consumed an edge without
+        the code above noticing, frames wait at most RECHECK_S (a look costs ~1 us)."""
+        while True:
+            await asyncio.sleep(RECHECK_S)
+            for sock in (self._tok, self._out):
+                self._events(sock)
 
     def _readable(self, sock: zmq.Socket) -> None:
         """The socket's descriptor fired (or a previous call left frames): handle what is waiting.
@@ -279,7 +297,7 @@ class AsyncClient(ClientBase):
         else:
             self._loop.call_soon(self._readable, sock)
         waiters = self._send_waiters.get(sock)
-        if waiters and sock.getsockopt(_EVENTS) & _POLLOUT:
+        if waiters and self._events(sock) & _POLLOUT:
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(None)
