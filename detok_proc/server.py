@@ -3,7 +3,9 @@
 engine --PUSH--> [PULL] detok [ROUTER] --> client DEALERs;  detok [PUSH] --abort, hello--> engine
 
 Turns each engine step into text deltas (`nanovllm.detokenize`), batches them into one
-`StreamOutput` per client per step and routes them by the client's routing id. It is also the
+`StreamOutput` per client per pass over the engine socket (one step when it keeps up; the steps
+waiting for it, each request's merged into one delta, when it fell behind) and routes them by
+the client's routing id. It is also the
 service's failure detector:
 - clients ping every second; a client that stops pinging, or whose socket is gone
   (ROUTER_MANDATORY makes that an EHOSTUNREACH instead of a silent drop), has its requests
@@ -145,6 +147,10 @@ class DetokStage:
         self._early_resumes: dict[bytes, list[list]] = {}
         self._aborted_orphans: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.rejects = RejectLog(log, on_reject=self.metrics.frame_rejected)
+        self._outbox: dict[bytes, dict[str, dict[str, Any]]] = {}
+        """Deltas from the engine frames of the current pass, per client and client request id,
+        sent by `_flush_outbox` as one frame per client: when the stage is behind, k steps waiting
+        for it cost a client one frame with k tokens, not k frames."""
 
     # ------------------------------------------------------------------ loop
 
@@ -185,6 +191,7 @@ class DetokStage:
             events = dict(poller.poll(10 if has_pending else 100))
             if self.from_engine in events:
                 self._drain(self.from_engine, lambda parts: self.on_engine_frame(parts[0]))
+                self._flush_outbox()
             if self.clients_sock in events:
                 self._drain(self.clients_sock, lambda parts: self.on_client_frames(parts[0], parts[1:]))
             if (self.engine_peers.socket in events and not self.engine_peers.connected and self.engine_state
@@ -193,6 +200,7 @@ class DetokStage:
             if has_pending:
                 self._flush_all_pending()
             self.check_timeouts(time.monotonic())
+        self._flush_outbox()
         for sock in (self.engine_peers.socket, self.from_engine, self.clients_sock, self.to_engine):
             sock.close(linger=0)
         self.security.close()
@@ -287,22 +295,54 @@ class DetokStage:
         # 1. started 行：为每个新请求 _start，建好反分词器（meta 比它的第一个 token 先到，同一条有序管道）。
         # 2. rejected 行：按 meta 里的 client / rid 生成错误增量（引擎拒绝的请求从这里告诉客户端）。
         # 3. outputs 行：逐行 _advance，得到的增量按客户端分组；整步的反分词耗时记一次指标。
-        # 4. 每个客户端发一个 StreamOutput，包含它这一步的全部增量。
+        # 4. 增量放进 _outbox（_stage）：同一轮 drain 里同一请求的多步合并成一个增量，
+        #    这一轮处理完后 _flush_outbox 给每个客户端发一个 StreamOutput。
         # [ZH-END]
-        by_client: dict[bytes, list[dict]] = collections.defaultdict(list)
         for request_id, meta in step.started:
             self._start(request_id, meta, step.instance_id)
         for request_id, meta, error in step.rejected:
-            by_client[meta["client"]].append(p.error_delta(meta["rid"], error))
+            self._stage(meta["client"], p.error_delta(meta["rid"], error))
         started = time.perf_counter()
         for row in step.outputs:
             delta = self._advance(row)
             if delta is not None:
-                by_client[delta.pop("client")].append(delta)
+                self._stage(delta.pop("client"), delta)
         if step.outputs:
             self.metrics.detokenize_seconds(time.perf_counter() - started)
-        for client, deltas in by_client.items():
-            self.send_to_client(client, p.StreamOutput(deltas).encode())
+
+    def _stage(self, client: bytes, delta: dict[str, Any]) -> None:
+        """Hold `delta` for this pass's frame to `client`, merged into the request's earlier one."""
+        # [ZH-START]
+        # 1. 该客户端这一轮还没有这个请求的增量：直接记下。
+        # 2. 已有且那个已是终止增量（客户端刚好复用了同一个 rid）：先把该客户端的积累发出，再记下。
+        # 3. 否则合并：文本、打包的 token 直接拼接（顺序不变），终止字段（finish_reason、usage、error、engine_dead）取新的。
+        # 4. 一个客户端积累超过 MAX_ROWS 个增量就立即发出，帧永远合法。
+        # [ZH-END]
+        box = self._outbox.setdefault(client, {})
+        prior = box.get(delta["request_id"])
+        if prior is not None and prior.get("finish_reason") is not None:
+            self._flush_client(client)
+            box = self._outbox.setdefault(client, {})
+            prior = None
+        if prior is None:
+            box[delta["request_id"]] = delta
+        else:
+            prior["text"] = prior.get("text", "") + delta.get("text", "")
+            prior["token_ids"] = prior.get("token_ids", b"") + delta.get("token_ids", b"")
+            for key in ("finish_reason", "usage", "error", "engine_dead"):
+                if key in delta:
+                    prior[key] = delta[key]
+        if len(box) >= p.MAX_ROWS:
+            self._flush_client(client)
+
+    def _flush_client(self, client: bytes) -> None:
+        box = self._outbox.pop(client, None)
+        if box:
+            self._send_frame(client, p.StreamOutput(list(box.values())).encode())
+
+    def _flush_outbox(self) -> None:
+        for client in list(self._outbox):
+            self._flush_client(client)
 
     def _start(self, request_id: str, meta: dict[str, Any], engine: str, resumed: bool = False) -> RequestState:
         # [ZH-START]
@@ -566,11 +606,16 @@ class DetokStage:
 
     def send_to_client(self, identity: bytes, frame: bytes) -> None:
         # [ZH-START]
-        # 1. 该客户端已有排队帧：追加到队尾，保证顺序。
-        # 2. 否则 NOBLOCK 发送。
+        # 1. _outbox 里有该客户端本轮积累的增量：先发出（_flush_client），顺序不乱。
+        # 2. _send_frame：该客户端已有排队帧 → 追加到队尾，保证顺序；否则 NOBLOCK 发送。
         # 3. zmq.Again（客户端管道满）：排队（_queue）。
         # 4. 其他 ZMQError（ROUTER_MANDATORY 下的 EHOSTUNREACH：客户端 socket 已不存在）→ client_gone。
         # [ZH-END]
+        if identity in self._outbox:  # what this pass already holds for it goes first
+            self._flush_client(identity)
+        self._send_frame(identity, frame)
+
+    def _send_frame(self, identity: bytes, frame: bytes) -> None:
         info = self.clients.get(identity)
         if info is not None and info.pending:
             self._queue(identity, info, frame)
@@ -614,6 +659,7 @@ class DetokStage:
         # 2. 对它的每个请求：丢掉指标、移除状态、记下客户端 rid；还没结束的在引擎里 abort（释放 KV 块）。
         # 3. 在 gone 里记 (时间, 原因, 丢掉的 rid 列表)，最多 4096 个客户端，它回来时好告诉它。
         # [ZH-END]
+        self._outbox.pop(identity, None)
         info = self.clients.pop(identity, None)
         if info is None:
             return

@@ -60,17 +60,28 @@ def rig(tokenizer_dir, request):
         ctx.destroy(linger=0)  # closes every socket of this context (the monitor's too), then terms
 
 
-def feed_engine_steps(tok, engine_out, identity) -> list[int]:
-    """One request whose every step carries TOKENS_PER_STEP tokens (big frames fill buffers fast)."""
+def frames_received(stage) -> float:
+    return stage.metrics.registry.get_sample_value("nanovllm:frames_received_total") or 0.0
+
+
+def feed_engine_steps(tok, stage, engine_out, identity) -> list[int]:
+    """One request whose every step carries TOKENS_PER_STEP tokens (big frames fill buffers fast).
+    Each step is sent once the stage has taken the one before: the stage merges the steps it finds
+    waiting into one frame per client, and the point here is many frames to a client that reads
+    none of them."""
     ids = tok.encode("def f(x):\n    return x * 2  # 中文🚀\n" * 800, add_special_tokens=False)
     ids = (ids * 20)[:TOKENS_PER_STEP * NUM_STEPS]
-    engine_out.send(p.EngineStatus(True, "fake-engine").encode())
     meta = {"client": identity, "rid": "r1", "stop": [], "skip": True, "tail": b""}
+    frames = [p.EngineStatus(True, "fake-engine").encode()]
     for k in range(NUM_STEPS):
         chunk = ids[k * TOKENS_PER_STEP:(k + 1) * TOKENS_PER_STEP]
         last = k == NUM_STEPS - 1
         row = ["c:r1", p.pack_token_ids(chunk), last, "length" if last else None, 5, (k + 1) * TOKENS_PER_STEP, 0, None]
-        engine_out.send(p.StepOutput("fake-engine", [["c:r1", meta]] if k == 0 else [], [], [row]).encode())
+        frames.append(p.StepOutput("fake-engine", [["c:r1", meta]] if k == 0 else [], [], [row]).encode())
+    for frame in frames:
+        seen = frames_received(stage)
+        engine_out.send(frame)
+        wait_for(lambda: frames_received(stage) > seen, timeout=30, interval=0.0005, what="the stage to take a step")
     return ids
 
 
@@ -94,7 +105,7 @@ def handshake(client) -> None:
 def test_a_client_that_stops_reading_still_gets_every_character_in_order(rig):
     tok, stage, _, engine_out, client, identity = rig
     handshake(client)
-    ids = feed_engine_steps(tok, engine_out, identity)
+    ids = feed_engine_steps(tok, stage, engine_out, identity)
     # The client reads nothing: the detokenizer must queue frames (EAGAIN), not drop them.
     wait_for(lambda: stage.stats()["detok"]["num_pending_frames"] > 0, timeout=30, what="frames held back")
     text, terminals = [], 0
@@ -116,7 +127,7 @@ def test_a_client_that_stops_reading_still_gets_every_character_in_order(rig):
 def test_a_stuck_client_has_its_request_aborted_once_its_queue_is_full(rig):
     tok, stage, engine_in, engine_out, client, identity = rig
     handshake(client)
-    feed_engine_steps(tok, engine_out, identity)
+    feed_engine_steps(tok, stage, engine_out, identity)
     abort = next_abort(engine_in)
     assert abort.request_id == "c:r1"
     wait_for(lambda: stage.stats()["detok"]["num_requests"] == 0 and stage.stats()["detok"]["num_pending_frames"] == 0,

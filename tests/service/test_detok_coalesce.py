@@ -1,0 +1,106 @@
+"""The detokenizer merges the engine steps it finds waiting into one frame per client: a stage that
+fell behind catches up with one frame of k tokens per request instead of k frames, and the text,
+the tokens, their order and the terminal fields are exactly what the frames one by one would give.
+
+An in-process DetokStage on real ipc sockets; the test calls its frame handler directly, so which
+engine frames belong to one pass is decided here, not by timing."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import zmq
+
+from detok_proc.server import DetokStage
+from nanovllm_client import protocol as p
+from nanovllm_client.endpoints import service_endpoints
+from tests.service.harness import short_tmpdir
+
+ENGINE = "fake-engine"
+
+
+@pytest.fixture
+def rig(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    ctx = zmq.Context()
+    try:
+        stage = DetokStage(tok, eps.stream, eps.detok, eps.engine, ctx=ctx)
+        identity = uuid.uuid4().bytes
+        client = ctx.socket(zmq.DEALER)
+        client.setsockopt(zmq.ROUTING_ID, identity)
+        client.connect(eps.stream)
+        client.send(p.Ping().encode())
+        assert stage.clients_sock.poll(10_000), "the ping never reached the stage"
+        stage._drain(stage.clients_sock, lambda parts: stage.on_client_frames(parts[0], parts[1:]))
+        assert isinstance(receive(client)[0], p.Pong)
+        stage.on_engine_frame(p.EngineStatus(True, ENGINE).encode())
+        yield tok, stage, client, identity
+    finally:
+        ctx.destroy(linger=0)
+
+
+def receive(client, wait_ms: int = 2000) -> list[p.Message]:
+    """Every message waiting for the client (the first may take `wait_ms` to arrive)."""
+    msgs = []
+    while client.poll(wait_ms if not msgs else 200):
+        msgs.append(p.decode(client.recv()))
+    return msgs
+
+
+def step(rows: list[list], started: list[list] = ()) -> bytes:
+    return p.StepOutput(ENGINE, list(started), [], rows).encode()
+
+
+def row(engine_id: str, token: int, k: int, last: bool) -> list:
+    return [engine_id, p.pack_token_ids([token]), last, "length" if last else None, 7, k + 1, 0, None]
+
+
+def test_steps_handled_in_one_pass_reach_the_client_as_one_frame(rig):
+    tok, stage, client, identity = rig
+    texts = {"a": "def café(): return '你好' 😀 # naïve", "b": "Hello there, world! 🚀🎉 done."}
+    ids = {rid: tok.encode(text, add_special_tokens=False) for rid, text in texts.items()}
+    started = [[f"c:{rid}", {"client": identity, "rid": rid}] for rid in ids]
+    n = max(len(v) for v in ids.values())
+    for k in range(n):
+        rows = [row(f"c:{rid}", v[k], k, k == len(v) - 1) for rid, v in ids.items() if k < len(v)]
+        stage.on_engine_frame(step(rows, started if k == 0 else []))
+    stage._flush_outbox()
+    streams = [m for m in receive(client) if isinstance(m, p.StreamOutput)]
+    assert len(streams) == 1, f"{n} steps in one pass should make one frame, got {len(streams)}"
+    deltas = {d["request_id"]: d for d in streams[0].deltas}
+    assert set(deltas) == set(ids)
+    for rid, d in deltas.items():
+        assert p.unpack_token_ids(d["token_ids"]) == ids[rid]
+        assert d["text"] == tok.decode(ids[rid]) == texts[rid]
+        assert d["finish_reason"] == "length"
+        assert d["usage"]["completion_tokens"] == len(ids[rid])
+    assert stage.stats()["detok"]["num_requests"] == 0
+
+
+def test_a_request_id_reused_within_a_pass_keeps_its_two_streams_apart(rig):
+    tok, stage, client, identity = rig
+    first, second = tok.encode("one two", add_special_tokens=False), tok.encode("three", add_special_tokens=False)
+    meta = {"client": identity, "rid": "r"}
+    for k, token in enumerate(first):
+        stage.on_engine_frame(step([row("c:r#1", token, k, k == len(first) - 1)], [["c:r#1", meta]] if k == 0 else []))
+    for k, token in enumerate(second):  # the client reused its id once the first had ended
+        stage.on_engine_frame(step([row("c:r#2", token, k, k == len(second) - 1)], [["c:r#2", meta]] if k == 0 else []))
+    stage._flush_outbox()
+    deltas = [d for m in receive(client) if isinstance(m, p.StreamOutput) for d in m.deltas]
+    assert [(d["request_id"], p.unpack_token_ids(d["token_ids"]), d["finish_reason"]) for d in deltas] == [
+        ("r", first, "length"), ("r", second, "length")]
+    assert [d["text"] for d in deltas] == [tok.decode(first), tok.decode(second)]
+
+
+def test_a_frame_sent_to_a_client_mid_pass_follows_what_the_pass_holds_for_it(rig):
+    tok, stage, client, identity = rig
+    ids = tok.encode("steady text", add_special_tokens=False)
+    stage.on_engine_frame(step([row("c:s", ids[0], 0, False)], [["c:s", {"client": identity, "rid": "s"}]]))
+    stage.on_engine_frame(p.EngineStatus(False, ENGINE, "gone").encode())  # fails the request mid-pass
+    stage._flush_outbox()
+    deltas = [d for m in receive(client) if isinstance(m, p.StreamOutput) for d in m.deltas]
+    assert [d["finish_reason"] for d in deltas] == [None, "error"]
+    assert p.unpack_token_ids(deltas[0]["token_ids"]) == ids[:1] and deltas[1]["engine_dead"] is True
