@@ -81,3 +81,56 @@ def test_a_client_draining_a_backlog_keeps_sending_heartbeats(tmp_path):
     assert finished - started > 0.3, "the backlog was too small to tell"
     assert longest_gap < max(0.25, (finished - started) / 4), (
         f"no ping for {longest_gap:.2f}s of the {finished - started:.2f}s spent on the backlog")
+
+
+def answering_detokenizer(endpoint: str, stop) -> None:
+    """Answers pings with pongs and stats requests with stats, until told to stop."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    while not stop.poll():
+        if not sock.poll(10):
+            continue
+        identity, frame = sock.recv_multipart()
+        msg = p.decode(frame)
+        if isinstance(msg, p.Ping):
+            sock.send_multipart([identity, p.Pong("detokenizer", "d1", True).encode()])
+        elif isinstance(msg, p.StatsReq):
+            sock.send_multipart([identity, p.StatsOutput({"engine": {"answered": 1}}).encode()])
+    sock.close(linger=0)
+    ctx.term()
+
+
+def test_a_frame_whose_wakeup_was_taken_elsewhere_is_still_read(tmp_path):
+    # zmq's socket descriptor only signals changes: anything that reads the socket's EVENTS while
+    # the loop is busy takes the signal of a frame that arrived meanwhile, and the loop never
+    # hears of it. The client must read such a frame anyway, long before its next heartbeat.
+    url = f"ipc://{tmp_path}"
+    stop, stop_end = multiprocessing.Pipe()
+    fake = multiprocessing.get_context("spawn").Process(target=answering_detokenizer,
+                                                        args=(service_endpoints(url).stream, stop_end))
+    fake.start()
+
+    async def scenario() -> tuple[bool, dict, float]:
+        client = AsyncClient(url, heartbeat_interval=60, connect_timeout=60)
+        try:
+            await client.wait_engine(timeout=60)
+            await asyncio.sleep(0.3)  # the heartbeat's last ping before its 60 s sleep (a send also looks at EVENTS)
+            await client._send(client._out, p.StatsReq().encode())  # what server_stats() sends
+            seen, spin_end = False, time.monotonic() + 0.5
+            while time.monotonic() < spin_end:  # the loop is busy; the answer arrives meanwhile
+                seen |= bool(client._out.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            waited = time.monotonic()
+            stats = await asyncio.wait_for(client._stats.get(), 3)
+            return seen, stats, time.monotonic() - waited
+        finally:
+            await client.close()
+
+    try:
+        seen, stats, waited = asyncio.run(scenario())
+    finally:
+        stop.send("stop")
+        fake.join(10)
+    assert seen, "the answer should have arrived while the loop was busy"
+    assert stats == {"engine": {"answered": 1}}
+    assert waited < 1.0, f"the answer was read {waited:.2f}s after the loop was free again"
