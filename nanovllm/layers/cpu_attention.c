@@ -55,6 +55,18 @@ static inline float exp_shifted(float *s, int64_t n, float mx) {
     return hsum(sum);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* s[0..8) = scale * (the horizontal sum of each of the eight vectors a[0..8)). */
+static inline void store_sums8(float *restrict s, const __m256 *a, float scale) {
+    const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+    const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20);
+    const __m256 hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
+}
+#endif
+
 /* Scores of one query head (float) against n cached keys, key i at element k + i * stride. */
 static inline void scores_block(const float *restrict qh, const void *k, float *restrict s, int64_t n,
                                 int64_t stride, int64_t D_rt, float scale, const int64_t HD, const int BF) {
@@ -73,12 +85,7 @@ static inline void scores_block(const float *restrict qh, const void *k, float *
                     x = _mm256_fmadd_ps(_mm256_loadu_ps(qh + j), (__m256)load8x(k, kt + j, BF), x);
                 a[t] = x;
             }
-            const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-            const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-            const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-            const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20);
-            const __m256 hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
-            _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
+            store_sums8(s + i, a, scale);
         }
     }
 #endif
@@ -89,6 +96,40 @@ static inline void scores_block(const float *restrict qh, const void *k, float *
         float dot = hsum(dv);
         for (; d < D; d++) dot += qh[d] * sload(k, i * stride + d, BF);
         s[i] = dot * scale;
+    }
+}
+
+/* Two query heads of one KV group (GQA) against the same n keys: each key is loaded, and in
+ * bf16 widened, once for both. Each head's sums run in exactly the order of scores_block, so
+ * the scores are bit for bit those of two scores_block calls. */
+static inline void scores_pair(const float *restrict q0, const float *restrict q1, const void *k,
+                               float *restrict s0, float *restrict s1, int64_t n, int64_t stride,
+                               int64_t D_rt, float scale, const int64_t HD, const int BF) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (HD && HD % 8 == 0) {
+        for (; i + 8 <= n; i += 8) {
+            __m256 a[8], b[8];
+            for (int t = 0; t < 8; t++) {
+                const int64_t kt = (i + t) * stride;
+                const __m256 k0 = (__m256)load8x(k, kt, BF);
+                __m256 x = _mm256_mul_ps(_mm256_loadu_ps(q0), k0), y = _mm256_mul_ps(_mm256_loadu_ps(q1), k0);
+                for (int64_t j = 8; j < HD; j += 8) {
+                    const __m256 kj = (__m256)load8x(k, kt + j, BF);
+                    x = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + j), kj, x);
+                    y = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + j), kj, y);
+                }
+                a[t] = x;
+                b[t] = y;
+            }
+            store_sums8(s0 + i, a, scale);
+            store_sums8(s1 + i, b, scale);
+        }
+    }
+#endif
+    if (i < n) {  /* fewer than eight keys left (or no AVX2): scores_block's own per-key loop */
+        scores_block(q0, at(k, i * stride, BF), s0 + i, n - i, stride, D_rt, scale, HD, BF);
+        scores_block(q1, at(k, i * stride, BF), s1 + i, n - i, stride, D_rt, scale, HD, BF);
     }
 }
 
@@ -122,6 +163,48 @@ static inline void accumulate_values(float *restrict acc, const void *v, const f
     }
 }
 
+/* accumulate_values for two heads of one KV group: each value row is loaded once for both, and
+ * each head's accumulator sees the same operations in the same order as in accumulate_values. */
+static inline void accumulate_pair(float *restrict acc0, float *restrict acc1, const void *v, const float *restrict p0,
+                                   const float *restrict p1, int64_t n, int64_t stride, float alpha0, float alpha1,
+                                   int64_t D_rt, const int64_t HD, const int BF) {
+    if (HD && HD % (4 * VL) == 0) {
+        for (int64_t c = 0; c < HD; c += 4 * VL) {
+            vf a0 = loadv(acc0 + c) * alpha0, a1 = loadv(acc0 + c + VL) * alpha0;
+            vf a2 = loadv(acc0 + c + 2 * VL) * alpha0, a3 = loadv(acc0 + c + 3 * VL) * alpha0;
+            vf b0 = loadv(acc1 + c) * alpha1, b1 = loadv(acc1 + c + VL) * alpha1;
+            vf b2 = loadv(acc1 + c + 2 * VL) * alpha1, b3 = loadv(acc1 + c + 3 * VL) * alpha1;
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t vi = i * stride + c;
+                const float pi = p0[i], qi = p1[i];
+                const vf v0 = vload(v, vi, BF), v1 = vload(v, vi + VL, BF);
+                const vf v2 = vload(v, vi + 2 * VL, BF), v3 = vload(v, vi + 3 * VL, BF);
+                a0 += pi * v0; a1 += pi * v1; a2 += pi * v2; a3 += pi * v3;
+                b0 += qi * v0; b1 += qi * v1; b2 += qi * v2; b3 += qi * v3;
+            }
+            storev(acc0 + c, a0); storev(acc0 + c + VL, a1);
+            storev(acc0 + c + 2 * VL, a2); storev(acc0 + c + 3 * VL, a3);
+            storev(acc1 + c, b0); storev(acc1 + c + VL, b1);
+            storev(acc1 + c + 2 * VL, b2); storev(acc1 + c + 3 * VL, b3);
+        }
+        return;
+    }
+    accumulate_values(acc0, v, p0, n, stride, alpha0, D_rt, HD, BF);
+    accumulate_values(acc1, v, p1, n, stride, alpha1, D_rt, HD, BF);
+}
+
+/* Softmax bookkeeping of one head for one block of n scores (in place: s becomes exp(s - max));
+ * returns alpha, the factor its accumulator is rescaled by. */
+static inline float softmax_block(float *restrict sh, int64_t n, float *restrict m, float *restrict l) {
+    float mx = *m;
+    for (int64_t i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
+    const float alpha = mx == *m ? 1.f : expf(*m - mx);  /* 1 once the maximum settles */
+    const float sum = exp_shifted(sh, n, mx);
+    *l = *l * alpha + sum;
+    *m = mx;
+    return alpha;
+}
+
 static inline void attend_row(const void *q, void *out, const void *k_cache, const void *v_cache,
                               const int64_t *table, float *restrict qf, float *restrict acc, float *restrict s,
                               float *restrict m, float *restrict l, int64_t L, int64_t H, int64_t KVH, int64_t D_rt,
@@ -133,12 +216,15 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
     // 3. 对上下文的第 b 块（块号 table[b]，本块有 n = min(BS, L - t0) 个 token）：
     //    a. 预取本块的 V 行和下一块的 K 行（块在内存里是分散的，硬件预取器每块都要重新起步）；
     //    b. 对每个 head 算 n 个分数 s = q·k * scale（GQA：第 h 个 head 读第 h / G 个 KV head）；
+    //       G 为偶数时相邻两个 head 共用一个 KV head，成对计算（scores_pair / accumulate_pair），
+    //       K、V 行只读取、展开一次，每个 head 的运算顺序不变，结果与逐个 head 计算逐位相同；
     //    c. 新最大值 mx 若超过 m[h]，旧累加按 alpha = exp(m[h] - mx) 缩放；
     //       s 变成 exp(s - mx)，l[h] = l[h] * alpha + sum(s)；
     //    d. acc[h] = acc[h] * alpha + sum_i s[i] * v_i。
     // 4. 输出 out[h] = acc[h] / l[h]，bf16 时这里才舍入一次。
     // [ZH-END]
     const int64_t D = HD ? HD : D_rt, G = H / KVH, row = KVH * D;
+    const int pair = G % 2 == 0;  /* heads h, h + 1 (h even) share a KV head: read it once for both */
     if (BF) for (int64_t j = 0; j < H * D; j++) qf[j] = sload(q, j, BF);
     else qf = (float *)q;
     for (int64_t h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.f; }
@@ -153,21 +239,27 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
         const char *k_next = t0 + BS < L ? at(k_cache, table[b + 1] * BS * row, BF) : NULL;
         const int64_t bytes = BS * row * (BF ? 2 : 4), slice = (bytes + H - 1) / H;
         const int64_t v_bytes = n * row * (BF ? 2 : 4);
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t lo = h * slice, hi = (h + 1) * slice;
+        for (int64_t h = 0; h < H; h += pair ? 2 : 1) {
+            const int64_t lo = h * slice, hi = (h + (pair ? 2 : 1)) * slice;
             for (int64_t j = lo; j < hi && j < v_bytes; j += 64) __builtin_prefetch(vb + j);
             if (k_next != NULL)
                 for (int64_t j = lo; j < hi && j < bytes; j += 64) __builtin_prefetch(k_next + j);
-            scores_block(qf + h * D, at(kb, (h / G) * D, BF), s + h * BSP, n, row, D, scale, HD, BF);
+            const void *kh = at(kb, (h / G) * D, BF);
+            if (pair)
+                scores_pair(qf + h * D, qf + (h + 1) * D, kh, s + h * BSP, s + (h + 1) * BSP, n, row, D, scale, HD, BF);
+            else
+                scores_block(qf + h * D, kh, s + h * BSP, n, row, D, scale, HD, BF);
         }
-        for (int64_t h = 0; h < H; h++) {
-            float *sh = s + h * BSP, mx = m[h];
-            for (int64_t i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
-            const float alpha = mx == m[h] ? 1.f : expf(m[h] - mx);  /* 1 once the maximum settles */
-            const float sum = exp_shifted(sh, n, mx);
-            l[h] = l[h] * alpha + sum;
-            m[h] = mx;
-            accumulate_values(acc + h * D, at(vb, (h / G) * D, BF), sh, n, row, alpha, D, HD, BF);
+        for (int64_t h = 0; h < H; h += pair ? 2 : 1) {
+            const void *vh = at(vb, (h / G) * D, BF);
+            const float alpha = softmax_block(s + h * BSP, n, m + h, l + h);
+            if (pair) {
+                const float alpha1 = softmax_block(s + (h + 1) * BSP, n, m + h + 1, l + h + 1);
+                accumulate_pair(acc + h * D, acc + (h + 1) * D, vh, s + h * BSP, s + (h + 1) * BSP, n, row,
+                                alpha, alpha1, D, HD, BF);
+            } else {
+                accumulate_values(acc + h * D, vh, s + h * BSP, n, row, alpha, D, HD, BF);
+            }
         }
     }
     for (int64_t h = 0; h < H; h++) {
