@@ -32,10 +32,8 @@ _TIMED_OUT = object()
 
 READ_BATCH = 64
 """Frames `_readable` handles before it lets the loop's other callbacks and tasks run."""
-SEND_RECHECK_S = 0.1
-"""A sender waiting on a full pipe retries at least this often (a missed wake-up costs no more)."""
 RECHECK_S = 0.1
-"""Each socket is also looked at this often, whatever its descriptor says (see `_events`)."""
+"""Each socket is also served this often, whatever its descriptor says (see `_recheck`)."""
 
 _EVENTS, _POLLIN, _POLLOUT, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
 """Plain ints: bit operations on zmq's enum flags build enum members, a cost on every frame."""
@@ -242,9 +240,7 @@ class AsyncClient(ClientBase):
                     raise ServiceUnavailableError("the client was closed") from None
                 waiter = self._loop.create_future()
                 self._send_waiters[sock].append(waiter)
-                await asyncio.wait([waiter], timeout=SEND_RECHECK_S)
-                if waiter.done():
-                    waiter.result()  # raises if the client was closed meanwhile
+                await waiter  # set by `_readable` once the pipe has room; raises if the client was closed
         self._events(sock)  # the send may have taken the descriptor's edge for frames that arrived meanwhile
 
     def _events(self, sock: zmq.Socket) -> int:
@@ -276,12 +272,13 @@ class AsyncClient(ClientBase):
             await asyncio.sleep(self._heartbeat_interval if self._ready.is_set() else 0.1)
 
     async def _recheck(self) -> None:
-        """A safety net under the edge-triggered descriptors: whatever consumed an edge without
-        the code above noticing, frames wait at most RECHECK_S (a look costs ~1 us)."""
+        """The one safety net under the edge-triggered descriptors: whatever consumed an edge
+        without the code above noticing, frames wait at most RECHECK_S to be read and a sender
+        at most RECHECK_S to learn its pipe has room (a look costs ~1 us)."""
         while True:
             await asyncio.sleep(RECHECK_S)
             for sock in (self._tok, self._out):
-                self._events(sock)
+                self._readable(sock)
 
     def _readable(self, sock: zmq.Socket) -> None:
         """The socket's descriptor fired (or a previous call left frames): handle what is waiting.
@@ -304,15 +301,9 @@ class AsyncClient(ClientBase):
             waiters.clear()
 
     def _on_frame(self, frame: bytes) -> None:
-        try:
-            reaction = self._state.handle(frame)
-        except Exception:  # a bug must cost one frame, never the reader every stream waits on
-            log.exception("could not handle a frame from the service")
+        reaction = self._take_frame(frame)
+        if reaction is None:
             return
-        if self._state.ready:
-            self._ready.set()
-        if reaction.stats is not None:
-            self._stats.put_nowait(reaction.stats)
         if reaction.to_tokenizer or reaction.to_detok:
             self._spawn(self._send_all([(self._tok, f) for f in reaction.to_tokenizer] +
                                        [(self._out, f) for f in reaction.to_detok]))
@@ -321,9 +312,3 @@ class AsyncClient(ClientBase):
     async def _send_all(self, frames: list[tuple[zmq.Socket, bytes]]) -> None:
         for sock, frame in frames:
             await self._send(sock, frame)
-
-    def _route(self, deltas: list[Delta]) -> None:
-        for delta in deltas:
-            target = self._streams.get(delta.request_id)
-            if target is not None:
-                target.put_nowait(delta)

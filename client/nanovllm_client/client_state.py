@@ -287,6 +287,35 @@ class ClientBase:
         if self._wire_ids.get(app_id) == wire_id:
             del self._wire_ids[app_id]
 
+    def _take_frame(self, frame: bytes) -> Reaction | None:
+        """One frame from the service through the protocol state, with what both clients do alike:
+        mark the client ready, queue a stats reply. None if the frame could not be handled (logged:
+        a bug costs one frame, never the reader every stream waits on). The caller sends the
+        reaction's frames on its own sockets, then `_route`s its deltas.
+
+        Both clients hold `_ready` (an Event), `_stats` and `_streams` (wire id -> queue) of their
+        own kind; `put_nowait` and `set` are the same on the threading and asyncio ones."""
+        try:
+            reaction = self._state.handle(frame)
+        except Exception:
+            log.exception("could not handle a frame from the service")
+            return None
+        if self._state.ready:
+            self._ready.set()
+        if reaction.stats is not None:
+            self._stats.put_nowait(reaction.stats)
+        return reaction
+
+    def _route(self, deltas: list[Delta]) -> None:
+        # [ZH-START]
+        # 1. 按增量的 wire id 找到流的队列并放入。
+        # 2. 找不到（流已结束或已取消）就丢弃：旧流迟到的输出永远到不了复用同一 id 的新流。
+        # [ZH-END]
+        for delta in deltas:
+            target = self._streams.get(delta.request_id)
+            if target is not None:
+                target.put_nowait(delta)
+
     def _dealer(self, ctx: zmq.Context, endpoint: str) -> zmq.Socket:
         """A DEALER to one stage; both carry this client's identity so the stages can route to it."""
         sock = ctx.socket(zmq.DEALER)

@@ -319,38 +319,20 @@ class Client(ClientBase):
 
     def _drain_incoming(self, sock: zmq.Socket, out: zmq.Socket, pending_tok: collections.deque) -> None:
         # [ZH-START]
-        # 1. NOBLOCK 收完该 socket 的帧，逐帧交给 ClientState.handle 得到 Reaction；处理出错只记日志跳过这一帧，
-        #    I/O 线程不能死（所有流都在等它）。
-        # 2. ClientState 就绪 → 置位 _ready。
-        # 3. stats 回复放进 _stats 队列。
-        # 4. 需要重发给 tokenizer 的请求（tokenizer 换了实例）进 pending_tok；发给 detokenizer 的 Resume 立即发送。
-        # 5. _route 把增量分发到各流。
+        # 1. NOBLOCK 收完该 socket 的帧，逐帧交给 _take_frame（ClientState.handle；就绪 → 置位 _ready；
+        #    stats 回复进 _stats 队列；处理出错只记日志跳过这一帧，I/O 线程不能死——所有流都在等它）。
+        # 2. 需要重发给 tokenizer 的请求（tokenizer 换了实例）进 pending_tok；发给 detokenizer 的 Resume 立即发送。
+        # 3. _route 把增量分发到各流。
         # [ZH-END]
         while True:
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                reaction = self._state.handle(frame)
-            except Exception:  # a bug must cost one frame, never the I/O thread every stream waits on
-                log.exception("could not handle a frame from the service")
+            reaction = self._take_frame(frame)
+            if reaction is None:
                 continue
-            if self._state.ready:
-                self._ready.set()
-            if reaction.stats is not None:
-                self._stats.put(reaction.stats)
             pending_tok.extend(reaction.to_tokenizer)
             for resume in reaction.to_detok:
                 out.send(resume)
             self._route(reaction.deltas)
-
-    def _route(self, deltas: list[Delta]) -> None:
-        # [ZH-START]
-        # 1. 按增量的 wire id 找到流的队列并放入。
-        # 2. 找不到（流已结束或已取消）就丢弃：旧流迟到的输出永远到不了复用同一 id 的新流。
-        # [ZH-END]
-        for delta in deltas:
-            target = self._streams.get(delta.request_id)
-            if target is not None:
-                target.put(delta)

@@ -15,18 +15,18 @@ FLOOD = 40_000
 """Frames queued for the client at once: far more than it decodes in one heartbeat interval."""
 
 
-def fake_detokenizer(endpoint: str, report) -> None:
-    """Answers pings. After the first ping it queues FLOOD stream frames, in batches between which
+def fake_detokenizer(endpoint: str, report, flood: int = FLOOD) -> None:
+    """Answers pings. After the first ping it queues `flood` stream frames, in batches between which
     it keeps reading, so each ping's arrival time is noted within a few ms; a stats request is
-    answered once the whole flood is queued, so the answer arrives behind it. Sends (flood start,
-    ping arrival times) to `report` when told to stop."""
+    answered once the whole flood is queued, so the answer arrives behind it (at once without a
+    flood). Sends (flood start, ping arrival times) to `report` when told to stop."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.bind(endpoint)
     delta = p.StreamOutput([{"request_id": "nobody#1", "text": "x", "token_ids": p.pack_token_ids([7])}]).encode()
     pings: list[float] = []
-    flood_started, left, client, stats_for = None, FLOOD, None, []
+    flood_started, left, client, stats_for = None, flood, None, []
     while not report.poll():
         if client is not None and left:
             for _ in range(min(left, 500)):
@@ -34,7 +34,7 @@ def fake_detokenizer(endpoint: str, report) -> None:
             left -= min(left, 500)
         if not left:
             for identity in stats_for:
-                sock.send_multipart([identity, p.StatsOutput({"engine": {}}).encode()])
+                sock.send_multipart([identity, p.StatsOutput({"engine": {"answered": 1}}).encode()])
             stats_for.clear()
         if not sock.poll(0 if left and client is not None else 10):
             continue
@@ -83,32 +83,14 @@ def test_a_client_draining_a_backlog_keeps_sending_heartbeats(tmp_path):
         f"no ping for {longest_gap:.2f}s of the {finished - started:.2f}s spent on the backlog")
 
 
-def answering_detokenizer(endpoint: str, stop) -> None:
-    """Answers pings with pongs and stats requests with stats, until told to stop."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.bind(endpoint)
-    while not stop.poll():
-        if not sock.poll(10):
-            continue
-        identity, frame = sock.recv_multipart()
-        msg = p.decode(frame)
-        if isinstance(msg, p.Ping):
-            sock.send_multipart([identity, p.Pong("detokenizer", "d1", True).encode()])
-        elif isinstance(msg, p.StatsReq):
-            sock.send_multipart([identity, p.StatsOutput({"engine": {"answered": 1}}).encode()])
-    sock.close(linger=0)
-    ctx.term()
-
-
 def test_a_frame_whose_wakeup_was_taken_elsewhere_is_still_read(tmp_path):
     # zmq's socket descriptor only signals changes: anything that reads the socket's EVENTS while
     # the loop is busy takes the signal of a frame that arrived meanwhile, and the loop never
     # hears of it. The client must read such a frame anyway, long before its next heartbeat.
     url = f"ipc://{tmp_path}"
     stop, stop_end = multiprocessing.Pipe()
-    fake = multiprocessing.get_context("spawn").Process(target=answering_detokenizer,
-                                                        args=(service_endpoints(url).stream, stop_end))
+    fake = multiprocessing.get_context("spawn").Process(target=fake_detokenizer,
+                                                        args=(service_endpoints(url).stream, stop_end, 0))
     fake.start()
 
     async def scenario() -> tuple[bool, dict, float]:
