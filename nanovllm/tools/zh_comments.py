@@ -55,6 +55,8 @@ CORE_MODULES: dict[str, list[str]] = {
     "detok_proc/server.py": [f"DetokStage.{m}" for m in (
         "run", "on_step", "_advance", "_abort_in_engine", "on_client_frames", "client_gone")],
     "client/nanovllm_client/sync_client.py": ["Stream.__next__", "Client.stream", "Client._io_loop"],
+    "client/nanovllm_client/async_client.py": ["AsyncStream.__anext__", "AsyncClient.stream", "AsyncClient._send",
+                                               "AsyncClient._recheck", "AsyncClient._readable"],
 }
 """Modules every reader passes through, and their key functions (`Class.method` or `function`)."""
 
