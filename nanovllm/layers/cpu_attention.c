@@ -42,6 +42,11 @@
 #include <immintrin.h>
 #endif
 
+/* Prefetch bytes [lo, min(hi, end)) of p into L2 (prefetcht1), a 64-byte line at a time. */
+static inline void prefetch_l2(const char *p, int64_t lo, int64_t hi, int64_t end) {
+    for (int64_t j = lo; j < hi && j < end; j += 64) __builtin_prefetch(p + j, 0, 2);
+}
+
 /* s[i] = exp(s[i] - mx) for i < n; returns their sum. s has room for n rounded up to VL. */
 static inline float exp_shifted(float *s, int64_t n, float mx) {
     vf sum = {0};
@@ -214,7 +219,8 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
     // 1. bf16 时先把这一行的 q（H*D 个元素）展开成 fp32 放进 qf；fp32 直接用原指针。
     // 2. 每个 head 的运行最大值 m[h] = -inf、分母 l[h] = 0，累加器 acc 清零。
     // 3. 对上下文的第 b 块（块号 table[b]，本块有 n = min(BS, L - t0) 个 token）：
-    //    a. 预取本块的 V 行和下一块的 K 行（块在内存里是分散的，硬件预取器每块都要重新起步）；
+    //    a. 算本块分数时预取下一块的 K 行，累加本块 V 时预取下一块的 V 行，都只预取到 L2
+    //       （块在内存里是分散的，硬件预取器每块都要重新起步；预取到 L1 会把正在用的行挤出去）；
     //    b. 对每个 head 算 n 个分数 s = q·k * scale（GQA：第 h 个 head 读第 h / G 个 KV head）；
     //       G 为偶数时相邻两个 head 共用一个 KV head，成对计算（scores_pair / accumulate_pair），
     //       K、V 行只读取、展开一次，每个 head 的运算顺序不变，结果与逐个 head 计算逐位相同；
@@ -233,17 +239,17 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
         const int64_t n = (L - t0 < BS) ? L - t0 : BS;
         const int64_t base = table[b] * BS * row;
         const char *kb = at(k_cache, base, BF), *vb = at(v_cache, base, BF);
-        /* Blocks are scattered, so the hardware prefetchers restart at each one: while the scores
-         * of this block are computed, fetch its V rows and the next block's K rows, a slice per
-         * head so the requests spread over the work instead of queueing up at once. */
-        const char *k_next = t0 + BS < L ? at(k_cache, table[b + 1] * BS * row, BF) : NULL;
+        /* Blocks are scattered, so the hardware prefetchers restart at each one: while this block's
+         * scores are computed, fetch the next block's K rows, and while its values are summed, the
+         * next block's V rows, a slice per head so the requests spread over the work instead of
+         * queueing up at once. Into L2, not L1: with the whole next block in flight, L1 prefetches
+         * evict the rows in use, and decode attention ran no faster than with none at all. */
+        const int last = t0 + BS >= L;
+        const char *k_next = last ? NULL : at(k_cache, table[b + 1] * BS * row, BF);
+        const char *v_next = last ? NULL : at(v_cache, table[b + 1] * BS * row, BF);
         const int64_t bytes = BS * row * (BF ? 2 : 4), slice = (bytes + H - 1) / H;
-        const int64_t v_bytes = n * row * (BF ? 2 : 4);
         for (int64_t h = 0; h < H; h += pair ? 2 : 1) {
-            const int64_t lo = h * slice, hi = (h + (pair ? 2 : 1)) * slice;
-            for (int64_t j = lo; j < hi && j < v_bytes; j += 64) __builtin_prefetch(vb + j);
-            if (k_next != NULL)
-                for (int64_t j = lo; j < hi && j < bytes; j += 64) __builtin_prefetch(k_next + j);
+            if (!last) prefetch_l2(k_next, h * slice, (h + (pair ? 2 : 1)) * slice, bytes);
             const void *kh = at(kb, (h / G) * D, BF);
             if (pair)
                 scores_pair(qf + h * D, qf + (h + 1) * D, kh, s + h * BSP, s + (h + 1) * BSP, n, row, D, scale, HD, BF);
@@ -252,6 +258,7 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
         }
         for (int64_t h = 0; h < H; h += pair ? 2 : 1) {
             const void *vh = at(vb, (h / G) * D, BF);
+            if (!last) prefetch_l2(v_next, h * slice, (h + (pair ? 2 : 1)) * slice, bytes);
             const float alpha = softmax_block(s + h * BSP, n, m + h, l + h);
             if (pair) {
                 const float alpha1 = softmax_block(s + (h + 1) * BSP, n, m + h + 1, l + h + 1);

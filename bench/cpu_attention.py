@@ -1,0 +1,126 @@
+"""Decode attention on CPU alone: the compiled paged kernel against torch's path, at one step's shape.
+
+One decode step of attention per layer: `--seqs` sequences, each attending to `--context` cached
+positions in blocks of `--block-size`, read in place from a paged cache, over `--layers` layers
+whose caches are separate (so each call reads its K/V from memory, as a real step does, not from
+a cache the previous call warmed). The peer is what the engine runs without a C compiler:
+`PagedAttention._decode`, a gather of each sequence's blocks and `scaled_dot_product_attention`.
+Each measurement runs in a fresh process; the two block layouts are
+- `contiguous`: each sequence's blocks one after another (a cache filled by prefill alone);
+- `scattered`: blocks in random order (a cache after many steps of allocation and release).
+
+Reports milliseconds per layer (best of `--repeats`) and the K/V bytes read per second; one JSON
+line per measurement, then a table.
+
+    python -m bench.cpu_attention                         # mid's decode shape, bf16 and fp32
+    python -m bench.cpu_attention --dtype bfloat16 --layout scattered --repeats 9
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+from nanovllm.layers.attention import PagedAttention
+from nanovllm.layers.cpu_kernels import CpuAttentionKernel
+
+IMPLS = ("kernel", "torch")
+LAYOUTS = ("contiguous", "scattered")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def measure(args: argparse.Namespace, impl: str, layout: str, dtype: torch.dtype) -> dict:
+    """Time one (impl, layout, dtype) in this process."""
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    per_seq = -(-args.context // args.block_size)
+    num_blocks = args.seqs * per_seq * args.layers
+    shape = (num_blocks, args.block_size, args.kv_heads, args.head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen) if layout == "scattered" else torch.arange(num_blocks)
+    tables = order.view(args.layers, args.seqs, per_seq).to(torch.int64)
+    q = torch.randn(args.seqs, args.heads, args.head_dim, generator=gen).to(dtype)
+    scale = args.head_dim ** -0.5
+    context_lens = torch.full((args.seqs,), args.context, dtype=torch.int64)
+    layer = PagedAttention(args.heads, args.kv_heads, args.head_dim)
+    layer.k_cache, layer.v_cache = k_cache, v_cache
+    if impl == "kernel":
+        kernel = CpuAttentionKernel.load()
+        if kernel is None:
+            raise SystemExit("the CPU kernels could not be built here")
+        rows = torch.arange(args.seqs)
+
+        def step(table: torch.Tensor) -> torch.Tensor:
+            return kernel(q, k_cache, v_cache, table, rows, context_lens, scale)
+    else:
+        keys = torch.arange(per_seq * args.block_size)
+        mask = (keys[None, :] < context_lens[:, None]).view(args.seqs, 1, 1, -1)
+
+        def step(table: torch.Tensor) -> torch.Tensor:
+            return layer._decode(q, SimpleNamespace(decode_block_tables=table, decode_mask=mask))
+
+    for table in tables[:2]:  # warm-up (and the kernel's first call)
+        step(table)
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        for table in tables:
+            out = step(table)
+        times.append((time.perf_counter() - start) / args.layers)
+    best = min(times)
+    kv_bytes = 2 * args.seqs * args.context * args.kv_heads * args.head_dim * k_cache.element_size()
+    return {"bench": "cpu_attention", "impl": impl, "layout": layout, "dtype": str(dtype).removeprefix("torch."),
+            "seqs": args.seqs, "context": args.context, "heads": args.heads, "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim, "block_size": args.block_size, "threads": args.threads,
+            "ms_per_layer": round(best * 1e3, 3), "all_ms": [round(t * 1e3, 3) for t in times],
+            "kv_gb_per_s": round(kv_bytes / best / 1e9, 2), "checksum": round(out.float().sum().item(), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--context", type=int, default=360)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", choices=[*DTYPES, "both"], default="both")
+    parser.add_argument("--layout", choices=[*LAYOUTS, "both"], default="both")
+    parser.add_argument("--impl", choices=[*IMPLS, "both"], default="both")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: measure, print JSON
+    parser.add_argument("--json", help="also write the results here (a JSON list)")
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args, args.impl, args.layout, DTYPES[args.dtype])))
+        return
+    pick = lambda value, every: every if value == "both" else (value,)
+    results = []
+    for dtype in pick(args.dtype, tuple(DTYPES)):
+        for layout in pick(args.layout, LAYOUTS):
+            for impl in pick(args.impl, IMPLS):
+                cmd = [sys.executable, "-m", "bench.cpu_attention", "--one", "--impl", impl, "--layout", layout,
+                       "--dtype", dtype] + [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in (
+                           "seqs", "context", "heads", "kv_heads", "head_dim", "block_size", "layers", "threads",
+                           "repeats")]
+                line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+                print(line, flush=True)
+                results.append(json.loads(line))
+    print(f"\n{'dtype':<10} {'layout':<11} {'impl':<7} {'ms/layer':>9} {'K/V GB/s':>9}")
+    for r in results:
+        print(f"{r['dtype']:<10} {r['layout']:<11} {r['impl']:<7} {r['ms_per_layer']:>9.3f} {r['kv_gb_per_s']:>9.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
