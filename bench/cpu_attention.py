@@ -12,8 +12,15 @@ Each measurement runs in a fresh process; the two block layouts are
 Reports milliseconds per layer (best of `--repeats`) and the K/V bytes read per second; one JSON
 line per measurement, then a table.
 
+`--chunk N` measures a prompt chunk instead: one sequence's N new rows after `--cached` positions
+already in the cache (each row attends to the ones before it). The kernel takes it as the engine
+calls it (one row per query token); torch's path is causal SDPA over the chunk's own K/V when
+nothing is cached, else SDPA over the gathered context with the offset mask `build_cpu_batch`
+makes. This is what `attention.prefill_uses_sdpa`'s thresholds were read from.
+
     python -m bench.cpu_attention                         # mid's decode shape, bf16 and fp32
     python -m bench.cpu_attention --dtype bfloat16 --layout scattered --repeats 9
+    python -m bench.cpu_attention --chunk 2048 --cached 0 --layers 2 --layout contiguous
 """
 from __future__ import annotations
 
@@ -37,6 +44,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def measure(args: argparse.Namespace, impl: str, layout: str, dtype: torch.dtype) -> dict:
     """Time one (impl, layout, dtype) in this process."""
     torch.set_num_threads(args.threads)
+    if args.chunk:
+        return measure_chunk(args, impl, layout, dtype)
     gen = torch.Generator().manual_seed(0)
     per_seq = -(-args.context // args.block_size)
     num_blocks = args.seqs * per_seq * args.layers
@@ -65,18 +74,64 @@ def measure(args: argparse.Namespace, impl: str, layout: str, dtype: torch.dtype
         def step(table: torch.Tensor) -> torch.Tensor:
             return layer._decode(q, SimpleNamespace(decode_block_tables=table, decode_mask=mask))
 
-    for table in tables[:2]:  # warm-up (and the kernel's first call)
-        step(table)
+    kv_bytes = 2 * args.seqs * args.context * args.kv_heads * args.head_dim * k_cache.element_size()
+    return timed(args, step, tables, kv_bytes, impl=impl, layout=layout, dtype=str(dtype).removeprefix("torch."),
+                 seqs=args.seqs, context=args.context)
+
+
+def measure_chunk(args: argparse.Namespace, impl: str, layout: str, dtype: torch.dtype) -> dict:
+    """One sequence's prompt chunk of `--chunk` rows after `--cached` positions, per layer."""
+    from nanovllm.engine.step_input import StepInput, build_cpu_batch
+
+    gen = torch.Generator().manual_seed(0)
+    cached, rows, bs = args.cached, args.chunk, args.block_size
+    per_seq = -(-(cached + rows) // bs)
+    shape = (per_seq * args.layers, bs, args.kv_heads, args.head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    order = torch.randperm(shape[0], generator=gen) if layout == "scattered" else torch.arange(shape[0])
+    tables = order.view(args.layers, per_seq).tolist()
+    q = torch.randn(rows, args.heads, args.head_dim, generator=gen).to(dtype)
+    layer = PagedAttention(args.heads, args.kv_heads, args.head_dim)
+    layer.k_cache, layer.v_cache = k_cache, v_cache
+    k_flat, v_flat = (c.view(-1, args.kv_heads, args.head_dim) for c in (k_cache, v_cache))
+    spans = []
+    for table in tables:
+        step = StepInput([], [], [], [[1] * rows], [cached], [table], [])
+        _, _, meta = build_cpu_batch(step, bs, torch_attention=True)
+        spans.append((meta.prefills[0], meta.slot_mapping))
+    if impl == "kernel":
+        kernel = CpuAttentionKernel.load()
+        if kernel is None:
+            raise SystemExit("the CPU kernels could not be built here")
+
+        def step(item):
+            span, _ = item
+            return kernel(q, k_cache, v_cache, span.block_table, torch.zeros(rows, dtype=torch.long), span.row_ctx,
+                          layer.scale)
+    else:
+        def step(item):
+            span, new_slots = item
+            if span.num_cached == 0:
+                return layer._attend(q, k_flat[new_slots], v_flat[new_slots], mask=None)
+            return layer._attend(q, k_flat[span.context_slots], v_flat[span.context_slots], span.mask)
+
+    kv_bytes = 2 * rows * (cached + (rows + 1) / 2) * args.kv_heads * args.head_dim * k_cache.element_size()
+    return timed(args, step, spans, kv_bytes, impl=impl, layout=layout, dtype=str(dtype).removeprefix("torch."),
+                 chunk=rows, cached=cached)
+
+
+def timed(args: argparse.Namespace, step, inputs: list, kv_bytes: float, **shape) -> dict:
+    """Best time per layer of `step` over `inputs` (one per layer); `kv_bytes`: K/V read per layer."""
+    for item in inputs[:2]:  # warm-up (and the kernel's first call)
+        step(item)
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        for table in tables:
-            out = step(table)
-        times.append((time.perf_counter() - start) / args.layers)
+        for item in inputs:
+            out = step(item)
+        times.append((time.perf_counter() - start) / len(inputs))
     best = min(times)
-    kv_bytes = 2 * args.seqs * args.context * args.kv_heads * args.head_dim * k_cache.element_size()
-    return {"bench": "cpu_attention", "impl": impl, "layout": layout, "dtype": str(dtype).removeprefix("torch."),
-            "seqs": args.seqs, "context": args.context, "heads": args.heads, "kv_heads": args.kv_heads,
+    return {"bench": "cpu_attention", **shape, "heads": args.heads, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "block_size": args.block_size, "threads": args.threads,
             "ms_per_layer": round(best * 1e3, 3), "all_ms": [round(t * 1e3, 3) for t in times],
             "kv_gb_per_s": round(kv_bytes / best / 1e9, 2), "checksum": round(out.float().sum().item(), 3)}
@@ -92,6 +147,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=0, help="prompt-chunk mode: new rows of one sequence")
+    parser.add_argument("--cached", type=int, default=0, help="prompt-chunk mode: positions already cached")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", choices=[*DTYPES, "both"], default="both")
     parser.add_argument("--layout", choices=[*LAYOUTS, "both"], default="both")
@@ -110,7 +167,7 @@ def main() -> None:
                 cmd = [sys.executable, "-m", "bench.cpu_attention", "--one", "--impl", impl, "--layout", layout,
                        "--dtype", dtype] + [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in (
                            "seqs", "context", "heads", "kv_heads", "head_dim", "block_size", "layers", "threads",
-                           "repeats")]
+                           "repeats", "chunk", "cached")]
                 line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
                 print(line, flush=True)
                 results.append(json.loads(line))

@@ -22,7 +22,7 @@ from dataclasses import astuple, dataclass
 import torch
 
 from nanovllm.engine.scheduler import ScheduledSeq
-from nanovllm.layers.attention import AttentionMetadata, PrefillSpan
+from nanovllm.layers.attention import AttentionMetadata, PrefillSpan, prefill_uses_sdpa
 
 
 @dataclass(slots=True)
@@ -97,7 +97,8 @@ def _pad(tables: list[list[int]]) -> list[list[int]]:
 
 def build_cpu_batch(step: StepInput, block_size: int, torch_attention: bool):
     """(input_ids, positions, meta) for the CPU path; `torch_attention` adds the masks and slot
-    lists only the torch attention path reads (the compiled kernel walks the block tables)."""
+    lists only the torch attention path reads (the compiled kernel walks the block tables). Prompt
+    chunks after a cached prefix that SDPA attends anyway (`prefill_uses_sdpa`) get them too."""
     # [ZH-START]
     # 1. input_ids / positions 先放 decode 行；每行 slot = table[pos // bs] * bs + pos % bs。
     # 2. 有 decode 行时：块表用 0 补齐成 (B, max_blocks) long；decode_context_lens = pos + 1（含新 token）；
@@ -105,7 +106,8 @@ def build_cpu_batch(step: StepInput, block_size: int, torch_attention: bool):
     #    torch_attention 时再建 decode_mask (B, 1, 1, max_blocks * bs)：key 下标 < context_len 为 True。
     # 3. 每个 prefill 分块（n 个新 token，pos = arange(start, start + n)）：
     #    PrefillSpan(start=它在批内的首行, q_len=n, num_cached=start, block_table=(1, nblocks), row_ctx=pos + 1)。
-    #    start > 0 且走 torch 注意力时：context_slots = 位置 0..start+n-1 的 slot，
+    #    start > 0 且这个分块走 SDPA（没有编译核，或 prefill_uses_sdpa：分块大到 SDPA 更快）时：
+    #    context_slots = 位置 0..start+n-1 的 slot，
     #    mask (n, start + n) = ctx <= pos，即带偏移的因果掩码；start == 0 时直接用 SDPA 的 is_causal。
     # 4. 把分块的 token、位置、slot 追加到批尾。
     # 5. slot_mapping 转成 (T,) long；返回 input_ids (T,)、positions (T,)、meta，全部在 CPU 上。
@@ -129,7 +131,7 @@ def build_cpu_batch(step: StepInput, block_size: int, torch_attention: bool):
         pos = torch.arange(start, start + n)
         span = PrefillSpan(start=len(input_ids), q_len=n, num_cached=start, block_table=table.view(1, -1),
                            row_ctx=pos + 1)
-        if start > 0 and torch_attention:
+        if start > 0 and (torch_attention or prefill_uses_sdpa(n, start)):
             ctx = torch.arange(start + n)
             span.context_slots = table[ctx // bs] * bs + ctx % bs
             span.mask = ctx[None, :] <= pos[:, None]  # (Q, K) causal with offset

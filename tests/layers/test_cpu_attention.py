@@ -164,3 +164,46 @@ def test_paired_gqa_heads_give_the_bits_of_heads_one_at_a_time(kernel, head_dim,
     single = kernel(q, kc.repeat_interleave(2, dim=2), vc.repeat_interleave(2, dim=2), tables, torch.arange(5), ctx,
                     head_dim ** -0.5)
     assert torch.equal(paired, single)
+
+
+def test_long_prompt_chunks_go_to_sdpa_and_short_ones_to_the_kernel(kernel):
+    # Three prompt chunks in one step: a fresh long prompt and a chunk after a long cached prefix
+    # (SDPA attends both, causal and with the offset mask), and a chunk after a short prefix (the
+    # kernel). All three must give the reference attention, whichever path took them.
+    from nanovllm.engine.step_input import StepInput, build_cpu_batch
+    from nanovllm.layers.attention import SDPA_MIN_CONTEXT, SDPA_MIN_ROWS, PagedAttention, prefill_uses_sdpa
+
+    bs, kvh, heads, d = 4, 2, 4, 16
+    rows = SDPA_MIN_ROWS
+    chunks = [(0, SDPA_MIN_CONTEXT + 5), (SDPA_MIN_CONTEXT, rows), (100, rows)]  # (cached tokens, new tokens)
+    assert [prefill_uses_sdpa(n, start) for start, n in chunks] == [True, True, False]
+    tables, next_block = [], 0
+    for start, n in chunks:
+        blocks = -(-(start + n) // bs)
+        tables.append(list(range(next_block, next_block + blocks))[::-1])  # blocks out of order
+        next_block += blocks
+    step = StepInput([], [], [], [[1] * n for _, n in chunks], [start for start, _ in chunks], tables, [])
+    _, _, meta = build_cpu_batch(step, bs, torch_attention=False)
+    assert [s.mask is not None for s in meta.prefills] == [False, True, False]  # only SDPA after a prefix needs one
+
+    g = torch.Generator().manual_seed(4)
+    kc, vc = (torch.randn(next_block, bs, kvh, d, generator=g) for _ in range(2))
+    total = sum(n for _, n in chunks)
+    q = torch.randn(total, heads, d, generator=g)
+    k_new, v_new = (kc.view(-1, kvh, d)[meta.slot_mapping].clone() for kc in (kc, vc))  # this step's rows, as stored
+    layer = PagedAttention(heads, kvh, d)
+    layer.k_cache, layer.v_cache = kc, vc
+    rows_seen = []
+
+    def counting_kernel(q_rows, *args):
+        rows_seen.append(q_rows.shape[0])
+        return kernel(q_rows, *args)
+
+    layer.cpu_kernel = counting_kernel
+    out = layer.forward(q, k_new, v_new, meta, kv_stored=True)
+    assert rows_seen == [rows]  # the short chunk only
+    cu = torch.tensor([0] + [sum(n for _, n in chunks[:i + 1]) for i in range(3)], dtype=torch.int32)
+    context = torch.tensor([start + n for start, n in chunks], dtype=torch.int32)
+    table = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.int32)
+    expected = reference.paged_prefill_attention(q, kc, vc, cu, context, table, layer.scale)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
