@@ -184,7 +184,8 @@ class AsyncClient(ClientBase):
         # 3. 引擎已知死亡或正在 draining → 立即拒绝（EngineDeadError / ServiceDrainingError）。
         # 4. _claim 分配 wire id（调用方 id + 序号，复用同一 id 的新旧流不会串），编码请求帧和重发帧。
         # 5. 先建队列登记到 _streams、在 ClientState 记下重发帧，再发送：第一个增量到达时一定有人接。
-        # 6. _send 发往 tokenizer，管道满时在这里等（背压）；返回 AsyncStream。
+        # 6. _send 发往 tokenizer，管道满时在这里等（背压）；等待中被取消或客户端关闭 → _end_stream 撤销第 5 步的
+        #    登记（请求从未发出，同一 id 可以再用），再把异常抛出去。返回 AsyncStream。
         # [ZH-END]
         req = build_request(prompt, **kwargs)
         await self._wait_ready()
@@ -193,7 +194,11 @@ class AsyncClient(ClientBase):
         deltas: asyncio.Queue = asyncio.Queue()
         self._streams[wire_id] = deltas
         self._state.sent(wire_id, resend_frame)
-        await self._send(self._tok, frame)  # waits (backpressure) while the tokenizer's pipe is full
+        try:
+            await self._send(self._tok, frame)  # waits (backpressure) while the tokenizer's pipe is full
+        except BaseException:  # cancelled or closed while waiting: the request was never sent
+            self._end_stream(req.request_id, wire_id)
+            raise
         return AsyncStream(self, req.request_id, wire_id, deltas, self._deadline(timeout), raise_on_error)
 
     async def generate(self, prompt: Any = None, **kwargs: Any) -> Result:
@@ -243,8 +248,12 @@ class AsyncClient(ClientBase):
     async def close(self) -> None:
         if self._ctx is None:
             return
-        for app_id in list(self._wire_ids):
-            await self.abort(app_id)
+        for app_id, wire_id in list(self._wire_ids.items()):
+            self._end_stream(app_id, wire_id)
+            try:  # best effort: a service that cannot take it aborts a silent client's requests itself
+                self._tok.send(p.AbortReq(wire_id).encode(), _NOBLOCK)
+            except zmq.ZMQError:
+                pass
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -331,13 +340,17 @@ class AsyncClient(ClientBase):
         at most RECHECK_S to learn its pipe has room (a look costs ~1 us)."""
         # [ZH-START]
         # 1. 每 RECHECK_S（0.1 s）醒一次。
-        # 2. 对两个 socket 各调一次 _readable：有帧就读，管道有空位就唤醒等待的发送方。
+        # 2. 对两个 socket 各调一次 _readable：有帧就读，管道有空位就唤醒等待的发送方；
+        #    出了异常只记日志——它是所有唤醒的兜底，不能因一次失败而停掉。
         #    不管描述符的边沿被谁吃掉，帧最多晚 0.1 s 被读，发送方最多晚 0.1 s 得知有空位；看一眼约 1 us。
         # [ZH-END]
         while True:
             await asyncio.sleep(RECHECK_S)
             for sock in (self._tok, self._out):
-                self._readable(sock)
+                try:
+                    self._readable(sock)
+                except Exception:  # the one net under every wake-up must outlive any failure
+                    log.exception("could not serve a socket of the client")
 
     def _readable(self, sock: zmq.Socket) -> None:
         """The socket's descriptor fired (or a previous call left frames): handle what is waiting.
@@ -351,17 +364,23 @@ class AsyncClient(ClientBase):
         # 3. 读满 64 帧还没读空 → call_soon 再来一次，先让出事件循环：积压再多，心跳（服务 5 s 收不到 ping
         #    就放弃这个客户端）和消费者协程也能运行。
         # 4. 有发送方在等这个 socket，且 EVENTS 显示 POLLOUT（管道有空位）→ 唤醒它们全部。
+        #    第 3 步已安排了下一次读取时，这里直接读 EVENTS、不经 _events，免得再安排一次
+        #    （积压不断时，安排的读取会每轮翻倍）。
         # [ZH-END]
         if self._ctx is None or sock.closed:
             return
+        more = False
         for _ in range(READ_BATCH):
             if not sock.getsockopt(_EVENTS) & _POLLIN:  # asking is cheaper than a recv raising Again
                 break
             self._on_frame(sock.recv(_NOBLOCK))
         else:
             self._loop.call_soon(self._readable, sock)
+            more = True
         waiters = self._send_waiters.get(sock)
-        if waiters and self._events(sock) & _POLLOUT:
+        # With a read already scheduled, a look at EVENTS must not schedule a second one: under a
+        # long backlog the scheduled reads would double with every pass.
+        if waiters and (sock.getsockopt(_EVENTS) if more else self._events(sock)) & _POLLOUT:
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(None)

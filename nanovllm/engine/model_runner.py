@@ -381,7 +381,8 @@ class ModelRunner:
         #    和 int32 元数据（pinned 内存异步上传）。
         #    只有 decode 行、有 graphs 且 graphs.can_run(num_decode, 块表宽度)（能落进某个 batch 桶、
         #    块表不比捕获时宽）时重放 CUDA graph，否则 eager 调 model。
-        # 2. CPU 路径：build_cpu_batch（cpu_kernel 为 None 时额外生成 torch 注意力需要的 mask / slot 列表），
+        # 2. CPU 路径：build_cpu_batch（cpu_kernel 为 None 时，以及交给 SDPA 的长 prefill 分块，额外生成
+        #    torch 注意力需要的 mask / slot 列表），
         #    eager 前向得到 hidden (T, C)。
         # 3. 没有 sample_rows → 返回 None（纯 prefill 分块的步）。
         # 4. hidden[sample_rows] → (B, C) → compute_logits → rank 0 上 (B, V) float32，其他 rank 为 None。

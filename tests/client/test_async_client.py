@@ -116,3 +116,65 @@ def test_a_frame_whose_wakeup_was_taken_elsewhere_is_still_read(tmp_path):
     assert seen, "the answer should have arrived while the loop was busy"
     assert stats == {"engine": {"answered": 1}}
     assert waited < 1.0, f"the answer was read {waited:.2f}s after the loop was free again"
+
+
+def deaf_tokenizer(endpoint: str, stop) -> None:
+    """A tokenizer endpoint that takes one frame into its queue and then reads nothing: the
+    client's pipe to it fills, and every further send waits."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.bind(endpoint)
+    stop.poll(None)
+    sock.close(linger=0)
+    ctx.term()
+
+
+def test_a_send_that_waits_on_a_full_pipe_can_be_cancelled_and_the_client_closed(tmp_path):
+    # A caller that gives up on stream() while the tokenizer's pipe is full (asyncio.wait_for, a
+    # cancelled task) must leave nothing behind: the request was never sent, so its id is free
+    # again. And close() must not wait for room that never comes to send its aborts.
+    url = f"ipc://{tmp_path}"
+    endpoints = service_endpoints(url)
+    spawn = multiprocessing.get_context("spawn")
+    stop_detok, detok_end = multiprocessing.Pipe()
+    stop_tok, tok_end = multiprocessing.Pipe()
+    detok = spawn.Process(target=fake_detokenizer, args=(endpoints.stream, detok_end, 0))
+    tok = spawn.Process(target=deaf_tokenizer, args=(endpoints.tokenizer, tok_end))
+    detok.start()
+    tok.start()
+    big = "x" * (4 << 20)  # a few frames of this fill the socket buffers between the two
+
+    async def scenario() -> tuple[int, bool, float]:
+        client = AsyncClient(url, hwm=1, connect_timeout=60, heartbeat_interval=60)
+        await client.wait_engine(timeout=60)
+        sent = 0
+        while sent < 64:
+            try:
+                await asyncio.wait_for(client.stream(big, request_id="r", max_tokens=1), 1.0)
+            except asyncio.TimeoutError:
+                break
+            client.abort_nowait("r")  # the stream was sent: let the id go for the next try
+            sent += 1
+        refused_reuse = False
+        try:  # the id of the request that never left is free: this send waits again, no ValueError
+            await asyncio.wait_for(client.stream("hi", request_id="r", max_tokens=1), 0.5)
+        except asyncio.TimeoutError:
+            pass
+        except ValueError:
+            refused_reuse = True
+        start = time.monotonic()
+        await asyncio.wait_for(client.close(), 10)
+        return sent, refused_reuse or bool(client._wire_ids), time.monotonic() - start
+
+    try:
+        sent, left_behind, closing = asyncio.run(scenario())
+    finally:
+        stop_detok.send("stop")
+        stop_tok.send("stop")
+        detok.join(10)
+        tok.join(10)
+    assert sent < 64, "the pipe never filled: the test did not reach a waiting send"
+    assert not left_behind, "a request whose send was cancelled stayed registered"
+    assert closing < 3, f"close() took {closing:.1f}s with a full pipe"
