@@ -98,7 +98,8 @@ def measure_chunk(args: argparse.Namespace, impl: str, layout: str, dtype: torch
     for table in tables:
         step = StepInput([], [], [], [[1] * rows], [cached], [table], [])
         _, _, meta = build_cpu_batch(step, bs, torch_attention=True)
-        spans.append((meta.prefills[0], meta.slot_mapping))
+        new_rows = (k_flat[meta.slot_mapping], v_flat[meta.slot_mapping])  # the chunk's own K/V, as the model has them
+        spans.append((meta.prefills[0], new_rows))
     if impl == "kernel":
         kernel = CpuAttentionKernel.load()
         if kernel is None:
@@ -110,9 +111,9 @@ def measure_chunk(args: argparse.Namespace, impl: str, layout: str, dtype: torch
                           layer.scale)
     else:
         def step(item):
-            span, new_slots = item
+            span, (k_new, v_new) = item
             if span.num_cached == 0:
-                return layer._attend(q, k_flat[new_slots], v_flat[new_slots], mask=None)
+                return layer._attend(q, k_new, v_new, mask=None)
             return layer._attend(q, k_flat[span.context_slots], v_flat[span.context_slots], span.mask)
 
     kv_bytes = 2 * rows * (cached + (rows + 1) / 2) * args.kv_heads * args.head_dim * k_cache.element_size()

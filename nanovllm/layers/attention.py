@@ -48,8 +48,8 @@ def prefill_uses_sdpa(q_len: int, num_cached: int) -> bool:
     context again for each; SDPA works on tiles of rows with GEMM-like blocking, which pays once
     the chunk and its context are long. `python -m bench.cpu_attention --chunk ROWS --cached N`
     at mid's heads (16 over 8 KV heads of 64), 2 threads, Zen 4, ms per layer, kernel vs SDPA.
-    Fresh prompts: 128 rows 0.81 vs 1.03 in bf16 (fp32 0.57 vs 0.84); 512 11.4 vs 8.9 (fp32 10.0
-    vs 17.0); 768 23.3 vs 17.5 (fp32 22.8 vs 17.9); 2,048 183 vs 112. After a cached prefix
+    Fresh prompts: 128 rows 0.73 vs 0.95 in bf16 (fp32 0.79 vs 0.89); 512 10.7 vs 10.2 (fp32 11.5
+    vs 9.5); 768 21.2 vs 14.3 (fp32 17.9 vs 15.6); 2,048 161 vs 98 (fp32 129 vs 75). After a cached prefix
     (bf16): 64 rows over 1,024 5.5 vs 4.1-6.3 (a gather of scattered blocks costs SDPA what it
     gains); 128 over 1,024 10.6 vs 7.5-8.2; 256 over 512 14.5 vs 7.7-9.8; 2,048 over 2,048 573 vs
     437."""
