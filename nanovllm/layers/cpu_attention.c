@@ -220,7 +220,7 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
     // 2. 每个 head 的运行最大值 m[h] = -inf、分母 l[h] = 0，累加器 acc 清零。
     // 3. 对上下文的第 b 块（块号 table[b]，本块有 n = min(BS, L - t0) 个 token）：
     //    a. 算本块分数时预取下一块的 K 行，累加本块 V 时预取下一块的 V 行，都只预取到 L2
-    //       （块在内存里是分散的，硬件预取器每块都要重新起步；预取到 L1 会把正在用的行挤出去）；
+    //       （块在内存里是分散的，硬件预取器每块都要重新起步；同样的预取放进 L1 实测比不预取还慢）；
     //    b. 对每个 head 算 n 个分数 s = q·k * scale（GQA：第 h 个 head 读第 h / G 个 KV head）；
     //       G 为偶数时相邻两个 head 共用一个 KV head，成对计算（scores_pair / accumulate_pair），
     //       K、V 行只读取、展开一次，每个 head 的运算顺序不变，结果与逐个 head 计算逐位相同；
@@ -231,6 +231,7 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
     // [ZH-END]
     const int64_t D = HD ? HD : D_rt, G = H / KVH, row = KVH * D;
     const int pair = G % 2 == 0;  /* heads h, h + 1 (h even) share a KV head: read it once for both */
+    const int64_t hs = pair ? 2 : 1;  /* heads per pass of the loops below */
     if (BF) for (int64_t j = 0; j < H * D; j++) qf[j] = sload(q, j, BF);
     else qf = (float *)q;
     for (int64_t h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.f; }
@@ -242,23 +243,23 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
         /* Blocks are scattered, so the hardware prefetchers restart at each one: while this block's
          * scores are computed, fetch the next block's K rows, and while its values are summed, the
          * next block's V rows, a slice per head so the requests spread over the work instead of
-         * queueing up at once. Into L2, not L1: with the whole next block in flight, L1 prefetches
-         * evict the rows in use, and decode attention ran no faster than with none at all. */
+         * queueing up at once. Into L2, not L1: the same prefetches into L1 measured slower than
+         * none (bench/cpu_attention.py). */
         const int last = t0 + BS >= L;
         const char *k_next = last ? NULL : at(k_cache, table[b + 1] * BS * row, BF);
         const char *v_next = last ? NULL : at(v_cache, table[b + 1] * BS * row, BF);
         const int64_t bytes = BS * row * (BF ? 2 : 4), slice = (bytes + H - 1) / H;
-        for (int64_t h = 0; h < H; h += pair ? 2 : 1) {
-            if (!last) prefetch_l2(k_next, h * slice, (h + (pair ? 2 : 1)) * slice, bytes);
+        for (int64_t h = 0; h < H; h += hs) {
+            if (!last) prefetch_l2(k_next, h * slice, (h + hs) * slice, bytes);
             const void *kh = at(kb, (h / G) * D, BF);
             if (pair)
                 scores_pair(qf + h * D, qf + (h + 1) * D, kh, s + h * BSP, s + (h + 1) * BSP, n, row, D, scale, HD, BF);
             else
                 scores_block(qf + h * D, kh, s + h * BSP, n, row, D, scale, HD, BF);
         }
-        for (int64_t h = 0; h < H; h += pair ? 2 : 1) {
+        for (int64_t h = 0; h < H; h += hs) {
             const void *vh = at(vb, (h / G) * D, BF);
-            if (!last) prefetch_l2(v_next, h * slice, (h + (pair ? 2 : 1)) * slice, bytes);
+            if (!last) prefetch_l2(v_next, h * slice, (h + hs) * slice, bytes);
             const float alpha = softmax_block(s + h * BSP, n, m + h, l + h);
             if (pair) {
                 const float alpha1 = softmax_block(s + (h + 1) * BSP, n, m + h + 1, l + h + 1);
