@@ -105,8 +105,9 @@ def build_cpu_batch(step: StepInput, block_size: int, torch_attention: bool):
     #    decode_rows = arange(B)（编译核约定：第 r 行读块表第 r 行）。
     #    torch_attention 时再建 decode_mask (B, 1, 1, max_blocks * bs)：key 下标 < context_len 为 True。
     # 3. 每个 prefill 分块（n 个新 token，pos = arange(start, start + n)）：
-    #    PrefillSpan(start=它在批内的首行, q_len=n, num_cached=start, block_table=(1, nblocks), row_ctx=pos + 1)。
-    #    start > 0 且这个分块走 SDPA（没有编译核，或 prefill_uses_sdpa：分块大到 SDPA 更快）时：
+    #    PrefillSpan(start=它在批内的首行, q_len=n, num_cached=start, block_table=(1, nblocks), row_ctx=pos + 1,
+    #    sdpa=这个分块是否走 SDPA：没有编译核，或 prefill_uses_sdpa——分块大到 SDPA 更快；路径只在这里决定)。
+    #    start > 0 且 sdpa 时：
     #    context_slots = 位置 0..start+n-1 的 slot，
     #    mask (n, start + n) = ctx <= pos，即带偏移的因果掩码；start == 0 时直接用 SDPA 的 is_causal。
     # 4. 把分块的 token、位置、slot 追加到批尾。
@@ -130,8 +131,8 @@ def build_cpu_batch(step: StepInput, block_size: int, torch_attention: bool):
         table = torch.tensor(block_table, dtype=torch.long)
         pos = torch.arange(start, start + n)
         span = PrefillSpan(start=len(input_ids), q_len=n, num_cached=start, block_table=table.view(1, -1),
-                           row_ctx=pos + 1)
-        if start > 0 and (torch_attention or prefill_uses_sdpa(n, start)):
+                           row_ctx=pos + 1, sdpa=torch_attention or prefill_uses_sdpa(n, start))
+        if start > 0 and span.sdpa:
             ctx = torch.arange(start + n)
             span.context_slots = table[ctx // bs] * bs + ctx % bs
             span.mask = ctx[None, :] <= pos[:, None]  # (Q, K) causal with offset

@@ -62,6 +62,7 @@ class PrefillSpan:
     # [ZH-START]
     # 【职责】描述批里一条序列的一个 prefill 分块：批内行 [start, start + q_len)，前面已缓存 num_cached 个 token，
     # 以及各注意力路径各自需要的附加数据（torch 路径的 context_slots / mask，编译核的 block_table / row_ctx）。
+    # sdpa 标明这个分块走哪条路径：只在 build_cpu_batch 里决定一次，forward 照着走。
     # 【边界】只是数据，不做计算；CUDA 路径不用它（用 AttentionMetadata 的 gpu_* 字段）。
     # 【协作者】由 step_input.build_cpu_batch 填写，PagedAttention.forward 逐个读取。
     # [ZH-END]
@@ -69,6 +70,10 @@ class PrefillSpan:
     q_len: int
     num_cached: int
     """Tokens already in the cache before this chunk (prefix hits or earlier chunks)."""
+    sdpa: bool = False
+    """Attended with torch's SDPA, not the compiled kernel: there is no kernel, or the chunk is
+    long enough for SDPA to be faster (`prefill_uses_sdpa`). Decided once, in `build_cpu_batch`,
+    which builds `context_slots` and `mask` for exactly these chunks after a cached prefix."""
     context_slots: torch.Tensor | None = None
     """(num_cached + q_len,) cache slots to attend over, for the torch path after cached tokens."""
     mask: torch.Tensor | None = None
@@ -144,7 +149,8 @@ class PagedAttention(nn.Module):
         # 5. decode 行 [0, num_decode)：没有编译核 → _decode（gather + SDPA）；
         #    有 → kernel(q, 两个 cache, decode_block_tables, decode_rows, decode_context_lens, scale)。
         # 6. 逐个 prefill 分块，行 [start, start + q_len)：
-        #    a. 有编译核、且分块不大（prefill_uses_sdpa 为假：行数 < 64 或上下文 num_cached + q_len < 768）：
+        #    a. 有编译核、且 span.sdpa 为假（build_cpu_batch 按 prefill_uses_sdpa 定的：行数 < 64 或
+        #       上下文 num_cached + q_len < 768）：
         #       block_table 只有 1 行，所以 row_table 全 0；row_ctx[i] = num_cached + i + 1 让每行
         #       看到的上下文多一个 token，因果性由上下文长度表达；
         #    b. 否则（无核，或分块大到 SDPA 的分块计算更快）且 num_cached == 0：
@@ -168,7 +174,7 @@ class PagedAttention(nn.Module):
                 meta.decode_context_lens, self.scale)
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.q_len)
-            if kernel is not None and not prefill_uses_sdpa(span.q_len, span.num_cached):
+            if kernel is not None and not span.sdpa:
                 # Rows of one sequence, each with one more token of context than the last.
                 zeros = torch.zeros(span.q_len, dtype=torch.long)
                 out[rows] = kernel(q[rows], self.k_cache, self.v_cache, span.block_table, zeros, span.row_ctx, self.scale)
