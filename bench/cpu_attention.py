@@ -29,10 +29,10 @@ import json
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 
+from nanovllm.engine.step_input import StepInput, build_cpu_batch
 from nanovllm.layers.attention import PagedAttention
 from nanovllm.layers.cpu_kernels import CpuAttentionKernel
 
@@ -42,83 +42,49 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def measure(args: argparse.Namespace, impl: str, layout: str, dtype: torch.dtype) -> dict:
-    """Time one (impl, layout, dtype) in this process."""
+    """Time one (impl, layout, dtype) in this process: a decode step of `--seqs` rows or, with
+    `--chunk`, one sequence's prompt chunk. The step metadata (block tables, context lengths, the
+    torch path's masks and context slots) is the engine's own, from `build_cpu_batch`."""
     torch.set_num_threads(args.threads)
-    if args.chunk:
-        return measure_chunk(args, impl, layout, dtype)
+    chunk, bs = args.chunk, args.block_size
+    seqs, context = (1, args.cached + chunk) if chunk else (args.seqs, args.context)
     gen = torch.Generator().manual_seed(0)
-    per_seq = -(-args.context // args.block_size)
-    num_blocks = args.seqs * per_seq * args.layers
-    shape = (num_blocks, args.block_size, args.kv_heads, args.head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    order = torch.randperm(num_blocks, generator=gen) if layout == "scattered" else torch.arange(num_blocks)
-    tables = order.view(args.layers, args.seqs, per_seq).to(torch.int64)
-    q = torch.randn(args.seqs, args.heads, args.head_dim, generator=gen).to(dtype)
-    scale = args.head_dim ** -0.5
-    context_lens = torch.full((args.seqs,), args.context, dtype=torch.int64)
-    layer = PagedAttention(args.heads, args.kv_heads, args.head_dim)
-    layer.k_cache, layer.v_cache = k_cache, v_cache
-    if impl == "kernel":
-        kernel = CpuAttentionKernel.load()
-        if kernel is None:
-            raise SystemExit("the CPU kernels could not be built here")
-        rows = torch.arange(args.seqs)
-
-        def step(table: torch.Tensor) -> torch.Tensor:
-            return kernel(q, k_cache, v_cache, table, rows, context_lens, scale)
-    else:
-        keys = torch.arange(per_seq * args.block_size)
-        mask = (keys[None, :] < context_lens[:, None]).view(args.seqs, 1, 1, -1)
-
-        def step(table: torch.Tensor) -> torch.Tensor:
-            return layer._decode(q, SimpleNamespace(decode_block_tables=table, decode_mask=mask))
-
-    kv_bytes = 2 * args.seqs * args.context * args.kv_heads * args.head_dim * k_cache.element_size()
-    return timed(args, step, tables, kv_bytes, impl=impl, layout=layout, dtype=str(dtype).removeprefix("torch."),
-                 seqs=args.seqs, context=args.context)
-
-
-def measure_chunk(args: argparse.Namespace, impl: str, layout: str, dtype: torch.dtype) -> dict:
-    """One sequence's prompt chunk of `--chunk` rows after `--cached` positions, per layer."""
-    from nanovllm.engine.step_input import StepInput, build_cpu_batch
-
-    gen = torch.Generator().manual_seed(0)
-    cached, rows, bs = args.cached, args.chunk, args.block_size
-    per_seq = -(-(cached + rows) // bs)
-    shape = (per_seq * args.layers, bs, args.kv_heads, args.head_dim)
+    per_seq = -(-context // bs)
+    shape = (args.layers * seqs * per_seq, bs, args.kv_heads, args.head_dim)
     k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
     order = torch.randperm(shape[0], generator=gen) if layout == "scattered" else torch.arange(shape[0])
-    tables = order.view(args.layers, per_seq).tolist()
-    q = torch.randn(rows, args.heads, args.head_dim, generator=gen).to(dtype)
+    q = torch.randn(chunk or seqs, args.heads, args.head_dim, generator=gen).to(dtype)
     layer = PagedAttention(args.heads, args.kv_heads, args.head_dim)
     layer.k_cache, layer.v_cache = k_cache, v_cache
     k_flat, v_flat = (c.view(-1, args.kv_heads, args.head_dim) for c in (k_cache, v_cache))
-    spans = []
-    for table in tables:
-        step = StepInput([], [], [], [[1] * rows], [cached], [table], [])
-        _, _, meta = build_cpu_batch(step, bs, torch_attention=True)
-        new_rows = (k_flat[meta.slot_mapping], v_flat[meta.slot_mapping])  # the chunk's own K/V, as the model has them
-        spans.append((meta.prefills[0], new_rows))
-    if impl == "kernel":
-        kernel = CpuAttentionKernel.load()
-        if kernel is None:
-            raise SystemExit("the CPU kernels could not be built here")
+    inputs = []  # per layer: its step's metadata, and for a chunk its own K/V rows as the model has them
+    for tables in order.view(args.layers, seqs, per_seq).tolist():  # one layer's cache each
+        step = (StepInput([], [], [], [[1] * chunk], [args.cached], tables, []) if chunk else
+                StepInput([1] * seqs, [context - 1] * seqs, tables, [], [], [], []))
+        meta = build_cpu_batch(step, bs, torch_attention=True)[2]
+        inputs.append((meta, (k_flat[meta.slot_mapping], v_flat[meta.slot_mapping])))
+    kernel = CpuAttentionKernel.load() if impl == "kernel" else None
+    if impl == "kernel" and kernel is None:
+        raise SystemExit("the CPU kernels could not be built here")
 
-        def step(item):
-            span, _ = item
-            return kernel(q, k_cache, v_cache, span.block_table, torch.zeros(rows, dtype=torch.long), span.row_ctx,
+    def run(item):
+        meta, (k_new, v_new) = item
+        if not chunk:
+            return (kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_rows, meta.decode_context_lens,
+                           layer.scale) if kernel else layer._decode(q, meta))
+        span = meta.prefills[0]
+        if kernel:
+            return kernel(q, k_cache, v_cache, span.block_table, torch.zeros(chunk, dtype=torch.long), span.row_ctx,
                           layer.scale)
-    else:
-        def step(item):
-            span, (k_new, v_new) = item
-            if span.num_cached == 0:
-                return layer._attend(q, k_new, v_new, mask=None)
-            return layer._attend(q, k_flat[span.context_slots], v_flat[span.context_slots], span.mask)
+        if span.num_cached == 0:
+            return layer._attend(q, k_new, v_new, mask=None)
+        return layer._attend(q, k_flat[span.context_slots], v_flat[span.context_slots], span.mask)
 
-    kv_bytes = 2 * rows * (cached + (rows + 1) / 2) * args.kv_heads * args.head_dim * k_cache.element_size()
-    return timed(args, step, spans, kv_bytes, impl=impl, layout=layout, dtype=str(dtype).removeprefix("torch."),
-                 chunk=rows, cached=cached)
+    positions = chunk * (args.cached + (chunk + 1) / 2) if chunk else seqs * context  # K/V rows read per layer
+    kv_bytes = 2 * positions * args.kv_heads * args.head_dim * k_cache.element_size()
+    extent = dict(chunk=chunk, cached=args.cached) if chunk else dict(seqs=seqs, context=context)
+    return timed(args, run, inputs, kv_bytes, impl=impl, layout=layout, dtype=str(dtype).removeprefix("torch."),
+                 **extent)
 
 
 def timed(args: argparse.Namespace, step, inputs: list, kv_bytes: float, **shape) -> dict:

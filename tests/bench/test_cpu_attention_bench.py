@@ -14,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(CpuAttentionKernel.load() is None, reason="no C compiler for the CPU kernels")
-def test_both_implementations_compute_the_same_attention_in_both_layouts(tmp_path):
+@pytest.mark.parametrize("shape", [["--seqs", "3", "--context", "37"],  # a decode step
+                                   ["--chunk", "40", "--cached", "30"]])  # a prompt chunk after a cached prefix
+def test_both_implementations_compute_the_same_attention_in_both_layouts(tmp_path, shape):
     out = tmp_path / "attn.json"
-    subprocess.run([sys.executable, "-m", "bench.cpu_attention", "--dtype", "float32", "--seqs", "3", "--context", "37",
+    subprocess.run([sys.executable, "-m", "bench.cpu_attention", "--dtype", "float32", *shape,
                     "--layers", "2", "--repeats", "1", "--json", str(out)], cwd=ROOT, check=True, capture_output=True)
     results = json.loads(out.read_text())
     assert {(r["layout"], r["impl"]) for r in results} == {(l, i) for l in ("contiguous", "scattered")
