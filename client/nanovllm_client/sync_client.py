@@ -242,15 +242,16 @@ class Client(ClientBase):
     def _io_loop(self) -> None:
         # [ZH-START]
         # 1. 在 I/O 线程里创建全部 socket：发往 tokenizer 的 DEALER、发往 detokenizer 的 DEALER（同一路由 id）、
-        #    接收命令的 PULL；pending_tok 暂存 tokenizer 暂时收不下的帧。
+        #    接收命令的 PULL；backlog 为两个 DEALER 各暂存一队对方暂时收不下的帧（I/O 线程从不阻塞在发送上，
+        #    否则一个不再读的 stage 会卡住所有流和心跳）。
         # 2. 循环：
         #    a. 到了 ping 时间：ClientState.check_detok()（detokenizer 沉默太久就让在途流失败）并分发结果；
         #       未就绪就清掉 _ready；对两个 stage 各发 Ping（管道满说明该 stage 不在，跳过）；
         #       下次 ping：已就绪 heartbeat_interval（默认 1 秒）后，否则 0.1 秒后（尽快完成握手）；
-        #    b. 有积压时才关心 tokenizer socket 的可写事件；
+        #    b. 哪个 DEALER 有积压，才关心它的可写事件；
         #    c. poll 到下次 ping 为止；
         #    d. 有命令 → _drain_commands；收到 _STOP 就跳出循环；
-        #    e. tokenizer 可写时按序发出积压帧（背压时保持顺序，abort 不会越过请求）；
+        #    e. 各 DEALER 可写时按序发出积压帧（背压时保持顺序，abort 不会越过请求）；
         #    f. 两个 DEALER 有帧 → _drain_incoming。
         # 3. 退出时：把积压帧（close() 排下的 abort）NOBLOCK 交给 zmq（linger 1 秒），然后关闭 socket。
         # [ZH-END]
@@ -258,7 +259,9 @@ class Client(ClientBase):
         out = self._dealer(self._ctx, self.endpoints.stream)
         cmd = self._ctx.socket(zmq.PULL)
         cmd.connect(self._cmd_endpoint)
-        pending_tok: collections.deque[bytes] = collections.deque()  # held while the tokenizer pushes back
+        # Frames held while a stage pushes back, sent in order once it has room: the I/O thread never
+        # blocks on a send, or a stage that stops reading would stall every stream and the heartbeat.
+        backlog: dict[zmq.Socket, collections.deque[bytes]] = {tok: collections.deque(), out: collections.deque()}
         poller = zmq.Poller()
         for sock in (tok, out, cmd):
             poller.register(sock, zmq.POLLIN)
@@ -274,31 +277,36 @@ class Client(ClientBase):
                         if sock.poll(0, zmq.POLLOUT):
                             sock.send(p.Ping().encode(), zmq.NOBLOCK)
                     next_ping = now + (self._heartbeat_interval if self._ready.is_set() else 0.1)
-                poller.modify(tok, zmq.POLLIN | (zmq.POLLOUT if pending_tok else 0))
+                for sock, held in backlog.items():
+                    poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if held else 0))
                 events = dict(poller.poll(max(1, int((next_ping - time.monotonic()) * 1000))))
-                if cmd in events and self._drain_commands(cmd, out, pending_tok):
+                if cmd in events and self._drain_commands(cmd, tok, out, backlog):
                     break
-                while pending_tok and tok.poll(0, zmq.POLLOUT):
-                    tok.send(pending_tok.popleft(), zmq.NOBLOCK)
+                for sock, held in backlog.items():
+                    while held and sock.poll(0, zmq.POLLOUT):
+                        sock.send(held.popleft(), zmq.NOBLOCK)
                 for sock in (tok, out):
                     if sock in events:
-                        self._drain_incoming(sock, out, pending_tok)
+                        self._drain_incoming(sock, tok, out, backlog)
         finally:
-            for frame in pending_tok:  # aborts queued by close(): hand them to zmq, which lingers 1 s
-                try:
-                    tok.send(frame, zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            for sock, held in backlog.items():  # aborts queued by close(): hand them to zmq, which lingers 1 s
+                for frame in held:
+                    try:
+                        sock.send(frame, zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
             for sock in (tok, out, cmd):
                 sock.close()
 
-    def _drain_commands(self, cmd: zmq.Socket, out: zmq.Socket, pending_tok: collections.deque) -> bool:
+    def _drain_commands(self, cmd: zmq.Socket, tok: zmq.Socket, out: zmq.Socket,
+                        backlog: dict[zmq.Socket, collections.deque]) -> bool:
         # [ZH-START]
         # 1. NOBLOCK 取完所有命令。
         # 2. _STOP → 返回 True，让 I/O 循环退出。
-        # 3. _GENERATE：ClientState.sent(wire id, resend 帧) 登记在途（供重发 / 续传），请求帧进 pending_tok。
-        # 4. _ABORT：ClientState.forget(wire id)，abort 帧进 pending_tok（与请求同一队列，顺序不乱）。
-        # 5. _TO_STREAM：直接发给 detokenizer（如 StatsReq）。
+        # 3. _GENERATE：ClientState.sent(wire id, resend 帧) 登记在途（供重发 / 续传），请求帧进 tokenizer 的积压队列。
+        # 4. _ABORT：ClientState.forget(wire id)，abort 帧进同一队列（与请求同一队列，顺序不乱）。
+        # 5. _TO_STREAM（StatsReq）：detokenizer 有空位就 NOBLOCK 发出；没有（有积压或管道满）就丢弃并记警告，
+        #    server_stats() 等不到回复会报超时。
         # [ZH-END]
         while True:
             try:
@@ -310,18 +318,21 @@ class Client(ClientBase):
                 return True
             if kind == _GENERATE:
                 self._state.sent(command[1].decode(), command[3])
-                pending_tok.append(command[2])
+                backlog[tok].append(command[2])
             elif kind == _ABORT:
                 self._state.forget(command[1].decode())
-                pending_tok.append(command[2])
+                backlog[tok].append(command[2])
+            elif backlog[out] or not out.poll(0, zmq.POLLOUT):  # a stats request the detokenizer has no
+                log.warning("the detokenizer takes no frames: a stats request was dropped")  # room for
             else:
-                out.send(command[1])
+                out.send(command[1], zmq.NOBLOCK)
 
-    def _drain_incoming(self, sock: zmq.Socket, out: zmq.Socket, pending_tok: collections.deque) -> None:
+    def _drain_incoming(self, sock: zmq.Socket, tok: zmq.Socket, out: zmq.Socket,
+                        backlog: dict[zmq.Socket, collections.deque]) -> None:
         # [ZH-START]
         # 1. NOBLOCK 收完该 socket 的帧，逐帧交给 _take_frame（ClientState.handle；就绪 → 置位 _ready；
         #    stats 回复进 _stats 队列；处理出错只记日志跳过这一帧，I/O 线程不能死——所有流都在等它）。
-        # 2. 需要重发给 tokenizer 的请求（tokenizer 换了实例）进 pending_tok；发给 detokenizer 的 Resume 立即发送。
+        # 2. 需要重发给 tokenizer 的请求（tokenizer 换了实例）和发给 detokenizer 的 Resume 进各自的积压队列，由 I/O 循环按序发出。
         # 3. _route 把增量分发到各流。
         # [ZH-END]
         while True:
@@ -332,7 +343,6 @@ class Client(ClientBase):
             reaction = self._take_frame(frame)
             if reaction is None:
                 continue
-            pending_tok.extend(reaction.to_tokenizer)
-            for resume in reaction.to_detok:
-                out.send(resume)
+            backlog[tok].extend(reaction.to_tokenizer)
+            backlog[out].extend(reaction.to_detok)
             self._route(reaction.deltas)
