@@ -13,10 +13,11 @@ Reports milliseconds per layer (best of `--repeats`) and the K/V bytes read per 
 line per measurement, then a table.
 
 `--chunk N` measures a prompt chunk instead: one sequence's N new rows after `--cached` positions
-already in the cache (each row attends to the ones before it). The kernel takes it as the engine
-calls it (one row per query token); torch's path is causal SDPA over the chunk's own K/V when
-nothing is cached, else SDPA over the gathered context with the offset mask `build_cpu_batch`
-makes. This is what `attention.prefill_uses_sdpa`'s thresholds were read from.
+already in the cache (each row attends to the ones before it). `kernel` is the chunk kernel the
+engine calls (`CpuAttentionKernel.chunk`: tiles of rows); `rows` is the decode kernel taking the
+chunk a row at a time, as the engine did before the chunk kernel; torch's path is causal SDPA
+over the chunk's own K/V when nothing is cached, else SDPA over the gathered context with the
+offset mask `build_cpu_batch` makes.
 
     python -m bench.cpu_attention                         # mid's decode shape, bf16 and fp32
     python -m bench.cpu_attention --dtype bfloat16 --layout scattered --repeats 9
@@ -36,7 +37,8 @@ from nanovllm.engine.step_input import StepInput, build_cpu_batch
 from nanovllm.layers.attention import PagedAttention
 from nanovllm.layers.cpu_kernels import CpuAttentionKernel
 
-IMPLS = ("kernel", "torch")
+IMPLS = ("kernel", "rows", "torch")
+"""`rows`: a prompt chunk through the decode kernel, a row at a time (chunk mode only)."""
 LAYOUTS = ("contiguous", "scattered")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -63,8 +65,8 @@ def measure(args: argparse.Namespace, impl: str, layout: str, dtype: torch.dtype
                 StepInput([1] * seqs, [context - 1] * seqs, tables, [], [], [], []))
         meta = build_cpu_batch(step, bs, torch_attention=True)[2]
         inputs.append((meta, (k_flat[meta.slot_mapping], v_flat[meta.slot_mapping])))
-    kernel = CpuAttentionKernel.load() if impl == "kernel" else None
-    if impl == "kernel" and kernel is None:
+    kernel = CpuAttentionKernel.load() if impl != "torch" else None
+    if impl != "torch" and kernel is None:
         raise SystemExit("the CPU kernels could not be built here")
 
     def run(item):
@@ -73,9 +75,11 @@ def measure(args: argparse.Namespace, impl: str, layout: str, dtype: torch.dtype
             return (kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_rows, meta.decode_context_lens,
                            layer.scale) if kernel else layer._decode(q, meta))
         span = meta.prefills[0]
-        if kernel:
-            return kernel(q, k_cache, v_cache, span.block_table, torch.zeros(chunk, dtype=torch.long), span.row_ctx,
-                          layer.scale)
+        if impl == "kernel":
+            return kernel.chunk(q, k_cache, v_cache, span.block_table, span.num_cached, layer.scale)
+        if impl == "rows":  # row i sees num_cached + i + 1 positions
+            return kernel(q, k_cache, v_cache, span.block_table.view(1, -1), torch.zeros(chunk, dtype=torch.long),
+                          torch.arange(span.num_cached + 1, span.num_cached + chunk + 1), layer.scale)
         if span.num_cached == 0:
             return layer._attend(q, k_new, v_new, mask=None)
         return layer._attend(q, k_flat[span.context_slots], v_flat[span.context_slots], span.mask)
@@ -130,7 +134,7 @@ def main() -> None:
     results = []
     for dtype in pick(args.dtype, tuple(DTYPES)):
         for layout in pick(args.layout, LAYOUTS):
-            for impl in pick(args.impl, IMPLS):
+            for impl in pick(args.impl, IMPLS if args.chunk else ("kernel", "torch")):
                 cmd = [sys.executable, "-m", "bench.cpu_attention", "--one", "--impl", impl, "--layout", layout,
                        "--dtype", dtype] + [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in (
                            "seqs", "context", "heads", "kv_heads", "head_dim", "block_size", "layers", "threads",

@@ -22,7 +22,7 @@ from dataclasses import astuple, dataclass
 import torch
 
 from nanovllm.engine.scheduler import ScheduledSeq
-from nanovllm.layers.attention import AttentionMetadata, PrefillSpan, prefill_uses_sdpa
+from nanovllm.layers.attention import AttentionMetadata, PrefillSpan
 
 
 @dataclass(slots=True)
@@ -97,17 +97,15 @@ def _pad(tables: list[list[int]]) -> list[list[int]]:
 
 def build_cpu_batch(step: StepInput, block_size: int, torch_attention: bool):
     """(input_ids, positions, meta) for the CPU path; `torch_attention` adds the masks and slot
-    lists only the torch attention path reads (the compiled kernel walks the block tables). Prompt
-    chunks after a cached prefix that SDPA attends anyway (`prefill_uses_sdpa`) get them too."""
+    lists only the torch attention path reads (the compiled kernel walks the block tables)."""
     # [ZH-START]
     # 1. input_ids / positions 先放 decode 行；每行 slot = table[pos // bs] * bs + pos % bs。
     # 2. 有 decode 行时：块表用 0 补齐成 (B, max_blocks) long；decode_context_lens = pos + 1（含新 token）；
     #    decode_rows = arange(B)（编译核约定：第 r 行读块表第 r 行）。
     #    torch_attention 时再建 decode_mask (B, 1, 1, max_blocks * bs)：key 下标 < context_len 为 True。
     # 3. 每个 prefill 分块（n 个新 token，pos = arange(start, start + n)）：
-    #    PrefillSpan(start=它在批内的首行, q_len=n, num_cached=start, block_table=(1, nblocks), row_ctx=pos + 1,
-    #    sdpa=这个分块是否走 SDPA：没有编译核，或 prefill_uses_sdpa——分块大到 SDPA 更快；路径只在这里决定)。
-    #    start > 0 且 sdpa 时：
+    #    PrefillSpan(start=它在批内的首行, q_len=n, num_cached=start, block_table=(nblocks,))。
+    #    torch_attention 且 start > 0 时：
     #    context_slots = 位置 0..start+n-1 的 slot，
     #    mask (n, start + n) = ctx <= pos，即带偏移的因果掩码；start == 0 时直接用 SDPA 的 is_causal。
     # 4. 把分块的 token、位置、slot 追加到批尾。
@@ -130,9 +128,8 @@ def build_cpu_batch(step: StepInput, block_size: int, torch_attention: bool):
         n = len(tokens)
         table = torch.tensor(block_table, dtype=torch.long)
         pos = torch.arange(start, start + n)
-        span = PrefillSpan(start=len(input_ids), q_len=n, num_cached=start, block_table=table.view(1, -1),
-                           row_ctx=pos + 1, sdpa=torch_attention or prefill_uses_sdpa(n, start))
-        if start > 0 and span.sdpa:
+        span = PrefillSpan(start=len(input_ids), q_len=n, num_cached=start, block_table=table)
+        if torch_attention and start > 0:
             ctx = torch.arange(start + n)
             span.context_slots = table[ctx // bs] * bs + ctx % bs
             span.mask = ctx[None, :] <= pos[:, None]  # (Q, K) causal with offset

@@ -19,8 +19,7 @@ lives in slot `block_table[p // block_size] * block_size + p % block_size`.
 #   scheduler → step_input（建 AttentionMetadata）→ model runner → 解码层
 #     qkv_proj → q/k norm + rotary → 【PagedAttention】→ o_proj → ... → LM head → sampler
 # 三条实现路径，由 ModelRunner 在启动时选定并写进每层：
-#   CPU + 编译 C 核（cpu_kernel）：decode 行与短的 prefill 分块按块表原地读 K/V；
-#     长分块（上下文 >= 768 且行数 >= 64，见 prefill_uses_sdpa）走 SDPA，它的分块计算在那里更快；
+#   CPU + 编译 C 核（cpu_kernel）：decode 行逐行、prefill 分块按行 tile（chunk），都按块表原地读 K/V；
 #   CPU + torch 算子：decode 先 gather 整块再 SDPA，prefill 逐序列 SDPA；
 #   CUDA：triton_ops（kernels/triton_attention.py），store_kvcache + prefill varlen 一次 + decode 一次。
 # 先把新 K/V 写进 cache 再做注意力，所以分块既能看到缓存的前缀，也能看到自己。
@@ -35,34 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
-SDPA_MIN_CONTEXT = 768
-"""Prompt chunks attending to at least this many positions (cached prefix + the chunk) use torch's
-SDPA even where the compiled kernel is loaded (with at least SDPA_MIN_ROWS rows)."""
-SDPA_MIN_ROWS = 64
-
-
-def prefill_uses_sdpa(q_len: int, num_cached: int) -> bool:
-    """Whether the CPU path attends a prompt chunk with SDPA rather than the compiled kernel.
-
-    The kernel computes each query row on its own, reading and widening every K/V row of its
-    context again for each; SDPA works on tiles of rows with GEMM-like blocking, which pays once
-    the chunk and its context are long. `python -m bench.cpu_attention --chunk ROWS --cached N`
-    at mid's heads (16 over 8 KV heads of 64), 2 threads, Zen 4, ms per layer, kernel vs SDPA.
-    Fresh prompts: 128 rows 0.73 vs 0.95 in bf16 (fp32 0.79 vs 0.89); 512 10.7 vs 10.2 (fp32 11.5
-    vs 9.5); 768 21.2 vs 14.3 (fp32 17.9 vs 15.6); 2,048 161 vs 98 (fp32 129 vs 75). After a cached prefix
-    (bf16): 64 rows over 1,024 5.5 vs 4.1-6.3 (a gather of scattered blocks costs SDPA what it
-    gains); 128 over 1,024 10.6 vs 7.5-8.2; 256 over 512 14.5 vs 7.7-9.8; 2,048 over 2,048 573 vs
-    437."""
-    return q_len >= SDPA_MIN_ROWS and num_cached + q_len >= SDPA_MIN_CONTEXT
-
-
 @dataclass
 class PrefillSpan:
     """The new tokens of one sequence: rows [start, start + q_len) of the batch."""
     # [ZH-START]
     # 【职责】描述批里一条序列的一个 prefill 分块：批内行 [start, start + q_len)，前面已缓存 num_cached 个 token，
-    # 以及各注意力路径各自需要的附加数据（torch 路径的 context_slots / mask，编译核的 block_table / row_ctx）。
-    # sdpa 标明这个分块走哪条路径：只在 build_cpu_batch 里决定一次，forward 照着走。
+    # 以及各注意力路径各自需要的附加数据（torch 路径的 context_slots / mask，编译核的 block_table）。
     # 【边界】只是数据，不做计算；CUDA 路径不用它（用 AttentionMetadata 的 gpu_* 字段）。
     # 【协作者】由 step_input.build_cpu_batch 填写，PagedAttention.forward 逐个读取。
     # [ZH-END]
@@ -70,18 +47,12 @@ class PrefillSpan:
     q_len: int
     num_cached: int
     """Tokens already in the cache before this chunk (prefix hits or earlier chunks)."""
-    sdpa: bool = False
-    """Attended with torch's SDPA, not the compiled kernel: there is no kernel, or the chunk is
-    long enough for SDPA to be faster (`prefill_uses_sdpa`). Decided once, in `build_cpu_batch`,
-    which builds `context_slots` and `mask` for exactly these chunks after a cached prefix."""
     context_slots: torch.Tensor | None = None
     """(num_cached + q_len,) cache slots to attend over, for the torch path after cached tokens."""
     mask: torch.Tensor | None = None
     """(q_len, num_cached + q_len) bool, True where a query may attend; with `context_slots`."""
     block_table: torch.Tensor | None = None
-    """(1, num_blocks), for the compiled kernel."""
-    row_ctx: torch.Tensor | None = None
-    """(q_len,) context length of each query (num_cached + i + 1), for the compiled kernel."""
+    """(num_blocks,) int64, for the compiled kernel."""
 
 
 @dataclass
@@ -149,13 +120,10 @@ class PagedAttention(nn.Module):
         # 5. decode 行 [0, num_decode)：没有编译核 → _decode（gather + SDPA）；
         #    有 → kernel(q, 两个 cache, decode_block_tables, decode_rows, decode_context_lens, scale)。
         # 6. 逐个 prefill 分块，行 [start, start + q_len)：
-        #    a. 有编译核、且 span.sdpa 为假（build_cpu_batch 按 prefill_uses_sdpa 定的：行数 < 64 或
-        #       上下文 num_cached + q_len < 768）：
-        #       block_table 只有 1 行，所以 row_table 全 0；row_ctx[i] = num_cached + i + 1 让每行
-        #       看到的上下文多一个 token，因果性由上下文长度表达；
-        #    b. 否则（无核，或分块大到 SDPA 的分块计算更快）且 num_cached == 0：
-        #       直接用本步的 k / v 行做因果 SDPA（_attend，mask=None）；
-        #    c. 否则且有缓存前缀：从 cache 按 context_slots 取出 (num_cached + q_len) 行 K/V，用带偏移的 mask。
+        #    a. 有编译核：kernel.chunk(q 的这些行, 两个 cache, block_table, num_cached, scale)，
+        #       第 i 行看前 num_cached + i + 1 个位置，按行 tile 计算（cpu_attention.c 的 paged_attention_chunk）；
+        #    b. 没有编译核且 num_cached == 0：直接用本步的 k / v 行做因果 SDPA（_attend，mask=None）；
+        #    c. 没有编译核且有缓存前缀：从 cache 按 context_slots 取出 (num_cached + q_len) 行 K/V，用带偏移的 mask。
         # 7. 返回 out (T, H, D)。
         # [ZH-END]
         if self.triton_ops is not None:
@@ -174,10 +142,9 @@ class PagedAttention(nn.Module):
                 meta.decode_context_lens, self.scale)
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.q_len)
-            if kernel is not None and not span.sdpa:
-                # Rows of one sequence, each with one more token of context than the last.
-                zeros = torch.zeros(span.q_len, dtype=torch.long)
-                out[rows] = kernel(q[rows], self.k_cache, self.v_cache, span.block_table, zeros, span.row_ctx, self.scale)
+            if kernel is not None:
+                out[rows] = kernel.chunk(q[rows], self.k_cache, self.v_cache, span.block_table, span.num_cached,
+                                         self.scale)
             elif span.num_cached == 0:
                 out[rows] = self._attend(q[rows], k[rows], v[rows], mask=None)
             else:

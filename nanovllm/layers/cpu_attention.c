@@ -327,3 +327,186 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
     }
     return failed ? -1 : 0;
 }
+
+/* ------------------------------------------------------------------ prompt chunks
+ *
+ * One sequence's chunk of q_len new rows after num_cached cached tokens: row i attends to the
+ * positions [0, num_cached + i]. paged_attention_rows would compute each row alone, reading and
+ * widening its whole context again per row. Here the work is split into tiles of CHUNK_ROWS rows
+ * times one KV head; a tile's query vectors (its rows times the G query heads sharing the KV head)
+ * sit in the lanes of VL-wide vectors, VL query vectors to a lane group, with q stored transposed
+ * ([D][VL] per group). Every K/V row of the context is then widened once per tile, and all the
+ * arithmetic is lane-wise: a key's scores for a whole group are sum_d k[d] * qT[d] (k[d]
+ * broadcast), the online softmax keeps one maximum and one sum per lane, and the output,
+ * transposed the same way, is sum_i v_i[d] * p_i. No horizontal sums, no transposes of K or V;
+ * eight keys (for scores) or eight output elements (for values) at a time make eight independent
+ * FMA chains. The causal mask is a lane-wise compare of the key's position with each query
+ * vector's context; keys no lane of a group can see are skipped. Summation orders differ from
+ * paged_attention_rows, so the two agree to float rounding, not bit for bit.
+ */
+
+#define CHUNK_ROWS 64  /* query rows per tile */
+#define KEYS 64        /* keys per key tile, at least (whole cache blocks) */
+#define NB 8           /* keys scored, or output elements summed, together */
+
+/* pT[i] = scale * (the scores of key rows kw[i] against the lane group's transposed queries qT),
+ * for i < n (a multiple of NB). */
+static inline void scores_lanes(const float *restrict qT, const float *restrict kw, float *restrict pT, int64_t n,
+                                float scale, const int64_t D) {
+    for (int64_t i0 = 0; i0 < n; i0 += NB) {
+        vf acc[NB];
+        for (int j = 0; j < NB; j++) acc[j] = (vf){0};
+        for (int64_t d = 0; d < D; d++) {
+            const vf qv = loadv(qT + d * VL);
+            for (int j = 0; j < NB; j++) acc[j] += kw[(i0 + j) * D + d] * qv;
+        }
+        for (int j = 0; j < NB; j++) storev(pT + (i0 + j) * VL, acc[j] * scale);
+    }
+}
+
+/* oT[d] = oT[d] * alpha + sum_i vw[i][d] * pT[i] over i < n, lane-wise, for every d < D. */
+static inline void values_lanes(float *restrict oT, const float *restrict vw, const float *restrict pT, int64_t n,
+                                vf alpha, const int64_t D) {
+    const int64_t full = D - D % NB;
+    for (int64_t d0 = 0; d0 < full; d0 += NB) {
+        vf acc[NB];
+        for (int j = 0; j < NB; j++) acc[j] = loadv(oT + (d0 + j) * VL) * alpha;
+        for (int64_t i = 0; i < n; i++) {
+            const vf p = loadv(pT + i * VL);
+            for (int j = 0; j < NB; j++) acc[j] += vw[i * D + d0 + j] * p;
+        }
+        for (int j = 0; j < NB; j++) storev(oT + (d0 + j) * VL, acc[j]);
+    }
+    for (int64_t d0 = full; d0 < D; d0++) {
+        vf acc = loadv(oT + d0 * VL) * alpha;
+        for (int64_t i = 0; i < n; i++) acc += vw[i * D + d0] * loadv(pT + i * VL);
+        storev(oT + d0 * VL, acc);
+    }
+}
+
+static inline void chunk_tile(const void *q, int64_t q_row_stride, void *out, const void *k_cache, const void *v_cache,
+                              const int64_t *table, int64_t num_cached, int64_t r0, int64_t nr, int64_t g,
+                              float *scratch, int64_t H, int64_t KVH, int64_t BS, int64_t KT, float scale,
+                              const int64_t D, const int BF) {
+    // [ZH-START]
+    // 一个 tile：第 r0 起的 nr 行 × 第 g 个 KV head，共 M = nr * G 个查询向量（行 i、组内 head j → m = i * G + j），
+    // 每 VL 个放进一个“通道组”，向量 m 占第 m % VL 个通道。
+    // 1. q 按组转置成 qT[D][VL]（不足 VL 的通道补零）；每个通道的可见上下文 limit = num_cached + r0 + m / G + 1；
+    //    每通道的运行最大值 -inf、exp 和 0，转置的累加器 oT[D][VL] 清零。
+    // 2. tile 的上下文到最后一行的 limit（L）为止，每次取 KT 个 key（整块，至少 KEYS 个）：
+    //    a. 这些 key 的 K、V 行（第 g 个 KV head）展开成 fp32 的 kw[i][D]、vw[i][D]，行数补到 NB 的倍数（补零）；
+    //       tile 的所有通道组共用这一份，每个 tile 里 K/V 每行只读、只展开一次；
+    //    b. 对每个通道组：只看组里最后一个通道还看得见的前 nv 个 key（更靠后的整组跳过）；
+    //       scores_lanes：每个 key 的分数是一个向量（每通道一个查询向量），Σ_d k[d] * qT[d]，每次 NB 个 key；
+    //    c. 靠近对角线的 key 块：位置 >= 通道 limit 的通道置 -inf（因果掩码，按通道比较）；
+    //    d. 逐通道 online softmax：新最大值、alpha = exp(旧 - 新)、p = exp(s - 新)（被掩的通道精确为 0），
+    //       exp 和 = exp 和 * alpha + Σ p；全是按通道的向量运算，没有水平求和；
+    //    e. values_lanes：oT[d] = oT[d] * alpha + Σ_i v_i[d] * p_i，每次 NB 个输出元素。
+    // 3. 输出 out[行][head][d] = oT[d][通道] / exp 和，bf16 时这里才舍入一次。
+    // [ZH-END]
+    const int64_t G = H / KVH, row = KVH * D, M = nr * G, NG = (M + VL - 1) / VL;
+    const int64_t KTP = (KT + NB - 1) / NB * NB;
+    float *qT = scratch, *oT = qT + NG * D * VL, *mx = oT + NG * D * VL, *lsum = mx + NG * VL;
+    float *kw = lsum + NG * VL, *vw = kw + KTP * D, *pT = vw + KTP * D;
+    memset(qT, 0, sizeof(float) * NG * D * VL);
+    memset(oT, 0, sizeof(float) * NG * D * VL);
+    memset(lsum, 0, sizeof(float) * NG * VL);
+    for (int64_t i = 0; i < NG * VL; i++) mx[i] = -INFINITY;
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t src = (r0 + m / G) * q_row_stride + (g * G + m % G) * D;
+        float *dst = qT + (m / VL) * D * VL + m % VL;
+        for (int64_t d = 0; d < D; d++) dst[d * VL] = sload(q, src + d, BF);
+    }
+    const int64_t first = num_cached + r0 + 1, L = num_cached + r0 + nr;  /* contexts of the first and last row */
+    for (int64_t t0 = 0; t0 < L; t0 += KT) {
+        const int64_t n = (L - t0 < KT) ? L - t0 : KT;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t t = t0 + i, src = table[t / BS] * BS * row + (t % BS) * row + g * D;
+            int64_t d = 0;
+            for (; d + VL <= D; d += VL) {
+                storev(kw + i * D + d, vload(k_cache, src + d, BF));
+                storev(vw + i * D + d, vload(v_cache, src + d, BF));
+            }
+            for (; d < D; d++) {
+                kw[i * D + d] = sload(k_cache, src + d, BF);
+                vw[i * D + d] = sload(v_cache, src + d, BF);
+            }
+        }
+        memset(kw + n * D, 0, sizeof(float) * (KTP - n) * D);
+        for (int64_t grp = 0; grp < NG; grp++) {
+            const int64_t last = grp * VL + VL - 1 < M ? grp * VL + VL - 1 : M - 1;  /* its last query vector */
+            const int64_t seen = first + last / G - t0, nv = seen >= n ? n : seen;  /* keys its lanes can see */
+            if (nv <= 0) continue;
+            float *qg = qT + grp * D * VL, *og = oT + grp * D * VL;
+            scores_lanes(qg, kw, pT, (nv + NB - 1) / NB * NB, scale, D);
+            vi limit;  /* each lane's context: query vector m = grp * VL + lane (padding lanes: the last one's) */
+            for (int j = 0; j < VL; j++) limit[j] = (int32_t)(first + (grp * VL + j < M ? grp * VL + j : last) / G);
+            const vf m_old = loadv(mx + grp * VL);
+            vf m_new = m_old;
+            const int masked = t0 + nv > first + (grp * VL) / G;  /* some key here is past some lane's context */
+            for (int64_t i = 0; i < nv; i++) {
+                vf x = loadv(pT + i * VL);
+                if (masked) {
+                    x = vselect(limit > (vi){0} + (int32_t)(t0 + i), x, (vf){0} - INFINITY);
+                    storev(pT + i * VL, x);
+                }
+                m_new = vselect(x > m_new, x, m_new);
+            }
+            const vf alpha = vexp(m_old - m_new);
+            vf sum = {0};
+            for (int64_t i = 0; i < nv; i++) {
+                const vf x = loadv(pT + i * VL);
+                const vf p = vselect(x > (vf){0} - INFINITY, vexp(x - m_new), (vf){0});
+                storev(pT + i * VL, p);
+                sum += p;
+            }
+            storev(mx + grp * VL, m_new);
+            storev(lsum + grp * VL, loadv(lsum + grp * VL) * alpha + sum);
+            values_lanes(og, vw, pT, nv, alpha, D);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        const float *og = oT + (m / VL) * D * VL + m % VL;
+        const float inv = 1.f / lsum[m];
+        void *dst = at(out, (r0 + m / G) * H * D + (g * G + m % G) * D, BF);
+        for (int64_t d = 0; d < D; d++) sstore(dst, d, og[d * VL] * inv, BF);
+    }
+}
+
+int paged_attention_chunk(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                          const int64_t *block_table, int64_t num_cached, int64_t q_len, void *out, int64_t H,
+                          int64_t KVH, int64_t D, int64_t BS, float scale, int64_t bf16) {
+    // [ZH-START]
+    // 入口（CpuAttentionKernel.chunk 经 ctypes 调用）：一条序列的一个 prompt 分块。
+    // 1. 工作项 = 行 tile（每 CHUNK_ROWS 行一个）× KV head；因果注意力下靠后的 tile 上下文更长，
+    //    所以从最后一个 tile 开始分发（schedule(dynamic, 1)），大的先做，线程间更均衡。
+    // 2. key tile 取整块：KT = 块大小的整数倍，至少 KEYS 个 key。
+    // 3. 每个 OpenMP 线程 malloc 一块临时区（qT、oT、每通道最大值和 exp 和、kw、vw、pT）；失败返回 -1。
+    // 4. 按 head_dim 选编译期特化（64、128，其余运行时），再按 bf16 标志选元素类型，调用 chunk_tile。
+    // [ZH-END]
+    if (D > 256) return -2;
+    const int64_t G = H / KVH, KT = (KEYS + BS - 1) / BS * BS, KTP = (KT + NB - 1) / NB * NB;
+    const int64_t NG = (CHUNK_ROWS * G + VL - 1) / VL, tiles = (q_len + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    const size_t floats = 2 * NG * D * VL + 2 * NG * VL + 2 * KTP * D + KTP * VL;
+    const int BF = bf16 != 0;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+    float *scratch = (float *)malloc(sizeof(float) * floats);
+    failed = scratch == NULL;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < tiles * KVH; item++) {
+        if (failed) continue;
+        const int64_t r0 = (tiles - 1 - item / KVH) * CHUNK_ROWS, g = item % KVH;
+        const int64_t nr = q_len - r0 < CHUNK_ROWS ? q_len - r0 : CHUNK_ROWS;
+#define TILE(DD, B) chunk_tile(q, q_row_stride, out, k_cache, v_cache, block_table, num_cached, r0, nr, g, scratch, \
+                               H, KVH, BS, KT, scale, DD, B)
+        if (D == 64) { if (BF) TILE(64, 1); else TILE(64, 0); }
+        else if (D == 128) { if (BF) TILE(128, 1); else TILE(128, 0); }
+        else { if (BF) TILE(D, 1); else TILE(D, 0); }
+#undef TILE
+    }
+    free(scratch);
+    }
+    return failed ? -1 : 0;
+}

@@ -111,6 +111,9 @@ class CpuAttentionKernel:
                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                              ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
                              ctypes.c_int64]
+        self._chunk = lib.paged_attention_chunk
+        self._chunk.restype = ctypes.c_int
+        self._chunk.argtypes = [_P, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _F, _I]
 
     @classmethod
     def load(cls) -> "CpuAttentionKernel | None":
@@ -134,11 +137,30 @@ class CpuAttentionKernel:
         failed = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                           block_tables.shape[1], row_table.data_ptr(), row_ctx.data_ptr(), out.data_ptr(), rows,
                           num_heads, num_kv_heads, head_dim, block_size, scale, _is_bf16(q, k_cache, v_cache))
-        if failed == -2:
-            raise ValueError(f"the CPU attention kernel supports head_dim up to 256, got {head_dim}")
-        if failed:
-            raise MemoryError("CPU attention kernel could not allocate its scratch buffer")
+        _check(failed, head_dim)
         return out
+
+    def chunk(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+              num_cached: int, scale: float) -> torch.Tensor:
+        """One sequence's prompt chunk: q (Q, H, D) with contiguous heads, row i attending to the
+        positions [0, num_cached + i] of the sequence whose blocks are block_table (int64)."""
+        rows, num_heads, head_dim = q.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype)
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        failed = self._chunk(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+                             num_cached, rows, out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
+                             _is_bf16(q, k_cache, v_cache))
+        _check(failed, head_dim)
+        return out
+
+
+def _check(failed: int, head_dim: int) -> None:
+    if failed == -2:
+        raise ValueError(f"the CPU attention kernel supports head_dim up to 256, got {head_dim}")
+    if failed:
+        raise MemoryError("CPU attention kernel could not allocate its scratch buffer")
 
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

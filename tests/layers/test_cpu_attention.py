@@ -166,46 +166,107 @@ def test_paired_gqa_heads_give_the_bits_of_heads_one_at_a_time(kernel, head_dim,
     assert torch.equal(paired, single)
 
 
+CHUNK_CASES = [  # (query heads, KV heads, head_dim, block_size, cached tokens, new rows)
+    (4, 2, 16, 4, 0, 150),     # a fresh prompt of three row tiles (64 rows each), two query heads per KV head
+    (6, 2, 64, 16, 37, 70),    # three query heads per KV head, after a prefix that ends mid-block
+    (4, 4, 128, 16, 300, 9),   # one query head per KV head, a short chunk after a long prefix
+    (7, 1, 40, 128, 5, 67),    # seven per KV head (lane groups mix rows), blocks longer than a key tile
+    (8, 4, 65, 1, 64, 64),     # an odd head size, one-token blocks
+]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_prompt_chunks_go_to_sdpa_and_short_ones_to_the_kernel(kernel, dtype):
-    # Three prompt chunks in one step: a fresh long prompt and a chunk after a long cached prefix
-    # (SDPA attends both, causal and with the offset mask), and a chunk after a short prefix (the
-    # kernel). All three must give the reference attention, whichever path took them.
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: "h{}-kv{}-d{}-bs{}-cached{}-rows{}".format(*c))
+def test_prompt_chunks_match_the_reference(kernel, case, dtype):
+    # The chunk kernel works on tiles of rows and lanes of query vectors, with the causal mask per
+    # lane; each row must still see exactly the positions before it, its cached prefix included.
+    heads, kvh, d, bs, cached, rows = case
+    blocks = -(-(cached + rows) // bs)
+    g = torch.Generator().manual_seed(rows)
+    kc, vc = (torch.randn(blocks + 3, bs, kvh, d, generator=g).to(dtype) for _ in range(2))
+    table = torch.randperm(blocks + 3, generator=g)[:blocks]  # scattered blocks
+    qkv = (2 * torch.randn(rows, (heads + 2 * kvh) * d, generator=g)).to(dtype)
+    q = qkv[:, : heads * d].view(rows, heads, d)  # strided rows, as from the fused projection
+    out = kernel.chunk(q, kc, vc, table, cached, d ** -0.5)
+    assert out.dtype == dtype
+    expected = reference.paged_prefill_attention(
+        q.float().contiguous(), kc.float(), vc.float(), torch.tensor([0, rows], dtype=torch.int32),
+        torch.tensor([cached + rows], dtype=torch.int32), table.view(1, -1).int(), d ** -0.5)
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=4e-3)  # bf16: one rounding
+    torch.testing.assert_close(out.float(), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_of_decode_rows_and_prompt_chunks_matches_the_torch_path(kernel, dtype):
+    # PagedAttention.forward hands decode rows to the row kernel and each prompt chunk, with its
+    # own block table and cached length, to the chunk kernel; the torch path (gathers, masks and
+    # SDPA) on the same step must give the same attention.
     from nanovllm.engine.step_input import StepInput, build_cpu_batch
-    from nanovllm.layers.attention import SDPA_MIN_CONTEXT, SDPA_MIN_ROWS, PagedAttention, prefill_uses_sdpa
+    from nanovllm.layers.attention import PagedAttention
 
     bs, kvh, heads, d = 4, 2, 4, 16
-    rows = SDPA_MIN_ROWS
-    chunks = [(0, SDPA_MIN_CONTEXT + 5), (SDPA_MIN_CONTEXT, rows), (100, rows)]  # (cached tokens, new tokens)
-    assert [prefill_uses_sdpa(n, start) for start, n in chunks] == [True, True, False]
+    decode_ctx = [9, 30]
+    chunks = [(0, 150), (100, 40), (7, 1)]  # (cached tokens, new tokens)
     tables, next_block = [], 0
-    for start, n in chunks:
-        blocks = -(-(start + n) // bs)
+    for length in decode_ctx + [start + n for start, n in chunks]:
+        blocks = -(-length // bs)
         tables.append(list(range(next_block, next_block + blocks))[::-1])  # blocks out of order
         next_block += blocks
-    step = StepInput([], [], [], [[1] * n for _, n in chunks], [start for start, _ in chunks], tables, [])
-    _, _, meta = build_cpu_batch(step, bs, torch_attention=False)
-    assert [s.mask is not None for s in meta.prefills] == [False, True, False]  # only SDPA after a prefix needs one
-
+    step = StepInput([1] * len(decode_ctx), [c - 1 for c in decode_ctx], tables[:len(decode_ctx)],
+                     [[1] * n for _, n in chunks], [start for start, _ in chunks], tables[len(decode_ctx):], [])
     g = torch.Generator().manual_seed(4)
     kc, vc = (torch.randn(next_block, bs, kvh, d, generator=g).to(dtype) for _ in range(2))
-    total = sum(n for _, n in chunks)
-    q = torch.randn(total, heads, d, generator=g).to(dtype)
-    k_new, v_new = (kc.view(-1, kvh, d)[meta.slot_mapping].clone() for kc in (kc, vc))  # this step's rows, as stored
-    layer = PagedAttention(heads, kvh, d)
-    layer.k_cache, layer.v_cache = kc, vc
-    rows_seen = []
+    q = torch.randn(len(decode_ctx) + sum(n for _, n in chunks), heads, d, generator=g).to(dtype)
+    outs, calls = [], []
+    for use_kernel in (True, False):
+        _, _, meta = build_cpu_batch(step, bs, torch_attention=not use_kernel)
+        k_new, v_new = (c.view(-1, kvh, d)[meta.slot_mapping].clone() for c in (kc, vc))  # this step's rows, as stored
+        layer = PagedAttention(heads, kvh, d)
+        layer.k_cache, layer.v_cache = kc, vc
+        if use_kernel:
+            class Counting:  # the kernel, noting which call took which rows
+                def __call__(self, q_rows, *args):
+                    calls.append(("rows", q_rows.shape[0]))
+                    return kernel(q_rows, *args)
 
-    def counting_kernel(q_rows, *args):
-        rows_seen.append(q_rows.shape[0])
-        return kernel(q_rows, *args)
+                def chunk(self, q_rows, *args):
+                    calls.append(("chunk", q_rows.shape[0]))
+                    return kernel.chunk(q_rows, *args)
+            layer.cpu_kernel = Counting()
+        outs.append(layer.forward(q, k_new, v_new, meta, kv_stored=True))
+    assert calls == [("rows", 2), ("chunk", 150), ("chunk", 40), ("chunk", 1)]
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)  # bf16: SDPA rounds too
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), **tol)
 
-    layer.cpu_kernel = counting_kernel
-    out = layer.forward(q, k_new, v_new, meta, kv_stored=True)
-    assert rows_seen == [rows]  # the short chunk only
-    cu = torch.tensor([0] + [sum(n for _, n in chunks[:i + 1]) for i in range(3)], dtype=torch.int32)
-    context = torch.tensor([start + n for start, n in chunks], dtype=torch.int32)
-    table = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.int32)
-    expected = reference.paged_prefill_attention(q.float(), kc.float(), vc.float(), cu, context, table, layer.scale)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: within bf16 rounding of outputs of order 1
-    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+def test_the_avx2_build_computes_the_same_attention(tmp_path):
+    # The kernels take their vector width from the CPU they are built on: 16 lanes with AVX-512,
+    # 8 with AVX2. Built here for an AVX2-only x86-64 (x86-64-v3), both kernels must still match
+    # the reference, whatever this machine's own build uses.
+    import ctypes
+    import shutil
+    import subprocess
+
+    from nanovllm.layers.cpu_kernels import _SOURCES, cpu_flags
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs a C compiler and an x86-64 CPU with AVX2 and FMA")
+    lib = tmp_path / "cpu_kernels_avx2.so"
+    subprocess.run([compiler, "-O3", "-march=x86-64-v3", "-fopenmp", "-fPIC", "-shared", "-o", str(lib), *_SOURCES,
+                    "-lm"], check=True, capture_output=True)
+    avx2 = CpuAttentionKernel(ctypes.CDLL(str(lib)))
+    heads, kvh, d, bs, cached, rows = 6, 2, 64, 16, 37, 70
+    g = torch.Generator().manual_seed(11)
+    kc, vc = (torch.randn(12, bs, kvh, d, generator=g) for _ in range(2))
+    table = torch.randperm(12, generator=g)[:7]
+    q = torch.randn(rows, heads, d, generator=g)
+    out = avx2.chunk(q, kc, vc, table, cached, 0.125)
+    expected = reference.paged_prefill_attention(q, kc, vc, torch.tensor([0, rows], dtype=torch.int32),
+                                                 torch.tensor([cached + rows], dtype=torch.int32),
+                                                 table.view(1, -1).int(), 0.125)
+    torch.testing.assert_close(out, expected, rtol=2e-5, atol=2e-5)
+    tables, ctx = table.view(1, -1).expand(3, -1).contiguous(), torch.tensor([1, 50, 107])
+    out = avx2(q[:3], kc, vc, tables, torch.arange(3), ctx, 0.125)
+    expected = reference.paged_decode_attention(q[:3], kc, vc, tables.int(), ctx.int(), 0.125)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
