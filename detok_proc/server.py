@@ -59,6 +59,10 @@ HELLO_INTERVAL_S = 0.5
 MAX_GONE_CLIENTS = 4096
 GONE_CLIENT_MEMORY_S = 600.0
 """How long the stage remembers a client it gave up on, to tell it if it comes back."""
+MAX_EARLY_RESUME_ROWS = p.MAX_ROWS
+"""Streams held from Resume frames that arrive before the engine's resync, all clients together: one
+Resume may list up to MAX_ROWS, far more than an engine holds (its live and queued requests are
+bounded by a few thousand), so anything beyond this is a flood, not clients resuming."""
 
 
 @dataclass
@@ -338,7 +342,8 @@ class DetokStage:
     def _flush_client(self, client: bytes) -> None:
         box = self._outbox.pop(client, None)
         if box:
-            self._send_frame(client, p.StreamOutput(list(box.values())).encode())
+            for _, frame in p.frames_within(p.StreamOutput, list(box.values())):
+                self._send_frame(client, frame)
 
     def _flush_outbox(self) -> None:
         for client in list(self._outbox):
@@ -494,12 +499,19 @@ class DetokStage:
     def on_resume(self, identity: bytes, msg: p.Resume) -> None:
         # [ZH-START]
         # 1. 已 resync：立刻 _apply_resume。
-        # 2. 还没 resync：先存进 _early_resumes（每个客户端保留最新一份），等 resync 的最后一帧再应用。
+        # 2. 还没 resync：先存进 _early_resumes（每个客户端保留最新一份），等 resync 的最后一帧再应用；
+        #    所有客户端合计最多 MAX_EARLY_RESUME_ROWS 行，超出的 Resume 记 "resume_flood" 后丢弃（内存有界），
+        #    客户端断开时它那份也删掉。
         # [ZH-END]
         if self.resynced:
             self._apply_resume(identity, msg.requests)
-        else:
-            self._early_resumes[identity] = msg.requests
+            return
+        held = sum(map(len, self._early_resumes.values())) - len(self._early_resumes.get(identity, ()))
+        if held + len(msg.requests) > MAX_EARLY_RESUME_ROWS:
+            self.rejects("resume_flood", f"a resume of {len(msg.requests)} stream(s) from {identity.hex()} while "
+                         f"{held} wait for the engine's resync: over the limit of {MAX_EARLY_RESUME_ROWS}")
+            return
+        self._early_resumes[identity] = msg.requests
 
     def _apply_resume(self, identity: bytes, rows: list[list]) -> None:
         """Continue each listed stream from what the client has; abort what it no longer wants."""
@@ -510,7 +522,7 @@ class DetokStage:
         #    b. 在 waiting 里：清除等待标记，增量 = all_text[已收字符数:] 和 all_ids[已收 token 数:]，已结束则带上 final；
         #       释放累积缓冲；已结束就 _finished。
         # 3. 等待中但客户端没提到的请求：客户端已不要了 → _drop_unclaimed（未结束就在引擎里 abort）。
-        # 4. 有增量就作为一个 StreamOutput 发给该客户端。
+        # 4. 有增量就作为 StreamOutput 发给该客户端（frames_within：超过帧大小上限就按顺序拆成几帧）。
         # [ZH-END]
         mine = {s.client_request_id: (rid, s) for rid, s in self.requests.items() if s.client == identity}
         waiting = {client_rid: rid for client_rid, (rid, s) in mine.items() if s.awaiting_resume}
@@ -532,8 +544,8 @@ class DetokStage:
                 self._finished(request_id, state, state.final["finish_reason"])
         for request_id in waiting.values():  # the client no longer waits for these
             self._drop_unclaimed(request_id)
-        if deltas:
-            self.send_to_client(identity, p.StreamOutput(deltas).encode())
+        for _, frame in p.frames_within(p.StreamOutput, deltas) if deltas else []:
+            self.send_to_client(identity, frame)
 
     def _drop_unclaimed(self, request_id: str) -> None:
         # [ZH-START]
@@ -660,6 +672,7 @@ class DetokStage:
         # 3. 在 gone 里记 (时间, 原因, 丢掉的 rid 列表)，最多 4096 个客户端，它回来时好告诉它。
         # [ZH-END]
         self._outbox.pop(identity, None)
+        self._early_resumes.pop(identity, None)
         info = self.clients.pop(identity, None)
         if info is None:
             return

@@ -359,7 +359,8 @@ class EngineStage:
         # [ZH-START]
         # 1. 清掉待答 hello，下次最早 1 秒后（RESYNC_INTERVAL_S）：hello 只有几个字节，谁都能重复发，resync 可能有几千条。
         # 2. 条目 = 每个 live 请求 [id, meta, 已输出 token, False, None, 计数..., None] + FinishedRing 里最近结束的。
-        # 3. 每 256 条（RESYNC_CHUNK）一帧，最后一帧 last=True；没有条目也发一个空的最后帧。
+        # 3. 每 256 条（RESYNC_CHUNK）一帧，超过帧大小上限（meta 里的长 stop 字符串）的再用 frames_within 对半拆，
+        #    最后一帧 last=True；没有条目也发一个空的最后帧。
         # 4. 经 _emit 进 outbox，与 step 同一管道，所以 resync 与后续 step 的顺序有保证。
         # [ZH-END]
         self._hello, self._next_resync_at = None, time.monotonic() + RESYNC_INTERVAL_S
@@ -368,8 +369,10 @@ class EngineStage:
                    for rid, r in self.live.items()] + self.finished.values()
         log.info("resync for detokenizer %s: %d request(s)", detok_instance, len(entries))
         chunks = [entries[i:i + RESYNC_CHUNK] for i in range(0, len(entries), RESYNC_CHUNK)] or [[]]
-        for i, chunk in enumerate(chunks):
-            self._emit(p.Resync(self.instance_id, detok_instance, chunk, i == len(chunks) - 1))
+        parts = [part for chunk in chunks for part, _ in p.frames_within(
+            lambda rows: p.Resync(self.instance_id, detok_instance, rows, False), chunk)]
+        for i, part in enumerate(parts):
+            self._emit(p.Resync(self.instance_id, detok_instance, part, i == len(parts) - 1))
 
     def _start_drain_clock(self) -> float:
         """The drain's deadline, fixed the first time anyone asks after the stop request (a step
@@ -483,7 +486,8 @@ class EngineStage:
             if isinstance(item, p.EngineStatus):
                 next_heartbeat = time.monotonic() + self.heartbeat_s
             # Past the give-up time a frame nobody reads is dropped; the loop still empties the queue.
-            self._send(item.encode() if isinstance(item, p.Message) else self._encode_step(*item[1:]))
+            for frame in [item.encode()] if isinstance(item, p.Message) else self._encode_step(*item[1:]):
+                self._send(frame)
             if time.monotonic() >= next_heartbeat:  # busy engines still report their stats
                 self._send(self._status(True).encode())
                 next_heartbeat = time.monotonic() + self.heartbeat_s
@@ -512,16 +516,23 @@ class EngineStage:
                     return False
                 self._out_sock.poll(100, zmq.POLLOUT)
 
-    def _encode_step(self, started: list[list], rejected: list[list], outputs: list[Any]) -> bytes:
-        """One StepOutput frame; token ids packed (one C call per request, no per-token loop)."""
+    def _encode_step(self, started: list[list], rejected: list[list], outputs: list[Any]) -> list[bytes]:
+        """The step as StepOutput frames; token ids packed (one C call per request, no per-token
+        loop). One frame, unless it would exceed the frame limit (a step that starts many requests
+        whose meta carries long stop strings): then several, in order, started rows first."""
         # [ZH-START]
         # 1. 每个输出变成一行 [id, 打包的新 token, finished, reason, prompt 数, output 数, cached 数, error]，
         #    token 打包是每请求一次 C 调用，没有逐 token 的 Python 循环。
-        # 2. 连同引擎实例 id、started、rejected 组成一个 StepOutput 帧。
+        # 2. 连同引擎实例 id、started、rejected 组成 StepOutput 帧：通常一帧；超过帧大小上限
+        #    （一步开始了很多带长 stop 字符串的请求）就用 frames_within 按顺序拆成几帧，started 仍在前。
         # [ZH-END]
         rows = [[o.request_id, p.pack_token_ids(o.new_token_ids), o.finished, o.finish_reason,
                  o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, _error(o)] for o in outputs]
-        return p.StepOutput(self.instance_id, started, rejected, rows).encode()
+        tagged = [(0, r) for r in started] + [(1, r) for r in rejected] + [(2, r) for r in rows]
+
+        def make(part: list) -> p.StepOutput:
+            return p.StepOutput(self.instance_id, *([r for kind, r in part if kind == k] for k in range(3)))
+        return [frame for _, frame in p.frames_within(make, tagged)]
 
 
 def _error(out: RequestOutput) -> str | None:

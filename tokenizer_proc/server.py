@@ -252,7 +252,8 @@ class TokenizerStage:
         # 5. ids = _prompt_ids(req)。
         # 6. meta = {client 身份, rid, stop, skip, include_stop, min_tokens, tail = prompt 最后 8 个 token（打包）, t = 时间}，
         #    引擎原样转给 detokenizer，用来建 IncrementalDetokenizer 和路由输出。
-        # 7. 返回 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend)。
+        # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend)，先用引擎自己的 validate 检查一遍：
+        #    引擎会丢掉的帧（它无法回答客户端，比如 min_tokens 超过 2**31）在这里就拒绝，并说明原因；通过则返回。
         # [ZH-END]
         unknown = set(req.sampling) - self.sampling_fields
         if unknown:
@@ -280,8 +281,13 @@ class TokenizerStage:
         meta = {"client": identity, "rid": req.request_id, "stop": stop, "skip": skip,
                 "include_stop": include_stop, "min_tokens": sampling.get("min_tokens", 0),
                 "tail": p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]), "t": time.time()}
-        return p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta,
-                              priority=req.priority, resend=req.resend)
+        out = p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta,
+                             priority=req.priority, resend=req.resend)
+        try:  # the engine's own check: a frame it would drop (it cannot answer the client) is refused here
+            out.validate()
+        except ProtocolError as e:
+            raise RequestRejected(f"the request cannot be passed to the engine: {e}") from None
+        return out
 
     def _prompt_ids(self, req: p.GenerateReq) -> list[int]:
         # [ZH-START]

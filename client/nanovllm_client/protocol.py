@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from array import array
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import msgpack
 
@@ -55,6 +55,20 @@ requests finish, new ones are refused)."""
 # larger than a frame could legitimately need, and ext types (timestamps, custom) are refused.
 _UNPACK_LIMITS = dict(max_str_len=MAX_FRAME_BYTES, max_bin_len=MAX_FRAME_BYTES, max_array_len=1 << 18,
                       max_map_len=1 << 12, max_ext_len=0)
+
+
+def frames_within(make: Callable[[list], Message], rows: list, limit: int = MAX_FRAME_BYTES) -> list[tuple[list, bytes]]:
+    """`make(rows)` as (rows, encoded frame) pairs, each frame at most `limit` bytes: one frame
+    when it fits (one encoding, the usual case), else the rows halved until each part fits, in
+    order. Rows are independent entries (requests), so a receiver handles the parts as it would
+    the whole. A frame over the limit would be dropped by the receiving socket with its
+    connection, which a stage takes for its peer's death. A single row over the limit stays one
+    frame: the protocol's field limits keep every row far below it."""
+    frame = make(rows).encode()
+    if len(frame) <= limit or len(rows) < 2:
+        return [(rows, frame)]
+    half = len(rows) // 2
+    return frames_within(make, rows[:half], limit) + frames_within(make, rows[half:], limit)
 
 
 def clip(text: str, limit: int = MAX_ERROR_LEN) -> str:

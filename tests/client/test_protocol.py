@@ -139,3 +139,18 @@ def test_nesting_a_real_message_needs_is_allowed_and_one_level_more_is_not():
     assert p.decode(p.GenerateReq("r", prompt="x", sampling=sampling).encode()).sampling == sampling
     with pytest.raises(p.ProtocolError, match="deeper than"):
         p.decode(p.GenerateReq("r", prompt="x", sampling={"banned_words": [[[[[[1]]]]]]}).encode())
+
+
+def test_frames_within_splits_only_what_does_not_fit_and_keeps_the_order():
+    rows = [[f"c:r{i}", p.pack_token_ids([i] * (100 + i))] for i in range(40)]
+    make = lambda part: p.StepOutput("e1", [], [], [[rid, ids, False, None, 1, 1, 0, None] for rid, ids in part])
+    (whole,) = p.frames_within(make, rows)  # fits: one frame, encoded once
+    assert whole == (rows, make(rows).encode())
+    limit = len(whole[1]) // 5
+    parts = p.frames_within(make, rows, limit)
+    assert len(parts) > 4 and all(len(frame) <= limit for _, frame in parts)
+    assert [row for part, _ in parts for row in part] == rows  # every row once, in order
+    for part, frame in parts:  # each frame decodes to its own rows
+        assert [r[0] for r in p.decode(frame).outputs] == [r[0] for r in part]
+    (single,) = p.frames_within(make, rows[:1], 10)  # one row over the limit stays one frame
+    assert single[0] == rows[:1]

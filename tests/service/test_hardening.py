@@ -111,6 +111,15 @@ def run_raw(service, ctx, sampling: dict) -> dict:
                     return dict(d, text=text)
 
 
+def test_a_min_tokens_the_engine_would_refuse_is_refused_by_the_tokenizer_with_a_reason(service, ctx):
+    """min_tokens above 2**31 passes the sampling checks (max_tokens has no upper bound) but not the
+    engine's check of the meta it travels in: the engine dropped the frame, which has no way back
+    to the client, and the request was never answered."""
+    done = run_raw(service, ctx, {"max_tokens": 2**33, "min_tokens": 2**31 + 5})
+    assert done["finish_reason"] == "error" and "meta.min_tokens" in done["error"], done
+    service.assert_running()
+
+
 def test_stop_strings_inside_sampling_are_checked_like_the_others(service, client, ctx):
     """sampling.stop = 5 once killed the tokenizer; a string there was split into one-character
     stop strings, and stop strings there skipped the limits `stop` has."""
@@ -204,6 +213,49 @@ def test_a_client_the_detokenizer_gave_up_on_is_told_when_it_returns(tokenizer_d
         assert (delta["request_id"], delta["finish_reason"]) == ("lost", "error")
         assert "gave up on this client" in delta["error"] and "no heartbeat" in delta["error"]
         assert isinstance(reply(out), p.Pong)  # and it is served as a new client
+    finally:
+        stop.set()
+        runner.join(timeout=10)
+
+
+def test_resumes_held_before_the_engines_resync_are_bounded_and_dropped_with_their_client(tokenizer_dir, ctx):
+    """Until its first resync a detokenizer holds each client's Resume, to apply it then. They
+    were kept without limit, and kept after their clients were gone: 20 clients resuming 65,536
+    streams each held 240 MB. In-process detokenizer with no engine: it never resyncs."""
+    from transformers import AutoTokenizer
+
+    from detok_proc.server import MAX_EARLY_RESUME_ROWS, DetokStage
+
+    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.engine,
+                       client_timeout_s=1.0, engine_timeout_s=60, ctx=ctx)
+    stop = threading.Event()
+    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
+    runner.start()
+    rows = MAX_EARLY_RESUME_ROWS // 2 - 1
+    resume = p.Resume([[f"r{i}", 1, 1] for i in range(rows)]).encode()
+
+    def floods() -> int:
+        probe = raw_socket(ctx, zmq.DEALER, eps.stream)
+        probe.send(p.StatsReq().encode())
+        stats = reply(probe).stats
+        probe.close()
+        return stats["detok"]["rejected_frames"].get("resume_flood", 0)
+
+    try:
+        first, second, third = (raw_socket(ctx, zmq.DEALER, eps.stream, uuid.uuid4().bytes) for _ in range(3))
+        for sock in (first, second):
+            sock.send(resume)
+        wait_for(lambda: len(stage._early_resumes) == 2, timeout=10, what="two resumes held")
+        third.send(resume)  # over the limit with the other two
+        wait_for(lambda: floods() == 1, timeout=10, what="the third resume refused")
+        first.send(resume)  # the same client again replaces its own: no flood
+        time.sleep(0.5)
+        assert floods() == 1
+        wait_for(lambda: not stage._early_resumes, timeout=10, what="silent clients' resumes dropped")
+        third.send(resume)  # their clients are gone, so is what they held
+        wait_for(lambda: len(stage._early_resumes) == 1, timeout=10, what="the third client's resume held")
+        assert floods() == 1
     finally:
         stop.set()
         runner.join(timeout=10)
@@ -336,3 +388,32 @@ def test_a_flood_of_detokenizer_hellos_gets_at_most_one_resync_a_second(tiny_mod
     finally:
         stop.set()
         runner.join(timeout=10)
+
+
+def test_requests_with_the_most_stop_text_allowed_survive_a_detokenizer_restart(tiny_model_dir):
+    """Every request's meta, its stop strings included, travels in the engine's step and resync
+    frames. Seventy requests with the most stop text a request may carry (64 strings of 1,024
+    four-byte characters, ~256 KB) made one resync frame over the 16 MiB frame limit: the
+    restarted detokenizer's socket dropped it with the connection, and the detokenizer took the
+    engine for dead, once a second, failing every request."""
+    stop = ["\U0001F600" * 1023 + chr(0x10000 + i) for i in range(64)]
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc")
+    try:
+        with Client(procs.url, timeout=60) as client:
+            streams = [client.stream("def f():", stop=stop, max_tokens=4, ignore_eos=True, temperature=0)
+                       for _ in range(70)]
+            assert {[d for d in s][-1].finish_reason for s in streams} == {"length"}
+            detok_log = os.path.join(procs.log_dir, "detok_proc.log")
+            logged = os.path.getsize(detok_log)
+            procs.restart("detok_proc")  # the engine remembers the 70 for a minute: all go in its resync
+            for _ in range(6):  # over three seconds: a detokenizer failing this way fails some of them
+                assert client.generate("def f():", max_tokens=4, ignore_eos=True).finish_reason == "length"
+                time.sleep(0.5)
+            assert client.server_stats()["engine_alive"] is True
+        procs.assert_running()
+        with open(detok_log, "rb") as f:
+            f.seek(logged)
+            restarted = f.read().decode(errors="replace")
+        assert "resynced with engine" in restarted and "dead" not in restarted, restarted[-3000:]
+    finally:
+        procs.stop()
