@@ -88,6 +88,11 @@ class RequestState:
     num_prompt: int = 0
     num_output: int = 0
     """Token counts from its latest output (for the metrics of a request that ends here)."""
+    stopped: dict[str, Any] | None = None
+    """Its stop string matched here: the terminal fields ("stop", usage at the match), held until
+    the engine's final row says it dropped the request. Only then does the client hear the end,
+    so an id reused after the terminal delta never meets the old request in the engine."""
+    abort_sent_at: float = 0.0
 
 
 @dataclass
@@ -370,8 +375,12 @@ class DetokStage:
         # 1. 解开一行 [id, 打包 token, finished, reason, prompt 数, output 数, cached 数, error]。
         # 2. 本地不认识这个请求（已结束、客户端已走、或比 resync 还早）：若引擎仍在生成且已 resync，就 _abort_orphan 一次；返回 None。
         # 3. 解包 token，text = detok.add(token, finished)。
-        # 4. 反分词器命中 stop string 但引擎还没结束：向引擎发 abort，本地按 finished、reason "stop" 处理。
-        # 5. 已结束：final = {finish_reason, usage{prompt_tokens, completion_tokens, cached_tokens}}，有错误（或 reason 为 error）加 error。
+        # 4. 反分词器命中 stop string 但引擎还没结束：向引擎发 abort，把终止字段（"stop"、此刻的 usage）存进 state.stopped，
+        #    这一行的文本照常发出，但终止增量要等引擎的最后一行（它确认已丢掉这个请求）到了才发——
+        #    这样客户端收到终止增量后复用同一个 id，引擎里一定已经没有旧请求。
+        #    已 stopped 的请求：引擎之后的非最后行不发送（超过 1 秒就再发一次 abort，防止上次没送到）；最后一行到了才结束。
+        # 5. 已结束：final = state.stopped，或 {finish_reason, usage{prompt_tokens, completion_tokens, cached_tokens}}，
+        #    有错误（或 reason 为 error）加 error。
         # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，返回 None。
         # 7. 否则组装增量 {client, request_id, text, token_ids（原样打包）, finish_reason: None}，合入 final；
         #    已结束就 _finished（计指标、遗忘该请求）；返回增量。
@@ -382,14 +391,24 @@ class DetokStage:
             if not finished and self.resynced:
                 self._abort_orphan(request_id)
             return None
-        token_ids = p.unpack_token_ids(packed_ids)
-        text = state.detok.add(token_ids, finished)
-        state.num_prompt, state.num_output = num_prompt, num_output
-        if state.detok.stopped and not finished:
-            self._abort_in_engine(request_id)
-            finished, finish_reason = True, "stop"
+        if state.stopped is not None:  # ended by its stop string; what the engine made since is not sent
+            if not finished:
+                if time.monotonic() - state.abort_sent_at > 1.0:  # the abort may have found no room: again
+                    self._abort_stopped(request_id, state)
+                return None
+            token_ids, packed_ids, text = [], b"", ""
+        else:
+            token_ids = p.unpack_token_ids(packed_ids)
+            text = state.detok.add(token_ids, finished)
+            state.num_prompt, state.num_output = num_prompt, num_output
+            if state.detok.stopped and not finished:  # the end, once the engine confirms it dropped it
+                state.stopped = {"finish_reason": "stop", "usage": {
+                    "prompt_tokens": num_prompt, "completion_tokens": num_output, "cached_tokens": num_cached}}
+                self._abort_stopped(request_id, state)
         final = None
-        if finished:
+        if finished and state.stopped is not None:
+            final = state.stopped
+        elif finished:
             final = {"finish_reason": finish_reason, "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_output,
                                                                "cached_tokens": num_cached}}
             if error or finish_reason == "error":  # an abort may say why too (a drain that ran out)
@@ -407,6 +426,10 @@ class DetokStage:
             delta.update(final)
             self._finished(request_id, state, final["finish_reason"])
         return delta
+
+    def _abort_stopped(self, request_id: str, state: RequestState) -> None:
+        state.abort_sent_at = time.monotonic()
+        self._abort_in_engine(request_id)
 
     def _finished(self, request_id: str, state: RequestState, reason: str) -> None:
         """A terminal delta went (or is going) to the client: count it, forget the request."""
@@ -458,16 +481,23 @@ class DetokStage:
 
     def _fail_requests(self, why: str, which) -> None:
         # [ZH-START]
-        # 1. 遍历所有请求，which(state) 为真的生成错误增量（engine_dead=True），按客户端分组，并 _finished(..., "error")。
-        # 2. 每个客户端发一个 StreamOutput。
+        # 1. 遍历所有请求，which(state) 为真的生成错误增量（engine_dead=True），按客户端分组，并 _finished(..., "error")；
+        #    已被 stop string 结束、只差引擎确认的请求例外：文本已完整，照 "stop" 结束。
+        # 2. 每个客户端发 StreamOutput（_send_deltas，超过帧大小上限就拆成几帧）。
         # [ZH-END]
         by_client: dict[bytes, list[dict]] = collections.defaultdict(list)
         for request_id, state in list(self.requests.items()):
-            if which(state):
+            if not which(state):
+                continue
+            if state.stopped is not None and not state.awaiting_resume:  # its text is complete: it ended by its stop
+                by_client[state.client].append({"request_id": state.client_request_id, "text": "", "token_ids": b"",
+                                                **state.stopped})
+                self._finished(request_id, state, "stop")
+            else:
                 by_client[state.client].append(p.error_delta(state.client_request_id, why, engine_dead=True))
                 self._finished(request_id, state, "error")
         for client, deltas in by_client.items():
-            self.send_to_client(client, p.StreamOutput(deltas).encode())
+            self._send_deltas(client, deltas)
 
     # ------------------------------------------------------------------ restart: resync + resume
 
@@ -544,8 +574,8 @@ class DetokStage:
                 self._finished(request_id, state, state.final["finish_reason"])
         for request_id in waiting.values():  # the client no longer waits for these
             self._drop_unclaimed(request_id)
-        for _, frame in p.frames_within(p.StreamOutput, deltas) if deltas else []:
-            self.send_to_client(identity, frame)
+        if deltas:
+            self._send_deltas(identity, deltas)
 
     def _drop_unclaimed(self, request_id: str) -> None:
         # [ZH-START]
@@ -604,8 +634,7 @@ class DetokStage:
         record = self.gone.pop(identity, None)
         if record is not None and record[2]:
             why = f"the service gave up on this client ({record[1]}) and aborted its requests"
-            deltas = [p.error_delta(rid, why) for rid in record[2]]
-            self.send_to_client(identity, p.StreamOutput(deltas).encode())
+            self._send_deltas(identity, [p.error_delta(rid, why) for rid in record[2]])
 
     def stats(self) -> dict[str, Any]:
         return {"engine_alive": self.engine_alive, "engine_state": self.engine_state,
@@ -626,6 +655,11 @@ class DetokStage:
         if identity in self._outbox:  # what this pass already holds for it goes first
             self._flush_client(identity)
         self._send_frame(identity, frame)
+
+    def _send_deltas(self, identity: bytes, deltas: list[dict]) -> None:
+        """Deltas to one client, as few StreamOutput frames as the frame limit allows, in order."""
+        for _, frame in p.frames_within(p.StreamOutput, deltas):
+            self.send_to_client(identity, frame)
 
     def _send_frame(self, identity: bytes, frame: bytes) -> None:
         info = self.clients.get(identity)

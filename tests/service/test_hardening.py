@@ -417,3 +417,53 @@ def test_requests_with_the_most_stop_text_allowed_survive_a_detokenizer_restart(
         assert "resynced with engine" in restarted and "dead" not in restarted, restarted[-3000:]
     finally:
         procs.stop()
+
+
+def test_an_id_reused_right_after_a_stop_string_ended_its_stream_gets_its_own_answer(tiny_model_dir, ctx):
+    """A raw client may reuse an id once its terminal delta arrived. On a stop string the
+    detokenizer sent that delta at once and an abort to the engine, which still held the id until
+    it applied the abort a step later: a reuse arriving in between was dropped as a duplicate and
+    never answered, and the old request's late outputs made the detokenizer abort the id again,
+    killing the new request. Other requests keep the engine stepping, as on any busy service."""
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc")
+    try:
+        eps = service_endpoints(procs.url)
+        identity = uuid.uuid4().bytes
+        out = raw_socket(ctx, zmq.DEALER, eps.stream, identity)
+        out.send(p.Ping().encode())
+        assert isinstance(reply(out), p.Pong)
+        tok = raw_socket(ctx, zmq.DEALER, eps.tokenizer, identity)
+        greedy = {"max_tokens": 40, "ignore_eos": True, "temperature": 0}
+
+        def finish(rid: str) -> tuple[str, str | None]:
+            text, deadline = "", time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if not out.poll(200):
+                    out.send(p.Ping().encode())  # stay a live client
+                    continue
+                for d in getattr(p.decode(out.recv()), "deltas", []):
+                    if d["request_id"] == rid:
+                        text += d["text"]
+                        if d["finish_reason"] is not None:
+                            return text, d["finish_reason"]
+            return text, None
+
+        for j in range(8):
+            tok.send(p.GenerateReq(f"busy{j}", prompt="x " * 200, sampling={"max_tokens": 2000, "ignore_eos": True}).encode())
+        tok.send(p.GenerateReq("probe", prompt="Once upon a time", sampling=greedy).encode())
+        text, _ = finish("probe")
+        stop = text[15:18]
+        outcomes = []
+        for trial in range(5):
+            rid = f"again{trial}"
+            tok.send(p.GenerateReq(rid, prompt="Once upon a time", stop=[stop], sampling=greedy).encode())
+            first = finish(rid)
+            assert first[1] == "stop" and text.startswith(first[0]) and len(first[0]) <= 15, first
+            tok.send(p.GenerateReq(rid, prompt="Hello", sampling={"max_tokens": 3, "ignore_eos": True}).encode())
+            outcomes.append(finish(rid)[1])
+        assert outcomes == ["length"] * 5, outcomes
+        for j in range(8):
+            tok.send(p.AbortReq(f"busy{j}").encode())
+        procs.assert_running()
+    finally:
+        procs.stop()
