@@ -2,7 +2,8 @@
  *
  * Each "row" is one query token (all heads) attending to the first row_ctx[r] positions of the
  * sequence whose block table is block_tables[row_table[r]]. A decode step has one row per
- * sequence; a prompt chunk after cached blocks has one row per token with growing contexts.
+ * sequence. (A prompt chunk could be rows with growing contexts too; paged_attention_chunk, at the
+ * end of this file, computes it in tiles of rows instead.)
  * Rows are spread over OpenMP threads. torch is loaded first and ships libgomp.so.1 under the
  * same soname, so this library binds to torch's OpenMP runtime: one thread pool, no second set
  * of spinning threads competing for the cores.
@@ -23,7 +24,8 @@
 //
 //   scheduler -> step_input（块表、每行上下文长度）-> model_runner -> 每层 Attention
 //       -> qk_norm_rope_store（cpu_ops.c：新 token 的 K/V 先写进分页缓存）
-//       -> paged_attention_rows（本文件：读缓存做注意力）-> o_proj -> ... -> sampler
+//       -> paged_attention_rows（decode 行）/ paged_attention_chunk（prompt 分块）
+//          （本文件：读缓存做注意力）-> o_proj -> ... -> sampler
 //
 // 核心思路：KV 缓存按块（block）分页存放，布局 [num_blocks, block_size, KVH, D]。
 // torch 的做法要先把每条序列的块 gather 成一份连续的填充副本；这里直接按块表

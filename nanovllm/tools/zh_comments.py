@@ -44,7 +44,7 @@ CORE_MODULES: dict[str, list[str]] = {
                                    "apply_penalties_", "filter_candidates"],
     "nanovllm/layers/logits_processors.py": ["build_logits_processors", "BannedTokenSequences.__call__",
                                              "WordMatcher.advance", "WordMatcher.blocked", "BannedWords.__call__"],
-    "nanovllm/layers/cpu_attention.c": ["paged_attention_rows", "attend_row"],
+    "nanovllm/layers/cpu_attention.c": ["paged_attention_rows", "attend_row", "paged_attention_chunk", "chunk_tile"],
     "nanovllm/kernels/triton_attention.py": ["_decode_kernel", "_prefill_kernel", "paged_decode_attention",
                                              "paged_prefill_attention"],
     "nanovllm/detokenize.py": ["_StopMatcher.scan", "IncrementalDetokenizer.add", "IncrementalDetokenizer._decode_next",
