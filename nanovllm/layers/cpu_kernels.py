@@ -129,10 +129,8 @@ class CpuAttentionKernel:
                  row_table: torch.Tensor, row_ctx: torch.Tensor, scale: float) -> torch.Tensor:
         """q (R, H, D) with contiguous heads, in the caches' dtype; block_tables (S, max_blocks),
         row_table/row_ctx (R,) int64. The output has q's dtype (float32 accumulation either way)."""
+        q, out = _query_and_output(q)
         rows, num_heads, head_dim = q.shape
-        if q.stride(2) != 1 or q.stride(1) != head_dim:
-            q = q.contiguous()
-        out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype)
         _, block_size, num_kv_heads, _ = k_cache.shape
         failed = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                           block_tables.shape[1], row_table.data_ptr(), row_ctx.data_ptr(), out.data_ptr(), rows,
@@ -144,10 +142,8 @@ class CpuAttentionKernel:
               num_cached: int, scale: float) -> torch.Tensor:
         """One sequence's prompt chunk: q (Q, H, D) with contiguous heads, row i attending to the
         positions [0, num_cached + i] of the sequence whose blocks are block_table (int64)."""
+        q, out = _query_and_output(q)
         rows, num_heads, head_dim = q.shape
-        if q.stride(2) != 1 or q.stride(1) != head_dim:
-            q = q.contiguous()
-        out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype)
         _, block_size, num_kv_heads, _ = k_cache.shape
         failed = self._chunk(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
                              num_cached, rows, out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
@@ -156,7 +152,16 @@ class CpuAttentionKernel:
         return out
 
 
+def _query_and_output(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q as the kernels read it (rows may be strided, each row's heads contiguous), and an empty
+    (R, H, D) output of its dtype."""
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    return q, torch.empty(q.shape, dtype=q.dtype)
+
+
 def _check(failed: int, head_dim: int) -> None:
+    """Turn a kernel's return code into the error it stands for."""
     if failed == -2:
         raise ValueError(f"the CPU attention kernel supports head_dim up to 256, got {head_dim}")
     if failed:
