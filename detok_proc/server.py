@@ -65,6 +65,12 @@ Resume may list up to MAX_ROWS, far more than an engine holds (its live and queu
 bounded by a few thousand), so anything beyond this is a flood, not clients resuming."""
 
 
+def _terminal(reason: str, num_prompt: int, num_output: int, num_cached: int) -> dict[str, Any]:
+    """A terminal delta's fields: why the request ended, and its usage."""
+    return {"finish_reason": reason,
+            "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_output, "cached_tokens": num_cached}}
+
+
 @dataclass
 class RequestState:
     # [ZH-START]
@@ -402,15 +408,13 @@ class DetokStage:
             text = state.detok.add(token_ids, finished)
             state.num_prompt, state.num_output = num_prompt, num_output
             if state.detok.stopped and not finished:  # the end, once the engine confirms it dropped it
-                state.stopped = {"finish_reason": "stop", "usage": {
-                    "prompt_tokens": num_prompt, "completion_tokens": num_output, "cached_tokens": num_cached}}
+                state.stopped = _terminal("stop", num_prompt, num_output, num_cached)
                 self._abort_stopped(request_id, state)
         final = None
         if finished and state.stopped is not None:
             final = state.stopped
         elif finished:
-            final = {"finish_reason": finish_reason, "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_output,
-                                                               "cached_tokens": num_cached}}
+            final = _terminal(finish_reason, num_prompt, num_output, num_cached)
             if error or finish_reason == "error":  # an abort may say why too (a drain that ran out)
                 final["error"] = error or "the request failed in the engine"
         if state.awaiting_resume:  # hold everything until the client says what it has
