@@ -86,15 +86,21 @@ def test_sampling_values_at_the_extremes_end_their_request_not_the_engine(client
         client.generate("x", temperature=deep)
 
 
-def run_raw(service, ctx, sampling: dict) -> dict:
-    """One generate request with `sampling` exactly as given, over raw sockets: its terminal delta
-    plus all its text."""
-    eps = service_endpoints(service.url)
+def raw_client(url: str, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+    """A client on raw sockets, (to the detokenizer, to the tokenizer), one routing id for both;
+    the detokenizer has answered its ping, so it can route the client's outputs."""
+    eps = service_endpoints(url)
     identity = uuid.uuid4().bytes
     out = raw_socket(ctx, zmq.DEALER, eps.stream, identity)
     out.send(p.Ping().encode())
     assert isinstance(reply(out), p.Pong)
-    tok = raw_socket(ctx, zmq.DEALER, eps.tokenizer, identity)
+    return out, raw_socket(ctx, zmq.DEALER, eps.tokenizer, identity)
+
+
+def run_raw(service, ctx, sampling: dict) -> dict:
+    """One generate request with `sampling` exactly as given, over raw sockets: its terminal delta
+    plus all its text."""
+    out, tok = raw_client(service.url, ctx)
     tok.send(p.GenerateReq("r", prompt="def f():", sampling=sampling).encode())
     poller = zmq.Poller()
     poller.register(tok, zmq.POLLIN)
@@ -427,12 +433,7 @@ def test_an_id_reused_right_after_a_stop_string_ended_its_stream_gets_its_own_an
     killing the new request. Other requests keep the engine stepping, as on any busy service."""
     procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc")
     try:
-        eps = service_endpoints(procs.url)
-        identity = uuid.uuid4().bytes
-        out = raw_socket(ctx, zmq.DEALER, eps.stream, identity)
-        out.send(p.Ping().encode())
-        assert isinstance(reply(out), p.Pong)
-        tok = raw_socket(ctx, zmq.DEALER, eps.tokenizer, identity)
+        out, tok = raw_client(procs.url, ctx)
         greedy = {"max_tokens": 40, "ignore_eos": True, "temperature": 0}
 
         def finish(rid: str) -> tuple[str, str | None]:
