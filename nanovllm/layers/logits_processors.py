@@ -59,9 +59,9 @@ class AllowedTokenIds:
     # 【边界】不检查 id 是否越界（build_logits_processors 已检查）；与输出内容无关，无状态。
     # 【协作者】由 build_logits_processors 根据 allowed_token_ids 创建，Sampler 每步调用。
     # [ZH-END]
-    def __init__(self, token_ids: list[int], vocab_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, token_ids: Sequence[int] | torch.Tensor, vocab_size: int, device: torch.device | str = "cpu"):
         self.blocked = torch.ones(vocab_size, dtype=torch.bool, device=device)
-        self.blocked[torch.tensor(token_ids, dtype=torch.long, device=device)] = False
+        self.blocked[torch.as_tensor(token_ids, dtype=torch.long).to(device)] = False
 
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         return logits.masked_fill_(self.blocked, float("-inf"))
@@ -329,15 +329,19 @@ def build_logits_processors(params: SamplingParams, vocab_size: int, device: tor
     `word_index` is called only when string banned words are present (it may load a tokenizer).
     """
     # [ZH-START]
-    # 1. 有 allowed_token_ids：检查都 < vocab_size（否则 ValueError），加 AllowedTokenIds。
+    # 1. 有 allowed_token_ids（SamplingParams 已存成 array('I')）：frombuffer 成一个 int64 张量，一次 max 检查都 < vocab_size
+    #    （否则 ValueError，说出第一个越界的 id），加 AllowedTokenIds——26 万个 id 也没有逐个的 Python 循环。
     # 2. banned_words 里的 token id 列表：检查后加一个 BannedTokenSequences。
     # 3. banned_words 里的字符串：此时才调用 word_index()（可能要等后台线程建好字节表），加 BannedWords。
     # 4. 最后追加请求自己的 logits_processors；顺序即 Sampler 调用的顺序。
     # [ZH-END]
     processors: list[LogitsProcessor] = []
     if params.allowed_token_ids is not None:
-        _check_ids("allowed_token_ids", params.allowed_token_ids, vocab_size)
-        processors.append(AllowedTokenIds(params.allowed_token_ids, vocab_size, device))
+        # An array("I") (see SamplingParams): read as one tensor, checked with one max, no per-id Python.
+        allowed = torch.frombuffer(params.allowed_token_ids, dtype=torch.uint32).long()
+        if int(allowed.max()) >= vocab_size:
+            _check_ids("allowed_token_ids", allowed[allowed >= vocab_size][:1].tolist(), vocab_size)
+        processors.append(AllowedTokenIds(allowed, vocab_size, device))
     sequences = [w for w in params.banned_words if not isinstance(w, str)]
     if sequences:
         _check_ids("banned_words", [t for s in sequences for t in s], vocab_size)

@@ -75,8 +75,21 @@ def test_build_checks_token_ids_against_the_vocab():
 
 
 def test_huge_token_ids_give_a_short_error():
-    with pytest.raises(ValueError, match=r"allowed_token_ids has token id <int> outside the vocabulary \[0, 50\)"):
-        build_logits_processors(SamplingParams(allowed_token_ids=[10 ** 5000]), 50, "cpu", lambda: None)
+    with pytest.raises(ValueError, match=r"banned_words has token id <int> outside the vocabulary \[0, 50\)"):
+        build_logits_processors(SamplingParams(banned_words=[[10 ** 5000]]), 50, "cpu", lambda: None)
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be .* token ids >= 0 and < 2\*\*32") as e:
+        SamplingParams(allowed_token_ids=[10 ** 5000])
+    assert len(str(e.value)) < 300
+
+
+def test_allowed_token_ids_are_kept_packed_and_checked_against_the_vocab_at_either_end():
+    params = SamplingParams(allowed_token_ids=[49, 0, 2 ** 32 - 1])
+    assert params.allowed_token_ids.typecode == "I" and params.allowed_token_ids.itemsize == 4
+    assert params.to_dict()["allowed_token_ids"] == [49, 0, 2 ** 32 - 1]  # a plain list on the wire
+    with pytest.raises(ValueError, match=r"allowed_token_ids has token id 4294967295 outside the vocabulary \[0, 50\)"):
+        build_logits_processors(params, 50, "cpu", lambda: None)
+    [allowed] = build_logits_processors(SamplingParams(allowed_token_ids=[49, 0, 49]), 50, "cpu", lambda: None)
+    assert (~allowed.blocked).nonzero().flatten().tolist() == [0, 49]
 
 
 # -- the incremental banned-word matcher against brute force -----------------------------------
