@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
              default=4096, type=int)
     add_flag(parser, "--max-queued", "most requests received but not yet admitted (beyond --max-live) before "
              "the engine stops reading its input", default=4096, type=int)
+    add_flag(parser, "--max-live-mib", "most MiB of requests held by the engine at once: each is charged its frame "
+             "plus 40 bytes a prompt token", default=2048, type=int)
+    add_flag(parser, "--max-queued-mib", "most MiB of requests received but not yet admitted before the engine stops "
+             "reading its input", default=512, type=int)
     add_flag(parser, "--drain-timeout", "seconds a stopping engine lets requests in flight finish before it aborts "
              "them", default=30.0, type=float)
     add_flag(parser, "--scheduler-policy", "admission/preemption order: fcfs, priority, or package.module:Class "
@@ -74,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx = zmq.Context.instance()
         metrics, _ = stage_metrics(EngineMetrics, args.metrics_host, args.metrics_port)
         stage = EngineStage(None, SamplingParams, endpoints.engine, endpoints.detok, heartbeat_s=args.heartbeat_s,
-                            max_live=args.max_live, max_queued=args.max_queued, drain_timeout_s=args.drain_timeout,
+                            max_live=args.max_live, max_queued=args.max_queued, max_live_bytes=args.max_live_mib << 20,
+                            max_queued_bytes=args.max_queued_mib << 20, drain_timeout_s=args.drain_timeout,
                             ctx=ctx, security=stage_security(ctx, args), metrics=metrics)
     except (OSError, ValueError, zmq.ZMQError) as e:  # bad flag or path, address in use
         return startup_failed(log, "engine", e)

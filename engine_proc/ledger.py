@@ -15,23 +15,47 @@ from typing import Any
 @dataclass(slots=True)
 class LiveRequest:
     meta: dict[str, Any]
+    nbytes: int = 0
+    """What the request is charged against the stage's byte budget (`request_bytes`)."""
     tokens: array = field(default_factory=lambda: array("I"))
     """Output token ids so far (for a resync)."""
     counts: tuple[int, int, int] = (0, 0, 0)
     """(num_prompt, num_output, num_cached) from its latest output."""
 
 
+PROMPT_TOKEN_BYTES = 40
+"""What one prompt token costs the engine once admitted: a Python int and its slot in the
+`Sequence`'s list (the frame carried it packed, in 4 bytes)."""
+
+
+def request_bytes(frame_bytes: int, num_prompt_tokens: int) -> int:
+    """A request's charge against the stage's byte budgets: its frame (sampling parameters and
+    meta are held about as compactly as they travel) plus its prompt as the engine will hold it."""
+    return frame_bytes + PROMPT_TOKEN_BYTES * num_prompt_tokens
+
+
+def entry_bytes(entry: list[Any]) -> int:
+    """What a finished entry holds: its packed output ids and its meta's stop strings (up to
+    4 bytes a character), plus a fixed allowance for the rest."""
+    meta = entry[1]
+    return 512 + len(entry[2]) + 4 * sum(len(s) for s in meta.get("stop", ())) + len(meta.get("tail", b""))
+
+
 class FinishedRing:
     """Requests that ended recently, with everything a restarted detokenizer needs to deliver
-    their last delta: bounded in count and age, oldest dropped first."""
+    their last delta: bounded in count, bytes and age, oldest dropped first."""
 
-    def __init__(self, max_entries: int = 4096, max_age_s: float = 60.0):
-        self.max_entries, self.max_age_s = max_entries, max_age_s
-        self.entries: collections.OrderedDict[str, tuple[float, list[Any]]] = collections.OrderedDict()
+    def __init__(self, max_entries: int = 4096, max_age_s: float = 60.0, max_bytes: int = 256 << 20):
+        self.max_entries, self.max_age_s, self.max_bytes = max_entries, max_age_s, max_bytes
+        self.entries: collections.OrderedDict[str, tuple[float, list[Any], int]] = collections.OrderedDict()
+        self.nbytes = 0
 
     def add(self, request_id: str, entry: list[Any]) -> None:
-        self.entries[request_id] = (time.monotonic(), entry)
-        self.entries.move_to_end(request_id)
+        old = self.entries.pop(request_id, None)
+        if old is not None:
+            self.nbytes -= old[2]
+        self.entries[request_id] = (time.monotonic(), entry, entry_bytes(entry))
+        self.nbytes += self.entries[request_id][2]
         self._expire()
 
     def __contains__(self, request_id: str) -> bool:
@@ -39,9 +63,10 @@ class FinishedRing:
 
     def values(self) -> list[list[Any]]:
         self._expire()
-        return [entry for _, entry in self.entries.values()]
+        return [entry for _, entry, _ in self.entries.values()]
 
     def _expire(self) -> None:
         oldest = time.monotonic() - self.max_age_s
-        while self.entries and (len(self.entries) > self.max_entries or next(iter(self.entries.values()))[0] < oldest):
-            self.entries.popitem(last=False)
+        while self.entries and (len(self.entries) > self.max_entries or self.nbytes > self.max_bytes
+                                or next(iter(self.entries.values()))[0] < oldest):
+            self.nbytes -= self.entries.popitem(last=False)[1][2]

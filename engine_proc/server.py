@@ -4,12 +4,13 @@ tokenizer/detok --PUSH--> [PULL] engine [PUSH] --> detokenizer
 
 Three threads, so socket I/O and msgpack work overlap the model step (torch releases the GIL
 while it computes):
-- input thread: receive, decode and check frames -> `inbox`, in arrival order. It stops reading
-  the socket only while `max_queued` requests wait to be admitted (then the socket fills and the
-  tokenizer holds its clients back); below that, aborts are read at once whatever the load.
+- input thread: receive, decode and check frames, build each request's sampling parameters ->
+  `inbox`, in arrival order. It stops reading the socket only while `max_queued` requests, or
+  `max_queued_bytes` of them, wait to be admitted (then the socket fills and the tokenizer holds
+  its clients back); below that, aborts are read at once whatever the load.
 - main thread: apply requests and aborts, run one step, hand the raw outputs to `outbox`.
-  Requests wait in `backlog` while the engine holds `max_live`; an abort takes one out of the
-  backlog at once (aborts never wait behind the admission gate).
+  Requests wait in `backlog` while the engine holds `max_live` of them or `max_live_bytes`; an
+  abort takes one out of the backlog at once (aborts never wait behind the admission gate).
 - output thread: encode one `StepOutput` per step and push it; between steps, an
   `EngineStatus` heartbeat every `heartbeat_s`, which is how the detokenizer (and through it
   every client) knows the engine is alive. On a crash or shutdown it sends alive=False last.
@@ -17,17 +18,24 @@ while it computes):
 Every request the engine accepted is kept (meta + output tokens so far) until it finishes, and
 for a minute after (`FinishedRing`), so a detokenizer that restarts can ask for all of it
 (`DetokHello` -> `Resync`) and its clients' streams continue instead of failing.
+
+Memory is bounded by bytes as well as counts: each request is charged its frame plus its prompt
+as the engine will hold it (`ledger.request_bytes`), so a client at the protocol's limits
+(262,144 allowed token ids, 64 stop strings of 1,024 characters) cannot make the held requests
+outgrow the budgets; a prompt stays packed (4 bytes a token) until its request is admitted.
 """
 # [ZH-START]
 # 【模块定位】服务的中间站：把 LLMEngine.step() 包成一个独立进程。
 #   客户端 → tokenizer_proc ─PUSH→【engine_proc：准入、调度循环、模型一步】─PUSH→ detok_proc → 客户端
 #   输入 PULL 还收 detok_proc 推来的 abort 和 DetokHello（与 tokenizer 的请求进同一个 inbox）
 # 三个线程，让 socket I/O 与 msgpack 编解码和模型计算重叠（torch 计算时释放 GIL）：
-#   输入线程：收帧、解码、检查 → inbox（保持到达顺序）；backlog 满 max_queued 时停止读 socket；
+#   输入线程：收帧、解码、检查、建采样参数 → inbox（保持到达顺序）；backlog 满 max_queued 个或 max_queued_bytes 字节时停止读 socket；
 #   主线程：应用请求与 abort，跑一步，把原始输出交给 outbox；
 #   输出线程：每步编码一个 StepOutput 推出去；空闲时每 heartbeat_s 发 EngineStatus 心跳，退出前最后发 alive=False。
 # 每个已接受的请求都记账（meta + 已输出 token），结束后再保留一分钟（FinishedRing），
 # 重启的 detokenizer 发 DetokHello 就能拿回全部（Resync），客户端的流得以继续。
+# 内存按字节也有上限：每个请求记一笔额度 = 帧长 + 每个 prompt token 40 字节（ledger.request_bytes），
+# 排队的不超过 max_queued_bytes、准入的不超过 max_live_bytes；prompt 在准入前一直保持打包（4 字节一个）。
 # [ZH-END]
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ import queue
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -48,9 +57,10 @@ from nanovllm.metrics import EngineMetrics
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError
 from nanovllm_client.security import ServiceSecurity
-from nanovllm_client.stage import DEFAULT_HWM, Notifier, RejectLog, new_instance_id, pipeline_pull, pipeline_push
+from nanovllm_client.stage import (DEFAULT_HWM, REQUEST_PIPE_HWM, Notifier, RejectLog, new_instance_id, pipeline_pull,
+                                   pipeline_push)
 
-from .ledger import FinishedRing, LiveRequest
+from .ledger import FinishedRing, LiveRequest, request_bytes
 
 log = logging.getLogger("engine_proc")
 
@@ -64,10 +74,26 @@ SHUTDOWN_SEND_S = 2.0
 not reading (or gone) before it gives up and exits."""
 
 
+@dataclass(slots=True)
+class Queued:
+    """A request received and not yet admitted: its sampling parameters built by the input
+    thread (off the step loop), its prompt still packed."""
+    req: p.TokenizedReq
+    params: Any
+    """The built sampling parameters, or None when they were refused (`error` says why)."""
+    error: str | None
+    nbytes: int
+    """Its charge against the byte budgets (`ledger.request_bytes`), held until it ends."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.req.prompt_token_ids) // 4
+
+
 class EngineStage:
     # [ZH-START]
-    # 【职责】引擎进程的外壳：输入 / 主 / 输出三线程；准入闸门（最多 max_live 个请求在引擎里，
-    # 其余排在 backlog，backlog 满 max_queued 才停止读输入）；abort 处理（包括还没准入的请求）；
+    # 【职责】引擎进程的外壳：输入 / 主 / 输出三线程；准入闸门（最多 max_live 个、max_live_bytes 字节的请求在引擎里，
+    # 其余排在 backlog，backlog 满 max_queued 个或 max_queued_bytes 字节才停止读输入）；abort 处理（包括还没准入的请求）；
     # 为 resync 记账；心跳与统计；draining 与关停。
     # 【边界】不分词也不反分词；不直接回复客户端（没有回复通道，拒绝理由作为 rejected 行随 step 发给 detokenizer）；
     # 不做调度细节（LLMEngine / Scheduler 负责）；只有主线程碰 engine 对象。
@@ -77,7 +103,8 @@ class EngineStage:
     # [ZH-END]
     def __init__(self, engine: Any | None, make_sampling, input_endpoint: str, output_endpoint: str,
                  heartbeat_s: float = 0.25, max_live: int = 4096, max_queued: int = 4096,
-                 drain_timeout_s: float = 30.0, out_hwm: int = DEFAULT_HWM, ctx: zmq.Context | None = None,
+                 max_live_bytes: int = 2 << 30, max_queued_bytes: int = 512 << 20, drain_timeout_s: float = 30.0,
+                 out_hwm: int = DEFAULT_HWM, ctx: zmq.Context | None = None,
                  security: ServiceSecurity | None = None, metrics: EngineMetrics | None = None):
         self.engine = engine
         """None until `run` loads it: meanwhile the stage answers, and says it is loading."""
@@ -89,17 +116,20 @@ class EngineStage:
         self.instance_id = new_instance_id()
         self.heartbeat_s = heartbeat_s
         self.max_live, self.max_queued = max_live, max_queued
+        self.max_live_bytes, self.max_queued_bytes = max_live_bytes, max_queued_bytes
         self.ctx = ctx or zmq.Context.instance()
         self.metrics = metrics or EngineMetrics(CollectorRegistry())
         """Fed by the engine's own post-step hook (added once the engine exists) and by this stage."""
         self.metrics.set_state(self.state)
         self._last_hello = ""
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._num_queued = 0
-        """Requests put in `inbox` or `backlog` and not yet admitted, rejected or aborted."""
+        self._num_queued = self._queued_bytes = 0
+        """Requests put in `inbox` or `backlog` and not yet admitted, rejected or aborted, and their bytes."""
+        self._live_bytes = 0
+        """The bytes charged to the requests in `live`."""
         self._queued_lock = threading.Lock()
         self.outbox: queue.Queue = queue.Queue(maxsize=64)  # a slow detokenizer slows the engine, never loses
-        self.backlog: collections.OrderedDict[str, p.TokenizedReq] = collections.OrderedDict()
+        self.backlog: collections.OrderedDict[str, Queued] = collections.OrderedDict()
         self.live: dict[str, LiveRequest] = {}
         """request id -> its meta and output so far, for every request added and not yet finished."""
         self.finished = FinishedRing()
@@ -118,7 +148,8 @@ class EngineStage:
         self._drain_deadline: float | None = None
         # Bind/connect here, in the main thread, before the threads start using the sockets.
         self.security = security or ServiceSecurity(self.ctx, None, None)
-        self._in_sock = pipeline_pull(self.ctx, input_endpoint, security=self.security)
+        # Few frames in zmq's pipe: what waits there is outside the byte budget.
+        self._in_sock = pipeline_pull(self.ctx, input_endpoint, hwm=REQUEST_PIPE_HWM, security=self.security)
         # Not IMMEDIATE: outputs queue (up to the HWM) while the detokenizer restarts.
         self._out_sock = pipeline_push(self.ctx, output_endpoint, hwm=out_hwm, immediate=False,
                                        security=self.security)
@@ -201,7 +232,7 @@ class EngineStage:
         # 2. notifier.tick() 放在主循环里：一步卡死时看门狗就停了，systemd 能发现。
         # 3. idle = 引擎没有未完成请求且 backlog 为空：此时 _take_inbox 最多阻塞 50 ms 等消息，否则不等。
         # 4. _take_inbox：按到达顺序应用请求（进 backlog）、abort、DetokHello。
-        # 5. _admit：backlog 中最早的请求依次加入引擎，直到 live 达到 max_live。
+        # 5. _admit：backlog 中最早的请求依次加入引擎，直到 live 达到 max_live 个或 max_live_bytes 字节（没有 live 时总放一个）。
         # 6. 引擎有未完成请求就 step()，每个输出 _record 记账。
         # 7. outputs = extra_outputs（未准入就被 abort 的请求的终止输出）+ 本步输出；有输出才计一步。
         # 8. 汇总 stats（引擎统计 + live / queued / 步数 / 拒绝帧数）存进 latest_stats（心跳会带上），更新指标和 systemd 状态行（含 KV cache 占用率）。
@@ -223,10 +254,11 @@ class EngineStage:
         outputs = extra_outputs + outputs
         self.num_steps += bool(outputs)
         stats = self.latest_stats = dict(self.engine.stats(), num_live=len(self.live), num_queued=len(self.backlog),
+                                         live_bytes=self._live_bytes, queued_bytes=self._queued_bytes,
                                          num_steps=self.num_steps, rejected_frames=sum(self.rejects.counts.values()))
         used = 1 - stats["num_free_blocks"] / stats["num_total_blocks"]
-        self.metrics.set_live(len(self.live))
-        self.metrics.set_queued(len(self.backlog))
+        self.metrics.set_live(len(self.live), self._live_bytes)
+        self.metrics.set_queued(len(self.backlog), self._queued_bytes)
         self.notifier.status(f"{self.state}: {stats['num_running']} running, {stats['num_waiting']} waiting, "
                              f"{len(self.backlog)} queued, KV cache {used:.0%} used")
         if started or rejected or outputs:
@@ -237,7 +269,7 @@ class EngineStage:
     def _take_inbox(self, block: bool, started: list, rejected: list, extra_outputs: list) -> None:
         # [ZH-START]
         # 1. block 时第一条消息最多等 0.05 秒，否则不等；取到一条后改为不等，把 inbox 里现有的一次取完。
-        # 2. TokenizedReq → _queue_request；draining 时被拒的（_refused）转进 rejected 列表。
+        # 2. Queued（输入线程包好的请求）→ _queue_request；draining 时被拒的（_refused）转进 rejected 列表。
         # 3. AbortReq → _abort（与请求同一队列，所以 abort 不会跑到它的请求前面）。
         # 4. DetokHello → 记下最新的 detokenizer 实例 id；与上次服务过的实例不同就计一次 detokenizer 重启。
         # [ZH-END]
@@ -248,7 +280,7 @@ class EngineStage:
             except queue.Empty:
                 return
             timeout = 0.0
-            if isinstance(msg, p.TokenizedReq):
+            if isinstance(msg, Queued):
                 self._queue_request(msg)
                 rejected.extend(self._refused)
                 self._refused.clear()
@@ -259,16 +291,17 @@ class EngineStage:
                     self.metrics.stage_restart_seen("detokenizer")
                 self._hello = msg.instance_id
 
-    def _queue_request(self, req: p.TokenizedReq) -> None:
+    def _queue_request(self, queued: Queued) -> None:
         # [ZH-START]
         # 1. draining 且这个 id 没见过：计数减一，放进 _refused，附 DRAINING 原因。
         # 2. id 已在 live / backlog 中，或是 resend 且在最近一分钟结束的请求里：忽略（第一次的那个有效）；
         #    不是 resend 的重复记为 "duplicate" 拒绝帧。计数减一。
         # 3. 否则放进 backlog（OrderedDict，保持到达顺序）。
         # [ZH-END]
+        req = queued.req
         rid = req.request_id
         if self.state == "draining" and rid not in self.live and rid not in self.backlog:
-            self._dequeued()
+            self._dequeued(queued)
             self._refused.append([rid, req.meta, DRAINING])
             return
         # A resend (the client's tokenizer restarted) of a request that got through after all,
@@ -276,55 +309,66 @@ class EngineStage:
         if rid in self.live or rid in self.backlog or (req.resend and rid in self.finished):
             if not req.resend:
                 self.rejects("duplicate", f"request id {rid!r} is already live; the new request is ignored")
-            self._dequeued()
+            self._dequeued(queued)
             return
-        self.backlog[rid] = req
+        self.backlog[rid] = queued
 
     def _admit(self, started: list, rejected: list) -> None:
+        """Admit the oldest queued requests while the live ones stay within `max_live` and
+        `max_live_bytes` (one is always admitted when none is live, whatever its size)."""
         while self.backlog and len(self.live) < self.max_live:
-            _, req = self.backlog.popitem(last=False)
-            self._dequeued()
-            self._add(req, started, rejected)
+            queued = next(iter(self.backlog.values()))
+            if self.live and self._live_bytes + queued.nbytes > self.max_live_bytes:
+                return
+            self.backlog.popitem(last=False)
+            self._dequeued(queued)
+            self._add(queued, started, rejected)
 
-    def _add(self, req: p.TokenizedReq, started: list, rejected: list) -> None:
+    def _add(self, queued: Queued, started: list, rejected: list) -> None:
         # [ZH-START]
-        # 1. make_sampling(**sampling) 建参数，engine.add_request(id, prompt ids, params, priority)。
-        # 2. 失败：ValueError / TypeError 是请求本身的问题（参数、超过 max_model_len、永远放不进 KV cache、词表外 id），
-        #    其他异常额外记 traceback；两者都作为 rejected 行 [id, meta, 错误] 发出，
+        # 1. 采样参数已由输入线程建好（queued.params）；建失败的（queued.error）直接走第 3 步。
+        # 2. 此时才把打包的 prompt 解成 list，engine.add_request(id, prompt ids, params, priority)。
+        # 3. 失败：ValueError / TypeError 是请求本身的问题（参数、超过 max_model_len、永远放不进 KV cache、词表外 id），
+        #    其他异常额外记 traceback；都作为 rejected 行 [id, meta, 错误] 发出，
         #    并以 "error" 条目记进 FinishedRing，resync 时也知道它已结束。
-        # 3. 成功：live[id] = LiveRequest(meta)，started 加 [id, meta]——detokenizer 在同一条有序管道上
+        # 4. 成功：_go_live 记进 live（连同它的字节额度），started 加 [id, meta]——detokenizer 在同一条有序管道上
         #    先拿到 meta，再拿到第一个 token。
         # [ZH-END]
-        try:
-            params = self.make_sampling(**req.sampling)
-            self.engine.add_request(req.request_id, req.prompt_token_ids, params, priority=req.priority)
-        except Exception as e:  # refused (ValueError/TypeError) or failed: either way this request's own
-            if not isinstance(e, (ValueError, TypeError)):
-                log.exception("adding request %r failed", req.request_id)
-            error = p.clip(str(e) if isinstance(e, (ValueError, TypeError)) else f"{type(e).__name__}: {e}")
+        req, error = queued.req, queued.error
+        if error is None:
+            try:
+                self.engine.add_request(req.request_id, p.unpack_token_ids(req.prompt_token_ids), queued.params,
+                                        priority=req.priority)
+            except Exception as e:  # refused (ValueError/TypeError) or failed: either way this request's own
+                error = _refusal(e, req.request_id)
+        if error is not None:
             rejected.append([req.request_id, req.meta, error])
-            n = len(req.prompt_token_ids)
+            n = queued.num_prompt_tokens
             self.finished.add(req.request_id, [req.request_id, req.meta, b"", True, "error", n, 0, 0, error])
             return
-        self.live[req.request_id] = LiveRequest(req.meta)
+        self._go_live(queued)
         started.append([req.request_id, req.meta])
+
+    def _go_live(self, queued: Queued) -> None:
+        self.live[queued.req.request_id] = LiveRequest(queued.req.meta, queued.nbytes)
+        self._live_bytes += queued.nbytes
 
     def _abort(self, request_id: str, started: list, extra_outputs: list) -> None:
         # [ZH-START]
         # 1. 不在 backlog：engine.abort(id)（幂等；最终输出由下一步产生）。
-        # 2. 在 backlog（从未准入）：移出、计数减一；记进 live 并加入 started，再合成一个
+        # 2. 在 backlog（从未准入）：移出、计数和字节额度退回；记进 live 并加入 started，再合成一个
         #    RequestOutput(finished=True, reason="abort", prompt 长度) 放进 extra_outputs 并 _record——
         #    它在同一条消息里开始并结束，客户端立刻得到终止增量，abort 不必等准入。
         # [ZH-END]
-        req = self.backlog.pop(request_id, None)
-        if req is None:
+        queued = self.backlog.pop(request_id, None)
+        if queued is None:
             self.engine.abort(request_id)  # idempotent; its final output comes from the next step
             return
         # Never admitted: it starts and ends in this message, so its client still gets a terminal delta.
-        self._dequeued()
-        self.live[request_id] = LiveRequest(req.meta)
-        started.append([request_id, req.meta])
-        out = RequestOutput(request_id, [], True, "abort", len(req.prompt_token_ids), 0, 0)
+        self._dequeued(queued)
+        self._go_live(queued)
+        started.append([request_id, queued.req.meta])
+        out = RequestOutput(request_id, [], True, "abort", queued.num_prompt_tokens, 0, 0)
         extra_outputs.append(out)
         self._record(out)
 
@@ -334,7 +378,7 @@ class EngineStage:
         # 1. 不在 live 里的输出忽略。
         # 2. 已结束且有 _abort_notes（例如 drain 超时）→ 把原因写进 out.error。
         # 3. 追加新 token，更新 (prompt, output, cached) 计数。
-        # 4. 已结束：移出 live，把完整条目 [id, meta, 打包的全部 token, True, reason, 计数..., error] 记进 FinishedRing。
+        # 4. 已结束：移出 live、退回它的字节额度，把完整条目 [id, meta, 打包的全部 token, True, reason, 计数..., error] 记进 FinishedRing。
         # [ZH-END]
         live = self.live.get(out.request_id)
         if live is None:
@@ -345,12 +389,14 @@ class EngineStage:
         live.counts = (out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
         if out.finished:
             del self.live[out.request_id]
+            self._live_bytes -= live.nbytes
             self.finished.add(out.request_id, [out.request_id, live.meta, p.pack_token_ids(live.tokens), True,
                                                out.finish_reason, *live.counts, _error(out)])
 
-    def _dequeued(self) -> None:
+    def _dequeued(self, queued: Queued) -> None:
         with self._queued_lock:
             self._num_queued -= 1
+            self._queued_bytes -= queued.nbytes
 
     def _send_resync(self, detok_instance: str) -> None:
         """Everything a new detokenizer needs. At most one per `RESYNC_INTERVAL_S`, for the latest
@@ -437,15 +483,18 @@ class EngineStage:
 
     def _receive(self) -> None:
         # [ZH-START]
-        # 1. 已排队未准入的请求 >= max_queued：睡 10 ms 不读 socket，让它填满，tokenizer 就会停下来挡住客户端。
+        # 1. 已排队未准入的请求 >= max_queued 个，或其字节额度 >= max_queued_bytes：睡 10 ms 不读 socket，
+        #    让它填满（这条管道的 HWM 只有 64 帧），tokenizer 就会停下来挡住客户端。
         # 2. poll 100 ms，有帧就收。
-        # 3. 解帧；TokenizedReq 顺便解包 prompt ids；只接受 TokenizedReq / AbortReq / DetokHello，
+        # 3. 解帧；只接受 TokenizedReq / AbortReq / DetokHello，
         #    其他一律 ProtocolError → 记 "bad_frame"（对面只有 stage，没有回复通道）。
-        # 4. TokenizedReq 在锁内把 _num_queued 加一。
+        # 4. TokenizedReq → _queued：在这里（不占主线程）建好采样参数（allowed_token_ids 存成 4 字节一个的 array），
+        #    丢掉解出来的 sampling 大 list；prompt 保持打包；额度 = 帧长 + 每个 prompt token 40 字节。
+        #    在锁内把 _num_queued 加一、_queued_bytes 加上额度。
         # 5. 放进 inbox，保持到达顺序。
         # [ZH-END]
-        if self._num_queued >= self.max_queued:  # admission backlog full: let the socket fill
-            time.sleep(0.01)
+        if self._num_queued >= self.max_queued or self._queued_bytes >= self.max_queued_bytes:
+            time.sleep(0.01)  # admission backlog full: let the socket fill
             return
         if not self._in_sock.poll(100):
             return
@@ -453,17 +502,28 @@ class EngineStage:
         self.metrics.frame_received()
         try:
             msg = p.decode(frame)
-            if isinstance(msg, p.TokenizedReq):
-                msg.prompt_token_ids = p.unpack_token_ids(msg.prompt_token_ids)
-            elif not isinstance(msg, (p.AbortReq, p.DetokHello)):
+            if not isinstance(msg, (p.TokenizedReq, p.AbortReq, p.DetokHello)):
                 raise ProtocolError(f"the engine does not accept {msg.TYPE!r} messages")
         except ProtocolError as e:  # only stages talk to us, and they have no reply path
             self.rejects("bad_frame", str(e))
             return
         if isinstance(msg, p.TokenizedReq):
+            msg = self._queued(msg, len(frame))
             with self._queued_lock:
                 self._num_queued += 1
+                self._queued_bytes += msg.nbytes
         self.inbox.put(msg)
+
+    def _queued(self, req: p.TokenizedReq, frame_bytes: int) -> Queued:
+        """Build the request's sampling parameters here, off the step loop: they hold large lists
+        compactly (allowed token ids as 4-byte ints), and the decoded lists are let go."""
+        params, error = None, None
+        try:
+            params = self.make_sampling(**req.sampling)
+        except Exception as e:
+            error = _refusal(e, req.request_id)
+        req.sampling = {}
+        return Queued(req, params, error, request_bytes(frame_bytes, len(req.prompt_token_ids) // 4))
 
     def _output_loop(self) -> None:
         # [ZH-START]
@@ -537,3 +597,12 @@ class EngineStage:
 
 def _error(out: RequestOutput) -> str | None:
     return p.clip(out.error) if out.error else None
+
+
+def _refusal(e: Exception, request_id: str) -> str:
+    """Why a request was refused: ValueError / TypeError are the request's own fault (its
+    parameters, its size); anything else is a failure, logged with its traceback."""
+    if isinstance(e, (ValueError, TypeError)):
+        return p.clip(str(e))
+    log.error("adding request %r failed", request_id, exc_info=e)
+    return p.clip(f"{type(e).__name__}: {e}")

@@ -126,6 +126,11 @@ class EngineMetrics(_StageMetrics):
         self.num_requests_queued = Gauge(PREFIX + "num_requests_queued",
                                          "Requests received and waiting for the engine stage to admit them.",
                                          registry=r)
+        self.request_bytes_live = Gauge(PREFIX + "request_bytes_live",
+                                        "Bytes charged to the admitted requests (against --max-live-mib).", registry=r)
+        self.request_bytes_queued = Gauge(PREFIX + "request_bytes_queued",
+                                          "Bytes charged to the requests waiting for admission (against "
+                                          "--max-queued-mib).", registry=r)
         self._last_cumulative = (0, 0, 0)
         self.set_state("loading")
 
@@ -152,11 +157,13 @@ class EngineMetrics(_StageMetrics):
         for s in ENGINE_STATES:
             self.engine_state.labels(state=s).set(1 if s == state else 0)
 
-    def set_live(self, n: int) -> None:
+    def set_live(self, n: int, nbytes: int) -> None:
         self.num_requests_live.set(n)
+        self.request_bytes_live.set(nbytes)
 
-    def set_queued(self, n: int) -> None:
+    def set_queued(self, n: int, nbytes: int) -> None:
         self.num_requests_queued.set(n)
+        self.request_bytes_queued.set(nbytes)
 
 
 @dataclass(slots=True)

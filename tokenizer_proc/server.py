@@ -35,7 +35,8 @@ from nanovllm.metrics import TokenizerMetrics
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError, check_strings, show
 from nanovllm_client.security import ServiceSecurity
-from nanovllm_client.stage import Notifier, PeerMonitor, RejectLog, client_router, new_instance_id, pipeline_push
+from nanovllm_client.stage import (REQUEST_PIPE_HWM, Notifier, PeerMonitor, RejectLog, client_router, new_instance_id,
+                                   pipeline_push)
 
 log = logging.getLogger("tokenizer_proc")
 
@@ -83,8 +84,10 @@ class TokenizerStage:
         self.ctx = ctx or zmq.Context.instance()
         self.metrics = metrics or TokenizerMetrics(CollectorRegistry())
         self.security = security or ServiceSecurity(self.ctx, None, None)
-        self.frontend = client_router(self.ctx, frontend, security=self.security)
-        self.to_engine = pipeline_push(self.ctx, engine, security=self.security)
+        # Few request frames wait in zmq's pipes: while the engine holds us back, a client's
+        # further requests wait on its side, not here (each frame may be 16 MiB).
+        self.frontend = client_router(self.ctx, frontend, security=self.security, rcv_hwm=REQUEST_PIPE_HWM)
+        self.to_engine = pipeline_push(self.ctx, engine, hwm=REQUEST_PIPE_HWM, security=self.security)
         self.engine_peers = PeerMonitor(self.to_engine)
         self.pending: collections.deque[tuple[float, bytes, str, bytes]] = collections.deque()
         """(time, client identity, client request id or "", frame) waiting for room in the engine pipe."""

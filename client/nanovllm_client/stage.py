@@ -22,6 +22,10 @@ from .security import ServiceSecurity
 
 DEFAULT_HWM = 10_000
 """Messages queued per peer before senders see backpressure (EAGAIN / a blocking send)."""
+REQUEST_PIPE_HWM = 64
+"""The same for the sockets that carry requests (client -> tokenizer, per client; tokenizer ->
+engine, at both ends). zmq counts messages, not bytes, and a request frame may be up to 16 MiB:
+whatever waits in these pipes is outside the engine's byte budgets, so they hold few."""
 
 
 def env_name(flag: str) -> str:
@@ -103,13 +107,14 @@ def stage_security(ctx: zmq.Context, args: argparse.Namespace) -> ServiceSecurit
 
 
 def client_router(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM,
-                  security: ServiceSecurity | None = None) -> zmq.Socket:
+                  security: ServiceSecurity | None = None, rcv_hwm: int | None = None) -> zmq.Socket:
     """A client-facing ROUTER: sends to a vanished or slow peer fail loudly, never silently.
-    With `security`, only allowed clients' keys get through (and the bind must be allowed)."""
+    With `security`, only allowed clients' keys get through (and the bind must be allowed).
+    `rcv_hwm` (default `hwm`): frames held per client that the stage has not read yet."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH / EAGAIN instead of a silent drop
     sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm if rcv_hwm is None else rcv_hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     sock.setsockopt(zmq.LINGER, 0)
     if security is not None:

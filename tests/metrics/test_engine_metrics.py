@@ -43,8 +43,8 @@ def test_engine_metrics_match_the_run(tiny_model_dir):
         for i, (p, sp) in enumerate(zip(prompts[1:], params[1:])):
             engine.add_request(str(i), p, sp)
         produced |= run_to_end(engine)
-        metrics.set_live(3)
-        metrics.set_queued(7)
+        metrics.set_live(3, 3000)
+        metrics.set_queued(7, 7000)
         got = Scrape(server.port)
 
     assert engine.scheduler.num_preemptions == 0
@@ -67,6 +67,7 @@ def test_engine_metrics_match_the_run(tiny_model_dir):
     assert max(m.kv_cache_usage for m in snapshots) > 0
     assert [got("nanovllm:engine_state", state=s) for s in ("loading", "ready", "draining")] == [0.0, 1.0, 0.0]
     assert got("nanovllm:num_requests_live") == 3.0 and got("nanovllm:num_requests_queued") == 7.0
+    assert got("nanovllm:request_bytes_live") == 3000.0 and got("nanovllm:request_bytes_queued") == 7000.0
 
 
 def test_preemptions_are_counted_by_their_increase(tiny_model_dir):

@@ -468,3 +468,77 @@ def test_an_id_reused_right_after_a_stop_string_ended_its_stream_gets_its_own_an
         procs.assert_running()
     finally:
         procs.stop()
+
+
+def peak_rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_flood_of_the_largest_requests_stays_within_the_engines_byte_budgets(tiny_model_dir):
+    """The engine bounded the requests it holds by count only (4,096 queued + 4,096 live), and
+    held a request's 262,144 allowed token ids as a list of Python ints (about 10 MB): 300 such
+    requests took the engine from 242 to 3,653 MiB, so a client at the protocol's limits could
+    take it past the machine's memory. Now each request is charged its frame plus its prompt,
+    the held requests stay within `--max-live-mib` / `--max-queued-mib`, and every one is served."""
+    import json
+
+    from nanovllm.sampling_params import MAX_ALLOWED_TOKEN_IDS
+    budget_mib, n = 8, 120
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc",
+                          engine_args=TINY_ENGINE_ARGS + ["--max-live-mib", str(budget_mib), "--max-queued-mib", str(budget_mib)])
+    try:
+        with Client(procs.url, timeout=300) as client:
+            client.wait_engine(timeout=START_TIMEOUT)
+            with open(os.path.join(tiny_model_dir, "config.json")) as f:
+                vocab = json.load(f)["vocab_size"]
+            allowed = [i % vocab for i in range(MAX_ALLOWED_TOKEN_IDS)]
+            assert client.generate("def f():", max_tokens=2, allowed_token_ids=allowed).usage["completion_tokens"] == 2
+            before = {stage: peak_rss_mib(procs.pid(stage)) for stage in ("tokenizer_proc", "engine_proc")}
+            streams = [client.stream("def f():", max_tokens=200, ignore_eos=True, allowed_token_ids=allowed)
+                       for _ in range(n)]
+            held: list[tuple[int, int]] = []
+            done = threading.Event()
+
+            def sample() -> None:  # what the engine says it holds, while the flood is on
+                while not done.is_set():
+                    engine = client.server_stats()["engine"]
+                    held.append((engine["live_bytes"], engine["queued_bytes"]))
+                    time.sleep(0.05)
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            finishes = [[d.finish_reason for d in s][-1] for s in streams]
+            done.set()
+            sampler.join(timeout=15)
+            after = {stage: peak_rss_mib(procs.pid(stage)) for stage in before}
+            wait_for(lambda: client.server_stats()["engine"]["live_bytes"] == 0, timeout=5, what="the charges returned")
+            assert client.server_stats()["engine"]["queued_bytes"] == 0
+        procs.assert_running()
+    finally:
+        procs.stop()
+    assert finishes == ["length"] * n
+    assert max(live for live, _ in held) > (budget_mib << 19), held  # the budget was reached
+    # At most one request over the budget: the one admitted last may cross it.
+    frame = 5 * MAX_ALLOWED_TOKEN_IDS
+    assert all(live <= (budget_mib << 20) + frame and queued <= (budget_mib << 20) + frame for live, queued in held), held
+    growth = {stage: after[stage] - before[stage] for stage in before}
+    assert all(g < 400 for g in growth.values()), growth  # the old code: ~1,300 MiB for the engine alone
+
+
+def test_recently_finished_requests_are_bounded_by_bytes_as_well_as_count():
+    """A finished entry keeps its meta (up to 64 stop strings of 1,024 characters) and its output
+    ids for a resync: 4,096 of them could hold over a GiB. The oldest go once the bytes run out."""
+    from engine_proc.ledger import FinishedRing, entry_bytes
+
+    def entry(rid: str) -> list:
+        meta = {"client": b"c", "rid": rid, "stop": ["s" * 1024] * 64}
+        return [rid, meta, p.pack_token_ids(range(1000)), True, "length", 3, 1000, 0, None]
+    one = entry_bytes(entry("x"))
+    assert one > 64 * 1024 * 4 + 4000
+    ring = FinishedRing(max_entries=4096, max_bytes=10 * one)
+    for i in range(25):
+        ring.add(str(i), entry(str(i)))
+    assert [e[0] for e in ring.values()] == [str(i) for i in range(15, 25)]
+    assert ring.nbytes == 10 * one and "14" not in ring and "15" in ring
+    ring.add("24", entry("24"))  # the same id again replaces its entry, charged once
+    assert ring.nbytes == 10 * one and len(ring.values()) == 10
