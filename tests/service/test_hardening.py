@@ -542,3 +542,55 @@ def test_recently_finished_requests_are_bounded_by_bytes_as_well_as_count():
     assert ring.nbytes == 10 * one and "14" not in ring and "15" in ring
     ring.add("24", entry("24"))  # the same id again replaces its entry, charged once
     assert ring.nbytes == 10 * one and len(ring.values()) == 10
+
+
+def test_every_way_a_request_leaves_the_engine_returns_its_byte_charge(tiny_model_dir, ctx):
+    """The byte budgets only bound memory if every charge comes back: a request that finishes, is
+    aborted while queued or while live, is refused at admission, or is a duplicate."""
+    from engine_proc.server import EngineStage
+    from nanovllm.config import Config
+    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.sampling_params import SamplingParams
+
+    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    detok_in = ctx.socket(zmq.PULL)
+    detok_in.bind(eps.detok)
+    engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=64, num_threads=1))
+    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, max_live=1, ctx=ctx)
+    stop = threading.Event()
+    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
+    runner.start()
+    ends: dict[str, str] = {}
+
+    def read(until) -> None:
+        deadline = time.monotonic() + 30
+        while not until() and time.monotonic() < deadline:
+            if detok_in.poll(50):
+                msg = p.decode(detok_in.recv())
+                if isinstance(msg, p.StepOutput):
+                    ends.update({row[0]: "rejected" for row in msg.rejected})
+                    ends.update({row[0]: row[3] for row in msg.outputs if row[2]})
+    try:
+        push = raw_socket(ctx, zmq.PUSH, eps.engine)
+
+        def send(rid: str, sampling: dict, prompt=(1, 2, 3)) -> None:
+            push.send(p.TokenizedReq(rid, p.pack_token_ids(list(prompt)), sampling, {"client": b"c", "rid": rid}).encode())
+        send("long", {"max_tokens": 500, "ignore_eos": True})
+        read(lambda: stage._live_bytes > 0)
+        send("queued", {"max_tokens": 5, "allowed_token_ids": list(range(100))})
+        send("queued", {"max_tokens": 5})  # a duplicate of a queued id: ignored
+        send("bad", {"temperature": -1})  # refused by its sampling parameters
+        send("too-long", {"max_tokens": 5}, prompt=range(1, 5000))  # refused at admission: longer than the model
+        send("short", {"max_tokens": 3, "ignore_eos": True})
+        read(lambda: stage._queued_bytes and len(stage.backlog) == 4)
+        assert stage._queued_bytes == sum(q.nbytes for q in stage.backlog.values())
+        push.send(p.AbortReq("queued").encode())
+        read(lambda: "queued" in ends)
+        push.send(p.AbortReq("long").encode())
+        read(lambda: len(ends) == 5)
+        assert ends == {"long": "abort", "queued": "abort", "bad": "rejected", "too-long": "rejected", "short": "length"}
+        read(lambda: not stage.live and not stage.backlog)
+        assert (stage._live_bytes, stage._queued_bytes, stage._num_queued) == (0, 0, 0)
+    finally:
+        stop.set()
+        runner.join(timeout=10)
