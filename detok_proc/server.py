@@ -56,13 +56,19 @@ log = logging.getLogger("detok_proc")
 
 HELLO_INTERVAL_S = 0.5
 """A new detokenizer repeats its DetokHello this often until the engine's Resync arrives."""
+DRAIN_PASS_S = 0.05
+"""Longest a pass over one socket runs before the loop turns to the other and to its timeouts."""
+RESUME_INTERVAL_S = 1.0
+"""A client sends one Resume per detokenizer it meets; one listing 65,536 streams costs ~0.1-0.3 s
+to apply, so more than one a second from the same client is refused as a flood."""
 MAX_GONE_CLIENTS = 4096
 GONE_CLIENT_MEMORY_S = 600.0
 """How long the stage remembers a client it gave up on, to tell it if it comes back."""
 MAX_EARLY_RESUME_ROWS = p.MAX_ROWS
 """Streams held from Resume frames that arrive before the engine's resync, all clients together: one
 Resume may list up to MAX_ROWS, far more than an engine holds (its live and queued requests are
-bounded by a few thousand), so anything beyond this is a flood, not clients resuming."""
+bounded by a few thousand), so anything beyond this is a flood, not clients resuming. Over it the
+largest held Resumes go first: a client resuming a few streams is never crowded out by a bigger one."""
 
 
 def _terminal(reason: str, num_prompt: int, num_output: int, num_cached: int) -> dict[str, Any]:
@@ -110,6 +116,11 @@ class ClientInfo:
     # 【协作者】on_client_frames 更新 last_seen；send_to_client / _flush_all_pending 用 pending；client_gone / check_timeouts 清理。
     # [ZH-END]
     last_seen: float
+    last_resume: float = float("-inf")
+    heard: bool = False
+    """Whether it has sent this detokenizer anything. One that has not (its requests came in the
+    engine's steps or resync first, right after a restart) may still be reconnecting: a send that
+    finds no socket for it is held, not taken for its departure."""
     request_ids: set[str] = field(default_factory=set)
     """Engine request ids of this client's requests in flight."""
     pending: collections.deque = field(default_factory=collections.deque)
@@ -220,12 +231,16 @@ class DetokStage:
             sock.close(linger=0)
         self.security.close()
 
-    def _drain(self, sock: zmq.Socket, handle, budget: int = 256) -> None:
+    def _drain(self, sock: zmq.Socket, handle, budget: int = 256, max_s: float = DRAIN_PASS_S) -> None:
         # [ZH-START]
-        # 1. 每次最多处理 budget = 256 条，NOBLOCK 收取，收空就返回。
+        # 1. 每次最多处理 budget = 256 条、最多 max_s = 50 ms（一个客户端的一串大帧不能让另一个 socket 和超时检查等太久），
+        #    NOBLOCK 收取，收空就返回。
         # 2. 每条都包在 try 里：处理时的任何 bug 记为 "internal" 拒绝帧，只花掉这一帧，进程继续。
         # [ZH-END]
+        until = time.monotonic() + max_s
         for _ in range(budget):
+            if time.monotonic() > until:
+                return
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -526,32 +541,52 @@ class DetokStage:
             self._resume_deadline = time.monotonic() + max(2 * self.client_timeout_s, 10.0)
             log.info("resynced with engine %s: %d request(s) await their clients", msg.instance_id,
                      sum(s.awaiting_resume for s in self.requests.values()))
-            for identity, rows in self._early_resumes.items():
-                self._apply_resume(identity, rows)
-            self._early_resumes.clear()
+            # Detached first: applying one may find its client gone, which drops its entry.
+            early, self._early_resumes = self._early_resumes, {}
+            for identity, rows in early.items():
+                if identity in self.clients:
+                    self._apply_resume(identity, rows)
 
     def on_resume(self, identity: bytes, msg: p.Resume) -> None:
         # [ZH-START]
-        # 1. 已 resync：立刻 _apply_resume。
-        # 2. 还没 resync：先存进 _early_resumes（每个客户端保留最新一份），等 resync 的最后一帧再应用；
-        #    所有客户端合计最多 MAX_EARLY_RESUME_ROWS 行，超出的 Resume 记 "resume_flood" 后丢弃（内存有界），
-        #    客户端断开时它那份也删掉。
+        # 1. 同一客户端 1 秒内（RESUME_INTERVAL_S）第二个 Resume：记 "resume_flood"，回 ErrorOutput 说明，丢弃
+        #    （正常客户端每遇到一个新的 detokenizer 只发一次；一个 65,536 行的 Resume 要花 0.1–0.3 秒处理）。
+        # 2. 已 resync：立刻 _apply_resume。
+        # 3. 还没 resync：先存进 _early_resumes（每个客户端保留最新一份），等 resync 的最后一帧再应用；
+        #    所有客户端合计最多 MAX_EARLY_RESUME_ROWS 行：放不下时先丢掉比它大的、最大的那几份（回 ErrorOutput 告诉它们的客户端），
+        #    它自己最大就丢它自己——几行的正常 Resume 不会被一个巨大的挤掉；客户端断开时它那份也删掉。
         # [ZH-END]
+        info = self.clients[identity]
+        now = time.monotonic()
+        if now - info.last_resume < RESUME_INTERVAL_S:
+            self._refuse_resume(identity, f"a second resume within {RESUME_INTERVAL_S:.0f}s")
+            return
+        info.last_resume = now
         if self.resynced:
             self._apply_resume(identity, msg.requests)
             return
-        held = sum(map(len, self._early_resumes.values())) - len(self._early_resumes.get(identity, ()))
-        if held + len(msg.requests) > MAX_EARLY_RESUME_ROWS:
-            self.rejects("resume_flood", f"a resume of {len(msg.requests)} stream(s) from {identity.hex()} while "
-                         f"{held} wait for the engine's resync: over the limit of {MAX_EARLY_RESUME_ROWS}")
-            return
+        self._early_resumes.pop(identity, None)
+        held = sum(map(len, self._early_resumes.values()))
+        while held + len(msg.requests) > MAX_EARLY_RESUME_ROWS:
+            largest = max(self._early_resumes, key=lambda k: len(self._early_resumes[k]), default=None)
+            if largest is None or len(self._early_resumes[largest]) <= len(msg.requests):
+                self._refuse_resume(identity, f"a resume of {len(msg.requests)} stream(s) while {held} wait for the "
+                                              f"engine's resync: over the limit of {MAX_EARLY_RESUME_ROWS}")
+                return
+            held -= len(self._early_resumes.pop(largest))
+            self._refuse_resume(largest, f"a resume of {len(msg.requests)} stream(s) came while {held} waited for the "
+                                         f"engine's resync: the largest held resume was dropped")
         self._early_resumes[identity] = msg.requests
+
+    def _refuse_resume(self, identity: bytes, why: str) -> None:
+        self.rejects("resume_flood", f"from {identity.hex()}: {why}")
+        self.send_to_client(identity, p.ErrorOutput(p.clip(f"resume refused: {why}")).encode())
 
     def _apply_resume(self, identity: bytes, rows: list[list]) -> None:
         """Continue each listed stream from what the client has; abort what it no longer wants."""
         # [ZH-START]
         # 1. mine = 该客户端的全部请求（按客户端 rid 索引），waiting = 其中等待 resume 的。
-        # 2. 对客户端报上的每一行 [rid, 已收 token 数, 已收字符数]：
+        # 2. 对客户端报上的每一行 [rid, 已收 token 数, 已收字符数]（同一 rid 重复列出只处理第一次）：
         #    a. 不在 waiting 里：若客户端已收到过 token 而我们根本没有这个请求 → 回错误增量（引擎已不持有它，标 engine_dead）；跳过；
         #    b. 在 waiting 里：清除等待标记，增量 = all_text[已收字符数:] 和 all_ids[已收 token 数:]，已结束则带上 final；
         #       释放累积缓冲；已结束就 _finished。
@@ -560,8 +595,11 @@ class DetokStage:
         # [ZH-END]
         mine = {s.client_request_id: (rid, s) for rid, s in self.requests.items() if s.client == identity}
         waiting = {client_rid: rid for client_rid, (rid, s) in mine.items() if s.awaiting_resume}
-        deltas = []
+        deltas, seen = [], set()
         for client_rid, num_tokens, num_chars in rows:
+            if client_rid in seen:  # listed twice: answered once
+                continue
+            seen.add(client_rid)
             request_id = waiting.pop(client_rid, None)
             if request_id is None:
                 if num_tokens and client_rid not in mine:
@@ -605,7 +643,7 @@ class DetokStage:
         self._tell_if_given_up(identity)
         self.metrics.frame_received()
         info = self.clients.setdefault(identity, ClientInfo(time.monotonic()))
-        info.last_seen = time.monotonic()
+        info.last_seen, info.heard = time.monotonic(), True
         if len(frames) != 1:
             self.rejects("multipart", f"{len(frames)} frames from {identity.hex()}")
             self.send_to_client(identity, p.ErrorOutput(f"expected exactly one frame per message, got {len(frames)}").encode())
@@ -654,7 +692,9 @@ class DetokStage:
         # 1. _outbox 里有该客户端本轮积累的增量：先发出（_flush_client），顺序不乱。
         # 2. _send_frame：该客户端已有排队帧 → 追加到队尾，保证顺序；否则 NOBLOCK 发送。
         # 3. zmq.Again（客户端管道满）：排队（_queue）。
-        # 4. 其他 ZMQError（ROUTER_MANDATORY 下的 EHOSTUNREACH：客户端 socket 已不存在）→ client_gone。
+        # 4. 其他 ZMQError（ROUTER_MANDATORY 下的 EHOSTUNREACH：客户端 socket 不存在）：
+        #    本实例从没收到过它的消息（刚重启，它的请求先随引擎的 step / resync 到了，它还在重连）→ 也排队，
+        #    来不来由客户端超时决定；收到过它的消息 → client_gone。
         # [ZH-END]
         if identity in self._outbox:  # what this pass already holds for it goes first
             self._flush_client(identity)
@@ -675,8 +715,11 @@ class DetokStage:
         except zmq.Again:  # its pipe is full: hold the frame, in order
             if info is not None:
                 self._queue(identity, info, frame)
-        except zmq.ZMQError as e:  # EHOSTUNREACH: its socket is gone
-            self.client_gone(identity, f"its socket is gone ({e.strerror})")
+        except zmq.ZMQError as e:  # EHOSTUNREACH: its socket is gone, or not there yet
+            if info is not None and not info.heard:
+                self._queue(identity, info, frame)  # the client timeout decides if it never comes
+            else:
+                self.client_gone(identity, f"its socket is gone ({e.strerror})")
 
     def _queue(self, identity: bytes, info: ClientInfo, frame: bytes) -> None:
         # [ZH-START]
@@ -690,7 +733,7 @@ class DetokStage:
     def _flush_all_pending(self) -> None:
         # [ZH-START]
         # 1. 对每个有积压的客户端，按序 NOBLOCK 发队头，成功才出队。
-        # 2. zmq.Again：这个客户端还是满的，换下一个；其他 ZMQError → client_gone。
+        # 2. zmq.Again：这个客户端还是满的，换下一个；其他 ZMQError → 听到过它才 client_gone（否则它可能还在重连，继续等）。
         # [ZH-END]
         for identity, info in list(self.clients.items()):
             while info.pending:
@@ -699,7 +742,8 @@ class DetokStage:
                 except zmq.Again:
                     break
                 except zmq.ZMQError:
-                    self.client_gone(identity, "its socket is gone")
+                    if info.heard:
+                        self.client_gone(identity, "its socket is gone")
                     break
                 info.pending.popleft()
 
@@ -736,7 +780,8 @@ class DetokStage:
     def check_timeouts(self, now: float) -> None:
         # [ZH-START]
         # 1. 客户端超过 client_timeout_s（默认 5 秒）没有任何消息 → client_gone。
-        # 2. 听到过引擎、未判死、超过 engine_timeout_s（默认 3 秒）没有消息 → _engine_dead（引擎挂起）。
+        # 2. 听到过引擎、未判死、超过 engine_timeout_s（默认 3 秒）没有消息，且 socket 里也没有没读的帧（那是我们忙，不是它静默）
+        #    → _engine_dead（引擎挂起）。
         # 3. 还没 resync：每 0.5 秒（HELLO_INTERVAL_S）向引擎发一次 DetokHello，直到 Resync 到来；没有引擎时跳过。
         # 4. 过了 resume 期限：还在等 resume 的请求一律 _drop_unclaimed。
         # 5. gone 里超过 600 秒（GONE_CLIENT_MEMORY_S）的记录从最旧的开始删除。
@@ -744,7 +789,8 @@ class DetokStage:
         for identity, info in list(self.clients.items()):
             if now - info.last_seen > self.client_timeout_s:
                 self.client_gone(identity, f"no heartbeat for {self.client_timeout_s}s")
-        if self.engine_state and self.engine_alive is not False and now - self.engine_last_seen > self.engine_timeout_s:
+        if (self.engine_state and self.engine_alive is not False and now - self.engine_last_seen > self.engine_timeout_s
+                and not self.from_engine.poll(0)):  # frames waiting unread are no silence: we were busy
             self._engine_dead(f"no heartbeat for {self.engine_timeout_s}s")
         if not self.resynced and now >= self._next_hello:
             self._next_hello = now + HELLO_INTERVAL_S

@@ -253,8 +253,10 @@ def test_resumes_held_before_the_engines_resync_are_bounded_and_dropped_with_the
         for sock in (first, second):
             sock.send(resume)
         wait_for(lambda: len(stage._early_resumes) == 2, timeout=10, what="two resumes held")
-        third.send(resume)  # over the limit with the other two
+        third.send(resume)  # over the limit with the other two, and no smaller than either
         wait_for(lambda: floods() == 1, timeout=10, what="the third resume refused")
+        assert "resume refused" in reply(third).message
+        time.sleep(1.1)  # one resume a second per client
         first.send(resume)  # the same client again replaces its own: no flood
         time.sleep(0.5)
         assert floods() == 1

@@ -1,0 +1,193 @@
+"""The detokenizer against misbehaving clients and restarts: one regression test per way it used
+to lose a stream or fail everyone's (each failed on the code before the fix). Real processes and
+sockets; an in-process detokenizer fed by a scripted engine where the timing must be exact."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import zmq
+
+from nanovllm_client import Client, RequestError
+from nanovllm_client import protocol as p
+from nanovllm_client.endpoints import service_endpoints
+from tests.service.conftest import START_TIMEOUT, start_service
+from tests.service.harness import short_tmpdir, wait_for
+from tests.service.test_hardening import raw_socket, reply
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def test_one_clients_burst_of_resumes_does_not_make_the_engine_look_dead(tiny_model_dir):
+    """The detokenizer handled up to 256 client frames in a pass before it looked at the engine
+    socket or the clock; 60 valid Resumes of 65,536 rows (0.64 MB each, ~0.1-0.3 s each to apply)
+    kept it from the engine's heartbeats for seconds, it declared the engine dead, and every
+    client's streams failed with EngineDeadError. Default detokenizer timeouts."""
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc", detok_args=[])
+    ctx = zmq.Context()
+    try:
+        frame = p.Resume([[f"r{i}", 0, 0] for i in range(p.MAX_ROWS)]).encode()
+        with Client(procs.url, timeout=120) as client:
+            victims = [client.stream("def f():", max_tokens=400, ignore_eos=True) for _ in range(3)]
+            for victim in victims:
+                next(victim)
+            hog = raw_socket(ctx, zmq.DEALER, service_endpoints(procs.url).stream, uuid.uuid4().bytes)
+            for _ in range(60):
+                hog.send(frame)
+            finishes = [[d.finish_reason for d in victim][-1] for victim in victims]
+            assert finishes == ["length"] * 3
+            assert client.server_stats()["engine_alive"] is True
+
+            def refused() -> int:
+                return client.server_stats()["detok"]["rejected_frames"].get("resume_flood", 0)
+            wait_for(lambda: refused() >= 40, timeout=60, what="the resumes beyond one a second refused")
+        procs.assert_running()
+    finally:
+        ctx.destroy(linger=0)
+        procs.stop()
+
+
+def test_a_stream_the_engine_admitted_while_the_detokenizer_was_down_survives_its_restart(tiny_model_dir):
+    """A new detokenizer reads the engine's queued steps first; for a request sent while it was
+    down, they carry its start and first tokens before the client has reconnected. The send found
+    no socket for the client (EHOSTUNREACH), the stage took the client for gone and aborted its
+    requests: the stream ended in an error, 4 times in 4 tries. A client the stage has not heard
+    from yet may be reconnecting: its frames are held, and the client timeout decides."""
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc")
+    try:
+        with Client(procs.url, timeout=90, connect_timeout=60) as client:
+            for _ in range(2):
+                before = client.stream("def f():", max_tokens=2000, ignore_eos=True)
+                next(before)
+                procs.kill("detok_proc")
+                during = client.stream("x = 1", max_tokens=2000, ignore_eos=True)
+                time.sleep(1.0)  # it reaches the engine, which admits it and steps
+                procs.start("detok_proc")
+                assert [[d.finish_reason for d in s][-1] for s in (before, during)] == ["length", "length"]
+                client.wait_engine(timeout=START_TIMEOUT)
+        procs.assert_running()
+    finally:
+        procs.stop()
+
+
+def test_a_client_gone_before_the_resync_does_not_stop_the_others_resumes(tokenizer_dir, ctx):
+    """Resumes that arrive before the engine's resync are applied when it comes, in a loop over
+    the held ones; a client whose socket had gone meanwhile was dropped from that dict mid-loop,
+    the loop raised, and every later client's streams were never resumed nor ended."""
+    from transformers import AutoTokenizer
+
+    from detok_proc.server import DetokStage
+
+    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    engine_in = ctx.socket(zmq.PULL)
+    engine_in.bind(eps.engine)
+    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.engine,
+                       client_timeout_s=5.0, engine_timeout_s=60, ctx=ctx)
+    stop = threading.Event()
+    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
+    runner.start()
+    try:
+        engine_out = raw_socket(ctx, zmq.PUSH, eps.detok)
+        engine_out.send(p.EngineStatus(True, "E1", state="ready").encode())
+        leaving_id, staying_id = uuid.uuid4().bytes, uuid.uuid4().bytes
+        leaving = raw_socket(ctx, zmq.DEALER, eps.stream, leaving_id)
+        staying = raw_socket(ctx, zmq.DEALER, eps.stream, staying_id)
+        leaving.send(p.Resume([["gone-1", 1, 0]]).encode())  # its answer will find no socket
+        staying.send(p.Resume([["v1", 2, 2]]).encode())
+        wait_for(lambda: len(stage._early_resumes) == 2, timeout=10, what="both resumes held")
+        leaving.close()
+        time.sleep(0.3)
+        meta = {"client": staying_id, "rid": "v1"}
+        entry = ["c:v1", meta, p.pack_token_ids([65, 66, 67]), True, "length", 3, 3, 0, None]
+        engine_out.send(p.Resync("E1", stage.instance_id, [entry], True).encode())
+        while True:
+            msg = reply(staying)
+            if isinstance(msg, p.StreamOutput):
+                break
+        (delta,) = msg.deltas
+        assert (delta["request_id"], delta["finish_reason"]) == ("v1", "length")
+        assert stage.rejects.counts.get("internal", 0) == 0
+    finally:
+        stop.set()
+        runner.join(timeout=10)
+
+
+def test_a_huge_early_resume_cannot_crowd_out_a_small_one(tokenizer_dir, ctx):
+    """The Resumes held before the engine's resync share one budget; it was first come, first
+    served, so one client's 65,536-row Resume made every later client's few rows be refused, and
+    their streams were dropped. Now the largest held Resume goes first, and its client is told."""
+    from transformers import AutoTokenizer
+
+    from detok_proc.server import MAX_EARLY_RESUME_ROWS, DetokStage
+
+    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.engine,
+                       client_timeout_s=5.0, engine_timeout_s=60, ctx=ctx)
+    stop = threading.Event()
+    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
+    runner.start()
+    try:
+        hog_id, small_id = uuid.uuid4().bytes, uuid.uuid4().bytes
+        hog = raw_socket(ctx, zmq.DEALER, eps.stream, hog_id)
+        small = raw_socket(ctx, zmq.DEALER, eps.stream, small_id)
+        hog.send(p.Resume([[f"r{i}", 1, 1] for i in range(MAX_EARLY_RESUME_ROWS)]).encode())
+        wait_for(lambda: hog_id in stage._early_resumes, timeout=10, what="the huge resume held")
+        small.send(p.Resume([["mine", 1, 1]]).encode())
+        assert "resume refused" in reply(hog).message
+        wait_for(lambda: list(stage._early_resumes) == [small_id], timeout=10, what="the small resume held")
+        assert stage._early_resumes[small_id] == [["mine", 1, 1]]
+    finally:
+        stop.set()
+        runner.join(timeout=10)
+
+
+def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_its_requests(tokenizer_dir, ctx):
+    """The same, step by step: a step starts a request for a client that has not reached this
+    detokenizer yet. The send found no socket, and the stage aborted the request in the engine."""
+    from transformers import AutoTokenizer
+
+    from detok_proc.server import DetokStage
+
+    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    engine_in = ctx.socket(zmq.PULL)
+    engine_in.bind(eps.engine)
+    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.engine,
+                       client_timeout_s=5.0, engine_timeout_s=60, ctx=ctx)
+    stop = threading.Event()
+    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
+    runner.start()
+    try:
+        engine_out = raw_socket(ctx, zmq.PUSH, eps.detok)
+        identity = uuid.uuid4().bytes
+        meta = {"client": identity, "rid": "r1"}
+        engine_out.send(p.StepOutput("E1", [["c:r1", meta]], [], [["c:r1", p.pack_token_ids([65]), False, None,
+                                                                   3, 1, 0, None]]).encode())
+        wait_for(lambda: stage.engine_instance == "E1", timeout=10, what="the step applied")
+        time.sleep(0.3)  # the stage tries to send, and finds no socket for the client
+        out = raw_socket(ctx, zmq.DEALER, eps.stream, identity)
+        out.send(p.Ping().encode())
+        engine_out.send(p.StepOutput("E1", [], [], [["c:r1", p.pack_token_ids([66]), True, "length",
+                                                     3, 2, 0, None]]).encode())
+        got, finish = b"", None
+        while finish is None:
+            msg = reply(out)
+            for delta in msg.deltas if isinstance(msg, p.StreamOutput) else []:
+                got += delta["token_ids"]
+                finish = delta["finish_reason"]
+        assert (p.unpack_token_ids(got), finish) == ([65, 66], "length")
+        aborts = []
+        while engine_in.poll(100):
+            msg = p.decode(engine_in.recv())
+            if isinstance(msg, p.AbortReq):
+                aborts.append(msg.request_id)
+        assert aborts == []
+    finally:
+        stop.set()
+        runner.join(timeout=10)
