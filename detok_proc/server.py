@@ -656,7 +656,8 @@ class DetokStage:
             return
         if isinstance(msg, p.Ping):
             self.send_to_client(identity, p.Pong("detokenizer", self.instance_id, self.engine_alive, self.state,
-                                                 time.monotonic() - self.started_at, self.engine_state).encode())
+                                                 time.monotonic() - self.started_at, self.engine_state,
+                                                 self.engine_instance).encode())
         elif isinstance(msg, p.StatsReq):
             self.send_to_client(identity, p.StatsOutput(self.stats()).encode())
         elif isinstance(msg, p.Resume):

@@ -129,6 +129,8 @@ class ClientState:
         """The engine's state as the detokenizer reports it: "", loading, ready or draining."""
         self.detok_instance: str | None = None
         self.tokenizer_instance: str | None = None
+        self.engine_instance: str | None = None
+        """The engine instance the detokenizer follows, once it has named one."""
         self.detok_timeout, self.stage_timeout = detok_timeout, stage_timeout
         self.detok_responsive = False
         self.last_pong = time.monotonic()
@@ -161,9 +163,12 @@ class ClientState:
         if isinstance(msg, p.Pong):
             return self._on_pong(msg)
         if isinstance(msg, p.EngineStatus):
+            reaction = Reaction()
             if msg.alive:
                 self.engine_state = msg.state
-            return Reaction(self._set_engine_alive(msg.alive if msg.state != "loading" else None, msg.reason))
+                self._follow_engine(msg.instance_id, reaction)
+            reaction.deltas += self._set_engine_alive(msg.alive if msg.state != "loading" else None, msg.reason)
+            return reaction
         if isinstance(msg, p.StatsOutput):
             return Reaction(stats=msg.stats)
         log.warning("unexpected %r message from the service", msg.TYPE)
@@ -193,13 +198,29 @@ class ClientState:
             self.tokenizer_instance = msg.instance_id
             return reaction
         self.last_pong, self.detok_responsive = time.monotonic(), True
+        self._follow_engine(msg.engine_instance, reaction)
         if self.detok_instance is not None and msg.instance_id != self.detok_instance and self.inflight:
             rows = [[wire_id, f.tokens, f.chars] for wire_id, f in self.inflight.items()]
             log.info("detokenizer restarted: resuming %d stream(s)", len(rows))
             reaction.to_detok = [p.Resume(rows).encode()]
         self.detok_instance, self.engine_state = msg.instance_id, msg.engine_state
-        reaction.deltas = self._set_engine_alive(msg.engine_alive)
+        reaction.deltas += self._set_engine_alive(msg.engine_alive)
         return reaction
+
+    def _follow_engine(self, instance_id: str, reaction: Reaction) -> None:
+        """The detokenizer names the engine it follows. Another instance than the one known means
+        the engine restarted; when the detokenizer that saw the old one die died with it, nobody
+        else tells us: the requests in flight are failed as at an engine death (and aborted, in
+        case one reached the new engine after all)."""
+        if not instance_id:
+            return
+        if self.engine_instance is not None and instance_id != self.engine_instance and self.inflight:
+            log.info("engine restarted (%s replaced %s): failing %d request(s) in flight", instance_id,
+                     self.engine_instance, len(self.inflight))
+            reaction.to_tokenizer += [p.AbortReq(wire_id).encode() for wire_id in self.inflight]
+            reaction.deltas += self._fail_all(f"engine restarted (instance {instance_id} replaced "
+                                              f"{self.engine_instance}); the request was lost", engine_dead=True)
+        self.engine_instance = instance_id
 
     def _set_engine_alive(self, alive: bool | None, reason: str = "") -> list[Delta]:
         """None: not known (a detokenizer that just started, an engine loading) - not a death."""

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import zmq
 
-from nanovllm_client import Client, RequestError
+from nanovllm_client import Client
 from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
 from tests.service.conftest import START_TIMEOUT, start_service
@@ -191,3 +191,34 @@ def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_it
     finally:
         stop.set()
         runner.join(timeout=10)
+
+
+def test_a_queued_request_ends_when_the_engine_and_detokenizer_die_together(tiny_model_dir):
+    """A request still queued in the engine has no output, so a client's resume cannot ask for it
+    and the new engine's resync does not hold it; the detokenizer that saw the old engine die died
+    with it, so nobody said so. The request waited for its own timeout (600 s by default). Now the
+    client sees the engine instance change (pongs name it) and fails what it had in flight."""
+    from nanovllm_client import EngineDeadError
+
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc",
+                          engine_args=["--num-kvcache-blocks", "512", "--num-threads", "1", "--max-live", "1"])
+    try:
+        with Client(procs.url, timeout=40, connect_timeout=60) as client:
+            running = client.stream("def f():", max_tokens=100_000, ignore_eos=True)
+            next(running)
+            queued = client.stream("x = 1", max_tokens=5, ignore_eos=True)
+            wait_for(lambda: client.server_stats()["engine"]["num_queued"] == 1, timeout=10, what="one queued")
+            procs.kill("detok_proc")  # first: nobody sees the engine die
+            procs.kill("engine_proc")
+            procs.start("engine_proc")
+            procs.start("detok_proc")
+            started = time.monotonic()
+            for stream in (running, queued):
+                with pytest.raises(EngineDeadError):
+                    list(stream)
+            assert time.monotonic() - started < 30
+            client.wait_engine(timeout=START_TIMEOUT)
+            assert client.generate("y", max_tokens=3, ignore_eos=True).finish_reason == "length"
+        procs.assert_running()
+    finally:
+        procs.stop()
