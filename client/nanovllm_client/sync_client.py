@@ -35,6 +35,8 @@ from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceU
 log = logging.getLogger("nanovllm_client")
 
 _GENERATE, _ABORT, _TO_STREAM, _STOP = b"g", b"a", b"s", b"x"
+READ_BATCH = 256
+"""Most frames the I/O thread reads from one socket before it turns to its heartbeat and commands."""
 _instances = itertools.count()
 
 
@@ -330,12 +332,13 @@ class Client(ClientBase):
     def _drain_incoming(self, sock: zmq.Socket, tok: zmq.Socket, out: zmq.Socket,
                         backlog: dict[zmq.Socket, collections.deque]) -> None:
         # [ZH-START]
-        # 1. NOBLOCK 收完该 socket 的帧，逐帧交给 _take_frame（ClientState.handle；就绪 → 置位 _ready；
+        # 1. NOBLOCK 收该 socket 的帧，最多 READ_BATCH（256）帧就回到 I/O 循环（心跳和命令不能被一股帧流饿死；
+        #    剩下的帧下一轮 poll 还会报告），逐帧交给 _take_frame（ClientState.handle；就绪 → 置位 _ready；
         #    stats 回复进 _stats 队列；处理出错只记日志跳过这一帧，I/O 线程不能死——所有流都在等它）。
         # 2. 需要重发给 tokenizer 的请求（tokenizer 换了实例）和发给 detokenizer 的 Resume 进各自的积压队列，由 I/O 循环按序发出。
         # 3. _route 把增量分发到各流。
         # [ZH-END]
-        while True:
+        for _ in range(READ_BATCH):  # then back to the loop: a stream of frames must not starve the heartbeat
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:

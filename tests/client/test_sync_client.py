@@ -1,6 +1,7 @@
 """The sync Client's I/O thread against a stage that stops reading."""
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import threading
 import time
@@ -64,3 +65,66 @@ def test_a_detokenizer_that_stops_reading_does_not_stall_the_client(tmp_path):
     assert not runner.is_alive(), "the client hung: its I/O thread waited on the full pipe"
     assert "no stats reply" in str(outcome.get("error")), outcome
     assert outcome["closing"] < 3, f"close() took {outcome['closing']:.1f}s"
+
+
+def flooding_detokenizer(url: str, flood_s: float, result) -> None:
+    """Answers the handshake, then sends the client undecodable frames as fast as it can for
+    `flood_s`, noting when the client's frames (its pings) arrive."""
+    eps = service_endpoints(url)
+    ctx = zmq.Context()
+    out, tok = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    out.bind(eps.stream)
+    tok.bind(eps.tokenizer)
+    identity = None
+    while identity is None:
+        for sock, role in ((out, "detokenizer"), (tok, "tokenizer")):
+            if sock.poll(50):
+                peer, _ = sock.recv_multipart()
+                sock.send_multipart([peer, p.Pong(role, "i1", True, engine_state="ready").encode()])
+                identity = peer if role == "detokenizer" else identity
+    time.sleep(0.5)
+    while out.poll(0):
+        out.recv_multipart()
+    seen = [time.monotonic()]
+    end = seen[0] + flood_s
+    while time.monotonic() < end:
+        for _ in range(1000):
+            try:
+                out.send_multipart([identity, b"\xc1"], zmq.NOBLOCK)  # 0xc1 is never valid msgpack
+            except zmq.Again:
+                break
+        while out.poll(0):
+            out.recv_multipart()
+            seen.append(time.monotonic())
+    seen.append(end)
+    result.send(max(b - a for a, b in zip(seen, seen[1:])))
+    time.sleep(30)
+
+
+class SlowHandler(logging.Handler):
+    """Makes each frame the client drops cost 2 ms: a client slower than the service's frames."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        time.sleep(0.002)
+
+
+def test_a_flood_of_frames_does_not_starve_the_heartbeat(tmp_path):
+    # The I/O thread read a socket until it was empty: a service sending frames faster than the
+    # client handled them kept it there, and no ping went out for as long as the flood lasted (a
+    # real detokenizer gives up on a client after 5 s).
+    url = f"ipc://{tmp_path}"
+    result, result_end = multiprocessing.Pipe()
+    fake = multiprocessing.get_context("spawn").Process(target=flooding_detokenizer, args=(url, 6.0, result_end),
+                                                         daemon=True)
+    fake.start()
+    logger, handler = logging.getLogger("nanovllm_client"), SlowHandler(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        with Client(url, connect_timeout=30, heartbeat_interval=1.0) as client:
+            client._wait_ready()
+            assert result.poll(60), "the flood did not end"
+            assert result.recv() < 2.5  # pings kept coming about once a second
+    finally:
+        logger.removeHandler(handler)
+        fake.kill()
+        fake.join(timeout=10)
