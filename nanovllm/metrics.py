@@ -5,7 +5,9 @@
 - `DetokMetrics` holds the request-level latencies, which only the detokenizer can measure: it
   sees each request's arrival time (stamped by the tokenizer), every output and the final usage.
 - `TokenizerMetrics` covers the front door: tokenize time, forwarded and refused requests.
-- `serve_metrics` exposes one registry over HTTP on a daemon thread, on loopback unless told.
+- `serve_metrics` exposes one registry over HTTP on a daemon thread, on loopback unless told; it
+  serves at most 16 connections at once and closes one idle for 5 s, so scrapers that never
+  hang up cannot use up the stage's threads and file descriptors.
 
 Each set lives on the `CollectorRegistry` it is given, never on prometheus_client's global one,
 so several stages (or several tests) in one process do not collide. Names use vLLM's with the
@@ -14,11 +16,15 @@ so several stages (or several tests) in one process do not collide. Names use vL
 from __future__ import annotations
 
 import ipaddress
+import socket
+import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 if TYPE_CHECKING:
     from nanovllm.engine.hooks import StepMetrics
@@ -331,8 +337,56 @@ def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: in
                          "so serve it on 127.0.0.1 or ::1 (or pass allow_remote=True to expose it)")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ValueError(f"metrics port must be an integer in [0, 65535] (0: any free port), got {port!r}")
-    server, thread = start_http_server(port, addr=host, registry=registry)  # prometheus_client >= 0.20
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_cls = type("MetricsHTTPServer", (_BoundedServer,), {"address_family": family})
+    server = make_server(host, port, make_wsgi_app(registry), server_cls, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
     return MetricsServer(server, thread)
+
+
+METRICS_MAX_CONNECTIONS = 16
+"""Connections the `/metrics` endpoint serves at once; more are closed at once. Each holds a
+thread and a file descriptor, and zmq aborts the process when it finds no free descriptor."""
+METRICS_IDLE_S = 5.0
+"""A connection silent this long is closed: an idle scraper cannot keep its slot."""
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = METRICS_IDLE_S  # socket timeout: a read that waits longer ends the connection
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    """prometheus_client's threaded WSGI server, with at most METRICS_MAX_CONNECTIONS at once."""
+    daemon_threads = True
+    request_queue_size = 64  # the listen backlog: a burst of connections is accepted (and refused) at once
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(METRICS_MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # full: the scraper retries, the stage keeps its descriptors
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], TimeoutError):  # an idle connection closed: not worth a traceback
+            super().handle_error(request, client_address)
 
 
 def _is_loopback(host: str) -> bool:

@@ -3,6 +3,7 @@ agree exactly with what the clients received."""
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -97,3 +98,50 @@ def test_metrics_bind_loopback_only_unless_told(metered):
         addresses = {line.split()[1] for line in open("/proc/net/tcp").read().splitlines()[1:]
                      if line.split()[3] == "0A"}  # listening sockets: local address hex ip:port
         assert f"0100007F:{port:04X}" in addresses and f"00000000:{port:04X}" not in addresses
+
+
+def test_idle_connections_cannot_use_up_a_stages_threads_and_descriptors(metered):
+    """Every connection to `/metrics` held a thread and a file descriptor for as long as the peer
+    kept it open, idle or not: 1,015 idle connections left the engine at its 1,024-descriptor
+    limit (systemd's default), and when the detokenizer restarted, zmq found no descriptor for
+    the new connection and aborted the engine. Now 16 are served at once and an idle one is
+    closed after 5 s."""
+    import os
+    import socket
+
+    from nanovllm.metrics import METRICS_IDLE_S, METRICS_MAX_CONNECTIONS
+
+    procs, ports = metered
+    pid, port = procs.pid("engine_proc"), ports["engine_proc"]
+
+    def threads() -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+    def descriptors() -> int:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+
+    before = threads(), descriptors()
+    idle = []
+    try:
+        for _ in range(200):
+            try:
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+            except OSError:  # refused or timed out: the server is full, as it should be
+                pass
+        time.sleep(0.5)
+        assert threads() <= before[0] + METRICS_MAX_CONNECTIONS + 1
+        assert descriptors() <= before[1] + METRICS_MAX_CONNECTIONS + 8
+        with Client(procs.url, timeout=60) as client:
+            assert client.generate("def f():", max_tokens=3, ignore_eos=True).finish_reason == "length"
+        # The idle ones are closed after METRICS_IDLE_S: a scraper gets through again, while they stay open.
+        def scraped() -> bool:
+            try:
+                return bool(scrape(port))
+            except OSError:  # closed at once: every slot is taken
+                return False
+        wait_for(scraped, timeout=METRICS_IDLE_S + 10, what="a scrape served again")
+    finally:
+        for sock in idle:
+            sock.close()
+    procs.assert_running()
