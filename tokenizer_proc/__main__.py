@@ -6,8 +6,8 @@ import sys
 
 import zmq
 
-from nanovllm_client.stage import (add_endpoint_flags, add_flag, resolve_endpoints, setup_logging,
-                                   stage_security, startup_failed, stop_event)
+from nanovllm_client.stage import (add_endpoint_flags, add_flag, raise_open_files_limit, resolve_endpoints,
+                                   setup_logging, stage_security, startup_failed, stop_event)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     add_endpoint_flags(parser)
     args = parser.parse_args(argv)
     log = setup_logging(args.log_level, "tokenizer")
+    raise_open_files_limit()
     endpoints = resolve_endpoints(args)
     stop = stop_event()
 

@@ -84,6 +84,24 @@ def setup_logging(level: str, role: str) -> logging.Logger:
     return logging.getLogger(role)
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit, and return it. zmq aborts
+    the process when it finds no free descriptor for a new connection, and the usual soft limit
+    (1,024) is far below what the hard limit allows."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # an infinite hard limit some kernels refuse as a soft one
+            pass
+    return soft
+
+
 def stop_event() -> threading.Event:
     """An event set by SIGINT/SIGTERM; the handler only sets state (the loop does the cleanup)."""
     stop = threading.Event()

@@ -118,3 +118,26 @@ def test_tokenizer_restart_rejoins_and_queued_requests_go_through(own_service):
         own_service.start("tokenizer_proc")
         sender.join(timeout=120)
         assert result["r"].usage["completion_tokens"] == 3
+
+
+def test_a_stage_raises_its_open_files_limit_to_the_hard_limit(tiny_model_dir):
+    """zmq aborts a process that finds no free descriptor for a new connection. The stages ran
+    with the soft limit they were given (1,024 under systemd's default, and from most shells)
+    while the hard limit allowed far more; each stage now raises it at start-up."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip("the hard limit leaves nothing to raise")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # the stages inherit it
+    try:
+        procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        for stage in ("tokenizer_proc", "engine_proc", "detok_proc"):
+            with open(f"/proc/{procs.pid(stage)}/limits") as f:
+                fields = next(line for line in f if line.startswith("Max open files")).split()
+            assert fields[3] == fields[4], f"{stage}: soft {fields[3]}, hard {fields[4]}"
+    finally:
+        procs.stop()
