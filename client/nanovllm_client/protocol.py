@@ -137,6 +137,10 @@ class Message:
     _NAMES: ClassVar[tuple[str, ...]] = ()
     _FIELDS: ClassVar[frozenset[str]] = frozenset()
     _REQUIRED: ClassVar[frozenset[str]] = frozenset()
+    TOLERANT: ClassVar[bool] = False
+    """Fields it does not know are dropped instead of refused. True for what the service sends a
+    client, so a client keeps working against a newer service that adds a field; everything a
+    stage receives from a client or another stage is checked strictly."""
 
     def encode(self) -> bytes:
         body = {name: getattr(self, name) for name in self._NAMES}
@@ -168,6 +172,8 @@ def decode(frame: bytes) -> Message:
     rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ENGINE_ID_LEN else None
     try:
         check_depth(body)
+        if cls.TOLERANT:
+            body = {k: v for k, v in body.items() if isinstance(k, str) and k in cls._FIELDS}
         check_fields(f"a {type_name!r} message", body, cls._FIELDS, cls._REQUIRED)
         msg = cls(**body)
         msg.validate()
@@ -398,6 +404,7 @@ def _check_state(name: str, state: Any) -> None:
 @dataclass
 class EngineStatus(Message):
     """Engine heartbeat (engine -> detok, periodic) and its echo to clients when the state changes."""
+    TOLERANT = True
     alive: bool
     instance_id: str = ""
     reason: str = ""
@@ -426,11 +433,15 @@ class StreamOutput(Message):
     """Deltas for one client's requests. Each delta is a map: request_id, text, token_ids (packed),
     finish_reason (None while streaming; "stop"/"length"/"abort"/"error" on the terminal delta),
     error (text, with finish_reason "error"), usage (on the terminal delta), engine_dead."""
+    TOLERANT = True
     deltas: list[dict[str, Any]]
 
     def validate(self) -> None:
         check_list("deltas", self.deltas, MAX_ROWS)
-        for d in self.deltas:
+        for i, d in enumerate(self.deltas):
+            check(isinstance(d, dict), f"each delta must be a map, got {show(d)}")
+            if not d.keys() <= DELTA_FIELDS:  # fields a newer service added: dropped, like the message's own
+                d = self.deltas[i] = {k: v for k, v in d.items() if k in DELTA_FIELDS}
             check_map("delta", d, len(DELTA_FIELDS))
             check_fields("a delta", d, DELTA_FIELDS, frozenset({"request_id"}))
             check_str("delta request_id", d["request_id"], MAX_ENGINE_ID_LEN)
@@ -447,6 +458,7 @@ class StreamOutput(Message):
 @dataclass
 class ErrorOutput(Message):
     """An error not tied to a live stream (e.g. a frame that could not be decoded at all)."""
+    TOLERANT = True
     message: str
     request_id: str | None = None
 
@@ -458,6 +470,7 @@ class ErrorOutput(Message):
 @_message("pong")
 @dataclass
 class Pong(Message):
+    TOLERANT = True
     role: str
     instance_id: str
     engine_alive: bool | None = None
@@ -485,6 +498,7 @@ class Pong(Message):
 @_message("stats_result")
 @dataclass
 class StatsOutput(Message):
+    TOLERANT = True
     stats: dict[str, Any]
 
     def validate(self) -> None:

@@ -154,3 +154,25 @@ def test_frames_within_splits_only_what_does_not_fit_and_keeps_the_order():
         assert [r[0] for r in p.decode(frame).outputs] == [r[0] for r in part]
     (single,) = p.frames_within(make, rows[:1], 10)  # one row over the limit stays one frame
     assert single[0] == rows[:1]
+
+
+def test_what_the_service_sends_a_client_may_carry_fields_the_client_does_not_know():
+    # A client is often older than the service it talks to: when the pong gained a field, every
+    # older client dropped every pong ("unknown field(s)") and never became ready. What a stage
+    # receives is still checked strictly.
+    def frame(type_name: str, body: dict) -> bytes:
+        return msgpack.packb([p.PROTOCOL_VERSION, type_name, body], use_bin_type=True)
+
+    pong = p.decode(frame("pong", {"role": "detokenizer", "instance_id": "d1", "engine_alive": True, "later": [1]}))
+    assert (pong.instance_id, pong.engine_alive) == ("d1", True)
+    delta = {"request_id": "r", "text": "hi", "finish_reason": None, "logprobs": [[1, -0.5]]}
+    (got,) = p.decode(frame("stream", {"deltas": [delta], "later": 1})).deltas
+    assert got == {"request_id": "r", "text": "hi", "finish_reason": None}
+    assert p.decode(frame("engine_status", {"alive": True, "later": 1})).alive is True
+    with pytest.raises(p.ProtocolError, match="unknown field"):
+        p.decode(frame("generate", {"request_id": "r", "prompt": "x", "later": 1}))
+    with pytest.raises(p.ProtocolError, match="unknown field"):
+        p.decode(frame("tokenized", {"request_id": "c:r", "prompt_token_ids": b"", "sampling": {},
+                                     "meta": {"client": b"c", "rid": "r"}, "later": 1}))
+    with pytest.raises(p.ProtocolError, match="missing field"):  # dropping fields never makes a required one optional
+        p.decode(frame("pong", {"instance_id": "d1", "later": 1}))
