@@ -637,12 +637,15 @@ class DetokStage:
         # 2. 计数；更新（或新建）ClientInfo.last_seen——任何消息都算心跳。
         # 3. 不是恰好一帧 → "multipart" 错误；解帧失败 → "bad_frame" 错误（带能认出的 request_id）。
         # 4. Ping → 回 Pong("detokenizer", 实例 id, engine_alive, 状态, 运行时长, 引擎状态)；
+        #    这是本实例第一次听到这个客户端且引擎活着：再发一个 EngineStatus，说出我们跟随的引擎实例——
+        #    客户端若记得的是另一个实例，就知道引擎重启过（看到旧引擎死掉的 detokenizer 可能也一起死了）；
         #    StatsReq → 回 StatsOutput；Resume → on_resume；
         #    其他 → "wrong_type"，并告诉客户端请求应发到 tokenizer 端点。
         # [ZH-END]
         self._tell_if_given_up(identity)
         self.metrics.frame_received()
         info = self.clients.setdefault(identity, ClientInfo(time.monotonic()))
+        first = not info.heard
         info.last_seen, info.heard = time.monotonic(), True
         if len(frames) != 1:
             self.rejects("multipart", f"{len(frames)} frames from {identity.hex()}")
@@ -656,8 +659,10 @@ class DetokStage:
             return
         if isinstance(msg, p.Ping):
             self.send_to_client(identity, p.Pong("detokenizer", self.instance_id, self.engine_alive, self.state,
-                                                 time.monotonic() - self.started_at, self.engine_state,
-                                                 self.engine_instance).encode())
+                                                 time.monotonic() - self.started_at, self.engine_state).encode())
+            if first and self.engine_alive:  # which engine we follow: a client that knew another one
+                self.send_to_client(identity, p.EngineStatus(True, self.engine_instance,  # knows it restarted
+                                                             state=self.engine_state).encode())
         elif isinstance(msg, p.StatsReq):
             self.send_to_client(identity, p.StatsOutput(self.stats()).encode())
         elif isinstance(msg, p.Resume):

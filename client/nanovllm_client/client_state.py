@@ -198,7 +198,6 @@ class ClientState:
             self.tokenizer_instance = msg.instance_id
             return reaction
         self.last_pong, self.detok_responsive = time.monotonic(), True
-        self._follow_engine(msg.engine_instance, reaction)
         if self.detok_instance is not None and msg.instance_id != self.detok_instance and self.inflight:
             rows = [[wire_id, f.tokens, f.chars] for wire_id, f in self.inflight.items()]
             log.info("detokenizer restarted: resuming %d stream(s)", len(rows))

@@ -481,13 +481,9 @@ class Pong(Message):
     uptime_s: float = 0.0
     engine_state: str = ""
     """The engine's state as this stage last heard it ("" if never)."""
-    engine_instance: str = ""
-    """The engine instance the detokenizer follows ("" if none yet): a client that sees it change
-    knows the engine restarted, even when the detokenizer that saw the old one die died too."""
 
     def validate(self) -> None:
         check_str("role", self.role, 32)
-        check_str("engine_instance", self.engine_instance, MAX_INSTANCE_ID_LEN, empty=True)
         check_str("instance_id", self.instance_id, MAX_INSTANCE_ID_LEN)
         check(self.engine_alive is None or isinstance(self.engine_alive, bool), "engine_alive must be true, false or null")
         _check_state("state", self.state)

@@ -197,7 +197,8 @@ def test_a_queued_request_ends_when_the_engine_and_detokenizer_die_together(tiny
     """A request still queued in the engine has no output, so a client's resume cannot ask for it
     and the new engine's resync does not hold it; the detokenizer that saw the old engine die died
     with it, so nobody said so. The request waited for its own timeout (600 s by default). Now the
-    client sees the engine instance change (pongs name it) and fails what it had in flight."""
+    client sees the engine instance change (the new detokenizer names it) and fails what it had in
+    flight."""
     from nanovllm_client import EngineDeadError
 
     procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc",
