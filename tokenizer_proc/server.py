@@ -223,7 +223,8 @@ class TokenizerStage:
         # [ZH-START]
         # 1. draining 中：回 DRAINING 错误增量。
         # 2. tokenize()：RequestRejected → 回它的文本；其他异常（分词器或模板意外失败）→ 记 "internal"，回 "could not tokenize"。
-        # 3. 记录分词耗时，_forward 把 TokenizedReq 帧排队推给引擎。
+        # 3. 记录分词耗时；编码成帧，超过 16 MiB 帧上限 → 回错误增量（引擎的 socket 会连同连接一起丢掉它，谁也不知道）；
+        #    否则 _forward 把帧排队推给引擎。
         # [ZH-END]
         if self.state == "draining":
             self.metrics.request_rejected()
@@ -242,8 +243,15 @@ class TokenizerStage:
                                                                                 f"{type(e).__name__}: {e}")]))
             return
         self.metrics.tokenize_seconds(time.perf_counter() - started)
+        frame = tokenized.encode()
+        if len(frame) > p.MAX_FRAME_BYTES:  # the engine's socket would drop it, and the connection with it
+            self.metrics.request_rejected()
+            self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, (
+                f"the request is {len(frame)} bytes once tokenized, over the {p.MAX_FRAME_BYTES}-byte frame limit: "
+                "shorten the prompt or the sampling lists"))]))
+            return
         self.metrics.request_forwarded()
-        self._forward(identity, req.request_id, tokenized.encode())
+        self._forward(identity, req.request_id, frame)
 
     def tokenize(self, identity: bytes, req: p.GenerateReq) -> p.TokenizedReq:
         """Validate and tokenize; `RequestRejected` says what was wrong."""

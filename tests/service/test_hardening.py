@@ -596,3 +596,31 @@ def test_every_way_a_request_leaves_the_engine_returns_its_byte_charge(tiny_mode
     finally:
         stop.set()
         runner.join(timeout=10)
+
+
+def test_a_request_over_the_frame_limit_once_tokenized_is_refused_by_the_tokenizer(tmp_path, tokenizer_dir, ctx):
+    """With a model whose context holds over ~4.2M tokens, a 4 MB text prompt the tokenizer
+    accepts became a 16.8 MB TokenizedReq; the engine's socket dropped it (and the connection it
+    came on) without a word to anyone, and the client never got an answer."""
+    from tests.helpers.tiny_models import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "long-context"), "qwen3", tokenizer_dir=tokenizer_dir,
+                            max_position_embeddings=8_000_000)
+    procs = start_service(model, f"ipc://{short_tmpdir()}/svc")
+    try:
+        out, tok = raw_client(procs.url, ctx)
+        sampling = {"max_tokens": 3, "allowed_token_ids": list(range(2048)) * 128}
+        tok.send(p.GenerateReq("big", prompt="a" * 4_194_000, sampling=sampling).encode())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            msg = reply(tok, timeout_ms=60_000)
+            deltas = msg.deltas if isinstance(msg, p.StreamOutput) else []
+            if any(d["request_id"] == "big" for d in deltas):
+                break
+        (delta,) = deltas
+        assert delta["finish_reason"] == "error" and "frame limit" in delta["error"], delta
+        with Client(procs.url, timeout=60) as client:
+            assert client.generate("def f():", max_tokens=3, ignore_eos=True).finish_reason == "length"
+        procs.assert_running()
+    finally:
+        procs.stop()
