@@ -79,8 +79,9 @@ class Supervisor:
 
     def start(self, stage: StageProcess) -> None:
         env = dict(self.env, NOTIFY_SOCKET=stage.notify_name, NANOVLLM_METRICS_PORT=str(self.metrics_ports[stage.name]))
-        stage.proc = subprocess.Popen(stage.argv, env=env,
-                                      preexec_fn=_die_with_parent)
+        # Its own session: a terminal's Ctrl-C (SIGINT to the whole foreground group) reaches only
+        # the supervisor, which stops the stages in the order that loses nothing (`stop`).
+        stage.proc = subprocess.Popen(stage.argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)
         stage.started_at, stage.restart_at, stage.ready = time.monotonic(), None, False
         log.info("started %s (pid %d)", stage.name, stage.proc.pid)
         self.write_state()

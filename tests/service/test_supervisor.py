@@ -77,3 +77,38 @@ def test_every_stage_has_help_naming_its_flags_and_environment(module):
                          timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0, out.stderr
     assert "--model" in out.stdout and "NANOVLLM_" in out.stdout
+
+
+def test_ctrl_c_on_serve_drains_the_requests_in_flight(tiny_model_dir):
+    """A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the stages got it
+    together with the supervisor, the detokenizer was gone within a second while the engine still
+    drained, and every stream in flight failed 30 s later ("outputs were lost"). The stages now
+    run in their own sessions, so only the supervisor hears it, and it stops them in order."""
+    import threading
+
+    runtime_dir = short_tmpdir()
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", tiny_model_dir,
+                             "--runtime-dir", runtime_dir, "--log-level", "WARNING", *TINY_ENGINE_ARGS],
+                            cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), start_new_session=True)
+    finishes: list = []
+    try:
+        with Client(f"ipc://{runtime_dir}", connect_timeout=START_TIMEOUT, timeout=90) as client:
+            client.wait_engine(timeout=START_TIMEOUT)
+            streams = [client.stream("hello", max_tokens=600, ignore_eos=True) for _ in range(8)]
+            for stream in streams:
+                next(stream)
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does to `nanovllm serve`
+            threads = [threading.Thread(target=lambda s=s: finishes.append([d.finish_reason for d in s][-1]))
+                       for s in streams]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in (read_pids(runtime_dir) or {}).values():
+            if isinstance(pid, int) and pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert finishes == ["length"] * 8
