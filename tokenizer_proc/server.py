@@ -44,6 +44,8 @@ DRAINING = "the tokenizer is draining (shutting down): it takes no new requests;
 NO_ENGINE = "engine is not available (dead, restarting or not started yet); retry later"
 ENGINE_STALL_S = 10.0
 """A request waiting this long for room in the engine pipe is failed instead of held."""
+ENGINE_BUSY = (f"the engine took no new request for {ENGINE_STALL_S:.0f}s: it is overloaded (its queue is full); "
+               "retry later or on another instance")
 ENGINE_RECONNECT_GRACE_S = 1.0
 """With no engine connected, a request waits this long (a restarted engine's reconnect) before
 it is refused."""
@@ -347,7 +349,8 @@ class TokenizerStage:
         # 1. 按顺序取队头 (入队时间, 客户端身份, request_id, 帧)，NOBLOCK 推给引擎；成功就出队，继续下一个。
         # 2. zmq.Again（管道满或没有引擎）：已等时间 < 上限就返回，继续持有并停止读客户端；
         #    上限 = 引擎连着时 10 秒（ENGINE_STALL_S），没连着时 1 秒（ENGINE_RECONNECT_GRACE_S，给重启的引擎重连）。
-        # 3. 超过上限：丢弃队头；如果是请求（request_id 非空）就回一个 NO_ENGINE 错误增量并标 engine_dead，abort 则不用回复。
+        # 3. 超过上限：丢弃队头；如果是请求（request_id 非空）就回错误增量：引擎连着（只是忙、队列满）→ ENGINE_BUSY，
+        #    不标 engine_dead（客户端不能因此认为引擎死了）；没连着 → NO_ENGINE 并标 engine_dead。abort 不用回复。
         # [ZH-END]
         while self.pending:
             queued_at, identity, request_id, frame = self.pending[0]
@@ -355,12 +358,15 @@ class TokenizerStage:
                 self.to_engine.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 waited = time.monotonic() - queued_at
-                limit = ENGINE_STALL_S if self.engine_peers.connected else ENGINE_RECONNECT_GRACE_S
-                if waited < limit:
+                connected = self.engine_peers.connected
+                if waited < (ENGINE_STALL_S if connected else ENGINE_RECONNECT_GRACE_S):
                     return  # engine busy (backpressure) or reconnecting: hold, stop reading clients
                 self.pending.popleft()
-                if request_id:  # aborts for a dead engine need no answer
-                    delta = dict(p.error_delta(request_id, NO_ENGINE), engine_dead=True)
+                if request_id:  # aborts need no answer
+                    # A connected engine that reads nothing is busy, not dead: the client must not
+                    # take it for dead (it would refuse every request until a new engine appears).
+                    delta = (p.error_delta(request_id, ENGINE_BUSY) if connected
+                             else dict(p.error_delta(request_id, NO_ENGINE), engine_dead=True))
                     self._reply(identity, p.StreamOutput([delta]))
                 continue
             self.pending.popleft()

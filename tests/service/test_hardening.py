@@ -624,3 +624,40 @@ def test_a_request_over_the_frame_limit_once_tokenized_is_refused_by_the_tokeniz
         procs.assert_running()
     finally:
         procs.stop()
+
+
+def test_a_busy_engine_is_not_reported_dead(tmp_path, tokenizer_dir, ctx):
+    """A request the tokenizer could not pass on for 10 s, with the engine connected but its queue
+    full, was failed as "engine is not available (dead ...)" with engine_dead set, so the client
+    took a running engine for dead. It is now told the engine is overloaded."""
+    from tests.helpers.tiny_models import make_tiny_model
+
+    # Long enough a context and slow enough a step that one request holds the engine for ~20 s.
+    model = make_tiny_model(str(tmp_path / "longer"), "qwen3", tokenizer_dir=tokenizer_dir, max_position_embeddings=8192,
+                            hidden_size=512, intermediate_size=1408, num_hidden_layers=4)
+    procs = start_service(model, f"ipc://{short_tmpdir()}/svc",
+                          engine_args=TINY_ENGINE_ARGS + ["--max-live", "1", "--max-queued", "1"])
+    try:
+        with Client(procs.url, timeout=120) as client:
+            long = client.stream("def f():", max_tokens=8000, ignore_eos=True)  # holds the one live slot
+            next(long)
+            out, tok = raw_client(procs.url, ctx)
+            # The engine's queue, then the pipes to it fill up (large frames: the kernel's socket
+            # buffers would hold thousands of small ones).
+            sampling = {"max_tokens": 1, "allowed_token_ids": list(range(2048)) * 32}
+            for i in range(300):
+                tok.send(p.GenerateReq(f"r{i}", prompt="x", sampling=sampling).encode())
+            failed = None
+            deadline = time.monotonic() + 60
+            while failed is None and time.monotonic() < deadline:
+                out.send(p.Ping().encode())  # stay alive for the detokenizer
+                if tok.poll(1000):
+                    msg = p.decode(tok.recv())
+                    failed = next((d for d in getattr(msg, "deltas", []) if d["finish_reason"] == "error"), None)
+            assert failed is not None, "no request was refused"
+            assert "overloaded" in failed["error"] and not failed.get("engine_dead"), failed
+            assert client.server_stats()["engine_alive"] is True
+            long.cancel()
+        procs.assert_running()
+    finally:
+        procs.stop()
