@@ -78,6 +78,12 @@ not reading (or gone) before it gives up and exits."""
 class Queued:
     """A request received and not yet admitted: its sampling parameters built by the input
     thread (off the step loop), its prompt still packed."""
+    # [ZH-START]
+    # 【职责】收到、还没准入的一个请求：输入线程已建好它的采样参数（或记下为什么建不了），prompt 仍是打包的字节，
+    # 带着它的字节额度 nbytes（帧长 + 每个 prompt token 40 字节），从排队一直记到请求结束。
+    # 【边界】不做校验以外的事；准入、拒绝、abort 都由 EngineStage 决定。
+    # 【协作者】EngineStage._queued 创建；inbox / backlog 保存；_admit、_add、_abort、_dequeued 使用它的 nbytes。
+    # [ZH-END]
     req: p.TokenizedReq
     params: Any
     """The built sampling parameters, or None when they were refused (`error` says why)."""
