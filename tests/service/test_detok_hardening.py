@@ -3,7 +3,6 @@ to lose a stream or fail everyone's (each failed on the code before the fix). Re
 sockets; an in-process detokenizer fed by a scripted engine where the timing must be exact."""
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
@@ -15,7 +14,7 @@ from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
 from tests.service.conftest import START_TIMEOUT, start_service
 from tests.service.harness import short_tmpdir, wait_for
-from tests.service.test_hardening import raw_socket, reply
+from tests.service.test_hardening import in_process_detok, raw_socket, reply, running
 
 
 @pytest.fixture
@@ -81,19 +80,10 @@ def test_a_client_gone_before_the_resync_does_not_stop_the_others_resumes(tokeni
     """Resumes that arrive before the engine's resync are applied when it comes, in a loop over
     the held ones; a client whose socket had gone meanwhile was dropped from that dict mid-loop,
     the loop raised, and every later client's streams were never resumed nor ended."""
-    from transformers import AutoTokenizer
-
-    from detok_proc.server import DetokStage
-
-    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=5.0)
     engine_in = ctx.socket(zmq.PULL)
     engine_in.bind(eps.engine)
-    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.engine,
-                       client_timeout_s=5.0, engine_timeout_s=60, ctx=ctx)
-    stop = threading.Event()
-    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
-    runner.start()
-    try:
+    with running(stage):
         engine_out = raw_socket(ctx, zmq.PUSH, eps.detok)
         engine_out.send(p.EngineStatus(True, "E1", state="ready").encode())
         leaving_id, staying_id = uuid.uuid4().bytes, uuid.uuid4().bytes
@@ -114,26 +104,16 @@ def test_a_client_gone_before_the_resync_does_not_stop_the_others_resumes(tokeni
         (delta,) = msg.deltas
         assert (delta["request_id"], delta["finish_reason"]) == ("v1", "length")
         assert stage.rejects.counts.get("internal", 0) == 0
-    finally:
-        stop.set()
-        runner.join(timeout=10)
 
 
 def test_a_huge_early_resume_cannot_crowd_out_a_small_one(tokenizer_dir, ctx):
     """The Resumes held before the engine's resync share one budget; it was first come, first
     served, so one client's 65,536-row Resume made every later client's few rows be refused, and
     their streams were dropped. Now the largest held Resume goes first, and its client is told."""
-    from transformers import AutoTokenizer
+    from detok_proc.server import MAX_EARLY_RESUME_ROWS
 
-    from detok_proc.server import MAX_EARLY_RESUME_ROWS, DetokStage
-
-    eps = service_endpoints(f"ipc://{short_tmpdir()}")
-    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.engine,
-                       client_timeout_s=5.0, engine_timeout_s=60, ctx=ctx)
-    stop = threading.Event()
-    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
-    runner.start()
-    try:
+    stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=5.0)
+    with running(stage):
         hog_id, small_id = uuid.uuid4().bytes, uuid.uuid4().bytes
         hog = raw_socket(ctx, zmq.DEALER, eps.stream, hog_id)
         small = raw_socket(ctx, zmq.DEALER, eps.stream, small_id)
@@ -143,27 +123,15 @@ def test_a_huge_early_resume_cannot_crowd_out_a_small_one(tokenizer_dir, ctx):
         assert "resume refused" in reply(hog).message
         wait_for(lambda: list(stage._early_resumes) == [small_id], timeout=10, what="the small resume held")
         assert stage._early_resumes[small_id] == [["mine", 1, 1]]
-    finally:
-        stop.set()
-        runner.join(timeout=10)
 
 
 def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_its_requests(tokenizer_dir, ctx):
     """The same, step by step: a step starts a request for a client that has not reached this
     detokenizer yet. The send found no socket, and the stage aborted the request in the engine."""
-    from transformers import AutoTokenizer
-
-    from detok_proc.server import DetokStage
-
-    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=5.0)
     engine_in = ctx.socket(zmq.PULL)
     engine_in.bind(eps.engine)
-    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.engine,
-                       client_timeout_s=5.0, engine_timeout_s=60, ctx=ctx)
-    stop = threading.Event()
-    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
-    runner.start()
-    try:
+    with running(stage):
         engine_out = raw_socket(ctx, zmq.PUSH, eps.detok)
         identity = uuid.uuid4().bytes
         meta = {"client": identity, "rid": "r1"}
@@ -188,9 +156,6 @@ def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_it
             if isinstance(msg, p.AbortReq):
                 aborts.append(msg.request_id)
         assert aborts == []
-    finally:
-        stop.set()
-        runner.join(timeout=10)
 
 
 def test_a_queued_request_ends_when_the_engine_and_detokenizer_die_together(tiny_model_dir):

@@ -3,6 +3,7 @@ a request (each failed on the code before the fix). Real stage processes on real
 where a stage is run in-process to fill its queues on purpose."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -41,6 +42,32 @@ def ctx():
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
+
+
+@contextlib.contextmanager
+def running(stage):
+    """A stage's loop on a thread of this process, stopped and joined on the way out."""
+    stop = threading.Event()
+    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
+    runner.start()
+    try:
+        yield stage
+    finally:
+        stop.set()
+        runner.join(timeout=10)
+
+
+def in_process_detok(tokenizer_dir: str, ctx: zmq.Context, client_timeout_s: float):
+    """A detokenizer stage in this process on fresh ipc endpoints, fed by a scripted engine (it
+    never gives the engine up): (stage, endpoints). Run it with `running`."""
+    from transformers import AutoTokenizer
+
+    from detok_proc.server import DetokStage
+
+    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.engine,
+                       client_timeout_s=client_timeout_s, engine_timeout_s=60, ctx=ctx)
+    return stage, eps
 
 
 def test_deeply_nested_frames_get_an_error_and_no_stage_dies(service, client, ctx):
@@ -183,19 +210,10 @@ def test_a_client_the_detokenizer_gave_up_on_is_told_when_it_returns(tokenizer_d
     """A client whose requests were aborted after a silence (a network blip, a paused process)
     once waited for them forever. In-process detokenizer, fed by a scripted engine, so the
     request is surely still running when the client goes quiet."""
-    from transformers import AutoTokenizer
-
-    from detok_proc.server import DetokStage
-
-    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=1.0)
     engine_in = ctx.socket(zmq.PULL)
     engine_in.bind(eps.engine)
-    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.engine,
-                       client_timeout_s=1.0, engine_timeout_s=60, ctx=ctx)
-    stop = threading.Event()
-    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
-    runner.start()
-    try:
+    with running(stage):
         engine_out = raw_socket(ctx, zmq.PUSH, eps.detok)
         identity = uuid.uuid4().bytes
         out = raw_socket(ctx, zmq.DEALER, eps.stream, identity)
@@ -219,25 +237,15 @@ def test_a_client_the_detokenizer_gave_up_on_is_told_when_it_returns(tokenizer_d
         assert (delta["request_id"], delta["finish_reason"]) == ("lost", "error")
         assert "gave up on this client" in delta["error"] and "no heartbeat" in delta["error"]
         assert isinstance(reply(out), p.Pong)  # and it is served as a new client
-    finally:
-        stop.set()
-        runner.join(timeout=10)
 
 
 def test_resumes_held_before_the_engines_resync_are_bounded_and_dropped_with_their_client(tokenizer_dir, ctx):
     """Until its first resync a detokenizer holds each client's Resume, to apply it then. They
     were kept without limit, and kept after their clients were gone: 20 clients resuming 65,536
     streams each held 240 MB. In-process detokenizer with no engine: it never resyncs."""
-    from transformers import AutoTokenizer
+    from detok_proc.server import MAX_EARLY_RESUME_ROWS
 
-    from detok_proc.server import MAX_EARLY_RESUME_ROWS, DetokStage
-
-    eps = service_endpoints(f"ipc://{short_tmpdir()}")
-    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.engine,
-                       client_timeout_s=1.0, engine_timeout_s=60, ctx=ctx)
-    stop = threading.Event()
-    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
-    runner.start()
+    stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=1.0)
     rows = MAX_EARLY_RESUME_ROWS // 2 - 1
     resume = p.Resume([[f"r{i}", 1, 1] for i in range(rows)]).encode()
 
@@ -248,7 +256,7 @@ def test_resumes_held_before_the_engines_resync_are_bounded_and_dropped_with_the
         probe.close()
         return stats["detok"]["rejected_frames"].get("resume_flood", 0)
 
-    try:
+    with running(stage):
         first, second, third = (raw_socket(ctx, zmq.DEALER, eps.stream, uuid.uuid4().bytes) for _ in range(3))
         for sock in (first, second):
             sock.send(resume)
@@ -264,9 +272,6 @@ def test_resumes_held_before_the_engines_resync_are_bounded_and_dropped_with_the
         third.send(resume)  # their clients are gone, so is what they held
         wait_for(lambda: len(stage._early_resumes) == 1, timeout=10, what="the third client's resume held")
         assert floods() == 1
-    finally:
-        stop.set()
-        runner.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -377,10 +382,7 @@ def test_a_flood_of_detokenizer_hellos_gets_at_most_one_resync_a_second(tiny_mod
     detok_in.bind(eps.detok)
     engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=64, num_threads=1))
     stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, ctx=ctx)
-    stop = threading.Event()
-    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
-    runner.start()
-    try:
+    with running(stage):
         push = raw_socket(ctx, zmq.PUSH, eps.engine)
         started = time.monotonic()
         for i in range(200):
@@ -393,9 +395,6 @@ def test_a_flood_of_detokenizer_hellos_gets_at_most_one_resync_a_second(tiny_mod
                     answered.append(msg.detok_instance)
         assert 1 <= len(answered) <= 2.5 / RESYNC_INTERVAL_S + 1, answered
         assert answered[-1] == "d199"  # the latest hello is the one answered
-    finally:
-        stop.set()
-        runner.join(timeout=10)
 
 
 def test_requests_with_the_most_stop_text_allowed_survive_a_detokenizer_restart(tiny_model_dir):
@@ -559,9 +558,6 @@ def test_every_way_a_request_leaves_the_engine_returns_its_byte_charge(tiny_mode
     detok_in.bind(eps.detok)
     engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=64, num_threads=1))
     stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, max_live=1, ctx=ctx)
-    stop = threading.Event()
-    runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
-    runner.start()
     ends: dict[str, str] = {}
 
     def read(until) -> None:
@@ -572,7 +568,7 @@ def test_every_way_a_request_leaves_the_engine_returns_its_byte_charge(tiny_mode
                 if isinstance(msg, p.StepOutput):
                     ends.update({row[0]: "rejected" for row in msg.rejected})
                     ends.update({row[0]: row[3] for row in msg.outputs if row[2]})
-    try:
+    with running(stage):
         push = raw_socket(ctx, zmq.PUSH, eps.engine)
 
         def send(rid: str, sampling: dict, prompt=(1, 2, 3)) -> None:
@@ -593,9 +589,6 @@ def test_every_way_a_request_leaves_the_engine_returns_its_byte_charge(tiny_mode
         assert ends == {"long": "abort", "queued": "abort", "bad": "rejected", "too-long": "rejected", "short": "length"}
         read(lambda: not stage.live and not stage.backlog)
         assert (stage._live_bytes, stage._queued_bytes, stage._num_queued) == (0, 0, 0)
-    finally:
-        stop.set()
-        runner.join(timeout=10)
 
 
 def test_a_request_over_the_frame_limit_once_tokenized_is_refused_by_the_tokenizer(tmp_path, tokenizer_dir, ctx):
