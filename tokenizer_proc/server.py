@@ -225,8 +225,7 @@ class TokenizerStage:
         # [ZH-START]
         # 1. draining 中：回 DRAINING 错误增量。
         # 2. tokenize()：RequestRejected → 回它的文本；其他异常（分词器或模板意外失败）→ 记 "internal"，回 "could not tokenize"。
-        # 3. 记录分词耗时；编码成帧，超过 16 MiB 帧上限 → 回错误增量（引擎的 socket 会连同连接一起丢掉它，谁也不知道）；
-        #    否则 _forward 把帧排队推给引擎。
+        # 3. 记录分词耗时，_forward 把 TokenizedReq 帧排队推给引擎。
         # [ZH-END]
         if self.state == "draining":
             self.metrics.request_rejected()
@@ -234,7 +233,7 @@ class TokenizerStage:
             return
         started = time.perf_counter()
         try:
-            tokenized = self.tokenize(identity, req)
+            frame = self.tokenize(identity, req)
         except RequestRejected as e:
             self.metrics.request_rejected()
             self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, str(e))]))
@@ -245,18 +244,12 @@ class TokenizerStage:
                                                                                 f"{type(e).__name__}: {e}")]))
             return
         self.metrics.tokenize_seconds(time.perf_counter() - started)
-        frame = tokenized.encode()
-        if len(frame) > p.MAX_FRAME_BYTES:  # the engine's socket would drop it, and the connection with it
-            self.metrics.request_rejected()
-            self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, (
-                f"the request is {len(frame)} bytes once tokenized, over the {p.MAX_FRAME_BYTES}-byte frame limit: "
-                "shorten the prompt or the sampling lists"))]))
-            return
         self.metrics.request_forwarded()
         self._forward(identity, req.request_id, frame)
 
-    def tokenize(self, identity: bytes, req: p.GenerateReq) -> p.TokenizedReq:
-        """Validate and tokenize; `RequestRejected` says what was wrong."""
+    def tokenize(self, identity: bytes, req: p.GenerateReq) -> bytes:
+        """Validate and tokenize: the TokenizedReq frame for the engine, or `RequestRejected` saying
+        what was wrong."""
         # [ZH-START]
         # 1. sampling 里有未知字段 → 拒绝并列出允许的字段；有服务尚不支持的字段（logprobs、logits_processors）→ 拒绝。
         # 2. stop = req.stop + sampling.stop（单个字符串或列表），两处合计受同一限制（最多 64 个、每个 1024 字符）。
@@ -265,8 +258,9 @@ class TokenizerStage:
         # 5. ids = _prompt_ids(req)。
         # 6. meta = {client 身份, rid, stop, skip, include_stop, min_tokens, tail = prompt 最后 8 个 token（打包）, t = 时间}，
         #    引擎原样转给 detokenizer，用来建 IncrementalDetokenizer 和路由输出。
-        # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend)，先用引擎自己的 validate 检查一遍：
-        #    引擎会丢掉的帧（它无法回答客户端，比如 min_tokens 超过 2**31）在这里就拒绝，并说明原因；通过则返回。
+        # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend)，先用引擎自己的 validate 检查一遍，
+        #    再编码、检查帧长：引擎会丢掉的帧（它无法回答客户端：min_tokens 超过 2**31；超过 16 MiB 的帧，
+        #    引擎的 socket 会连同连接一起丢掉）在这里就拒绝，并说明原因；通过则返回编码好的帧。
         # [ZH-END]
         unknown = set(req.sampling) - self.sampling_fields
         if unknown:
@@ -296,11 +290,15 @@ class TokenizerStage:
                 "tail": p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]), "t": time.time()}
         out = p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta,
                              priority=req.priority, resend=req.resend)
-        try:  # the engine's own check: a frame it would drop (it cannot answer the client) is refused here
+        try:  # the engine's own checks: a frame it would drop (it cannot answer the client) is refused here
             out.validate()
         except ProtocolError as e:
             raise RequestRejected(f"the request cannot be passed to the engine: {e}") from None
-        return out
+        frame = out.encode()
+        if len(frame) > p.MAX_FRAME_BYTES:  # its socket would drop it, and the connection with it
+            raise RequestRejected(f"the request is {len(frame)} bytes once tokenized, over the {p.MAX_FRAME_BYTES}-byte "
+                                  "frame limit: shorten the prompt or the sampling lists")
+        return frame
 
     def _prompt_ids(self, req: p.GenerateReq) -> list[int]:
         # [ZH-START]
