@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ctx = zmq.Context.instance()
         metrics, _ = stage_metrics(DetokMetrics, args.metrics_host, args.metrics_port)
-        stage = DetokStage(load_tokenizer(args.model), endpoints.stream, endpoints.detok, endpoints.engine,
+        stage = DetokStage(load_tokenizer(args.model), endpoints.stream, endpoints.detok, endpoints.control,
                            client_timeout_s=args.client_timeout_s, engine_timeout_s=args.engine_timeout_s,
                            max_pending_frames=args.max_pending_frames, ctx=ctx, security=stage_security(ctx, args),
                            metrics=metrics)

@@ -1,6 +1,6 @@
 """The detokenizer stage: last hop, and the one that talks back to clients.
 
-engine --PUSH--> [PULL] detok [ROUTER] --> client DEALERs;  detok [PUSH] --abort, hello--> engine
+engine --PUSH--> [PULL] detok [ROUTER] --> client DEALERs;  detok [PUSH] --abort, hello--> [PULL control] engine
 
 Turns each engine step into text deltas (`nanovllm.detokenize`), batches them into one
 `StreamOutput` per client per pass over the engine socket (one step when it keeps up; the steps
@@ -25,7 +25,7 @@ it how much of each stream it already received (`Resume`); the stream continues 
 # [ZH-START]
 # 【模块定位】服务的最后一站，也是唯一向客户端发输出的进程。
 #   客户端 → tokenizer_proc → engine_proc ─PUSH→【detok_proc】─ROUTER→ 客户端 DEALER
-#   反方向只有一条：detok_proc ─PUSH→ engine_proc（abort：stop 命中 / 客户端消失；DetokHello）
+#   反方向只有一条：detok_proc ─PUSH→ engine_proc 的 control socket（abort：stop 命中 / 客户端消失；DetokHello），引擎再忙也读它
 # 每个引擎 step 变成文本增量（nanovllm.detokenize），每步每个客户端合成一个 StreamOutput，按客户端路由 id 发出。
 # 它同时是服务的故障探测器：
 #   客户端每秒 ping；停止 ping 或 socket 消失（ROUTER_MANDATORY → EHOSTUNREACH）→ 在引擎里 abort 它的请求；
@@ -133,10 +133,10 @@ class DetokStage:
     # 回答客户端的 ping / stats / resume；探测客户端和引擎的死亡；重启后与引擎 resync、与客户端 resume。
     # 【边界】不接收请求（那是 tokenizer 的入口）；不调度、不采样；只跟随一个引擎实例，
     # 别的实例发来的输出直接丢弃；客户端太慢时排队有上限，不无限占内存。
-    # 【协作者】engine_proc（PULL 收输出，PUSH 发 abort / DetokHello）；客户端 DEALER（ROUTER，同一路由 id 两条连接）；
+    # 【协作者】engine_proc（PULL 收输出，PUSH 向它的 control socket 发 abort / DetokHello）；客户端 DEALER（ROUTER，同一路由 id 两条连接）；
     # IncrementalDetokenizer；PeerMonitor 看引擎连接；DetokMetrics、Notifier。
     # [ZH-END]
-    def __init__(self, tokenizer: Any, stream_endpoint: str, detok_endpoint: str, engine_endpoint: str,
+    def __init__(self, tokenizer: Any, stream_endpoint: str, detok_endpoint: str, control_endpoint: str,
                  client_timeout_s: float = 5.0, engine_timeout_s: float = 3.0,
                  max_pending_frames: int = 1000, client_hwm: int = 10_000, ctx: zmq.Context | None = None,
                  security: ServiceSecurity | None = None, metrics: DetokMetrics | None = None):
@@ -150,7 +150,8 @@ class DetokStage:
         self.from_engine = pipeline_pull(self.ctx, detok_endpoint, security=self.security)
         self.engine_peers = PeerMonitor(self.from_engine)
         self.clients_sock = client_router(self.ctx, stream_endpoint, hwm=client_hwm, security=self.security)
-        self.to_engine = pipeline_push(self.ctx, engine_endpoint, security=self.security)
+        self.to_engine = pipeline_push(self.ctx, control_endpoint, security=self.security)
+        """The engine's control socket: it reads aborts and hellos whatever its load."""
         self.requests: dict[str, RequestState] = {}
         self.clients: dict[bytes, ClientInfo] = {}
         self.gone: collections.OrderedDict[bytes, tuple[float, str, list[str]]] = collections.OrderedDict()
@@ -463,7 +464,7 @@ class DetokStage:
 
     def _abort_in_engine(self, request_id: str) -> None:
         # [ZH-START]
-        # 1. 把 AbortReq(request_id) 用 NOBLOCK 推给引擎的输入 socket（与 tokenizer 的请求同一个入口）。
+        # 1. 把 AbortReq(request_id) 用 NOBLOCK 推给引擎的 control socket（引擎再忙也读它，abort 不排在请求后面）。
         # 2. zmq.Again 说明没有引擎连着：引擎不在，也就没有要 abort 的请求，记一行日志即可，
         #    绝不阻塞 detokenizer 的主循环。
         # [ZH-END]

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         config = Config(model=args.model, **overrides)
         ctx = zmq.Context.instance()
         metrics, _ = stage_metrics(EngineMetrics, args.metrics_host, args.metrics_port)
-        stage = EngineStage(None, SamplingParams, endpoints.engine, endpoints.detok, heartbeat_s=args.heartbeat_s,
+        stage = EngineStage(None, SamplingParams, endpoints.engine, endpoints.detok, endpoints.control,
+                            heartbeat_s=args.heartbeat_s,
                             max_live=args.max_live, max_queued=args.max_queued, max_live_bytes=args.max_live_mib << 20,
                             max_queued_bytes=args.max_queued_mib << 20, drain_timeout_s=args.drain_timeout,
                             ctx=ctx, security=stage_security(ctx, args), metrics=metrics)
@@ -94,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             engine.add_post_step_hook(hook)
         runner = engine.runner
         log.info("model %s loaded; KV cache %d blocks of %d tokens (%.0f MiB), %d kept free at admission; "
-                 "input at %s; outputs to %s", args.model, runner.num_blocks, config.block_size,
+                 "input at %s, control at %s; outputs to %s", args.model, runner.num_blocks, config.block_size,
                  runner.num_blocks * runner.bytes_per_block / (1 << 20), engine.scheduler.watermark_blocks,
-                 endpoints.engine, endpoints.detok)
+                 endpoints.engine, endpoints.control, endpoints.detok)
         return engine
 
     return stage.run(stop, load_engine)

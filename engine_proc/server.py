@@ -1,13 +1,17 @@
 """The engine stage: the scheduler loop around `LLMEngine.step()`.
 
-tokenizer/detok --PUSH--> [PULL] engine [PUSH] --> detokenizer
+tokenizer --PUSH--> [PULL input] engine [PUSH] --> detokenizer
+tokenizer/detok --PUSH--> [PULL control]
 
 Three threads, so socket I/O and msgpack work overlap the model step (torch releases the GIL
 while it computes):
 - input thread: receive, decode and check frames, build each request's sampling parameters ->
-  `inbox`, in arrival order. It stops reading the socket only while `max_queued` requests, or
-  `max_queued_bytes` of them, wait to be admitted (then the socket fills and the tokenizer holds
-  its clients back); below that, aborts are read at once whatever the load.
+  `inbox`, in arrival order. It stops reading the input socket (requests) while `max_queued`
+  requests, or `max_queued_bytes` of them, wait to be admitted (then the socket fills and the
+  tokenizer holds its clients back); the control socket (aborts, detokenizer hellos) it reads
+  whatever the load, so an abort never waits behind the requests that fill the queue. An abort
+  may therefore overtake its request: one for an id the engine has not seen is remembered for
+  `EARLY_ABORT_S` and ends that request the moment it arrives.
 - main thread: apply requests and aborts, run one step, hand the raw outputs to `outbox`.
   Requests wait in `backlog` while the engine holds `max_live` of them or `max_live_bytes`; an
   abort takes one out of the backlog at once (aborts never wait behind the admission gate).
@@ -27,9 +31,11 @@ outgrow the budgets; a prompt stays packed (4 bytes a token) until its request i
 # [ZH-START]
 # 【模块定位】服务的中间站：把 LLMEngine.step() 包成一个独立进程。
 #   客户端 → tokenizer_proc ─PUSH→【engine_proc：准入、调度循环、模型一步】─PUSH→ detok_proc → 客户端
-#   输入 PULL 还收 detok_proc 推来的 abort 和 DetokHello（与 tokenizer 的请求进同一个 inbox）
+#   两个 PULL：input 只收 tokenizer 的请求；control 收 tokenizer 与 detok_proc 推来的 abort 和 DetokHello
 # 三个线程，让 socket I/O 与 msgpack 编解码和模型计算重叠（torch 计算时释放 GIL）：
-#   输入线程：收帧、解码、检查、建采样参数 → inbox（保持到达顺序）；backlog 满 max_queued 个或 max_queued_bytes 字节时停止读 socket；
+#   输入线程：收帧、解码、检查、建采样参数 → inbox（保持到达顺序）；backlog 满 max_queued 个或 max_queued_bytes 字节时
+#     停止读 input socket，但 control 一直读：abort 不会排在塞满队列的请求后面。代价是 abort 可能比它的请求先到，
+#     所以引擎没见过的 id 的 abort 记 EARLY_ABORT_S 秒，请求一到就立即结束它；
 #   主线程：应用请求与 abort，跑一步，把原始输出交给 outbox；
 #   输出线程：每步编码一个 StepOutput 推出去；空闲时每 heartbeat_s 发 EngineStatus 心跳，退出前最后发 alive=False。
 # 每个已接受的请求都记账（meta + 已输出 token），结束后再保留一分钟（FinishedRing），
@@ -69,6 +75,13 @@ RESYNC_CHUNK = 256
 """Requests per `Resync` frame, so one frame stays far below the frame size limit."""
 DRAINING = "the engine is draining (shutting down): it takes no new requests; retry on another instance or later"
 RESYNC_INTERVAL_S = 1.0
+EARLY_ABORT_S = 60.0
+"""How long an abort for a request the engine has not seen yet is kept: it came on the control
+socket ahead of its request, which still waits in the tokenizer or in the input pipe."""
+MAX_EARLY_ABORTS = 65_536
+MAX_CONTROL_BACKLOG = 65_536
+"""Control messages read and not yet applied by the step loop: over this the control socket is
+left unread for a moment (a flood of aborts during a long step cannot grow the inbox without end)."""
 SHUTDOWN_SEND_S = 2.0
 """How long a stopping engine keeps trying to push its last messages to a detokenizer that is
 not reading (or gone) before it gives up and exits."""
@@ -103,12 +116,12 @@ class EngineStage:
     # 为 resync 记账；心跳与统计；draining 与关停。
     # 【边界】不分词也不反分词；不直接回复客户端（没有回复通道，拒绝理由作为 rejected 行随 step 发给 detokenizer）；
     # 不做调度细节（LLMEngine / Scheduler 负责）；只有主线程碰 engine 对象。
-    # 【协作者】tokenizer_proc（请求、abort）与 detok_proc（abort、DetokHello）都推到同一个 PULL；
+    # 【协作者】tokenizer_proc（请求推到 input PULL，abort 推到 control PULL）与 detok_proc（abort、DetokHello 推到 control）；
     # detok_proc 收 StepOutput / Resync / EngineStatus；LLMEngine；ledger 里的 LiveRequest / FinishedRing；
     # EngineMetrics、Notifier（systemd）。
     # [ZH-END]
     def __init__(self, engine: Any | None, make_sampling, input_endpoint: str, output_endpoint: str,
-                 heartbeat_s: float = 0.25, max_live: int = 4096, max_queued: int = 4096,
+                 control_endpoint: str, heartbeat_s: float = 0.25, max_live: int = 4096, max_queued: int = 4096,
                  max_live_bytes: int = 2 << 30, max_queued_bytes: int = 512 << 20, drain_timeout_s: float = 30.0,
                  out_hwm: int = DEFAULT_HWM, ctx: zmq.Context | None = None,
                  security: ServiceSecurity | None = None, metrics: EngineMetrics | None = None):
@@ -131,6 +144,10 @@ class EngineStage:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._num_queued = self._queued_bytes = 0
         """Requests put in `inbox` or `backlog` and not yet admitted, rejected or aborted, and their bytes."""
+        self._num_control = 0
+        """Control messages put in `inbox` and not yet taken by the step loop."""
+        self._early_aborts: collections.OrderedDict[str, float] = collections.OrderedDict()
+        """Request id -> when its abort came, for aborts that overtook their request (see the module doc)."""
         self._live_bytes = 0
         """The bytes charged to the requests in `live`."""
         self._queued_lock = threading.Lock()
@@ -156,6 +173,10 @@ class EngineStage:
         self.security = security or ServiceSecurity(self.ctx, None, None)
         # Few frames in zmq's pipe: what waits there is outside the byte budget.
         self._in_sock = pipeline_pull(self.ctx, input_endpoint, hwm=REQUEST_PIPE_HWM, security=self.security)
+        self._control_sock = pipeline_pull(self.ctx, control_endpoint, security=self.security)
+        self._poller = zmq.Poller()
+        self._poller.register(self._in_sock, zmq.POLLIN)
+        self._poller.register(self._control_sock, zmq.POLLIN)
         # Not IMMEDIATE: outputs queue (up to the HWM) while the detokenizer restarts.
         self._out_sock = pipeline_push(self.ctx, output_endpoint, hwm=out_hwm, immediate=False,
                                        security=self.security)
@@ -227,7 +248,7 @@ class EngineStage:
         log.warning("drain timed out: aborting %d request(s)", len(left))
         for request_id in left:
             self._abort_notes[request_id] = why
-            self.inbox.put(p.AbortReq(request_id))
+            self._put_control(p.AbortReq(request_id))
         for _ in range(3):  # the aborts' final outputs come from the next step
             self.run_once()
         return f"engine shut down; {len(left)} request(s) aborted after the drain"
@@ -276,7 +297,7 @@ class EngineStage:
         # [ZH-START]
         # 1. block 时第一条消息最多等 0.05 秒，否则不等；取到一条后改为不等，把 inbox 里现有的一次取完。
         # 2. Queued（输入线程包好的请求）→ _queue_request；draining 时被拒的（_refused）转进 rejected 列表。
-        # 3. AbortReq → _abort（与请求同一队列，所以 abort 不会跑到它的请求前面）。
+        # 3. AbortReq → _abort（abort 来自 control socket，可能比它的请求先到：那时 _abort 记下它，请求到了再结束）。
         # 4. DetokHello → 记下最新的 detokenizer 实例 id；与上次服务过的实例不同就计一次 detokenizer 重启。
         # [ZH-END]
         timeout = 0.05 if block else 0.0
@@ -287,22 +308,26 @@ class EngineStage:
                 return
             timeout = 0.0
             if isinstance(msg, Queued):
-                self._queue_request(msg)
+                self._queue_request(msg, started, extra_outputs)
                 rejected.extend(self._refused)
                 self._refused.clear()
-            elif isinstance(msg, p.AbortReq):
+                continue
+            with self._queued_lock:
+                self._num_control -= 1
+            if isinstance(msg, p.AbortReq):
                 self._abort(msg.request_id, started, extra_outputs)
             elif isinstance(msg, p.DetokHello):
                 if msg.instance_id != self._hello and self._last_hello and msg.instance_id != self._last_hello:
                     self.metrics.stage_restart_seen("detokenizer")
                 self._hello = msg.instance_id
 
-    def _queue_request(self, queued: Queued) -> None:
+    def _queue_request(self, queued: Queued, started: list, extra_outputs: list) -> None:
         # [ZH-START]
         # 1. draining 且这个 id 没见过：计数减一，放进 _refused，附 DRAINING 原因。
         # 2. id 已在 live / backlog 中，或是 resend 且在最近一分钟结束的请求里：忽略（第一次的那个有效）；
         #    不是 resend 的重复记为 "duplicate" 拒绝帧。计数减一。
         # 3. 否则放进 backlog（OrderedDict，保持到达顺序）。
+        # 4. 它的 abort 已经先到（_early_aborts 里，且不超过 EARLY_ABORT_S）：立即 _abort——在同一条消息里开始并结束。
         # [ZH-END]
         req = queued.req
         rid = req.request_id
@@ -318,6 +343,9 @@ class EngineStage:
             self._dequeued(queued)
             return
         self.backlog[rid] = queued
+        aborted_at = self._early_aborts.pop(rid, None)
+        if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_S:
+            self._abort(rid, started, extra_outputs)  # its abort overtook it on the control socket
 
     def _admit(self, started: list, rejected: list) -> None:
         """Admit the oldest queued requests while the live ones stay within `max_live` and
@@ -361,14 +389,18 @@ class EngineStage:
 
     def _abort(self, request_id: str, started: list, extra_outputs: list) -> None:
         # [ZH-START]
-        # 1. 不在 backlog：engine.abort(id)（幂等；最终输出由下一步产生）。
+        # 1. 不在 backlog：在 live 里就 engine.abort(id)（幂等；最终输出由下一步产生）；
+        #    也不在 live、不在 FinishedRing：请求还没到（abort 走 control socket 超过了它），_remember_early_abort 记下。
         # 2. 在 backlog（从未准入）：移出、计数和字节额度退回；记进 live 并加入 started，再合成一个
         #    RequestOutput(finished=True, reason="abort", prompt 长度) 放进 extra_outputs 并 _record——
         #    它在同一条消息里开始并结束，客户端立刻得到终止增量，abort 不必等准入。
         # [ZH-END]
         queued = self.backlog.pop(request_id, None)
         if queued is None:
-            self.engine.abort(request_id)  # idempotent; its final output comes from the next step
+            if request_id in self.live:
+                self.engine.abort(request_id)  # idempotent; its final output comes from the next step
+            elif request_id not in self.finished:
+                self._remember_early_abort(request_id)
             return
         # Never admitted: it starts and ends in this message, so its client still gets a terminal delta.
         self._dequeued(queued)
@@ -377,6 +409,21 @@ class EngineStage:
         out = RequestOutput(request_id, [], True, "abort", queued.num_prompt_tokens, 0, 0)
         extra_outputs.append(out)
         self._record(out)
+
+    def _remember_early_abort(self, request_id: str) -> None:
+        """An abort for an id not seen yet: keep it (at most `MAX_EARLY_ABORTS`, for `EARLY_ABORT_S`)
+        for the request it overtook; one never sent (a client's stray abort) just expires."""
+        now = time.monotonic()
+        early = self._early_aborts
+        early.pop(request_id, None)
+        early[request_id] = now
+        while early and (len(early) > MAX_EARLY_ABORTS or now - next(iter(early.values())) >= EARLY_ABORT_S):
+            early.popitem(last=False)
+
+    def _put_control(self, msg: p.Message) -> None:
+        with self._queued_lock:
+            self._num_control += 1
+        self.inbox.put(msg)
 
     def _record(self, out: Any) -> None:
         """Keep what a resync needs: the output so far, and the whole request once it ends."""
@@ -471,6 +518,7 @@ class EngineStage:
         for t in self._threads:
             t.join(timeout=SHUTDOWN_SEND_S + 1)
         self._in_sock.close(linger=0)
+        self._control_sock.close(linger=0)
         self._out_sock.close(linger=0)
         self.security.close()
 
@@ -489,36 +537,65 @@ class EngineStage:
 
     def _receive(self) -> None:
         # [ZH-START]
-        # 1. 已排队未准入的请求 >= max_queued 个，或其字节额度 >= max_queued_bytes：睡 10 ms 不读 socket，
-        #    让它填满（这条管道的 HWM 只有 64 帧），tokenizer 就会停下来挡住客户端。
-        # 2. poll 100 ms，有帧就收。
-        # 3. 解帧；只接受 TokenizedReq / AbortReq / DetokHello，
-        #    其他一律 ProtocolError → 记 "bad_frame"（对面只有 stage，没有回复通道）。
-        # 4. TokenizedReq → _queued：在这里（不占主线程）建好采样参数（allowed_token_ids 存成 4 字节一个的 array），
+        # 1. 已排队未准入的请求 >= max_queued 个，或其字节额度 >= max_queued_bytes：这一轮不读 input socket，
+        #    让它填满（这条管道的 HWM 只有 64 帧），tokenizer 就会停下来挡住客户端；poll 只等 10 ms 就重看额度。
+        # 2. control socket 一直读（abort、DetokHello 很小），除非 inbox 里还有 MAX_CONTROL_BACKLOG 条没被主线程取走。
+        # 3. poll：control 可读 → _receive_control（一次最多 256 帧）；input 可读 → _receive_request（一帧）。
+        # [ZH-END]
+        full = self._num_queued >= self.max_queued or self._queued_bytes >= self.max_queued_bytes
+        self._poller.modify(self._in_sock, 0 if full else zmq.POLLIN)
+        self._poller.modify(self._control_sock, zmq.POLLIN if self._num_control < MAX_CONTROL_BACKLOG else 0)
+        events = dict(self._poller.poll(10 if full else 100))
+        if self._control_sock in events:
+            self._receive_control()
+        if self._in_sock in events:
+            self._receive_request()
+
+    def _receive_control(self, budget: int = 256) -> None:
+        """Aborts and detokenizer hellos: tiny, and read whatever the load."""
+        for _ in range(budget):
+            try:
+                frame = self._control_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self._decode(frame, (p.AbortReq, p.DetokHello), "control")
+            if msg is not None:
+                self._put_control(msg)
+
+    def _receive_request(self) -> None:
+        # [ZH-START]
+        # 1. 收一帧，只接受 TokenizedReq（abort 和 DetokHello 走 control socket），否则记 "bad_frame"（对面只有 stage，没有回复通道）。
+        # 2. _queued：在这里（不占主线程）建好采样参数（allowed_token_ids 存成 4 字节一个的 array），
         #    丢掉解出来的 sampling 大 list；prompt 保持打包；额度 = 帧长 + 每个 prompt token 40 字节。
         #    在锁内把 _num_queued 加一、_queued_bytes 加上额度。
-        # 5. 放进 inbox，保持到达顺序。
+        # 3. 放进 inbox，保持到达顺序。
         # [ZH-END]
-        if self._num_queued >= self.max_queued or self._queued_bytes >= self.max_queued_bytes:
-            time.sleep(0.01)  # admission backlog full: let the socket fill
+        try:
+            frame = self._in_sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
             return
-        if not self._in_sock.poll(100):
+        msg = self._decode(frame, (p.TokenizedReq,), "input")
+        if msg is None:
             return
-        frame = self._in_sock.recv()
+        queued = self._queued(msg, len(frame))
+        with self._queued_lock:
+            self._num_queued += 1
+            self._queued_bytes += queued.nbytes
+        self.inbox.put(queued)
+
+    def _decode(self, frame: bytes, accepted: tuple, socket_name: str) -> Any:
+        """The frame's message if it is one of `accepted`; otherwise None, the frame counted as
+        rejected (only stages talk to us, and they have no reply path)."""
         self.metrics.frame_received()
         try:
             msg = p.decode(frame)
-            if not isinstance(msg, (p.TokenizedReq, p.AbortReq, p.DetokHello)):
-                raise ProtocolError(f"the engine does not accept {msg.TYPE!r} messages")
-        except ProtocolError as e:  # only stages talk to us, and they have no reply path
+            if not isinstance(msg, accepted):
+                raise ProtocolError(f"the engine's {socket_name} socket does not accept {msg.TYPE!r} messages; it takes "
+                                    + " and ".join(repr(t.TYPE) for t in accepted))
+        except ProtocolError as e:
             self.rejects("bad_frame", str(e))
-            return
-        if isinstance(msg, p.TokenizedReq):
-            msg = self._queued(msg, len(frame))
-            with self._queued_lock:
-                self._num_queued += 1
-                self._queued_bytes += msg.nbytes
-        self.inbox.put(msg)
+            return None
+        return msg
 
     def _queued(self, req: p.TokenizedReq, frame_bytes: int) -> Queued:
         """Build the request's sampling parameters here, off the step loop: they hold large lists

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = zmq.Context.instance()
         metrics, _ = stage_metrics(TokenizerMetrics, args.metrics_host, args.metrics_port)
         stage = TokenizerStage(load_tokenizer(args.model), sampling_fields(SamplingParams), SamplingParams,
-                               frontend=endpoints.tokenizer, engine=endpoints.engine, ctx=ctx,
+                               frontend=endpoints.tokenizer, engine=endpoints.engine, control=endpoints.control, ctx=ctx,
                                max_prompt_tokens=context_length(args.model), security=stage_security(ctx, args),
                                metrics=metrics)
     except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, no tokenizer in it, address in use

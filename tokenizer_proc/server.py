@@ -1,22 +1,29 @@
 """The tokenizer stage: first hop of the pipeline.
 
-client --DEALER--> [ROUTER] tokenizer [PUSH] --> engine
+client --DEALER--> [ROUTER] tokenizer [PUSH] --> engine input
+                                     [PUSH] --> engine control (aborts)
 
 Validates each request (an error naming the problem goes straight back to its sender, and the
 stage carries on), applies the chat template, tokenizes, and forwards a `TokenizedReq` to the
-engine. Aborts travel the same PUSH, so they always arrive after their request. Holds no
-per-request state: a restarted tokenizer loses nothing that is already past it.
+engine. Aborts go to the engine's control socket, which it reads whatever its load, so they
+never wait behind requests (one that overtakes its request is kept by the engine until the
+request arrives). Holds no per-request state: a restarted tokenizer loses nothing that is
+already past it.
 
-Backpressure: while the engine pipe is full, the stage stops reading clients, so their sockets
-fill up and their sends wait. With no engine connected at all, requests are refused at once.
+Backpressure: while the engine pipe is full, requests wait here in `pending`, and the stage goes
+on reading clients (pings answered, aborts passed on) until `PENDING_MAX_FRAMES` requests or
+`PENDING_MAX_BYTES` of them wait; then it stops reading, so client sockets fill up and their
+sends wait. With no engine connected at all, requests are refused after a short grace.
 """
 # [ZH-START]
 # 【模块定位】服务的第一站：客户端请求的"前门"。
 #   客户端 DEALER →【tokenizer_proc：校验、套 chat 模板、分词】→ PUSH → engine_proc → detok_proc → 客户端
-# 每个请求在这里被检查（出错直接回给发送者，进程继续服务别人）、转成 TokenizedReq 推给引擎；
-# abort 走同一条 PUSH，所以永远排在它的请求之后到达引擎。
+# 每个请求在这里被检查（出错直接回给发送者，进程继续服务别人）、转成 TokenizedReq 推给引擎的 input socket；
+# abort 推给引擎的 control socket：引擎再忙也读它，abort 不会排在请求后面（比请求先到的 abort 由引擎记住，请求一到就结束它）。
 # 本进程不保存任何请求状态：重启只会丢掉还没推给引擎的请求，而客户端发现 tokenizer 实例换了会重发它们。
-# 背压：引擎管道满时停止读客户端，客户端的发送随之等待；完全没有引擎连接时，请求在 1 秒宽限后被拒绝。
+# 背压：引擎管道满时请求在 pending 里等，本进程照样读客户端（回 ping、转 abort），直到 pending 有
+# PENDING_MAX_FRAMES 个或 PENDING_MAX_BYTES 字节；那时才停止读客户端，客户端的发送随之等待；
+# 完全没有引擎连接时，请求在 1 秒宽限后被拒绝。
 # [ZH-END]
 from __future__ import annotations
 
@@ -49,6 +56,10 @@ ENGINE_BUSY = (f"the engine took no new request for {ENGINE_STALL_S:.0f}s: it is
 ENGINE_RECONNECT_GRACE_S = 1.0
 """With no engine connected, a request waits this long (a restarted engine's reconnect) before
 it is refused."""
+PENDING_MAX_FRAMES = 1024
+PENDING_MAX_BYTES = 64 << 20
+"""Requests held for room in the engine pipe, at most: up to there the stage still reads its
+clients (pings, aborts); past it, it stops and the clients' own sockets hold the rest."""
 
 
 MAX_CHARS_PER_TOKEN = 64
@@ -68,14 +79,14 @@ class RequestRejected(ValueError):
 class TokenizerStage:
     # [ZH-START]
     # 【职责】从客户端 ROUTER 收消息，校验采样参数与 stop string、套 chat 模板、分词、检查长度，
-    # 把 TokenizedReq 和 abort 推给引擎；回答 ping（带上引擎是否已连接）。
+    # 把 TokenizedReq 推给引擎的 input、abort 推给引擎的 control；回答 ping（带上引擎是否已连接）。
     # 【边界】不保存请求状态（只有等待管道空位的 pending 帧队列，以及供存活客户端计数用的最近活动时间）；
     # 不发送输出（那是 detok_proc）；不判断 prompt 能否放进 KV cache（引擎 add_request 判断）。
-    # 【协作者】客户端的 DEALER；engine_proc 的 PULL（经 pipeline_push）；PeerMonitor 看引擎是否连着；
+    # 【协作者】客户端的 DEALER；engine_proc 的两个 PULL（input、control，经 pipeline_push）；PeerMonitor 看引擎是否连着；
     # Notifier 向 systemd 报 READY / 看门狗；TokenizerMetrics 记指标。
     # [ZH-END]
     def __init__(self, tokenizer: Any, sampling_fields: set[str], make_sampling, frontend: str,
-                 engine: str, ctx: zmq.Context | None = None, max_prompt_tokens: int | None = None,
+                 engine: str, control: str, ctx: zmq.Context | None = None, max_prompt_tokens: int | None = None,
                  security: ServiceSecurity | None = None, metrics: TokenizerMetrics | None = None):
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
@@ -90,9 +101,14 @@ class TokenizerStage:
         # further requests wait on its side, not here (each frame may be 16 MiB).
         self.frontend = client_router(self.ctx, frontend, security=self.security, rcv_hwm=REQUEST_PIPE_HWM)
         self.to_engine = pipeline_push(self.ctx, engine, hwm=REQUEST_PIPE_HWM, security=self.security)
+        self.to_control = pipeline_push(self.ctx, control, security=self.security)
         self.engine_peers = PeerMonitor(self.to_engine)
         self.pending: collections.deque[tuple[float, bytes, str, bytes]] = collections.deque()
-        """(time, client identity, client request id or "", frame) waiting for room in the engine pipe."""
+        """(time, client identity, client request id, frame) waiting for room in the engine pipe."""
+        self._pending_bytes = 0
+        self._last_taken = float("-inf")
+        """When the engine pipe last took a request: a request held behind others has waited for
+        the engine only since then."""
         self.rejects = RejectLog(log, on_reject=self.metrics.frame_rejected)
         self._clients_seen: dict[bytes, float] = {}
         """Client identity -> when it last sent anything (the live-clients gauge)."""
@@ -111,7 +127,8 @@ class TokenizerStage:
         #       已接收的继续推给引擎，最多一秒）；
         #    b. draining 且 pending 已空：退出；
         #    c. notifier.tick（看门狗）、每秒刷新一次存活客户端数；
-        #    d. 背压开关：pending 非空时不读客户端、改等引擎 PUSH 可写；pending 为空时只读客户端；
+        #    d. 背压开关：pending 非空时等引擎 PUSH 可写；pending 没满（_holding_full）就照样读客户端（ping、abort 不被挡住），
+        #       满了才停止读客户端；
         #    e. poll 100 ms → _flush_pending() 尽量把积压推给引擎 → 客户端可读就 _drain_frontend()。
         # 3. 关闭所有 socket。
         # [ZH-END]
@@ -131,7 +148,7 @@ class TokenizerStage:
                 break
             self.notifier.tick()
             self._count_clients()
-            poller.modify(self.frontend, 0 if self.pending else zmq.POLLIN)
+            poller.modify(self.frontend, 0 if self._holding_full() else zmq.POLLIN)
             poller.modify(self.to_engine, zmq.POLLOUT if self.pending else 0)
             events = dict(poller.poll(100))
             self._flush_pending()
@@ -151,16 +168,18 @@ class TokenizerStage:
         self.engine_peers.socket.close(linger=0)
         self.frontend.close(linger=0)
         self.to_engine.close(linger=500)
+        self.to_control.close(linger=500)
         self.security.close()
 
     def _drain_frontend(self, budget: int = 256) -> None:
         # [ZH-START]
         # 1. 每轮最多处理 budget = 256 条消息，免得一个繁忙客户端饿死循环里的其他工作。
-        # 2. 一旦 pending 非空（引擎管道满）立即停止读取，剩下的留在 socket 里形成背压。
+        # 2. 一旦 pending 满了（_holding_full：PENDING_MAX_FRAMES 个或 PENDING_MAX_BYTES 字节）立即停止读取，
+        #    剩下的留在客户端 socket 里形成背压；没满时照样读，ping 和 abort 就不会被忙碌的引擎挡住。
         # 3. NOBLOCK 收一条：parts[0] 是 ROUTER 加上的客户端身份，其余交给 handle。
         # [ZH-END]
         for _ in range(budget):
-            if self.pending:
+            if self._holding_full():
                 return
             try:
                 parts = self.frontend.recv_multipart(zmq.NOBLOCK)
@@ -193,7 +212,7 @@ class TokenizerStage:
         #    回 ErrorOutput（能认出 request_id 就带上）。
         # 4. 按类型分发：
         #    GenerateReq → _on_generate；
-        #    AbortReq → 换成引擎侧 id "<客户端身份 hex>:<request_id>"，经 _forward 排进同一队列（request_id 传 "" 表示不需要回复）；
+        #    AbortReq → 换成引擎侧 id "<客户端身份 hex>:<request_id>"，_send_abort 直接推给引擎的 control socket（不排在 pending 后面）；
         #    Ping → 回 Pong("tokenizer", 实例 id, 引擎是否已连接, 状态, 运行时长)；
         #    其他类型 → 记 "wrong_type"，回错误说明只接受 generate / abort / ping。
         # [ZH-END]
@@ -212,7 +231,7 @@ class TokenizerStage:
         if isinstance(msg, p.GenerateReq):
             self._on_generate(identity, msg)
         elif isinstance(msg, p.AbortReq):
-            self._forward(identity, "", p.AbortReq(engine_request_id(identity, msg.request_id)).encode())
+            self._send_abort(engine_request_id(identity, msg.request_id))
         elif isinstance(msg, p.Ping):
             self._reply(identity, p.Pong("tokenizer", self.instance_id, self.engine_peers.connected, self.state,
                                          time.monotonic() - self.started_at))
@@ -340,34 +359,49 @@ class TokenizerStage:
 
     def _forward(self, identity: bytes, request_id: str, frame: bytes) -> None:
         self.pending.append((time.monotonic(), identity, request_id, frame))
+        self._pending_bytes += len(frame)
         self._flush_pending()
+
+    def _holding_full(self) -> bool:
+        return len(self.pending) >= PENDING_MAX_FRAMES or self._pending_bytes >= PENDING_MAX_BYTES
+
+    def _send_abort(self, engine_id: str) -> None:
+        """Straight to the engine's control socket, never behind the requests held in `pending`."""
+        try:
+            self.to_control.send(p.AbortReq(engine_id).encode(), zmq.NOBLOCK)
+        except zmq.Again:  # no engine connected (or its control pipe full): nothing there to abort
+            log.info("could not pass on the abort of %s: engine unreachable", engine_id)
 
     def _flush_pending(self) -> None:
         # [ZH-START]
         # 1. 按顺序取队头 (入队时间, 客户端身份, request_id, 帧)，NOBLOCK 推给引擎；成功就出队，继续下一个。
-        # 2. zmq.Again（管道满或没有引擎）：已等时间 < 上限就返回，继续持有并停止读客户端；
+        # 2. zmq.Again（管道满或没有引擎）：已等时间 < 上限就返回，继续持有；已等时间从"入队"和"引擎上次收下一帧"
+        #    两者中较晚的算起——排在长队后面的请求不因前面的等待被算作引擎停滞；
         #    上限 = 引擎连着时 10 秒（ENGINE_STALL_S），没连着时 1 秒（ENGINE_RECONNECT_GRACE_S，给重启的引擎重连）。
-        # 3. 超过上限：丢弃队头；如果是请求（request_id 非空）就回错误增量：引擎连着（只是忙、队列满）→ ENGINE_BUSY，
-        #    不标 engine_dead（客户端不能因此认为引擎死了）；没连着 → NO_ENGINE 并标 engine_dead。abort 不用回复。
+        # 3. 超过上限：丢弃队头，回错误增量：引擎连着（只是忙、队列满）→ ENGINE_BUSY，
+        #    不标 engine_dead（客户端不能因此认为引擎死了）；没连着 → NO_ENGINE 并标 engine_dead。
         # [ZH-END]
         while self.pending:
             queued_at, identity, request_id, frame = self.pending[0]
             try:
                 self.to_engine.send(frame, zmq.NOBLOCK)
             except zmq.Again:
-                waited = time.monotonic() - queued_at
+                waited = time.monotonic() - max(queued_at, self._last_taken)
                 connected = self.engine_peers.connected
                 if waited < (ENGINE_STALL_S if connected else ENGINE_RECONNECT_GRACE_S):
-                    return  # engine busy (backpressure) or reconnecting: hold, stop reading clients
-                self.pending.popleft()
-                if request_id:  # aborts need no answer
-                    # A connected engine that reads nothing is busy, not dead: the client must not
-                    # take it for dead (it would refuse every request until a new engine appears).
-                    delta = (p.error_delta(request_id, ENGINE_BUSY) if connected
-                             else dict(p.error_delta(request_id, NO_ENGINE), engine_dead=True))
-                    self._reply(identity, p.StreamOutput([delta]))
+                    return  # engine busy (backpressure) or reconnecting: hold
+                self._pop_pending()
+                # A connected engine that reads nothing is busy, not dead: the client must not
+                # take it for dead (it would refuse every request until a new engine appears).
+                delta = (p.error_delta(request_id, ENGINE_BUSY) if connected
+                         else dict(p.error_delta(request_id, NO_ENGINE), engine_dead=True))
+                self._reply(identity, p.StreamOutput([delta]))
                 continue
-            self.pending.popleft()
+            self._pop_pending()
+            self._last_taken = time.monotonic()
+
+    def _pop_pending(self) -> None:
+        self._pending_bytes -= len(self.pending.popleft()[3])
 
     def _reply(self, identity: bytes, msg: p.Message) -> None:
         # [ZH-START]

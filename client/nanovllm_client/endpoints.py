@@ -3,8 +3,8 @@
 A service is named by one URL, so a client needs one string and two instances on one host differ
 in one string (systemd template units):
 
-- ``ipc:///run/nanovllm`` (a directory) -> ``ipc:///run/nanovllm/{tokenizer,stream,engine,detok}.sock``
-- ``tcp://127.0.0.1:5550`` -> tokenizer on port 5550, stream 5551, engine 5552, detok 5553.
+- ``ipc:///run/nanovllm`` (a directory) -> ``ipc:///run/nanovllm/{tokenizer,stream,engine,detok,control}.sock``
+- ``tcp://127.0.0.1:5550`` -> tokenizer on port 5550, stream 5551, engine 5552, detok 5553, control 5554.
 
 Each stage can still be given each endpoint explicitly (flags / NANOVLLM_* environment).
 """
@@ -14,7 +14,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-_TCP_OFFSETS = {"tokenizer": 0, "stream": 1, "engine": 2, "detok": 3}
+_TCP_OFFSETS = {"tokenizer": 0, "stream": 1, "engine": 2, "detok": 3, "control": 4}
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,12 @@ class Endpoints:
     stream: str
     """Detokenizer ROUTER: clients receive their streamed outputs here."""
     engine: str
-    """Engine PULL: tokenized requests and aborts (from tokenizer and detokenizer)."""
+    """Engine PULL: tokenized requests (from the tokenizer); not read while the engine's queue is full."""
     detok: str
     """Detokenizer PULL: the engine's step outputs."""
+    control: str
+    """Engine PULL: aborts (from tokenizer and detokenizer) and detokenizer hellos, read whatever
+    the load, so an abort never waits behind the requests that fill the engine's queue."""
 
 
 def default_runtime_dir() -> str:
@@ -45,7 +48,7 @@ def default_url() -> str:
 
 
 def service_endpoints(url: str) -> Endpoints:
-    """One service URL -> the four stage endpoints (see the module docstring)."""
+    """One service URL -> the five stage endpoints (see the module docstring)."""
     if url.startswith("ipc://"):
         base = url[len("ipc://"):].rstrip("/")
         if not base:
@@ -56,8 +59,10 @@ def service_endpoints(url: str) -> Endpoints:
         if not sep or not port.isdigit() or not host:
             raise ValueError(f"tcp service URL must look like tcp://HOST:PORT, got {url!r}")
         base_port = int(port)
-        if not 0 < base_port <= 65535 - 3:
-            raise ValueError(f"tcp base port must be in 1..65532 (four consecutive ports are used), got {base_port}")
+        last = len(_TCP_OFFSETS) - 1
+        if not 0 < base_port <= 65535 - last:
+            raise ValueError(f"tcp base port must be in 1..{65535 - last} ({last + 1} consecutive ports are used), "
+                             f"got {base_port}")
         return Endpoints(*(f"tcp://{host}:{base_port + off}" for off in _TCP_OFFSETS.values()))
     raise ValueError(f"service URL must start with ipc:// or tcp://, got {url!r}")
 

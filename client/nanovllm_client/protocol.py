@@ -9,9 +9,10 @@ sentence saying what was wrong, which the stage sends back to the sender as data
 messages are checked as strictly as client ones: over tcp anyone who reaches a port can send them.
 Token ids travel packed (little-endian uint32 bytes).
 
-Flow (see docs/service.md): client --GenerateReq/AbortReq/Ping--> tokenizer --TokenizedReq/
-AbortReq--> engine --StepOutput/EngineStatus/Resync--> detokenizer --StreamOutput/EngineStatus/
-Pong--> client; detokenizer --AbortReq/DetokHello--> engine; client --Resume--> detokenizer.
+Flow (see docs/service.md): client --GenerateReq/AbortReq/Ping--> tokenizer --TokenizedReq-->
+engine (input) --StepOutput/EngineStatus/Resync--> detokenizer --StreamOutput/EngineStatus/
+Pong--> client; tokenizer --AbortReq--> engine (control); detokenizer --AbortReq/DetokHello-->
+engine (control); client --Resume--> detokenizer.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ the protocol, so each stage package holds only its own job. Imports nothing heav
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -60,7 +61,8 @@ def add_endpoint_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--url", "service address from which all endpoints are derived: ipc://DIR or tcp://HOST:PORT",
              default=default_url())
     for name, what in (("tokenizer", "tokenizer ROUTER (client requests)"), ("stream", "detokenizer ROUTER (client outputs)"),
-                       ("engine", "engine PULL (tokenized requests, aborts)"), ("detok", "detokenizer PULL (engine steps)")):
+                       ("engine", "engine PULL (tokenized requests)"), ("detok", "detokenizer PULL (engine steps)"),
+                       ("control", "engine PULL (aborts, detokenizer hellos)")):
         add_flag(parser, f"--{name}-endpoint", f"override the {what} endpoint")
     add_flag(parser, "--log-level", "logging level", default="INFO")
     add_security_flags(parser)
@@ -75,8 +77,8 @@ def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
 
 def resolve_endpoints(args: argparse.Namespace) -> Endpoints:
     derived = service_endpoints(args.url)
-    return Endpoints(args.tokenizer_endpoint or derived.tokenizer, args.stream_endpoint or derived.stream,
-                     args.engine_endpoint or derived.engine, args.detok_endpoint or derived.detok)
+    return Endpoints(*(getattr(args, f"{f.name}_endpoint") or getattr(derived, f.name)
+                       for f in dataclasses.fields(Endpoints)))
 
 
 def setup_logging(level: str, role: str) -> logging.Logger:

@@ -90,7 +90,8 @@ class Stream:
         # [ZH-START]
         # 1. 已结束则什么都不做（幂等）。
         # 2. 标记结束，_end_stream 注销本流（之后到达的输出被丢弃）。
-        # 3. 向 I/O 线程发 _ABORT 命令（wire id + AbortReq 帧）；它会排在该请求之后经 tokenizer 到达引擎，释放 KV 块。
+        # 3. 向 I/O 线程发 _ABORT 命令（wire id + AbortReq 帧）；它经 tokenizer 到达引擎的 control socket（引擎再忙也读），释放 KV 块；
+        #    比请求先到时引擎记住它，请求一到就结束。
         # [ZH-END]
         if not self._done:
             self._done = True

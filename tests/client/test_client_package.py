@@ -22,8 +22,11 @@ def test_one_url_names_every_endpoint():
     ipc = service_endpoints("ipc:///run/nanovllm/")
     assert ipc.tokenizer == "ipc:///run/nanovllm/tokenizer.sock" and ipc.stream == "ipc:///run/nanovllm/stream.sock"
     tcp = service_endpoints("tcp://127.0.0.1:5550")
-    assert (tcp.tokenizer, tcp.stream, tcp.engine, tcp.detok) == tuple(f"tcp://127.0.0.1:{5550 + i}" for i in range(4))
-    for bad in ("http://x", "tcp://host", "tcp://:1", "ipc://", "tcp://h:65535"):
+    assert ipc.control == "ipc:///run/nanovllm/control.sock"
+    assert (tcp.tokenizer, tcp.stream, tcp.engine, tcp.detok, tcp.control) == tuple(
+        f"tcp://127.0.0.1:{5550 + i}" for i in range(5))
+    assert service_endpoints("tcp://h:65531").control == "tcp://h:65535"
+    for bad in ("http://x", "tcp://host", "tcp://:1", "ipc://", "tcp://h:65535", "tcp://h:65532"):
         with pytest.raises(ValueError):
             service_endpoints(bad)
 

@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+import zmq
 
 try:
     import nanovllm_client  # noqa: F401
@@ -32,6 +33,14 @@ def start_service(model: str, url: str, engine_args=TINY_ENGINE_ARGS, detok_args
         procs.stop()
         raise
     return procs
+
+
+@pytest.fixture
+def ctx():
+    """A zmq context for a test's raw sockets, destroyed (sockets and all) after it."""
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
 
 
 @pytest.fixture(scope="session")

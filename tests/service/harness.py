@@ -27,7 +27,7 @@ def short_tmpdir() -> str:
 
 
 def free_tcp_base_port() -> int:
-    """A base port with the next three ports free too (the service uses four)."""
+    """A base port with the next four ports free too (the service uses five)."""
     import socket
 
     for _ in range(50):
@@ -38,7 +38,7 @@ def free_tcp_base_port() -> int:
             continue
         try:
             socks = []
-            for off in range(4):
+            for off in range(5):
                 sock = socket.socket()
                 socks.append(sock)
                 sock.bind(("127.0.0.1", base + off))
@@ -48,7 +48,7 @@ def free_tcp_base_port() -> int:
         finally:
             for sock in socks:
                 sock.close()
-    raise RuntimeError("no four consecutive free tcp ports")
+    raise RuntimeError("no five consecutive free tcp ports")
 
 
 class ServiceProcs:

@@ -37,9 +37,9 @@ def rig(tokenizer_dir, request):
     # term() when it is garbage-collected later, which would hang the rest of the test session.
     try:
         engine_in = ctx.socket(zmq.PULL)
-        engine_in.bind(eps.engine)
+        engine_in.bind(eps.control)
         engine_peers = PeerMonitor(engine_in)
-        stage = DetokStage(tok, eps.stream, eps.detok, eps.engine, client_timeout_s=60, engine_timeout_s=60,
+        stage = DetokStage(tok, eps.stream, eps.detok, eps.control, client_timeout_s=60, engine_timeout_s=60,
                            client_hwm=2, max_pending_frames=request.param, ctx=ctx)
         runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
         wait_for(lambda: engine_peers.connected, timeout=10, what="the detokenizer's abort socket to connect")

@@ -27,7 +27,7 @@ def rig(tokenizer_dir):
     eps = service_endpoints(f"ipc://{short_tmpdir()}")
     ctx = zmq.Context()
     try:
-        stage = DetokStage(tok, eps.stream, eps.detok, eps.engine, ctx=ctx)
+        stage = DetokStage(tok, eps.stream, eps.detok, eps.control, ctx=ctx)
         identity = uuid.uuid4().bytes
         client = ctx.socket(zmq.DEALER)
         client.setsockopt(zmq.ROUTING_ID, identity)

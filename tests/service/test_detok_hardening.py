@@ -17,13 +17,6 @@ from tests.service.harness import short_tmpdir, wait_for
 from tests.service.test_hardening import in_process_detok, raw_socket, reply, running
 
 
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def test_one_clients_burst_of_resumes_does_not_make_the_engine_look_dead(tiny_model_dir):
     """The detokenizer handled up to 256 client frames in a pass before it looked at the engine
     socket or the clock; 60 valid Resumes of 65,536 rows (0.64 MB each, ~0.1-0.3 s each to apply)
@@ -82,7 +75,7 @@ def test_a_client_gone_before_the_resync_does_not_stop_the_others_resumes(tokeni
     the loop raised, and every later client's streams were never resumed nor ended."""
     stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=5.0)
     engine_in = ctx.socket(zmq.PULL)
-    engine_in.bind(eps.engine)
+    engine_in.bind(eps.control)
     with running(stage):
         engine_out = raw_socket(ctx, zmq.PUSH, eps.detok)
         engine_out.send(p.EngineStatus(True, "E1", state="ready").encode())
@@ -130,7 +123,7 @@ def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_it
     detokenizer yet. The send found no socket, and the stage aborted the request in the engine."""
     stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=5.0)
     engine_in = ctx.socket(zmq.PULL)
-    engine_in.bind(eps.engine)
+    engine_in.bind(eps.control)
     with running(stage):
         engine_out = raw_socket(ctx, zmq.PUSH, eps.detok)
         identity = uuid.uuid4().bytes
@@ -188,3 +181,4 @@ def test_a_queued_request_ends_when_the_engine_and_detokenizer_die_together(tiny
         procs.assert_running()
     finally:
         procs.stop()
+

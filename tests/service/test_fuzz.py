@@ -54,13 +54,13 @@ def forged_engine_message(frame: bytes | list[bytes]) -> bool:
 
 
 def blast(url: str, frames_per_socket: int, seed: int) -> None:
-    """Send the frames to all four sockets, round robin, reading (and discarding) every reply."""
+    """Send the frames to all five sockets, round robin, reading (and discarding) every reply."""
     eps = service_endpoints(url)
     ctx = zmq.Context()
     try:
         targets = []
         for endpoint, kind in ((eps.tokenizer, zmq.DEALER), (eps.stream, zmq.DEALER),
-                               (eps.engine, zmq.PUSH), (eps.detok, zmq.PUSH)):
+                               (eps.engine, zmq.PUSH), (eps.detok, zmq.PUSH), (eps.control, zmq.PUSH)):
             sock = ctx.socket(kind)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDTIMEO, 10_000)  # a stage that stops reading fails the test, not hangs it
@@ -111,7 +111,7 @@ def run_fuzz(service, frames_per_socket: int, seed: int) -> None:
                          and sum(stats["detok"]["rejected_frames"].values()) > frames_per_socket // 3 and stats,
                          timeout=30, interval=0.2, what="the stages to count the malformed frames")
         rss_after = {name: rss_mb(pid) for name, pid in pids.items()}
-        print(f"{4 * frames_per_socket} frames handled in {time.monotonic() - started:.1f}s; rejected: engine "
+        print(f"{5 * frames_per_socket} frames handled in {time.monotonic() - started:.1f}s; rejected: engine "
               f"{stats['engine']['rejected_frames']}, detokenizer {stats['detok']['rejected_frames']}; "
               f"RSS MB before {rss_before}, after {rss_after}")
         service.assert_running()

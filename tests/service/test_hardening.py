@@ -37,13 +37,6 @@ def reply(sock: zmq.Socket, timeout_ms: int = 10_000) -> p.Message:
     return p.decode(sock.recv())
 
 
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 @contextlib.contextmanager
 def running(stage):
     """A stage's loop on a thread of this process, stopped and joined on the way out."""
@@ -65,7 +58,7 @@ def in_process_detok(tokenizer_dir: str, ctx: zmq.Context, client_timeout_s: flo
     from detok_proc.server import DetokStage
 
     eps = service_endpoints(f"ipc://{short_tmpdir()}")
-    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.engine,
+    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.control,
                        client_timeout_s=client_timeout_s, engine_timeout_s=60, ctx=ctx)
     return stage, eps
 
@@ -84,7 +77,7 @@ def test_deeply_nested_frames_get_an_error_and_no_stage_dies(service, client, ct
             msg = reply(sock)
             assert isinstance(msg, p.ErrorOutput) and len(msg.message) < 300
             assert "unknown message type [[[...]]]" in msg.message or "protocol version [[[...]]]" in msg.message
-    for endpoint in (eps.engine, eps.detok):
+    for endpoint in (eps.engine, eps.detok, eps.control):
         push = raw_socket(ctx, zmq.PUSH, endpoint)
         for frame in frames:
             push.send(frame)
@@ -212,7 +205,7 @@ def test_a_client_the_detokenizer_gave_up_on_is_told_when_it_returns(tokenizer_d
     request is surely still running when the client goes quiet."""
     stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=1.0)
     engine_in = ctx.socket(zmq.PULL)
-    engine_in.bind(eps.engine)
+    engine_in.bind(eps.control)
     with running(stage):
         engine_out = raw_socket(ctx, zmq.PUSH, eps.detok)
         identity = uuid.uuid4().bytes
@@ -351,7 +344,7 @@ def test_the_engine_stops_promptly_when_its_detokenizer_is_gone(tiny_model_dir, 
     eps = service_endpoints(f"ipc://{short_tmpdir()}")
     engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=128, num_threads=1))
     # No detokenizer binds; a 1 s drain, after which nobody reading is no reason to wait.
-    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, out_hwm=2, drain_timeout_s=1.0, ctx=ctx)
+    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, eps.control, out_hwm=2, drain_timeout_s=1.0, ctx=ctx)
     stop = threading.Event()
     code: list = []
     runner = threading.Thread(target=lambda: code.append(stage.run(stop)), daemon=True)
@@ -381,9 +374,9 @@ def test_a_flood_of_detokenizer_hellos_gets_at_most_one_resync_a_second(tiny_mod
     detok_in = ctx.socket(zmq.PULL)
     detok_in.bind(eps.detok)
     engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=64, num_threads=1))
-    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, ctx=ctx)
+    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, eps.control, ctx=ctx)
     with running(stage):
-        push = raw_socket(ctx, zmq.PUSH, eps.engine)
+        push = raw_socket(ctx, zmq.PUSH, eps.control)
         started = time.monotonic()
         for i in range(200):
             push.send(p.DetokHello(f"d{i}").encode())
@@ -557,7 +550,7 @@ def test_every_way_a_request_leaves_the_engine_returns_its_byte_charge(tiny_mode
     detok_in = ctx.socket(zmq.PULL)
     detok_in.bind(eps.detok)
     engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=64, num_threads=1))
-    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, max_live=1, ctx=ctx)
+    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, eps.control, max_live=1, ctx=ctx)
     ends: dict[str, str] = {}
 
     def read(until) -> None:
@@ -582,9 +575,10 @@ def test_every_way_a_request_leaves_the_engine_returns_its_byte_charge(tiny_mode
         send("short", {"max_tokens": 3, "ignore_eos": True})
         read(lambda: stage._queued_bytes and len(stage.backlog) == 4)
         assert stage._queued_bytes == sum(q.nbytes for q in stage.backlog.values())
-        push.send(p.AbortReq("queued").encode())
+        control = raw_socket(ctx, zmq.PUSH, eps.control)
+        control.send(p.AbortReq("queued").encode())
         read(lambda: "queued" in ends)
-        push.send(p.AbortReq("long").encode())
+        control.send(p.AbortReq("long").encode())
         read(lambda: len(ends) == 5)
         assert ends == {"long": "abort", "queued": "abort", "bad": "rejected", "too-long": "rejected", "short": "length"}
         read(lambda: not stage.live and not stage.backlog)
