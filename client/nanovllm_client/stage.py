@@ -173,14 +173,24 @@ def pipeline_pull(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM,
     return sock
 
 
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
 class PeerMonitor:
-    """Counts the connected peers of a connecting socket (e.g. is an engine there at all?)."""
+    """Counts the peers of a socket that completed the zmq handshake (e.g. is an engine there at
+    all?). A connection that closes before its handshake ends (a port scan, a client gone at
+    once, a wrong key) also reports a disconnect: libzmq reports its handshake failure just
+    before, and that disconnect is not taken off the count (it once made a detokenizer declare
+    its live engine dead)."""
 
     def __init__(self, sock: zmq.Socket):
         # A unique address: pyzmq's default is derived from the fd, which a later socket may reuse.
-        self.socket = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+        self.socket = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED,
                                               addr=f"inproc://monitor-{uuid.uuid4().hex}")
         self.num_peers = 0
+        self._failed = 0
+        """Handshake failures whose disconnect has not come yet."""
 
     def poll(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -189,8 +199,13 @@ class PeerMonitor:
             event = recv_monitor_message(self.socket)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.num_peers += 1
+            elif event & _HANDSHAKE_FAILED:
+                self._failed += 1
             elif event == zmq.EVENT_DISCONNECTED:
-                self.num_peers = max(0, self.num_peers - 1)
+                if self._failed:
+                    self._failed -= 1
+                else:
+                    self.num_peers = max(0, self.num_peers - 1)
 
     @property
     def connected(self) -> bool:

@@ -182,3 +182,24 @@ def test_a_queued_request_ends_when_the_engine_and_detokenizer_die_together(tiny
     finally:
         procs.stop()
 
+
+def test_a_connection_dropped_before_its_handshake_does_not_make_the_engine_look_dead(tokenizer_dir, ctx):
+    """The detokenizer counts the engine's connections to know at once when it dies; a
+    connection to its engine socket that closed before the zmq handshake (a port scan, a stage
+    that gave up at once) was counted off too, and the live engine was declared dead: every
+    request failed with "engine died: its connection closed"."""
+    import socket
+
+    stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=5.0)
+    with running(stage):
+        engine_out = raw_socket(ctx, zmq.PUSH, eps.detok)
+        engine_out.send(p.EngineStatus(True, "E1", state="ready").encode())
+        wait_for(lambda: stage.engine_alive is True, timeout=10, what="the engine heard")
+        for greeting in (b"", b"GET / HTTP/1.0\r\n\r\n"):
+            with socket.socket(socket.AF_UNIX) as stray:
+                stray.connect(eps.detok[len("ipc://"):])
+                stray.sendall(greeting)
+        watch_until = time.monotonic() + 1.5  # the stage sees each disconnect within a loop turn (ms)
+        while time.monotonic() < watch_until:
+            assert stage.engine_alive is True, "a stray connection's end was taken for the engine's"
+            time.sleep(0.02)
