@@ -10,6 +10,11 @@ Each stage tells the supervisor when it serves the way it tells systemd: a `READ
 on its own $NOTIFY_SOCKET. A stage that exits before it was ever ready (a bad model path, a bad
 flag) is not restarted: the supervisor stops the others and exits 1, the stage's own error
 being the last thing it printed.
+
+The watchdog is systemd's too: each stage gets $WATCHDOG_USEC and sends `WATCHDOG=1` from the
+loop that does its work. A ready stage silent for `--watchdog-s` (a deadlock, a hung step, a
+SIGSTOP) gets SIGABRT (its Python stack goes to its log: the stages enable faulthandler), then
+SIGKILL if it outlives `WATCHDOG_KILL_S`, and is restarted like a stage that died.
 """
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ import time
 from dataclasses import dataclass
 
 STAGES = ("tokenizer_proc", "engine_proc", "detok_proc")
+DEFAULT_WATCHDOG_S = 60.0
+"""As the engine's unit (`WatchdogSec=60`): one step may be a long prefill on a small CPU."""
+WATCHDOG_KILL_S = 5.0
+"""How long a stage killed by the watchdog has to dump its stack and exit before SIGKILL."""
 log = logging.getLogger("nanovllm.supervisor")
 
 
@@ -45,6 +54,10 @@ class StageProcess:
     """This run of the stage said READY=1."""
     served: bool = False
     """Some run of the stage said READY=1: after a crash it is worth restarting."""
+    last_alive: float = 0.0
+    """When this run last said READY=1 or WATCHDOG=1."""
+    aborted_at: float | None = None
+    """When the watchdog sent this run SIGABRT."""
 
 
 def _die_with_parent() -> None:
@@ -60,8 +73,10 @@ def _die_with_parent() -> None:
 class Supervisor:
     def __init__(self, url: str, model: str, runtime_dir: str, engine_args: list[str], log_level: str,
                  max_backoff_s: float = 30.0, drain_timeout_s: float = 30.0, metrics_port: int = 0,
-                 stage_env: dict[str, str] | None = None):
+                 stage_env: dict[str, str] | None = None, watchdog_s: float = DEFAULT_WATCHDOG_S):
         self.url, self.model, self.runtime_dir = url, model, runtime_dir
+        self.watchdog_s = watchdog_s
+        """A ready stage silent this long is killed and restarted; 0: no watchdog."""
         self.max_backoff_s = max_backoff_s
         self.drain_timeout_s = drain_timeout_s
         self.env = dict(os.environ, NANOVLLM_URL=url, NANOVLLM_MODEL=model, NANOVLLM_LOG_LEVEL=log_level,
@@ -79,10 +94,12 @@ class Supervisor:
 
     def start(self, stage: StageProcess) -> None:
         env = dict(self.env, NOTIFY_SOCKET=stage.notify_name, NANOVLLM_METRICS_PORT=str(self.metrics_ports[stage.name]))
+        if self.watchdog_s:
+            env["WATCHDOG_USEC"] = str(int(self.watchdog_s * 1e6))
         # Its own session: a terminal's Ctrl-C (SIGINT to the whole foreground group) reaches only
         # the supervisor, which stops the stages in the order that loses nothing (`stop`).
         stage.proc = subprocess.Popen(stage.argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)
-        stage.started_at, stage.restart_at, stage.ready = time.monotonic(), None, False
+        stage.started_at, stage.restart_at, stage.ready, stage.aborted_at = time.monotonic(), None, False, None
         log.info("started %s (pid %d)", stage.name, stage.proc.pid)
         self.write_state()
 
@@ -102,6 +119,8 @@ class Supervisor:
                 except BlockingIOError:
                     break
                 for line in datagram.decode(errors="replace").splitlines():
+                    if line in ("READY=1", "WATCHDOG=1"):
+                        stage.last_alive = time.monotonic()
                     if line == "READY=1" and not stage.ready:
                         stage.ready = stage.served = True
                         log.info("%s is ready", stage.name)
@@ -113,7 +132,10 @@ class Supervisor:
         a stage that never became ready ends the service instead (`failed`)."""
         self.read_notifications()
         for stage in self.stages.values():
-            if stage.proc is None or stage.proc.poll() is None:
+            if stage.proc is None:
+                continue
+            if stage.proc.poll() is None:
+                self._watch(stage, now)
                 continue
             if not stage.served:
                 self.failed = (f"{stage.name} exited with code {stage.proc.returncode} before it was ready "
@@ -129,6 +151,22 @@ class Supervisor:
             elif now >= stage.restart_at:
                 stage.restarts += 1
                 self.start(stage)
+
+    def _watch(self, stage: StageProcess, now: float) -> None:
+        """Kill a ready stage that stopped sending watchdog pings: SIGABRT (and SIGCONT, so a
+        stopped one gets it), then SIGKILL after `WATCHDOG_KILL_S`; `check` then restarts it."""
+        if not self.watchdog_s or not stage.ready:
+            return
+        if stage.aborted_at is None and now - stage.last_alive > self.watchdog_s:
+            log.error("%s (pid %d) sent no watchdog ping for %.0fs: it hangs; aborting it (its stack goes to its log) "
+                      "and restarting it", stage.name, stage.proc.pid, now - stage.last_alive)
+            stage.aborted_at = now
+            stage.proc.send_signal(signal.SIGABRT)
+            stage.proc.send_signal(signal.SIGCONT)
+        elif stage.aborted_at is not None and now - stage.aborted_at > WATCHDOG_KILL_S:
+            log.error("%s (pid %d) outlived SIGABRT by %.0fs; killing it", stage.name, stage.proc.pid, WATCHDOG_KILL_S)
+            stage.proc.kill()
+            stage.aborted_at = float("inf")  # killed: wait for it to be reaped
 
     def stop(self) -> None:
         """Stop the stages in the order that loses nothing: the tokenizer first (no new requests),
@@ -204,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="directory of allowed client public keys (*.key)")
     parser.add_argument("--insecure-tcp", action="store_true",
                         help="allow a non-loopback tcp URL without CURVE keys")
+    parser.add_argument("--watchdog-s", type=float, default=float(os.environ.get("NANOVLLM_WATCHDOG_S", DEFAULT_WATCHDOG_S)),
+                        help="restart a stage that sends no watchdog ping for this long once it serves (a hung "
+                             "loop or step); 0: off (env NANOVLLM_WATCHDOG_S; default %(default)s)")
     parser.add_argument("--drain-timeout", type=float, default=float(os.environ.get("NANOVLLM_DRAIN_TIMEOUT", 30)),
                         help="on SIGTERM, seconds the engine lets requests in flight finish before it aborts them "
                              "(env NANOVLLM_DRAIN_TIMEOUT; default %(default)s)")
@@ -229,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         if value:
             stage_env[name] = os.path.abspath(value)
     return Supervisor(url, args.model, args.runtime_dir, engine_args, args.log_level, drain_timeout_s=args.drain_timeout,
-                      metrics_port=args.metrics_port, stage_env=stage_env).run(stop)
+                      metrics_port=args.metrics_port, stage_env=stage_env, watchdog_s=args.watchdog_s).run(stop)
 
 
 if __name__ == "__main__":

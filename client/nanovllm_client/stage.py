@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import logging
 import os
 import signal
@@ -82,6 +83,9 @@ def resolve_endpoints(args: argparse.Namespace) -> Endpoints:
 
 
 def setup_logging(level: str, role: str) -> logging.Logger:
+    """Log lines naming the stage and its pid; and on a fatal signal (SIGABRT from a watchdog, a
+    crash in native code) the Python stack of every thread, so a hang can be read afterwards."""
+    faulthandler.enable()
     logging.basicConfig(level=level.upper(), format=f"%(asctime)s {role}[%(process)d] %(levelname)s %(message)s")
     return logging.getLogger(role)
 

@@ -1,6 +1,7 @@
 """`nanovllm serve` (nanovllm.supervisor): starts the stages, restarts a dead one, stops cleanly."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,19 +32,28 @@ def pid_alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
+@contextlib.contextmanager
+def serving(model: str, *flags: str):
+    """`nanovllm serve` in its own session (as from a terminal), killed with its stages after."""
+    runtime_dir = short_tmpdir()
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", model, "--runtime-dir",
+                             runtime_dir, "--log-level", "WARNING", *flags, *TINY_ENGINE_ARGS],
+                            cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), start_new_session=True)
+    try:
+        yield proc, runtime_dir
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        for pid in (read_pids(runtime_dir) or {}).values():
+            if isinstance(pid, int) and pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.fixture
 def supervisor(tiny_model_dir):
-    runtime_dir = short_tmpdir()
-    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", tiny_model_dir,
-                             "--runtime-dir", runtime_dir, "--log-level", "WARNING", *TINY_ENGINE_ARGS],
-                            cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
-    yield proc, runtime_dir
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(timeout=10)
-    for pid in (read_pids(runtime_dir) or {}).values():
-        if isinstance(pid, int) and pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    with serving(tiny_model_dir) as (proc, runtime_dir):
+        yield proc, runtime_dir
 
 
 def test_serve_restarts_a_dead_stage_and_stops_cleanly(supervisor):
@@ -86,12 +96,8 @@ def test_ctrl_c_on_serve_drains_the_requests_in_flight(tiny_model_dir):
     run in their own sessions, so only the supervisor hears it, and it stops them in order."""
     import threading
 
-    runtime_dir = short_tmpdir()
-    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", tiny_model_dir,
-                             "--runtime-dir", runtime_dir, "--log-level", "WARNING", *TINY_ENGINE_ARGS],
-                            cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), start_new_session=True)
     finishes: list = []
-    try:
+    with serving(tiny_model_dir) as (proc, runtime_dir):
         with Client(f"ipc://{runtime_dir}", connect_timeout=START_TIMEOUT, timeout=90) as client:
             client.wait_engine(timeout=START_TIMEOUT)
             streams = [client.stream("hello", max_tokens=600, ignore_eos=True) for _ in range(8)]
@@ -105,10 +111,26 @@ def test_ctrl_c_on_serve_drains_the_requests_in_flight(tiny_model_dir):
             for t in threads:
                 t.join(timeout=60)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        for pid in (read_pids(runtime_dir) or {}).values():
-            if isinstance(pid, int) and pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
     assert finishes == ["length"] * 8
+
+
+@pytest.mark.parametrize("stage", ["detok_proc", "engine_proc"])
+def test_serve_restarts_a_stage_that_hangs(tiny_model_dir, stage):
+    """The supervisor restarted a stage that exited, but one that hung (a deadlock, a step that
+    never returns; here SIGSTOP) stayed there for ever, and with it every request. Now each
+    stage's watchdog pings reach the supervisor, which kills and restarts a silent one."""
+    with serving(tiny_model_dir, "--watchdog-s", "3") as (proc, runtime_dir):
+        with Client(f"ipc://{runtime_dir}", connect_timeout=START_TIMEOUT, timeout=60) as client:
+            client.wait_engine(timeout=START_TIMEOUT)
+            before = read_pids(runtime_dir)
+            os.kill(before[stage], signal.SIGSTOP)
+            after = wait_for(lambda: (p := read_pids(runtime_dir)) and p[stage] not in (None, before[stage]) and p,
+                             timeout=60, what=f"the hung {stage} to be restarted")
+            assert not pid_alive(before[stage])
+            assert all(after[name] == before[name] for name in ("tokenizer_proc", "engine_proc", "detok_proc")
+                       if name != stage)
+        with Client(f"ipc://{runtime_dir}", connect_timeout=START_TIMEOUT, timeout=60) as client:
+            client.wait_engine(timeout=START_TIMEOUT)
+            assert client.generate("hi", max_tokens=3, ignore_eos=True).usage["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
