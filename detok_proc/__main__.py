@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
              default=3.0, type=float)
     add_flag(parser, "--max-pending-frames", "frames held for a client that is not reading before its requests "
              "are aborted", default=1000, type=int)
+    add_flag(parser, "--max-pending-mib", "output held for all clients that are not reading, together; over it the "
+             "client holding the most has its requests aborted", default=256, type=int)
     add_endpoint_flags(parser)
     args = parser.parse_args(argv)
     log = setup_logging(args.log_level, "detok")
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics, _ = stage_metrics(DetokMetrics, args.metrics_host, args.metrics_port)
         stage = DetokStage(load_tokenizer(args.model), endpoints.stream, endpoints.detok, endpoints.control,
                            client_timeout_s=args.client_timeout_s, engine_timeout_s=args.engine_timeout_s,
-                           max_pending_frames=args.max_pending_frames, ctx=ctx, security=stage_security(ctx, args),
+                           max_pending_frames=args.max_pending_frames, max_pending_bytes=args.max_pending_mib << 20, ctx=ctx, security=stage_security(ctx, args),
                            metrics=metrics)
     except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, no tokenizer in it, address in use
         return startup_failed(log, "detokenizer", e)

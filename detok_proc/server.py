@@ -16,7 +16,10 @@ service's failure detector:
   engine instance speaks, every request of the old one ends with an error and every client is
   told, so their new requests fail fast until a heartbeat says it is back.
 A client that does not read its socket gets its frames queued here up to `max_pending_frames`,
-then its requests are aborted: memory stays bounded and nothing is dropped silently.
+then its requests are aborted: memory stays bounded and nothing is dropped silently. The frames
+held for all slow clients together are bounded by bytes too (`max_pending_bytes`): over it, the
+client holding the most is given up first. zmq's own pipe to each client holds at most
+`client_hwm` frames (zmq counts frames, not bytes, so it is kept short).
 
 A restarted detokenizer loses no stream: it asks the engine for every request it holds
 (`DetokHello` -> `Resync`, which carries each request's output so far) and each client tells
@@ -58,6 +61,10 @@ HELLO_INTERVAL_S = 0.5
 """A new detokenizer repeats its DetokHello this often until the engine's Resync arrives."""
 DRAIN_PASS_S = 0.05
 """Longest a pass over one socket runs before the loop turns to the other and to its timeouts."""
+CLIENT_HWM = 128
+"""Frames zmq holds in its pipe to one client before a send says EAGAIN and the frame is held in
+the client's `pending`, where its bytes are counted: one step a frame, so seconds of a client
+that is not reading, and little outside the byte budget."""
 RESUME_INTERVAL_S = 1.0
 """A client sends one Resume per detokenizer it meets; one listing 65,536 streams costs ~0.1-0.3 s
 to apply, so more than one a second from the same client is refused as a flood."""
@@ -112,7 +119,8 @@ class ClientInfo:
     # [ZH-START]
     # 【职责】一个客户端的连接信息：最近一次收到它消息的时间、它的在途请求（引擎侧 id）、
     # socket 暂时放不下而按序排队的帧。
-    # 【边界】不保存请求内容；队列长度受 max_pending_frames 限制，超过就放弃该客户端。
+    # 【边界】不保存请求内容；队列长度受 max_pending_frames 限制，超过就放弃该客户端；
+    #   所有客户端的排队字节合计受 max_pending_bytes 限制，超过就先放弃排队字节最多的那个。
     # 【协作者】on_client_frames 更新 last_seen；send_to_client / _flush_all_pending 用 pending；client_gone / check_timeouts 清理。
     # [ZH-END]
     last_seen: float
@@ -125,6 +133,7 @@ class ClientInfo:
     """Engine request ids of this client's requests in flight."""
     pending: collections.deque = field(default_factory=collections.deque)
     """Frames the client's socket had no room for yet, in order."""
+    pending_bytes: int = 0
 
 
 class DetokStage:
@@ -138,12 +147,15 @@ class DetokStage:
     # [ZH-END]
     def __init__(self, tokenizer: Any, stream_endpoint: str, detok_endpoint: str, control_endpoint: str,
                  client_timeout_s: float = 5.0, engine_timeout_s: float = 3.0,
-                 max_pending_frames: int = 1000, client_hwm: int = 10_000, ctx: zmq.Context | None = None,
+                 max_pending_frames: int = 1000, max_pending_bytes: int = 256 << 20, client_hwm: int = CLIENT_HWM,
+                 ctx: zmq.Context | None = None,
                  security: ServiceSecurity | None = None, metrics: DetokMetrics | None = None):
         self.tokenizer = tokenizer
         self.instance_id = new_instance_id()
         self.client_timeout_s, self.engine_timeout_s = client_timeout_s, engine_timeout_s
-        self.max_pending_frames = max_pending_frames
+        self.max_pending_frames, self.max_pending_bytes = max_pending_frames, max_pending_bytes
+        self._pending_bytes = 0
+        """Bytes of the frames held in every client's `pending`."""
         self.ctx = ctx or zmq.Context.instance()
         self.metrics = metrics or DetokMetrics(CollectorRegistry())
         self.security = security or ServiceSecurity(self.ctx, None, None)
@@ -691,6 +703,7 @@ class DetokStage:
                 "engine": self.engine_stats,
                 "detok": {"num_requests": len(self.requests), "num_clients": len(self.clients),
                           "num_pending_frames": sum(len(c.pending) for c in self.clients.values()),
+                          "pending_bytes": self._pending_bytes,
                           "num_awaiting_resume": sum(s.awaiting_resume for s in self.requests.values()),
                           "rejected_frames": dict(self.rejects.counts)}}
 
@@ -730,12 +743,20 @@ class DetokStage:
 
     def _queue(self, identity: bytes, info: ClientInfo, frame: bytes) -> None:
         # [ZH-START]
-        # 1. 帧追加到客户端的 pending。
+        # 1. 帧追加到客户端的 pending，字节数记进它的 pending_bytes 和全体合计 _pending_bytes。
         # 2. 超过 max_pending_frames（默认 1000）：认为客户端卡住了 → client_gone，内存保持有界。
+        # 3. 全体合计超过 max_pending_bytes（默认 256 MiB）：放弃排队字节最多的客户端（通常就是最慢的那个），
+        #    直到合计回到预算内——一个不读的客户端不能让 detokenizer 的内存无限增长，也不会挤掉只积压了一点的客户端。
         # [ZH-END]
         info.pending.append(frame)
+        info.pending_bytes += len(frame)
+        self._pending_bytes += len(frame)
         if len(info.pending) > self.max_pending_frames:
             self.client_gone(identity, f"it left {self.max_pending_frames} output messages unread")
+        while self._pending_bytes > self.max_pending_bytes and self.clients:
+            slowest, most = max(((i, c) for i, c in self.clients.items()), key=lambda ic: ic[1].pending_bytes)
+            self.client_gone(slowest, f"it left {most.pending_bytes / (1 << 20):.1f} MiB of output unread, the most of any "
+                                      f"client, while the output held for slow clients passed {self.max_pending_bytes >> 20} MiB")
 
     def _flush_all_pending(self) -> None:
         # [ZH-START]
@@ -752,7 +773,9 @@ class DetokStage:
                     if info.heard:
                         self.client_gone(identity, "its socket is gone")
                     break
-                info.pending.popleft()
+                sent = len(info.pending.popleft())
+                info.pending_bytes -= sent
+                self._pending_bytes -= sent
 
     def client_gone(self, identity: bytes, why: str) -> None:
         # [ZH-START]
@@ -765,6 +788,7 @@ class DetokStage:
         info = self.clients.pop(identity, None)
         if info is None:
             return
+        self._pending_bytes -= info.pending_bytes
         if info.request_ids:
             log.info("client %s gone (%s): aborting %d request(s)", identity.hex(), why, len(info.request_ids))
         lost = []

@@ -40,7 +40,7 @@ def rig(tokenizer_dir, request):
         engine_in.bind(eps.control)
         engine_peers = PeerMonitor(engine_in)
         stage = DetokStage(tok, eps.stream, eps.detok, eps.control, client_timeout_s=60, engine_timeout_s=60,
-                           client_hwm=2, max_pending_frames=request.param, ctx=ctx)
+                           client_hwm=2, ctx=ctx, **request.param)
         runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)
         wait_for(lambda: engine_peers.connected, timeout=10, what="the detokenizer's abort socket to connect")
         engine_out = ctx.socket(zmq.PUSH)
@@ -101,7 +101,7 @@ def handshake(client) -> None:
     assert isinstance(p.decode(client.recv()), p.Pong)
 
 
-@pytest.mark.parametrize("rig", [100_000], indirect=True)
+@pytest.mark.parametrize("rig", [{"max_pending_frames": 100_000}], indirect=True)
 def test_a_client_that_stops_reading_still_gets_every_character_in_order(rig):
     tok, stage, _, engine_out, client, identity = rig
     handshake(client)
@@ -123,7 +123,7 @@ def test_a_client_that_stops_reading_still_gets_every_character_in_order(rig):
              timeout=10, what="detok state cleared")
 
 
-@pytest.mark.parametrize("rig", [3], indirect=True)
+@pytest.mark.parametrize("rig", [{"max_pending_frames": 3}], indirect=True)
 def test_a_stuck_client_has_its_request_aborted_once_its_queue_is_full(rig):
     tok, stage, engine_in, engine_out, client, identity = rig
     handshake(client)
@@ -132,3 +132,24 @@ def test_a_stuck_client_has_its_request_aborted_once_its_queue_is_full(rig):
     assert abort.request_id == "c:r1"
     wait_for(lambda: stage.stats()["detok"]["num_requests"] == 0 and stage.stats()["detok"]["num_pending_frames"] == 0,
              timeout=10, what="stuck client's state dropped")
+
+
+@pytest.mark.parametrize("rig", [{"max_pending_frames": 100_000, "max_pending_bytes": 64 << 10}], indirect=True)
+def test_the_output_held_for_slow_clients_is_bounded_by_bytes(rig):
+    """Frames held for a client that does not read were bounded by count only (1,000 here, 10,000
+    more in zmq's pipe), whatever their size: a client with many streams that stopped reading
+    could make the detokenizer hold gigabytes. Over the byte budget the client holding the most
+    is given up (its requests aborted); the memory it held is released."""
+    tok, stage, engine_in, engine_out, client, identity = rig
+    handshake(client)
+    feed_engine_steps(tok, stage, engine_out, identity)
+    assert next_abort(engine_in).request_id == "c:r1"
+    detok = stage.stats()["detok"]
+    assert detok["num_requests"] == 0 and detok["pending_bytes"] == 0 and detok["num_pending_frames"] == 0
+    client.send(p.Ping().encode())  # it is told why, should it come back
+    while True:
+        assert client.poll(10_000)
+        msg = p.decode(client.recv())
+        if isinstance(msg, p.StreamOutput) and msg.deltas[0]["finish_reason"] == "error":
+            assert "MiB of output unread" in msg.deltas[0]["error"]
+            break
