@@ -88,7 +88,8 @@ def test_stage_sockets_refuse_frames_without_the_service_key(curve_service, keys
     try:
         for endpoint, frame in ((eps.engine, p.TokenizedReq("x:y", p.pack_token_ids([1, 2]), {"max_tokens": 3},
                                                              {"client": b"x", "rid": "y"}).encode()),
-                                (eps.detok, p.EngineStatus(False, "forged", "forged death").encode())):
+                                (eps.detok, p.EngineStatus(False, "forged", "forged death").encode()),
+                                (eps.control, p.Ping().encode())):  # a wrong type: counted, had it arrived
             push = ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
             push.connect(endpoint)
