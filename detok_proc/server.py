@@ -646,8 +646,9 @@ class DetokStage:
 
     def on_client_frames(self, identity: bytes, frames: list[bytes]) -> None:
         # [ZH-START]
-        # 1. _tell_if_given_up：我们放弃过的客户端又出现了，告诉它哪些流已丢。
-        # 2. 计数；更新（或新建）ClientInfo.last_seen——任何消息都算心跳。
+        # 1. 计数；更新（或新建）ClientInfo.last_seen——任何消息都算心跳。
+        # 2. _tell_if_given_up：我们放弃过的客户端又出现了，告诉它哪些流已丢。必须在建好 ClientInfo 之后：
+        #    因不读而被放弃的客户端管道多半还是满的，发不出去的帧要进它的 pending 排队，而不是被丢掉。
         # 3. 不是恰好一帧 → "multipart" 错误；解帧失败 → "bad_frame" 错误（带能认出的 request_id）。
         # 4. Ping → 回 Pong("detokenizer", 实例 id, engine_alive, 状态, 运行时长, 引擎状态)；
         #    这是本实例第一次听到这个客户端且引擎活着：再发一个 EngineStatus，说出我们跟随的引擎实例——
@@ -655,11 +656,13 @@ class DetokStage:
         #    StatsReq → 回 StatsOutput；Resume → on_resume；
         #    其他 → "wrong_type"，并告诉客户端请求应发到 tokenizer 端点。
         # [ZH-END]
-        self._tell_if_given_up(identity)
         self.metrics.frame_received()
         info = self.clients.setdefault(identity, ClientInfo(time.monotonic()))
         first = not info.heard
         info.last_seen, info.heard = time.monotonic(), True
+        # Known again first: what it is told goes through its queue (a client given up for not
+        # reading still has a full pipe, and a frame with nowhere to wait was dropped).
+        self._tell_if_given_up(identity)
         if len(frames) != 1:
             self.rejects("multipart", f"{len(frames)} frames from {identity.hex()}")
             self.send_to_client(identity, p.ErrorOutput(f"expected exactly one frame per message, got {len(frames)}").encode())
