@@ -101,3 +101,6 @@ def test_an_abort_that_overtakes_its_request_ends_it_when_it_arrives(tiny_model_
                     ends.update({row[0]: (row[3], row[5]) for row in msg.outputs if row[2]})
         assert ends == {"c:early": ("abort", 0), "c:other": ("length", 4)}
         assert started.count("c:early") == 1 and not stage._early_aborts
+        wait_for(lambda: not stage.live, timeout=10, what="both requests gone")
+        # Every charge came back, and every control message was taken.
+        assert (stage._live_bytes, stage._queued_bytes, stage._num_queued, stage._num_control) == (0, 0, 0, 0)
