@@ -752,14 +752,19 @@ class DetokStage:
         #    直到合计回到预算内——一个不读的客户端不能让 detokenizer 的内存无限增长，也不会挤掉只积压了一点的客户端。
         # [ZH-END]
         info.pending.append(frame)
-        info.pending_bytes += len(frame)
-        self._pending_bytes += len(frame)
+        self._held(info, len(frame))
         if len(info.pending) > self.max_pending_frames:
             self.client_gone(identity, f"it left {self.max_pending_frames} output messages unread")
         while self._pending_bytes > self.max_pending_bytes and self.clients:
             slowest, most = max(((i, c) for i, c in self.clients.items()), key=lambda ic: ic[1].pending_bytes)
             self.client_gone(slowest, f"it left {most.pending_bytes / (1 << 20):.1f} MiB of output unread, the most of any "
                                       f"client, while the output held for slow clients passed {self.max_pending_bytes >> 20} MiB")
+
+    def _held(self, info: ClientInfo, nbytes: int) -> None:
+        """Count `nbytes` more (or fewer) held in `info.pending`."""
+        info.pending_bytes += nbytes
+        self._pending_bytes += nbytes
+        self.metrics.set_output_held(self._pending_bytes)
 
     def _flush_all_pending(self) -> None:
         # [ZH-START]
@@ -776,9 +781,7 @@ class DetokStage:
                     if info.heard:
                         self.client_gone(identity, "its socket is gone")
                     break
-                sent = len(info.pending.popleft())
-                info.pending_bytes -= sent
-                self._pending_bytes -= sent
+                self._held(info, -len(info.pending.popleft()))
 
     def client_gone(self, identity: bytes, why: str) -> None:
         # [ZH-START]
@@ -791,7 +794,7 @@ class DetokStage:
         info = self.clients.pop(identity, None)
         if info is None:
             return
-        self._pending_bytes -= info.pending_bytes
+        self._held(info, -info.pending_bytes)
         if info.request_ids:
             log.info("client %s gone (%s): aborting %d request(s)", identity.hex(), why, len(info.request_ids))
         lost = []

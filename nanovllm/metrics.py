@@ -224,6 +224,9 @@ class DetokMetrics(_ClientFacingMetrics):
             self.request_success.labels(finished_reason=reason)
         self.detokenize_latency = Histogram(PREFIX + "detokenize_latency_seconds",
                                             "Detokenizer work per engine step.", buckets=STAGE_TIME_BUCKETS, registry=r)
+        self.output_bytes_held = Gauge(PREFIX + "client_output_bytes_held",
+                                       "Output held for clients that are not reading (their socket pipe is full).",
+                                       registry=r)
         self.max_tracked_requests = max_tracked_requests
         self._requests: dict[str, _RequestTimes] = {}
 
@@ -275,6 +278,9 @@ class DetokMetrics(_ClientFacingMetrics):
     def detokenize_seconds(self, seconds: float) -> None:
         self.detokenize_latency.observe(seconds)
 
+    def set_output_held(self, nbytes: int) -> None:
+        self.output_bytes_held.set(nbytes)
+
 
 class TokenizerMetrics(_ClientFacingMetrics):
     def __init__(self, registry: CollectorRegistry):
@@ -285,6 +291,10 @@ class TokenizerMetrics(_ClientFacingMetrics):
                                           registry=registry)
         self.requests_rejected = Counter(PREFIX + "requests_rejected", "Requests refused with an error to the client.",
                                          registry=registry)
+        self.requests_held = Gauge(PREFIX + "requests_held", "Requests tokenized and held for room in the engine "
+                                   "pipe (the engine's queue is full).", registry=registry)
+        self.request_bytes_held = Gauge(PREFIX + "request_bytes_held", "Bytes of the requests held for the engine.",
+                                        registry=registry)
 
     def tokenize_seconds(self, seconds: float) -> None:
         self.tokenize_latency.observe(seconds)
@@ -294,6 +304,10 @@ class TokenizerMetrics(_ClientFacingMetrics):
 
     def request_rejected(self) -> None:
         self.requests_rejected.inc()
+
+    def set_held(self, n: int, nbytes: int) -> None:
+        self.requests_held.set(n)
+        self.request_bytes_held.set(nbytes)
 
 
 # ---------------------------------------------------------------------------------- HTTP endpoint

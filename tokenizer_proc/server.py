@@ -361,6 +361,7 @@ class TokenizerStage:
         self.pending.append((time.monotonic(), identity, request_id, frame))
         self._pending_bytes += len(frame)
         self._flush_pending()
+        self.metrics.set_held(len(self.pending), self._pending_bytes)
 
     def _holding_full(self) -> bool:
         return len(self.pending) >= PENDING_MAX_FRAMES or self._pending_bytes >= PENDING_MAX_BYTES
@@ -402,6 +403,7 @@ class TokenizerStage:
 
     def _pop_pending(self) -> None:
         self._pending_bytes -= len(self.pending.popleft()[3])
+        self.metrics.set_held(len(self.pending), self._pending_bytes)
 
     def _reply(self, identity: bytes, msg: p.Message) -> None:
         # [ZH-START]

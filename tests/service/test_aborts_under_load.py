@@ -12,7 +12,8 @@ from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
 from nanovllm_client.health import check_health
 from tests.service.conftest import TINY_ENGINE_ARGS, start_service
-from tests.service.harness import short_tmpdir, wait_for
+from tests.service.harness import free_tcp_base_port, short_tmpdir, wait_for
+from tests.service.test_metrics_scrape import scrape, value
 from tests.service.test_hardening import raw_socket, running
 
 FULL_AT_ONE = TINY_ENGINE_ARGS + ["--max-live", "1", "--max-queued", "1",
@@ -51,8 +52,10 @@ def test_a_cancel_reaches_an_engine_whose_queue_is_full(tiny_model_dir):
 def test_the_tokenizer_answers_pings_while_it_holds_requests_back(tiny_model_dir):
     """While the engine pipe was full the tokenizer read no client frame at all, so a health
     check took a busy tokenizer for a dead one, and a client's abort waited there too. Now it
-    goes on reading (requests are held, up to a bound) and answers at once."""
-    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc", engine_args=FULL_AT_ONE)
+    goes on reading (requests are held, up to a bound, and shown as a metric) and answers at once."""
+    port = free_tcp_base_port()
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc", engine_args=FULL_AT_ONE,
+                          env={"tokenizer_proc": {"NANOVLLM_METRICS_PORT": str(port)}})
     try:
         with Client(procs.url, timeout=300) as c:
             # 3.6 KB frames: more than the pipes and the kernel's socket buffers hold.
@@ -61,6 +64,8 @@ def test_the_tokenizer_answers_pings_while_it_holds_requests_back(tiny_model_dir
             report = check_health(procs.url, timeout=3)
             assert report.stages["tokenizer"].state == "ready", report.lines()
             assert report.stages["engine"].state == "ready", report.lines()
+            held = scrape(port)
+            assert value(held, "nanovllm:requests_held") > 0 and value(held, "nanovllm:request_bytes_held") > 3600
             for s in streams:
                 s.cancel()
         procs.assert_running()

@@ -6,6 +6,7 @@ filled deliberately (tiny HWMs, large frames).
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import pytest
@@ -142,10 +143,23 @@ def test_the_output_held_for_slow_clients_is_bounded_by_bytes(rig):
     is given up (its requests aborted); the memory it held is released."""
     tok, stage, engine_in, engine_out, client, identity = rig
     handshake(client)
+    held: list[float] = []
+    aborted = threading.Event()
+
+    def watch() -> None:
+        while not aborted.is_set():
+            held.append(stage.metrics.registry.get_sample_value("nanovllm:client_output_bytes_held"))
+            time.sleep(0.001)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     feed_engine_steps(tok, stage, engine_out, identity)
     assert next_abort(engine_in).request_id == "c:r1"
+    aborted.set()
+    watcher.join()
+    assert max(held) > 0  # the gauge showed the output held before the client was given up
     detok = stage.stats()["detok"]
     assert detok["num_requests"] == 0 and detok["pending_bytes"] == 0 and detok["num_pending_frames"] == 0
+    assert stage.metrics.registry.get_sample_value("nanovllm:client_output_bytes_held") == 0
     client.send(p.Ping().encode())  # it is told why, should it come back
     while True:
         assert client.poll(10_000)
