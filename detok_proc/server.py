@@ -758,7 +758,7 @@ class DetokStage:
         while self._pending_bytes > self.max_pending_bytes and self.clients:
             slowest, most = max(((i, c) for i, c in self.clients.items()), key=lambda ic: ic[1].pending_bytes)
             self.client_gone(slowest, f"it left {most.pending_bytes / (1 << 20):.1f} MiB of output unread, the most of any "
-                                      f"client, while the output held for slow clients passed {self.max_pending_bytes >> 20} MiB")
+                                      f"client, while the output held for slow clients passed {self.max_pending_bytes / (1 << 20):g} MiB")
 
     def _held(self, info: ClientInfo, nbytes: int) -> None:
         """Count `nbytes` more (or fewer) held in `info.pending`."""

@@ -65,11 +65,11 @@ def frames_received(stage) -> float:
     return stage.metrics.registry.get_sample_value("nanovllm:frames_received_total") or 0.0
 
 
-def feed_engine_steps(tok, stage, engine_out, identity) -> list[int]:
+def feed_engine_steps(tok, stage, engine_out, identity, small_client: bytes | None = None) -> list[int]:
     """One request whose every step carries TOKENS_PER_STEP tokens (big frames fill buffers fast).
     Each step is sent once the stage has taken the one before: the stage merges the steps it finds
     waiting into one frame per client, and the point here is many frames to a client that reads
-    none of them."""
+    none of them. With `small_client`, its request "s1" rides along with one token a step."""
     ids = tok.encode("def f(x):\n    return x * 2  # 中文🚀\n" * 800, add_special_tokens=False)
     ids = (ids * 20)[:TOKENS_PER_STEP * NUM_STEPS]
     meta = {"client": identity, "rid": "r1", "stop": [], "skip": True, "tail": b""}
@@ -77,8 +77,12 @@ def feed_engine_steps(tok, stage, engine_out, identity) -> list[int]:
     for k in range(NUM_STEPS):
         chunk = ids[k * TOKENS_PER_STEP:(k + 1) * TOKENS_PER_STEP]
         last = k == NUM_STEPS - 1
-        row = ["c:r1", p.pack_token_ids(chunk), last, "length" if last else None, 5, (k + 1) * TOKENS_PER_STEP, 0, None]
-        frames.append(p.StepOutput("fake-engine", [["c:r1", meta]] if k == 0 else [], [], [row]).encode())
+        rows = [["c:r1", p.pack_token_ids(chunk), last, "length" if last else None, 5, (k + 1) * TOKENS_PER_STEP, 0, None]]
+        started = [["c:r1", meta]] if k == 0 else []
+        if small_client is not None:
+            rows.append(["c:s1", p.pack_token_ids(ids[k:k + 1]), last, "length" if last else None, 5, k + 1, 0, None])
+            started += [["c:s1", dict(meta, client=small_client, rid="s1")]] if k == 0 else []
+        frames.append(p.StepOutput("fake-engine", started, [], rows).encode())
     for frame in frames:
         seen = frames_received(stage)
         engine_out.send(frame)
@@ -167,3 +171,31 @@ def test_the_output_held_for_slow_clients_is_bounded_by_bytes(rig):
         if isinstance(msg, p.StreamOutput) and msg.deltas[0]["finish_reason"] == "error":
             assert "MiB of output unread" in msg.deltas[0]["error"]
             break
+
+
+@pytest.mark.parametrize("rig", [{"max_pending_frames": 100_000, "max_pending_bytes": 64 << 10}], indirect=True)
+def test_over_the_byte_budget_the_client_holding_the_most_goes_first(rig):
+    """Two clients stop reading, both with a request running to the end of the feed; one gets
+    200 tokens a step, the other one. When the output held passes the budget, the one holding
+    the most is given up, and the other keeps its stream whole."""
+    tok, stage, engine_in, engine_out, client, identity = rig
+    small_id = uuid.uuid4().bytes
+    small = stage.ctx.socket(zmq.DEALER)
+    small.setsockopt(zmq.ROUTING_ID, small_id)
+    small.setsockopt(zmq.RCVHWM, 2)
+    small.setsockopt(zmq.RCVBUF, 4096)
+    small.connect(stage.clients_sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+    handshake(client)
+    handshake(small)
+    ids = feed_engine_steps(tok, stage, engine_out, identity, small_client=small_id)
+    assert next_abort(engine_in).request_id == "c:r1"
+    later = time.monotonic() + 1.0
+    while engine_in.poll(max(1, int((later - time.monotonic()) * 1000))):  # hellos repeat: no resync here
+        assert not isinstance(p.decode(engine_in.recv()), p.AbortReq), "only the client holding the most goes"
+    deltas = []
+    while not deltas or deltas[-1]["finish_reason"] is None:
+        assert small.poll(10_000), "the small stream stalled"
+        msg = p.decode(small.recv())
+        deltas += [d for d in getattr(msg, "deltas", []) if d["request_id"] == "s1"]
+    assert deltas[-1]["finish_reason"] == "length"
+    assert "".join(d["text"] for d in deltas) == tok.decode(ids[:NUM_STEPS])
