@@ -34,10 +34,11 @@ def pid_alive(pid: int) -> bool:
 
 @contextlib.contextmanager
 def serving(model: str, *flags: str):
-    """`nanovllm serve` in its own session (as from a terminal), killed with its stages after."""
+    """`nanovllm serve` in its own session (as from a terminal), killed with its stages after. It
+    logs at INFO: pytest shows the log of a failed test, which then says what each stage did when."""
     runtime_dir = short_tmpdir()
     proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", model, "--runtime-dir",
-                             runtime_dir, "--log-level", "WARNING", *flags, *TINY_ENGINE_ARGS],
+                             runtime_dir, "--log-level", "INFO", *flags, *TINY_ENGINE_ARGS],
                             cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), start_new_session=True)
     try:
         yield proc, runtime_dir
