@@ -177,9 +177,11 @@ class Supervisor:
             if proc is None or proc.poll() is not None:
                 continue
             proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
+            deadline = time.monotonic() + grace_s
+            while proc.poll() is None and time.monotonic() < deadline:
+                self.read_notifications()  # the stages still running keep sending; their queues stay short
+                time.sleep(0.1)
+            if proc.poll() is None:
                 log.warning("%s (pid %d) did not stop within %.0fs; killing it", name, proc.pid, grace_s)
                 proc.kill()
                 proc.wait(timeout=5)

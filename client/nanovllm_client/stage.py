@@ -252,7 +252,9 @@ def sd_notify(message: str) -> bool:
     manager named by $NOTIFY_SOCKET (systemd, or `nanovllm serve`); a no-op without one.
 
     The protocol is one datagram on a unix socket (an abstract one when the name starts with
-    "@"), so no libsystemd is needed.
+    "@"), so no libsystemd is needed. It never waits: a manager that is not reading (its queue
+    holds 10 datagrams by default) costs this one line, which the next status or watchdog ping
+    replaces, instead of hanging the loop that sends it.
     """
     path = os.environ.get("NOTIFY_SOCKET")
     if not path:
@@ -262,8 +264,8 @@ def sd_notify(message: str) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
             sock.connect(path)
-            sock.sendall(message.encode())
-    except OSError as e:  # the manager went away: nothing to tell
+            sock.send(message.encode(), socket.MSG_DONTWAIT)
+    except OSError as e:  # the manager went away, or its queue is full: nothing to wait for
         logging.getLogger("nanovllm.notify").debug("sd_notify(%r) failed: %s", message, e)
         return False
     return True
