@@ -10,10 +10,10 @@ never wait behind requests (one that overtakes its request is kept by the engine
 request arrives). Holds no per-request state: a restarted tokenizer loses nothing that is
 already past it.
 
-Backpressure: while the engine pipe is full, requests wait here in `pending`, and the stage goes
-on reading clients (pings answered, aborts passed on) until `PENDING_MAX_FRAMES` requests or
-`PENDING_MAX_BYTES` of them wait; then it stops reading, so client sockets fill up and their
-sends wait. With no engine connected at all, requests are refused after a short grace.
+Backpressure: while the engine pipe is full, requests wait here in `pending`, up to
+`PENDING_MAX_FRAMES` requests or `PENDING_MAX_BYTES`; past that, new requests are refused at once
+as overloaded. The stage never stops reading its clients, so pings are answered and aborts passed
+on whatever the load. With no engine connected at all, requests are refused after a short grace.
 """
 # [ZH-START]
 # 【模块定位】服务的第一站：客户端请求的"前门"。
@@ -21,9 +21,9 @@ sends wait. With no engine connected at all, requests are refused after a short 
 # 每个请求在这里被检查（出错直接回给发送者，进程继续服务别人）、转成 TokenizedReq 推给引擎的 input socket；
 # abort 推给引擎的 control socket：引擎再忙也读它，abort 不会排在请求后面（比请求先到的 abort 由引擎记住，请求一到就结束它）。
 # 本进程不保存任何请求状态：重启只会丢掉还没推给引擎的请求，而客户端发现 tokenizer 实例换了会重发它们。
-# 背压：引擎管道满时请求在 pending 里等，本进程照样读客户端（回 ping、转 abort），直到 pending 有
-# PENDING_MAX_FRAMES 个或 PENDING_MAX_BYTES 字节；那时才停止读客户端，客户端的发送随之等待；
-# 完全没有引擎连接时，请求在 1 秒宽限后被拒绝。
+# 背压：引擎管道满时请求在 pending 里等，最多 PENDING_MAX_FRAMES 个或 PENDING_MAX_BYTES 字节；再来的新请求
+# 立即以 HOLDING_FULL（"overloaded"）拒绝。本进程从不停止读客户端：负载再高，ping 照样回答（健康探针不会超时），
+# abort 照样转发；完全没有引擎连接时，请求在 1 秒宽限后被拒绝。
 # [ZH-END]
 from __future__ import annotations
 
@@ -58,8 +58,10 @@ ENGINE_RECONNECT_GRACE_S = 1.0
 it is refused."""
 PENDING_MAX_FRAMES = 1024
 PENDING_MAX_BYTES = 64 << 20
-"""Requests held for room in the engine pipe, at most: up to there the stage still reads its
-clients (pings, aborts); past it, it stops and the clients' own sockets hold the rest."""
+"""Requests held for room in the engine pipe, at most; past either bound new requests are refused
+(`HOLDING_FULL`), while pings and aborts are still read and answered."""
+HOLDING_FULL = ("the tokenizer already holds {n} requests ({mib:.1f} MiB) that the engine has no room for: "
+                "the service is overloaded; retry later or on another instance")
 
 
 MAX_CHARS_PER_TOKEN = 64
@@ -127,8 +129,7 @@ class TokenizerStage:
         #       已接收的继续推给引擎，最多一秒）；
         #    b. draining 且 pending 已空：退出；
         #    c. notifier.tick（看门狗）、每秒刷新一次存活客户端数；
-        #    d. 背压开关：pending 非空时等引擎 PUSH 可写；pending 没满（_holding_full）就照样读客户端（ping、abort 不被挡住），
-        #       满了才停止读客户端；
+        #    d. pending 非空时等引擎 PUSH 可写；客户端 ROUTER 始终可读（ping、abort 从不被挡住；pending 满时新请求被拒绝）；
         #    e. poll 100 ms → _flush_pending() 尽量把积压推给引擎 → 客户端可读就 _drain_frontend()。
         # 3. 关闭所有 socket。
         # [ZH-END]
@@ -148,7 +149,6 @@ class TokenizerStage:
                 break
             self.notifier.tick()
             self._count_clients()
-            poller.modify(self.frontend, 0 if self._holding_full() else zmq.POLLIN)
             poller.modify(self.to_engine, zmq.POLLOUT if self.pending else 0)
             events = dict(poller.poll(100))
             self._flush_pending()
@@ -174,13 +174,10 @@ class TokenizerStage:
     def _drain_frontend(self, budget: int = 256) -> None:
         # [ZH-START]
         # 1. 每轮最多处理 budget = 256 条消息，免得一个繁忙客户端饿死循环里的其他工作。
-        # 2. 一旦 pending 满了（_holding_full：PENDING_MAX_FRAMES 个或 PENDING_MAX_BYTES 字节）立即停止读取，
-        #    剩下的留在客户端 socket 里形成背压；没满时照样读，ping 和 abort 就不会被忙碌的引擎挡住。
-        # 3. NOBLOCK 收一条：parts[0] 是 ROUTER 加上的客户端身份，其余交给 handle。
+        # 2. NOBLOCK 收一条：parts[0] 是 ROUTER 加上的客户端身份，其余交给 handle。
+        #    pending 满了也照样读（满时新请求在 _on_generate 被拒绝），所以 ping 和 abort 永远不被忙碌的引擎挡住。
         # [ZH-END]
         for _ in range(budget):
-            if self._holding_full():
-                return
             try:
                 parts = self.frontend.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -242,13 +239,19 @@ class TokenizerStage:
 
     def _on_generate(self, identity: bytes, req: p.GenerateReq) -> None:
         # [ZH-START]
-        # 1. draining 中：回 DRAINING 错误增量。
+        # 1. draining 中：回 DRAINING 错误增量；pending 已满（_holding_full）：回 HOLDING_FULL（overloaded）错误增量，
+        #    不分词——过载时不花 CPU 在注定放不下的请求上。
         # 2. tokenize()：RequestRejected → 回它的文本；其他异常（分词器或模板意外失败）→ 记 "internal"，回 "could not tokenize"。
         # 3. 记录分词耗时，_forward 把 TokenizedReq 帧排队推给引擎。
         # [ZH-END]
         if self.state == "draining":
             self.metrics.request_rejected()
             self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, DRAINING)]))
+            return
+        if self._holding_full():  # refused before tokenizing: an overloaded stage spends nothing on it
+            self.metrics.request_rejected()
+            self._reply(identity, p.StreamOutput([p.error_delta(
+                req.request_id, HOLDING_FULL.format(n=len(self.pending), mib=self._pending_bytes / (1 << 20)))]))
             return
         started = time.perf_counter()
         try:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import zmq
 
 from nanovllm_client import Client
+from nanovllm_client.errors import RequestError
 from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
 from nanovllm_client.health import check_health
@@ -51,21 +53,29 @@ def test_a_cancel_reaches_an_engine_whose_queue_is_full(tiny_model_dir):
 
 def test_the_tokenizer_answers_pings_while_it_holds_requests_back(tiny_model_dir):
     """While the engine pipe was full the tokenizer read no client frame at all, so a health
-    check took a busy tokenizer for a dead one, and a client's abort waited there too. Now it
-    goes on reading (requests are held, up to a bound, and shown as a metric) and answers at once."""
+    check took a busy tokenizer for a dead one, and a client's abort waited there too. Then it
+    held up to 1,024 requests and read on, but stopped reading once it held that many, and the
+    probe timed out again. Now past the bound it refuses new requests as overloaded and answers
+    pings whatever the load; what it holds shows as a metric."""
+    from tokenizer_proc.server import PENDING_MAX_FRAMES
     port = free_tcp_base_port()
     procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc", engine_args=FULL_AT_ONE,
                           env={"tokenizer_proc": {"NANOVLLM_METRICS_PORT": str(port)}})
     try:
         with Client(procs.url, timeout=300) as c:
-            # 3.6 KB frames: more than the pipes and the kernel's socket buffers hold.
-            streams = [c.stream(list(range(100, 1000)), max_tokens=100, ignore_eos=True) for _ in range(400)]
+            # 3.6 KB frames: more than the pipes and the kernel's socket buffers hold, and more
+            # requests than the tokenizer holds on top of them.
+            streams = [c.stream(list(range(100, 1000)), max_tokens=100, ignore_eos=True)
+                       for _ in range(PENDING_MAX_FRAMES + 600)]
             engine_stats(c, until=lambda s: s["num_queued"] == 1)
+            wait_for(lambda: value(scrape(port), "nanovllm:requests_held") == PENDING_MAX_FRAMES, timeout=60,
+                     what=f"the tokenizer holding {PENDING_MAX_FRAMES} requests")
             report = check_health(procs.url, timeout=3)
             assert report.stages["tokenizer"].state == "ready", report.lines()
             assert report.stages["engine"].state == "ready", report.lines()
-            held = scrape(port)
-            assert value(held, "nanovllm:requests_held") > 0 and value(held, "nanovllm:request_bytes_held") > 3600
+            assert value(scrape(port), "nanovllm:request_bytes_held") > 3600 * PENDING_MAX_FRAMES
+            with pytest.raises(RequestError, match=f"holds {PENDING_MAX_FRAMES} requests .* overloaded"):
+                list(streams[-1])
             for s in streams:
                 s.cancel()
         procs.assert_running()
