@@ -11,12 +11,11 @@ import zmq
 from nanovllm_client import Client
 from nanovllm_client.errors import RequestError
 from nanovllm_client import protocol as p
-from nanovllm_client.endpoints import service_endpoints
 from nanovllm_client.health import check_health
 from tests.service.conftest import TINY_ENGINE_ARGS, start_service
 from tests.service.harness import free_tcp_base_port, short_tmpdir, wait_for
 from tests.service.test_metrics_scrape import scrape, value
-from tests.service.test_hardening import raw_socket, running
+from tests.service.test_hardening import in_process_engine, raw_socket, running
 
 FULL_AT_ONE = TINY_ENGINE_ARGS + ["--max-live", "1", "--max-queued", "1",
                                   "--post-step-hook", "tests.helpers.hooks:slow_step"]
@@ -87,16 +86,7 @@ def test_an_abort_that_overtakes_its_request_ends_it_when_it_arrives(tiny_model_
     """Aborts and requests come on two sockets, so an abort can arrive first (its request still
     waits in the tokenizer or the input pipe). The engine keeps it, and the request starts and
     ends with "abort" in one step output: its client hears the end, and it never runs."""
-    from engine_proc.server import EngineStage
-    from nanovllm.config import Config
-    from nanovllm.engine.llm_engine import LLMEngine
-    from nanovllm.sampling_params import SamplingParams
-
-    eps = service_endpoints(f"ipc://{short_tmpdir()}")
-    detok_in = ctx.socket(zmq.PULL)
-    detok_in.bind(eps.detok)
-    engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=64, num_threads=1))
-    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, eps.control, ctx=ctx)
+    stage, eps, detok_in = in_process_engine(tiny_model_dir, ctx)
     with running(stage):
         control = raw_socket(ctx, zmq.PUSH, eps.control)
         control.send(p.AbortReq("c:early").encode())

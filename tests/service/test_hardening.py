@@ -63,6 +63,25 @@ def in_process_detok(tokenizer_dir: str, ctx: zmq.Context, client_timeout_s: flo
     return stage, eps
 
 
+def in_process_engine(model_dir: str, ctx: zmq.Context, *, detok: bool = True, num_kvcache_blocks: int = 64,
+                      **stage_kwargs):
+    """An engine stage in this process on fresh ipc endpoints, on one thread: (stage, endpoints,
+    a PULL bound where a detokenizer would read its outputs, or None with `detok=False`). Run it
+    with `running`."""
+    from engine_proc.server import EngineStage
+    from nanovllm.config import Config
+    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.sampling_params import SamplingParams
+
+    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    detok_in = None
+    if detok:
+        detok_in = ctx.socket(zmq.PULL)
+        detok_in.bind(eps.detok)
+    engine = LLMEngine(Config(model=model_dir, num_kvcache_blocks=num_kvcache_blocks, num_threads=1))
+    return EngineStage(engine, SamplingParams, eps.engine, eps.detok, eps.control, ctx=ctx, **stage_kwargs), eps, detok_in
+
+
 def test_deeply_nested_frames_get_an_error_and_no_stage_dies(service, client, ctx):
     """1,000 levels of nesting as the type or version once killed the tokenizer, the detokenizer
     and the engine's input thread with RecursionError while the error message was built."""
@@ -336,15 +355,11 @@ def test_serve_with_a_missing_model_exits_at_once_with_the_stages_error():
 def test_the_engine_stops_promptly_when_its_detokenizer_is_gone(tiny_model_dir, ctx):
     """With nobody reading its outputs, the engine's queues fill; a stop request once blocked
     forever on the full output queue (the process never exited)."""
-    from engine_proc.server import SHUTDOWN_SEND_S, EngineStage
-    from nanovllm.config import Config
-    from nanovllm.engine.llm_engine import LLMEngine
-    from nanovllm.sampling_params import SamplingParams
+    from engine_proc.server import SHUTDOWN_SEND_S
 
-    eps = service_endpoints(f"ipc://{short_tmpdir()}")
-    engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=128, num_threads=1))
     # No detokenizer binds; a 1 s drain, after which nobody reading is no reason to wait.
-    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, eps.control, out_hwm=2, drain_timeout_s=1.0, ctx=ctx)
+    stage, eps, _ = in_process_engine(tiny_model_dir, ctx, detok=False, num_kvcache_blocks=128, out_hwm=2,
+                                      drain_timeout_s=1.0)
     stop = threading.Event()
     code: list = []
     runner = threading.Thread(target=lambda: code.append(stage.run(stop)), daemon=True)
@@ -365,16 +380,9 @@ def test_the_engine_stops_promptly_when_its_detokenizer_is_gone(tiny_model_dir, 
 def test_a_flood_of_detokenizer_hellos_gets_at_most_one_resync_a_second(tiny_model_dir, ctx):
     """A hello is a few bytes and a resync can be thousands of entries: answering each one let a
     flood of hellos keep the detokenizer busy validating resyncs meant for nobody."""
-    from engine_proc.server import RESYNC_INTERVAL_S, EngineStage
-    from nanovllm.config import Config
-    from nanovllm.engine.llm_engine import LLMEngine
-    from nanovllm.sampling_params import SamplingParams
+    from engine_proc.server import RESYNC_INTERVAL_S
 
-    eps = service_endpoints(f"ipc://{short_tmpdir()}")
-    detok_in = ctx.socket(zmq.PULL)
-    detok_in.bind(eps.detok)
-    engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=64, num_threads=1))
-    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, eps.control, ctx=ctx)
+    stage, eps, detok_in = in_process_engine(tiny_model_dir, ctx)
     with running(stage):
         push = raw_socket(ctx, zmq.PUSH, eps.control)
         started = time.monotonic()
@@ -541,16 +549,7 @@ def test_recently_finished_requests_are_bounded_by_bytes_as_well_as_count():
 def test_every_way_a_request_leaves_the_engine_returns_its_byte_charge(tiny_model_dir, ctx):
     """The byte budgets only bound memory if every charge comes back: a request that finishes, is
     aborted while queued or while live, is refused at admission, or is a duplicate."""
-    from engine_proc.server import EngineStage
-    from nanovllm.config import Config
-    from nanovllm.engine.llm_engine import LLMEngine
-    from nanovllm.sampling_params import SamplingParams
-
-    eps = service_endpoints(f"ipc://{short_tmpdir()}")
-    detok_in = ctx.socket(zmq.PULL)
-    detok_in.bind(eps.detok)
-    engine = LLMEngine(Config(model=tiny_model_dir, num_kvcache_blocks=64, num_threads=1))
-    stage = EngineStage(engine, SamplingParams, eps.engine, eps.detok, eps.control, max_live=1, ctx=ctx)
+    stage, eps, detok_in = in_process_engine(tiny_model_dir, ctx, max_live=1)
     ends: dict[str, str] = {}
 
     def read(until) -> None:
