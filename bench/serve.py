@@ -16,6 +16,12 @@ A single run:
 3. prints a table and one JSON line: best output tok/s of both, their ratio, TTFT/ITL p50/p99,
    and CPU seconds (engine stage vs. in-process, plus tokenizer and detokenizer stages).
 
+`--side-load` adds a third side to each repeat: `LLM.generate` again, beside a process that burns
+the CPU the service's streaming used in that repeat (tokenizer, detokenizer and clients), in one
+burst per engine step. If the service matches that side, the stages cost nothing beyond the CPU
+their work needs; what it loses against the plain in-process run is that CPU, taken from cores
+the engine would otherwise use.
+
 `--sweep` (bench/serve_sweep.py) runs the same measurement at each `--concurrency` level
 (`max(level, --min-requests)` requests, at most `level` in flight, one client connection per
 stream), adds engine steps/s, preemptions and KV-cache use from the server's stats, and also runs
@@ -239,11 +245,63 @@ class Offline:
 
     def run(self, prompts, output_len: int) -> dict:
         params = self.params_cls(temperature=0, max_tokens=output_len, ignore_eos=True)
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu, steps = time.perf_counter(), time.process_time(), self.llm.engine.num_steps
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         tokens = sum(len(o["token_ids"]) for o in outputs)
-        return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed, "cpu_s": round(cpu, 2)}
+        return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed, "cpu_s": round(cpu, 2),
+                "steps": self.llm.engine.num_steps - steps}
+
+
+SIDE_LOAD = """
+import sys, time
+burst_s, period_s = float(sys.argv[1]), float(sys.argv[2])
+while True:
+    end = time.perf_counter() + burst_s
+    while time.perf_counter() < end:
+        pass
+    time.sleep(max(0.0, period_s - burst_s))
+"""
+
+
+class SideLoad:
+    """A process burning `burst_s` of CPU every `period_s` (a busy loop, then a sleep), for a
+    `with` block; `cpu_s` is what it burned."""
+
+    def __init__(self, burst_s: float, period_s: float):
+        self.argv = [sys.executable, "-c", SIDE_LOAD, str(burst_s), str(period_s)]
+
+    def __enter__(self) -> SideLoad:
+        self.proc = subprocess.Popen(self.argv)
+        self.start = self._cpu()
+        return self
+
+    def _cpu(self) -> float:
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def __exit__(self, *exc) -> None:
+        self.cpu_s = self._cpu() - self.start
+        self.proc.kill()
+        self.proc.wait()
+
+
+def side_loaded(offline: Offline, prompts, output_len: int, service_run: dict, offline_run: dict) -> dict:
+    """`offline.run` beside a `SideLoad` of the CPU `service_run`'s streaming took (every process
+    but the engine stage), one burst per step at the pace of `offline_run`."""
+    cpu = service_run["cpu_s"]
+    streaming_s = sum(v for k, v in cpu.items() if k != "engine_proc")
+    steps = max(1, offline_run["steps"])
+    # The same lengths, other tokens: the engine has just seen `prompts` (its prefix cache would hit).
+    rng = random.Random(f"side-load-{len(prompts)}-{sum(map(len, prompts))}")
+    vocab = max(t for prompt in prompts for t in prompt) + 1
+    fresh = [[rng.randrange(10, vocab) for _ in prompt] for prompt in prompts]
+    with SideLoad(streaming_s / steps, offline_run["elapsed_s"] / steps) as load:
+        run = offline.run(fresh, output_len)
+    run["side_load_cpu_s"] = round(load.cpu_s, 2)
+    run["streaming_cpu_s"] = round(streaming_s, 2)
+    return run
 
 
 def engine_flags(config: dict) -> list[str]:
@@ -268,14 +326,18 @@ def engine_config(args: argparse.Namespace, null_model: bool) -> dict:
 
 
 def alternate(service: Service, offline: Offline | None, prompt_sets: list[list[list[int]]], output_len: int,
-              num_clients: int, concurrency: int | None = None) -> tuple[list[dict], list[dict]]:
+              num_clients: int, concurrency: int | None = None,
+              loaded: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
     """Service and in-process runs in turn, one prompt set each per repeat, so load from other
-    work on the machine hits both alike; fresh prompts per repeat keep the prefix cache cold."""
+    work on the machine hits both alike; fresh prompts per repeat keep the prefix cache cold.
+    With a `loaded` list (and `offline`), each repeat also runs `side_loaded` into it."""
     services, offlines = [], []
     for prompts in prompt_sets:
         services.append(service.run(prompts, output_len, num_clients, concurrency))
         if offline:
             offlines.append(offline.run(prompts, output_len))
+            if loaded is not None:
+                loaded.append(side_loaded(offline, prompts, output_len, services[-1], offlines[-1]))
     return services, offlines
 
 
@@ -296,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="alternating service/in-process runs; best is reported")
     parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--side-load", action="store_true",
+                        help="single run: also run LLM.generate beside a process burning the CPU the service's "
+                             "streaming used (is the loss that CPU, or the stages themselves?)")
     parser.add_argument("--null-model", action="store_true",
                         help="only the null model (fixed logits, no model work): what the scheduler, sampler and "
                              "the three stages sustain alone")
@@ -341,27 +406,43 @@ def run_single(args: argparse.Namespace, model: str, vocab: int) -> int:
                    for r in range(args.repeats)]
     config = engine_config(args, args.null_model)
     clients = args.clients or 4
+    loaded: list[dict] | None = [] if args.side_load and not args.skip_offline else None
     with Service(model, engine_flags(config), args.profile) as service:
         offline = None if args.skip_offline else Offline(model, config)
-        services, offlines = alternate(service, offline, prompt_sets, output_len, clients)
-    service, offline = best(services), best(offlines)
+        services, offlines = alternate(service, offline, prompt_sets, output_len, clients, loaded=loaded)
+    service, offline, side = best(services), best(offlines), best(loaded or [])
     result = {"model": args.model, "null_model": args.null_model, "num_requests": args.num_requests, "clients": clients,
               "prompt_tokens": [sum(map(len, s)) for s in prompt_sets], "output_len": output_len,
               "repeats": args.repeats, "config": config, "service": service, "offline": offline,
               "service_over_offline": service["output_tok_s"] / offline["output_tok_s"] if offline else None,
               "all_service_tok_s": [round(r["output_tok_s"], 1) for r in services],
               "all_offline_tok_s": [round(r["output_tok_s"], 1) for r in offlines]}
+    if side:
+        result.update(offline_side_load=side, service_over_side_load=service["output_tok_s"] / side["output_tok_s"],
+                      all_side_load_tok_s=[round(r["output_tok_s"], 1) for r in loaded],
+                      all_service_over_offline=[round(a["output_tok_s"] / b["output_tok_s"], 3)
+                                                for a, b in zip(services, offlines)],
+                      all_service_over_side_load=[round(a["output_tok_s"] / b["output_tok_s"], 3)
+                                                  for a, b in zip(services, loaded)])
 
     print(f"\n{'':24}{'service':>12}{'in-process':>12}")
     print(f"{'output tok/s':24}{service['output_tok_s']:12.1f}{(offline or {}).get('output_tok_s', float('nan')):12.1f}")
     print(f"{'elapsed s':24}{service['elapsed_s']:12.2f}{(offline or {}).get('elapsed_s', float('nan')):12.2f}")
     for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "steps_per_s"):
         print(f"{key:24}{service[key]:12.1f}{'-':>12}")
+    print(f"{'engine steps':24}{service['steps']:12d}{(offline or {}).get('steps', '-'):>12}")
     engine_cpu = service["cpu_s"]["engine_proc"]
     print(f"{'engine CPU s':24}{engine_cpu:12.2f}{(offline or {}).get('cpu_s', float('nan')):12.2f}")
     print(f"{'tokenizer+detok CPU s':24}{service['cpu_s']['tokenizer_proc'] + service['cpu_s']['detok_proc']:12.2f}")
     if offline:
         print(f"{'service / in-process':24}{result['service_over_offline']:12.3f}")
+    if side:
+        print(f"\nin-process beside a side load of the streaming's CPU ({side['streaming_cpu_s']:.2f} s; "
+              f"burned {side['side_load_cpu_s']:.2f} s): {side['output_tok_s']:.1f} tok/s, "
+              f"{side['elapsed_s']:.2f} s, engine CPU {side['cpu_s']:.2f} s")
+        print(f"{'service / side-loaded':24}{result['service_over_side_load']:12.3f}")
+        print(f"per repeat: service / in-process {result['all_service_over_offline']}, "
+              f"service / side-loaded {result['all_service_over_side_load']}")
     if args.profile:
         print_profiles(args.profile)
     print(json.dumps(result))

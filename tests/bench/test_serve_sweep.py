@@ -46,3 +46,32 @@ def test_pressure_cache_is_half_the_need_but_fits_the_longest_request():
     prompts = [[1] * 30, [1] * 60, [1] * 100]  # with 28 output tokens: 4 + 6 + 8 blocks of 16
     assert pressure_blocks(prompts, 28, 16) == 9
     assert pressure_blocks(prompts[2:], 28, 16) == 8
+
+
+def test_side_load_burns_its_share_of_a_core():
+    import time
+
+    from bench.serve import SideLoad
+
+    with SideLoad(0.01, 0.04) as load:  # a quarter of a core
+        time.sleep(1.5)
+    assert 0.1 < load.cpu_s < 0.6, load.cpu_s
+    assert load.proc.returncode is not None  # stopped with the block
+
+
+def test_a_single_run_with_side_load_reports_all_three_sides(tiny_model_dir, capsys):
+    threads = torch.get_num_threads()
+    try:
+        code = main(["--model", tiny_model_dir, "--num-requests", "4", "--output-len", "8", "--repeats", "1",
+                     "--side-load"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["service"]["output_tokens"] == result["offline"]["output_tokens"] == 32
+    side = result["offline_side_load"]
+    assert side["output_tokens"] == 32 and side["steps"] >= 8
+    # The load it ran beside is what the service's streaming took: every process but the engine stage.
+    cpu = result["service"]["cpu_s"]
+    assert side["streaming_cpu_s"] == round(sum(v for k, v in cpu.items() if k != "engine_proc"), 2) > 0
+    assert result["service_over_side_load"] > 0 and len(result["all_service_over_side_load"]) == 1
