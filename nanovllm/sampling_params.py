@@ -39,9 +39,11 @@ MAX_ALLOWED_TOKEN_IDS = 262_144
 MAX_LOGIT_BIAS = 1024
 """logit_bias entries per request: added to the logits on every step."""
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message: str, *values: Any) -> None:
+    """Raise `ValueError(message)` unless `ok`; each `{}` in `message` is one of `values`, through
+    `show`, formatted only on failure (every request runs these checks, some once per entry)."""
     if not ok:
-        raise ValueError(message)
+        raise ValueError(message.format(*map(show, values)) if values else message)
 
 
 def _is_int(v: Any) -> bool:
@@ -57,8 +59,11 @@ def _is_number(v: Any) -> bool:
         return False
 
 
-def _in_range(name: str, value: Any, lo: float, hi: float, allowed: str) -> None:
-    _check(_is_number(value) and lo <= value <= hi, f"{name} must be {allowed}, got {show(value)}")
+def _in_range(name: str, value: Any, lo: float, hi: float, allowed: str, key: Any = None) -> None:
+    """`name` may hold `{}` for `key` (shown only on failure, like the value)."""
+    if not (_is_number(value) and lo <= value <= hi):
+        name = name.format(show(key)) if "{}" in name else name
+        raise ValueError(f"{name} must be {allowed}, got {show(value)}")
 
 
 def _is_token_id(v: Any) -> bool:
@@ -128,38 +133,38 @@ class SamplingParams:
 
     def _validate_sampling(self) -> None:
         _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature must be a number >= 0 (0 means greedy), got {show(self.temperature)}")
+               "temperature must be a number >= 0 (0 means greedy), got {}", self.temperature)
         _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-               f"top_k must be -1 (disabled) or an integer >= 1, got {show(self.top_k)}")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {show(self.top_p)}")
+               "top_k must be -1 (disabled) or an integer >= 1, got {}", self.top_k)
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1], got {}", self.top_p)
         _in_range("min_p", self.min_p, 0, 1, "in [0, 1]")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < _SEED_LIMIT),
-               f"seed must be null or an integer in [0, 2**64), got {show(self.seed)}")
+               "seed must be null or an integer in [0, 2**64), got {}", self.seed)
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {show(self.logprobs)}")
+               f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {{}}", self.logprobs)
 
     def _validate_penalties(self) -> None:
         _in_range("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
                   f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)")
         _in_range("presence_penalty", self.presence_penalty, -2, 2, "in [-2, 2]")
         _in_range("frequency_penalty", self.frequency_penalty, -2, 2, "in [-2, 2]")
-        _check(isinstance(self.logit_bias, dict), f"logit_bias must be a map of token id to bias, got {show(self.logit_bias)}")
+        _check(isinstance(self.logit_bias, dict), "logit_bias must be a map of token id to bias, got {}", self.logit_bias)
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS,
                f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for k, v in self.logit_bias.items():
-            _check(_is_bias_key(k), f"logit_bias keys must be token ids >= 0, got {show(k)}")
-            _in_range(f"logit_bias[{show(k)}]", v, -100, 100, "in [-100, 100]")
+            _check(_is_bias_key(k), "logit_bias keys must be token ids >= 0, got {}", k)
+            _in_range("logit_bias[{}]", v, -100, 100, "in [-100, 100]", key=k)
 
     def _validate_lengths(self) -> None:
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {show(self.max_tokens)}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be an integer >= 1, got {}", self.max_tokens)
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-               f"min_tokens must be an integer in [0, max_tokens={show(self.max_tokens)}], got {show(self.min_tokens)}")
+               "min_tokens must be an integer in [0, max_tokens={}], got {}", self.max_tokens, self.min_tokens)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {show(getattr(self, name))}")
-        _check(isinstance(self.stop, (list, tuple)), f"stop must be a string or a list of non-empty strings, got {show(self.stop)}")
+            _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {{}}", getattr(self, name))
+        _check(isinstance(self.stop, (list, tuple)), "stop must be a string or a list of non-empty strings, got {}", self.stop)
         _check(len(self.stop) <= MAX_STOP_STRINGS, f"stop may have at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
-            _check(isinstance(s, str) and s, f"stop must be a string or a list of non-empty strings, got {show(s)} in the list")
+            _check(isinstance(s, str) and s, "stop must be a string or a list of non-empty strings, got {} in the list", s)
             _check(len(s) <= MAX_STOP_STRING_LENGTH,
                    f"stop strings may have at most {MAX_STOP_STRING_LENGTH} characters, got one of {len(s)}")
         self.stop = list(self.stop)
@@ -167,15 +172,15 @@ class SamplingParams:
     def _validate_tokens(self) -> None:
         ids = self.stop_token_ids
         _check(isinstance(ids, (list, tuple)) and len(ids) <= MAX_STOP_TOKEN_IDS and all(_is_token_id(t) for t in ids),
-               f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids >= 0, got {show(ids)}")
+               f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids >= 0, got {{}}", ids)
         words = self.banned_words
-        _check(isinstance(words, (list, tuple)), f"banned_words must be a list of strings or token-id lists, got {show(words)}")
+        _check(isinstance(words, (list, tuple)), "banned_words must be a list of strings or token-id lists, got {}", words)
         _check(len(words) <= MAX_BANNED_WORDS, f"banned_words may have at most {MAX_BANNED_WORDS} entries, got {len(words)}")
         for w in words:
             ok = (isinstance(w, str) and w) or (isinstance(w, (list, tuple)) and w and len(w) <= MAX_BANNED_WORD_LENGTH
                                                 and all(_is_token_id(t) for t in w))
             _check(bool(ok), f"banned_words entries must be non-empty strings or non-empty lists of token ids >= 0, "
-                             f"each at most {MAX_BANNED_WORD_LENGTH} long, got {show(w)}")
+                             f"each at most {MAX_BANNED_WORD_LENGTH} long, got {{}}", w)
             _check(len(w) <= MAX_BANNED_WORD_LENGTH,
                    f"banned_words strings may have at most {MAX_BANNED_WORD_LENGTH} characters, got one of {len(w)}")
         if self.allowed_token_ids is not None:
@@ -184,7 +189,7 @@ class SamplingParams:
             _check((packed or isinstance(ids, (list, tuple))) and 0 < len(ids) <= MAX_ALLOWED_TOKEN_IDS
                    and (packed or all(_is_token_id(t) and t < _ID_LIMIT for t in ids)),
                    f"allowed_token_ids must be null or a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} "
-                   f"token ids >= 0 and < 2**32, got {show(ids)}")
+                   "token ids >= 0 and < 2**32, got {}", ids)
             self.allowed_token_ids = array("I", ids)
         _check(isinstance(self.logits_processors, (list, tuple)) and all(callable(p) for p in self.logits_processors),
                "logits_processors must be a list of callables (in-process only; it cannot be sent over the wire)")

@@ -44,11 +44,12 @@ def show(value: Any) -> str:
         return f"<{type(value).__name__}>"
 
 
-def check(ok: bool, message: str) -> None:
-    """Raise `ProtocolError(message)` unless `ok`. The message is built before the call, so hot
-    checks whose message formats the value (`show`) test first and build it only on failure."""
+def check(ok: bool, message: str, *values: Any) -> None:
+    """Raise `ProtocolError(message)` unless `ok`; each `{}` in `message` is one of `values`,
+    through `show`. Pass values that way rather than formatting them into the message: the text
+    is then built only on failure (a `show` per passing check once cost a client ~20 us a delta)."""
     if not ok:
-        raise ProtocolError(message)
+        raise ProtocolError(message.format(*map(show, values)) if values else message)
 
 
 def check_depth(obj: Any, limit: int = MAX_DEPTH) -> None:

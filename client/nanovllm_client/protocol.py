@@ -440,7 +440,7 @@ class StreamOutput(Message):
     def validate(self) -> None:
         check_list("deltas", self.deltas, MAX_ROWS)
         for i, d in enumerate(self.deltas):
-            check(isinstance(d, dict), f"each delta must be a map, got {show(d)}")
+            check(isinstance(d, dict), "each delta must be a map, got {}", d)
             if not d.keys() <= DELTA_FIELDS:  # fields a newer service added: dropped, like the message's own
                 d = self.deltas[i] = {k: v for k, v in d.items() if k in DELTA_FIELDS}
             check_map("delta", d, len(DELTA_FIELDS))

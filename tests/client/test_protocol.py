@@ -176,3 +176,41 @@ def test_what_the_service_sends_a_client_may_carry_fields_the_client_does_not_kn
                                      "meta": {"client": b"c", "rid": "r"}, "later": 1}))
     with pytest.raises(p.ProtocolError, match="missing field"):  # dropping fields never makes a required one optional
         p.decode(frame("pong", {"instance_id": "d1", "later": 1}))
+
+
+class _CountedRepr:
+    """Counts how often its text is built."""
+    shown = 0
+
+    def __repr__(self) -> str:
+        type(self).shown += 1
+        return "<counted>"
+
+
+def test_a_check_that_passes_never_builds_its_message(monkeypatch):
+    """Checks formatted the value of every check that passed (a `show` per delta cost the client
+    ~5 us a delta); the values are now shown only when the check fails."""
+    from nanovllm.sampling_params import _check
+    from nanovllm_client.checks import ProtocolError, check
+
+    value = _CountedRepr()
+    check(True, "must be a map, got {}", value)
+    _check(True, "must be a map, got {}", value)
+    assert _CountedRepr.shown == 0
+    with pytest.raises(ProtocolError, match="^must be a map, got <counted>$"):
+        check(False, "must be a map, got {}", value)
+    with pytest.raises(ValueError, match="^must be a map, got <counted>$"):
+        _check(False, "must be a map, got {}", value)
+    with pytest.raises(ProtocolError, match="^braces {} stay when no value is given$"):
+        check(False, "braces {} stay when no value is given")
+    # Decoding a frame of valid deltas shows none of them.
+    import nanovllm_client.checks as checks
+
+    shown: list = []
+    for module in (checks, p):
+        monkeypatch.setattr(module, "show", lambda v, real=checks.show: shown.append(v) or real(v))
+    frame = p.StreamOutput([{"request_id": f"c:{i}", "text": "x", "token_ids": p.pack_token_ids([i])}
+                            for i in range(16)]).encode()
+    assert len(p.decode(frame).deltas) == 16 and shown == []
+    with pytest.raises(ProtocolError, match="each delta must be a map, got 7"):
+        p.decode(p.StreamOutput([7]).encode())
