@@ -139,7 +139,7 @@ class AsyncClient(ClientBase):
     # 【职责】异步客户端：对外提供 stream / generate / abort / server_stats / wait_engine / close；
     # 对内在事件循环上持有两个 DEALER，描述符回调 _readable 收帧并分发增量，_heartbeat 任务定时 ping 两个 stage，
     # _recheck 任务兜底；发送一律 NOBLOCK，管道满时发送方等待 _readable 的唤醒（背压）。
-    # 【边界】协议逻辑在 ClientState（与同步 Client 共用）；不自动重试失败的请求；不是线程安全的，
+    # 【边界】协议逻辑在 ClientState（与同步 Client 共用）；不重试失败的请求（只有引擎死时还没得到任何回答的请求例外：ClientState 在新引擎实例起来后重发它们）；不是线程安全的，
     # 只能在创建它的事件循环里用（从别的线程中止请求用 abort_nowait）。同一进程的所有 AsyncClient
     # 共用一个 zmq.Context（一个 I/O 线程），64 个客户端不会唤醒 64 个 I/O 线程。
     # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping）；detok_proc（Ping / StatsReq / Resume，收 StreamOutput /
@@ -148,8 +148,10 @@ class AsyncClient(ClientBase):
 
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
                  connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000,
-                 stage_timeout: float = 30.0, curve: tuple[CurveKeys, bytes] | None = None):
-        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout, curve)
+                 stage_timeout: float = 30.0, curve: tuple[CurveKeys, bytes] | None = None,
+                 engine_restart_wait_s: float = 60.0):
+        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout, curve,
+                         engine_restart_wait_s)
         self._streams: dict[str, asyncio.Queue] = {}
         self._stats: asyncio.Queue | None = None
         self._ready: asyncio.Event | None = None

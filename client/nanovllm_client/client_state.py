@@ -3,7 +3,10 @@
 It builds request frames, turns incoming frames into per-request `Delta`s, and keeps every
 request in flight with how much of its stream has arrived. From that it follows the service's
 health and keeps streams alive across stage restarts:
-- an engine-dead notice fails every request in flight at once (its outputs can no longer come);
+- an engine-dead notice fails every request in flight that has had an answer (its outputs can no
+  longer come); one that has had none yet (still queued, or in its prefill) is kept and sent
+  again once a new engine instance is up, for up to `engine_restart_wait_s`: nothing of it was
+  seen, so running it afresh loses nothing;
 - a restarted tokenizer (a new instance id in its pong) may have lost requests it had not yet
   passed on: every request with no answer yet is sent again, marked as a resend, which the
   engine ignores if it got the first copy;
@@ -108,6 +111,18 @@ class InFlight:
 
 
 @dataclass
+class Parked:
+    """A request with no answer yet whose engine died: sent again to the next engine instance."""
+    resend_frame: bytes
+    engine: str | None
+    """The engine instance it was sent to (the one that died), if known."""
+    why: str
+    since: float
+    dead_seen: bool
+    """A death of `engine` was announced since: that instance speaking again lived on without it."""
+
+
+@dataclass
 class Reaction:
     """What one incoming frame (or a heartbeat) means for the client."""
     deltas: list[Delta] = field(default_factory=list)
@@ -122,7 +137,8 @@ class ClientState:
 
     Used from one thread (the sync client's I/O thread, or the event loop)."""
 
-    def __init__(self, detok_timeout: float = 3.0, stage_timeout: float = 30.0) -> None:
+    def __init__(self, detok_timeout: float = 3.0, stage_timeout: float = 30.0,
+                 engine_restart_wait_s: float = 60.0) -> None:
         self.engine_alive: bool | None = None
         """True once a ready engine is known, False once it is known dead, None meanwhile."""
         self.engine_state = ""
@@ -135,6 +151,10 @@ class ClientState:
         self.detok_responsive = False
         self.last_pong = time.monotonic()
         self.inflight: dict[str, InFlight] = {}
+        self.engine_restart_wait_s = engine_restart_wait_s
+        """How long a request the dead engine never answered waits for a new engine (0: it fails
+        with the engine, as one that was answered does)."""
+        self.parked: dict[str, Parked] = {}
 
     @property
     def ready(self) -> bool:
@@ -146,6 +166,7 @@ class ClientState:
 
     def forget(self, wire_id: str) -> None:
         self.inflight.pop(wire_id, None)
+        self.parked.pop(wire_id, None)
 
     def handle(self, frame: bytes) -> Reaction:
         try:
@@ -154,10 +175,13 @@ class ClientState:
             log.warning("dropping an undecodable frame from the service: %s", e)
             return Reaction()
         if isinstance(msg, p.StreamOutput):
-            return Reaction([self._track(self._delta(d)) for d in msg.deltas])
+            reaction = Reaction([d for d in map(self._track, map(self._delta, msg.deltas)) if d is not None])
+            self._unpark(reaction)  # one refused for want of an engine while a new one is known up
+            return reaction
         if isinstance(msg, p.ErrorOutput):
             if msg.request_id is not None:
-                return Reaction([self._track(Delta(msg.request_id, "", [], "error", error=msg.message))])
+                delta = self._track(Delta(msg.request_id, "", [], "error", error=msg.message))
+                return Reaction([delta] if delta is not None else [])
             log.warning("service error: %s", msg.message)
             return Reaction()
         if isinstance(msg, p.Pong):
@@ -168,6 +192,7 @@ class ClientState:
                 self.engine_state = msg.state
                 self._follow_engine(msg.instance_id, reaction)
             reaction.deltas += self._set_engine_alive(msg.alive if msg.state != "loading" else None, msg.reason)
+            self._unpark(reaction)
             return reaction
         if isinstance(msg, p.StatsOutput):
             return Reaction(stats=msg.stats)
@@ -176,14 +201,20 @@ class ClientState:
 
     def check_detok(self) -> list[Delta]:
         """Called once per heartbeat. A detokenizer silent for `detok_timeout` makes new requests
-        wait; silent for `stage_timeout`, the requests in flight fail (their outputs are lost)."""
-        silent = time.monotonic() - self.last_pong
+        wait; silent for `stage_timeout`, the requests in flight fail (their outputs are lost).
+        Requests kept for a new engine fail once they have waited `engine_restart_wait_s`."""
+        now = time.monotonic()
+        expired = [w for w, parked in self.parked.items() if now - parked.since >= self.engine_restart_wait_s]
+        deltas = [Delta(w, "", [], "error", engine_dead=True,
+                        error=f"{self.parked.pop(w).why}; no new engine came up within "
+                              f"{self.engine_restart_wait_s:.0f}s") for w in expired]
+        silent = now - self.last_pong
         if self.detok_responsive and silent >= self.detok_timeout:
             self.detok_responsive, self.engine_alive = False, None
         if self.detok_instance is None or silent < self.stage_timeout or not self.inflight:
-            return []
+            return deltas
         why = f"the detokenizer has not answered for {self.stage_timeout:.0f}s; outputs were lost"
-        return self._fail_all(why, engine_dead=False)
+        return deltas + self._fail_all(why, engine_dead=False)
 
     # ------------------------------------------------------------------ internals
 
@@ -204,36 +235,79 @@ class ClientState:
             reaction.to_detok = [p.Resume(rows).encode()]
         self.detok_instance, self.engine_state = msg.instance_id, msg.engine_state
         reaction.deltas += self._set_engine_alive(msg.engine_alive)
+        self._unpark(reaction)
         return reaction
 
     def _follow_engine(self, instance_id: str, reaction: Reaction) -> None:
         """The detokenizer names the engine it follows. Another instance than the one known means
         the engine restarted; when the detokenizer that saw the old one die died with it, nobody
         else tells us: the requests in flight are failed as at an engine death (and aborted, in
-        case one reached the new engine after all)."""
+        case one reached the new engine after all), but for those with no answer yet, which are
+        kept for the new engine (`_unpark` sends them)."""
         if not instance_id:
             return
         if self.engine_instance is not None and instance_id != self.engine_instance and self.inflight:
-            log.info("engine restarted (%s replaced %s): failing %d request(s) in flight", instance_id,
+            log.info("engine restarted (%s replaced %s): %d request(s) in flight", instance_id,
                      self.engine_instance, len(self.inflight))
-            reaction.to_tokenizer += [p.AbortReq(wire_id).encode() for wire_id in self.inflight]
+            answered = [wire_id for wire_id, f in self.inflight.items() if f.answered or not self.engine_restart_wait_s]
+            reaction.to_tokenizer += [p.AbortReq(wire_id).encode() for wire_id in answered]
             reaction.deltas += self._fail_all(f"engine restarted (instance {instance_id} replaced "
                                               f"{self.engine_instance}); the request was lost", engine_dead=True)
         self.engine_instance = instance_id
+
+    def _park(self, wire_id: str, why: str, dead_seen: bool) -> bool:
+        """Keep an unanswered request for the next engine instead of failing it; False if it
+        cannot be kept (answered already, not in flight, or waiting is off)."""
+        progress = self.inflight.get(wire_id)
+        if progress is None or progress.answered or not self.engine_restart_wait_s:
+            return False
+        del self.inflight[wire_id]
+        self.parked[wire_id] = Parked(progress.resend_frame, self.engine_instance, why, time.monotonic(),
+                                      dead_seen or self.engine_alive is False)
+        return True
+
+    def _unpark(self, reaction: Reaction) -> None:
+        """While an engine is up, send the kept requests again that were sent to another instance
+        (marked as resends: an engine that got a copy after all ignores it). Kept under this very
+        instance: after its death was announced they fail (it lived on, and the detokenizer dropped
+        them); before (the detokenizer fails a dead engine's requests just before it says so), they
+        wait for that announcement and the next instance."""
+        if self.engine_alive is not True or not self.parked:
+            return
+        for wire_id, parked in list(self.parked.items()):
+            if parked.engine is None or parked.engine != self.engine_instance:
+                self.inflight[wire_id] = InFlight(parked.resend_frame)
+                reaction.to_tokenizer.append(parked.resend_frame)
+            elif parked.dead_seen:
+                reaction.deltas.append(Delta(wire_id, "", [], "error", error=parked.why, engine_dead=True))
+            else:
+                continue
+            del self.parked[wire_id]
+        if reaction.to_tokenizer:
+            log.info("engine %s is up: sending %d request(s) again that the dead engine never answered",
+                     self.engine_instance, len(reaction.to_tokenizer))
 
     def _set_engine_alive(self, alive: bool | None, reason: str = "") -> list[Delta]:
         """None: not known (a detokenizer that just started, an engine loading) - not a death."""
         was_alive, self.engine_alive = self.engine_alive, alive
         if alive is False and was_alive is not False:
+            for parked in self.parked.values():
+                parked.dead_seen = True
             return self._fail_all(f"engine died: {reason}" if reason else "engine died", engine_dead=True)
         return []
 
     def _fail_all(self, why: str, engine_dead: bool) -> list[Delta]:
-        deltas = [Delta(wire_id, "", [], "error", error=why, engine_dead=engine_dead) for wire_id in self.inflight]
+        """Fail the requests in flight; at an engine death, those with no answer yet are kept."""
+        deltas = [Delta(wire_id, "", [], "error", error=why, engine_dead=engine_dead)
+                  for wire_id in list(self.inflight) if not (engine_dead and self._park(wire_id, why, True))]
         self.inflight.clear()
         return deltas
 
-    def _track(self, delta: Delta) -> Delta:
+    def _track(self, delta: Delta) -> Delta | None:
+        """Count the delta against its request; None when it is an engine death that the request,
+        never answered, waits out for the next engine instead (`_park`)."""
+        if delta.engine_dead and delta.finish_reason == "error" and self._park(delta.request_id, delta.error or "", False):
+            return None
         progress = self.inflight.get(delta.request_id)
         if progress is not None:
             progress.answered = True
@@ -263,18 +337,20 @@ class ClientBase:
     client's identity on both sockets, its CURVE keys, and the protocol state.
 
     `curve`: (this client's key pair, the service's public key), for a service that requires
-    CURVE; by default from $NANOVLLM_CURVE_CLIENT_KEY and $NANOVLLM_CURVE_SERVER_KEY (files)."""
+    CURVE; by default from $NANOVLLM_CURVE_CLIENT_KEY and $NANOVLLM_CURVE_SERVER_KEY (files).
+    `engine_restart_wait_s`: how long a request the engine died before answering waits for a new
+    engine, which then runs it (0: it fails with the engine, like one that had streamed)."""
 
     def __init__(self, url: str | None, timeout: float | None, connect_timeout: float,
                  heartbeat_interval: float, hwm: int, stage_timeout: float = 30.0,
-                 curve: tuple[CurveKeys, bytes] | None = None):
+                 curve: tuple[CurveKeys, bytes] | None = None, engine_restart_wait_s: float = 60.0):
         self.url = url or default_url()
         self._curve = curve if curve is not None else client_keys_from_env()
         self.endpoints = service_endpoints(self.url)
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self._heartbeat_interval, self._hwm = heartbeat_interval, hwm
         self._identity = uuid.uuid4().bytes
-        self._state = ClientState(stage_timeout=stage_timeout)
+        self._state = ClientState(stage_timeout=stage_timeout, engine_restart_wait_s=engine_restart_wait_s)
         self._wire_ids: dict[str, str] = {}
         """Caller's request id -> wire id of its stream in flight."""
 

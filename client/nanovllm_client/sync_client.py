@@ -111,7 +111,7 @@ class Client(ClientBase):
     # 【职责】同步客户端：对外提供 stream / generate / abort / server_stats / wait_engine / close；
     # 对内一个后台 I/O 线程持有两个 DEALER 和 ClientState，定时 ping 两个 stage，把收到的帧变成增量分发到各流。
     # 【边界】协议逻辑（tokenizer 重启后重发、detokenizer 重启后 Resume、引擎死亡判定）在 client_state.ClientState，
-    # 与 AsyncClient 共用，这里只做 I/O 和线程间传递；不自动重试失败的请求；两个 DEALER 用同一个随机路由 id，
+    # 与 AsyncClient 共用，这里只做 I/O 和线程间传递；不重试失败的请求（只有引擎死时还没得到任何回答的请求例外：ClientState 在新引擎实例起来后重发它们）；两个 DEALER 用同一个随机路由 id，
     # 以便 detokenizer 把输出路由回来。
     # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping）；detok_proc（Ping / StatsReq / Resume，收 StreamOutput /
     # Pong / EngineStatus / StatsOutput）；Stream；ClientBase 提供地址、id 分配和超时。
@@ -119,7 +119,8 @@ class Client(ClientBase):
 
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
                  connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000,
-                 stage_timeout: float = 30.0, curve: tuple[CurveKeys, bytes] | None = None):
+                 stage_timeout: float = 30.0, curve: tuple[CurveKeys, bytes] | None = None,
+                 engine_restart_wait_s: float = 60.0):
         # [ZH-START]
         # 1. ClientBase 初始化：解析服务 URL 得到四个端点、超时、随机路由 id、ClientState、CURVE 密钥。
         # 2. _ready 事件：detokenizer 回了 pong（它已认识我们的路由 id）之后才置位。
@@ -127,7 +128,8 @@ class Client(ClientBase):
         # 4. 新建 zmq.Context，绑定一个本实例唯一的 inproc 命令端点，PUSH 端由 _cmd_lock 保护。
         # 5. 启动守护线程 _io_loop。
         # [ZH-END]
-        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout, curve)
+        super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout, curve,
+                         engine_restart_wait_s)
         self._ready = threading.Event()
         self._streams: dict[str, queue.SimpleQueue] = {}
         self._stats: queue.SimpleQueue = queue.SimpleQueue()

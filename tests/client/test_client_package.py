@@ -40,20 +40,105 @@ def test_build_request_accepts_text_chat_or_token_ids():
     assert ids.prompt_token_ids == [1, 2, 3] and ids.sampling == {}
 
 
-def state_with(*wire_ids: str) -> ClientState:
-    state = ClientState()
+def state_with(*wire_ids: str, engine_restart_wait_s: float = 60.0) -> ClientState:
+    state = ClientState(engine_restart_wait_s=engine_restart_wait_s)
     for wire_id in wire_ids:
         state.sent(wire_id, b"resend:" + wire_id.encode())
     return state
 
 
-def test_engine_death_notice_fails_every_live_request_once():
+def answer(state: ClientState, *wire_ids: str) -> None:
+    state.handle(p.StreamOutput([{"request_id": w, "text": "x", "token_ids": p.pack_token_ids([1])}
+                                 for w in wire_ids]).encode())
+
+
+def failures(deltas) -> list[tuple]:
+    return [(d.request_id, d.finish_reason, d.engine_dead) for d in deltas]
+
+
+def test_engine_death_notice_fails_every_answered_request_once():
     state = state_with("a", "b")
     state.handle(p.Pong("detokenizer", "d1", True).encode())
+    answer(state, "a", "b")
     deltas = state.handle(p.EngineStatus(False, "e1", "crashed").encode()).deltas
-    assert [(d.request_id, d.finish_reason, d.engine_dead) for d in deltas] == [("a", "error", True), ("b", "error", True)]
+    assert failures(deltas) == [("a", "error", True), ("b", "error", True)]
     assert state.engine_alive is False
     assert state.handle(p.EngineStatus(False, "e1").encode()).deltas == []  # already known dead
+
+
+def test_requests_the_dead_engine_never_answered_go_to_the_next_engine():
+    """A request still queued (or in its prefill) when the engine died had shown nothing: it is
+    kept and sent again, as a resend, once another engine instance is up; answered ones fail."""
+    state = state_with("a", "b", "c")
+    state.handle(p.Pong("detokenizer", "d1", True).encode())
+    state.handle(p.EngineStatus(True, "e1").encode())
+    answer(state, "a")
+    # The detokenizer fails what it knew (b had started, no token yet), then tells of the death.
+    reaction = state.handle(p.StreamOutput([p.error_delta("a", "engine died: x", engine_dead=True),
+                                            p.error_delta("b", "engine died: x", engine_dead=True)]).encode())
+    assert failures(reaction.deltas) == [("a", "error", True)]
+    assert failures(state.handle(p.EngineStatus(False, "e1", "x").encode()).deltas) == []
+    assert set(state.parked) == {"b", "c"} and not state.inflight
+    assert state.handle(p.EngineStatus(True, "e1", state="loading").encode()).to_tokenizer == []  # not up yet
+    reaction = state.handle(p.EngineStatus(True, "e2").encode())
+    assert sorted(reaction.to_tokenizer) == [b"resend:b", b"resend:c"] and reaction.deltas == []
+    assert set(state.inflight) == {"b", "c"} and not state.parked
+
+
+def test_with_no_wait_every_request_fails_with_the_engine():
+    state = state_with("a", "b", engine_restart_wait_s=0)
+    state.handle(p.Pong("detokenizer", "d1", True).encode())
+    answer(state, "a")
+    deltas = state.handle(p.EngineStatus(False, "e1", "crashed").encode()).deltas
+    assert failures(deltas) == [("a", "error", True), ("b", "error", True)] and not state.parked
+
+
+def test_a_kept_request_fails_when_no_engine_comes_back_in_time(monkeypatch):
+    import nanovllm_client.client_state as cs
+
+    now = [1000.0]
+    monkeypatch.setattr(cs.time, "monotonic", lambda: now[0])
+    state = state_with("a", engine_restart_wait_s=5)
+    state.handle(p.Pong("detokenizer", "d1", True).encode())
+    state.handle(p.EngineStatus(False, "e1", "killed").encode())
+    now[0] += 4.9
+    assert state.check_detok() == [] and "a" in state.parked
+    now[0] += 0.2
+    (delta,) = state.check_detok()
+    assert (delta.request_id, delta.engine_dead) == ("a", True)
+    assert delta.error == "engine died: killed; no new engine came up within 5s" and not state.parked
+
+
+def test_a_kept_request_fails_if_the_engine_it_went_to_comes_back():
+    """Declared dead (silent too long), the same instance may speak again: the detokenizer has
+    dropped the request meanwhile, and a resend would be ignored as a copy of one it holds."""
+    state = state_with("a")
+    state.handle(p.Pong("detokenizer", "d1", True).encode())
+    state.handle(p.EngineStatus(True, "e1").encode())
+    state.handle(p.EngineStatus(False, "e1", "no heartbeat").encode())
+    reaction = state.handle(p.EngineStatus(True, "e1").encode())
+    assert failures(reaction.deltas) == [("a", "error", True)] and reaction.to_tokenizer == []
+
+
+def test_a_cancelled_kept_request_is_not_sent_again():
+    state = state_with("a", "b")
+    state.handle(p.Pong("detokenizer", "d1", True).encode())
+    state.handle(p.EngineStatus(False, "e1", "x").encode())
+    state.forget("a")
+    assert state.handle(p.EngineStatus(True, "e2").encode()).to_tokenizer == [b"resend:b"]
+
+
+def test_an_engine_restart_seen_only_as_a_new_instance_resends_what_was_never_answered():
+    """When the detokenizer died with the engine, the first sign is a new engine instance: the
+    answered requests fail (and are aborted, in case one reached the new engine), the others
+    go to the new engine."""
+    state = state_with("a", "b")
+    state.handle(p.Pong("detokenizer", "d1", True).encode())
+    state.handle(p.EngineStatus(True, "e1").encode())
+    answer(state, "a")
+    reaction = state.handle(p.EngineStatus(True, "e2").encode())
+    assert failures(reaction.deltas) == [("a", "error", True)]
+    assert reaction.to_tokenizer == [p.AbortReq("a").encode(), b"resend:b"]
 
 
 def test_a_restarted_detokenizer_is_asked_to_resume_each_stream_where_it_broke_off():

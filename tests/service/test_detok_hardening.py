@@ -151,12 +151,13 @@ def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_it
         assert aborts == []
 
 
-def test_a_queued_request_ends_when_the_engine_and_detokenizer_die_together(tiny_model_dir):
+def test_a_queued_request_is_served_when_the_engine_and_detokenizer_die_together(tiny_model_dir):
     """A request still queued in the engine has no output, so a client's resume cannot ask for it
     and the new engine's resync does not hold it; the detokenizer that saw the old engine die died
-    with it, so nobody said so. The request waited for its own timeout (600 s by default). Now the
-    client sees the engine instance change (the new detokenizer names it) and fails what it had in
-    flight."""
+    with it, so nobody said so. The request waited for its own timeout (600 s by default). Then
+    the client saw the engine instance change (the new detokenizer names it) and failed what it
+    had in flight. Now it fails the request that was streaming, and sends the queued one, which
+    had shown nothing, to the new engine."""
     from nanovllm_client import EngineDeadError
 
     procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc",
@@ -172,9 +173,10 @@ def test_a_queued_request_ends_when_the_engine_and_detokenizer_die_together(tiny
             procs.start("engine_proc")
             procs.start("detok_proc")
             started = time.monotonic()
-            for stream in (running, queued):
-                with pytest.raises(EngineDeadError):
-                    list(stream)
+            with pytest.raises(EngineDeadError):
+                list(running)
+            deltas = list(queued)
+            assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 5
             assert time.monotonic() - started < 30
             client.wait_engine(timeout=START_TIMEOUT)
             assert client.generate("y", max_tokens=3, ignore_eos=True).finish_reason == "length"

@@ -76,6 +76,52 @@ def test_serve_restarts_a_dead_stage_and_stops_cleanly(supervisor):
     assert not any(pid_alive(pid) for pid in children), "a stage outlived the supervisor"
 
 
+def test_requests_the_engine_never_answered_are_served_by_the_restarted_engine(tiny_model_dir):
+    """An engine's death failed every request in flight, even those still queued that had shown
+    nothing yet. Those are now sent again to the restarted engine: they finish as if nothing had
+    happened; only the request that was streaming fails."""
+    import asyncio
+    import threading
+
+    from nanovllm_client import AsyncClient
+    from nanovllm_client.errors import EngineDeadError
+
+    def tokens(deltas) -> list[int]:
+        assert deltas[-1].finish_reason == "length"
+        return [t for d in deltas for t in d.token_ids]
+
+    async def async_queued(url: str, sent: threading.Event, results: list) -> None:
+        async with AsyncClient(url, timeout=120) as ac:
+            streams = [await ac.stream("def g():", max_tokens=8, temperature=0, ignore_eos=True) for _ in range(2)]
+            sent.set()
+            for stream in streams:
+                results.append(tokens([d async for d in stream]))
+
+    flags = ("--max-live", "1", "--post-step-hook", "tests.helpers.hooks:slow_step")
+    with serving(tiny_model_dir, *flags) as (proc, runtime_dir):
+        url = f"ipc://{runtime_dir}"
+        with Client(url, connect_timeout=START_TIMEOUT, timeout=120) as client:
+            client.wait_engine(timeout=START_TIMEOUT)
+            expected = client.generate("def g():", max_tokens=8, temperature=0, ignore_eos=True).token_ids
+            running = client.stream("def f():", max_tokens=900, temperature=0, ignore_eos=True)
+            next(running)
+            queued = [client.stream("def g():", max_tokens=8, temperature=0, ignore_eos=True) for _ in range(4)]
+            sent, async_results = threading.Event(), []
+            other = threading.Thread(target=asyncio.run, args=(async_queued(url, sent, async_results),))
+            other.start()
+            assert sent.wait(timeout=60)
+            wait_for(lambda: client.server_stats()["engine"].get("num_queued", 0) >= 6, timeout=30,
+                     what="six requests of two clients queued behind the running one")
+            before = read_pids(runtime_dir)["engine_proc"]
+            os.kill(before, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                list(running)
+            assert [tokens(list(stream)) for stream in queued] == [expected] * 4
+            other.join(timeout=120)
+            assert async_results == [expected] * 2
+            assert read_pids(runtime_dir)["engine_proc"] not in (None, before)
+
+
 def test_serve_rejects_a_bad_url():
     out = subprocess.run([sys.executable, "-m", "nanovllm.supervisor", "--url", "http://nope"], cwd=REPO,
                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
