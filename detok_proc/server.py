@@ -112,6 +112,12 @@ class RequestState:
     the engine's final row says it dropped the request. Only then does the client hear the end,
     so an id reused after the terminal delta never meets the old request in the engine."""
     abort_sent_at: float = 0.0
+    skip_tokens: int = 0
+    skip_chars: int = 0
+    """Output the client has but the engine will report (again): a stream continued after an
+    engine restart, whose engine reports the output it continues from with its first new token.
+    Cut from what follows, not sent twice. From the request's meta (`have`), or from a resume
+    that says the client has more than the engine had reported."""
 
 
 @dataclass
@@ -391,7 +397,8 @@ class DetokStage:
     def _start(self, request_id: str, meta: dict[str, Any], engine: str, resumed: bool = False) -> RequestState:
         # [ZH-START]
         # 1. 用 meta 建 IncrementalDetokenizer：tail（prompt 最后几个 token）、skip、stop、include_stop、min_tokens。
-        # 2. 建 RequestState(客户端身份, 客户端 rid, 反分词器, 引擎实例) 记进 requests。
+        # 2. 建 RequestState(客户端身份, 客户端 rid, 反分词器, 引擎实例) 记进 requests；续写的流（meta.have = [token 数, 字符数]，
+        #    客户端已有的输出）记为 skip_tokens / skip_chars：引擎会随第一个新 token 把它们再报告一次，_advance 截掉。
         # 3. 指标记录开始时间（resync 重建的额外记下恢复时间）；把请求加到该客户端的 ClientInfo.request_ids（没有就新建）。
         # [ZH-END]
         detok = IncrementalDetokenizer(
@@ -400,6 +407,7 @@ class DetokStage:
             include_stop_str_in_output=meta.get("include_stop", False), min_tokens=meta.get("min_tokens", 0))
         client = meta["client"]
         state = self.requests[request_id] = RequestState(client, meta["rid"], detok, engine)
+        state.skip_tokens, state.skip_chars = meta.get("have", (0, 0))
         self.metrics.request_started(request_id, meta.get("t", time.time()), resumed_at=time.time() if resumed else None)
         self.clients.setdefault(client, ClientInfo(time.monotonic())).request_ids.add(request_id)
         return state
@@ -416,7 +424,9 @@ class DetokStage:
         # 5. 已结束：final = state.stopped，或 {finish_reason, usage{prompt_tokens, completion_tokens, cached_tokens}}，
         #    有错误（或 reason 为 error）加 error。
         # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，返回 None。
-        # 7. 否则组装增量 {client, request_id, text, token_ids（原样打包）, finish_reason: None}，合入 final；
+        # 7. 有 skip_tokens / skip_chars（resume 时客户端已有、引擎将再报告的续写前缀）：先从 token 和文本开头截掉，
+        #    截完什么都不剩且没结束就返回 None。
+        # 8. 否则组装增量 {client, request_id, text, token_ids（原样打包）, finish_reason: None}，合入 final；
         #    已结束就 _finished（计指标、遗忘该请求）；返回增量。
         # [ZH-END]
         request_id, packed_ids, finished, finish_reason, num_prompt, num_output, num_cached, error = row
@@ -450,6 +460,13 @@ class DetokStage:
             state.all_text += text
             state.final = final
             return None
+        if state.skip_tokens or state.skip_chars:  # what the client has already (see `skip_tokens`)
+            n, m = min(state.skip_tokens, len(token_ids)), min(state.skip_chars, len(text))
+            state.skip_tokens, state.skip_chars = state.skip_tokens - n, state.skip_chars - m
+            token_ids, text = token_ids[n:], text[m:]
+            packed_ids = p.pack_token_ids(token_ids)
+            if not (token_ids or text or final):
+                return None
         delta = {"client": state.client, "request_id": state.client_request_id, "text": text,
                  "token_ids": packed_ids, "finish_reason": None}
         if token_ids:
@@ -602,6 +619,8 @@ class DetokStage:
         # 2. 对客户端报上的每一行 [rid, 已收 token 数, 已收字符数]（同一 rid 重复列出只处理第一次）：
         #    a. 不在 waiting 里：若客户端已收到过 token 而我们根本没有这个请求 → 回错误增量（引擎已不持有它，标 engine_dead）；跳过；
         #    b. 在 waiting 里：清除等待标记，增量 = all_text[已收字符数:] 和 all_ids[已收 token 数:]，已结束则带上 final；
+        #       客户端报的比引擎至今报告的还多（引擎重启后续写的流：新引擎会把续写起点之前的输出随第一个新 token 再报告一次），
+        #       多出的部分记为 skip_tokens / skip_chars，_advance 以后从输出里截掉，不重复发送；
         #       释放累积缓冲；已结束就 _finished。
         # 3. 等待中但客户端没提到的请求：客户端已不要了 → _drop_unclaimed（未结束就在引擎里 abort）。
         # 4. 有增量就作为 StreamOutput 发给该客户端（frames_within：超过帧大小上限就按顺序拆成几帧）。
@@ -621,6 +640,10 @@ class DetokStage:
                 continue
             state = self.requests[request_id]
             state.awaiting_resume = False
+            # More than the engine has reported: a continued stream, whose engine reports the output
+            # it continues from again with its first new token. Cut that then.
+            state.skip_tokens = max(0, num_tokens - len(state.all_ids))
+            state.skip_chars = max(0, num_chars - len(state.all_text))
             deltas.append({"request_id": client_rid, "text": state.all_text[num_chars:],
                            "token_ids": p.pack_token_ids(state.all_ids[num_tokens:]), "finish_reason": None,
                            **(state.final or {})})

@@ -361,7 +361,8 @@ class EngineStage:
     def _add(self, queued: Queued, started: list, rejected: list) -> None:
         # [ZH-START]
         # 1. 采样参数已由输入线程建好（queued.params）；建失败的（queued.error）直接走第 3 步。
-        # 2. 此时才把打包的 prompt 解成 list，engine.add_request(id, prompt ids, params, priority)。
+        # 2. 此时才把打包的 prompt 解成 list，engine.add_request(id, prompt ids, params, priority, output_prefix)；
+        #    output_prefix 是续写时客户端已收到的输出（引擎死后发给新引擎），它随第一个新 token 一起再报告一次。
         # 3. 失败：ValueError / TypeError 是请求本身的问题（参数、超过 max_model_len、永远放不进 KV cache、词表外 id），
         #    其他异常额外记 traceback；都作为 rejected 行 [id, meta, 错误] 发出，
         #    并以 "error" 条目记进 FinishedRing，resync 时也知道它已结束。
@@ -372,7 +373,7 @@ class EngineStage:
         if error is None:
             try:
                 self.engine.add_request(req.request_id, p.unpack_token_ids(req.prompt_token_ids), queued.params,
-                                        priority=req.priority)
+                                        priority=req.priority, output_prefix=p.unpack_token_ids(req.output_ids))
             except Exception as e:  # refused (ValueError/TypeError) or failed: either way this request's own
                 error = _refusal(e, req.request_id)
         if error is not None:
@@ -606,7 +607,8 @@ class EngineStage:
         except Exception as e:
             error = _refusal(e, req.request_id)
         req.sampling = {}
-        return Queued(req, params, error, request_bytes(frame_bytes, len(req.prompt_token_ids) // 4))
+        num_tokens = (len(req.prompt_token_ids) + len(req.output_ids)) // 4  # the output to continue from too
+        return Queued(req, params, error, request_bytes(frame_bytes, num_tokens))
 
     def _output_loop(self) -> None:
         # [ZH-START]

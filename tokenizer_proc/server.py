@@ -280,7 +280,7 @@ class TokenizerStage:
         # 5. ids = _prompt_ids(req)。
         # 6. meta = {client 身份, rid, stop, skip, include_stop, min_tokens, tail = prompt 最后 8 个 token（打包）, t = 时间}，
         #    引擎原样转给 detokenizer，用来建 IncrementalDetokenizer 和路由输出。
-        # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend)，先用引擎自己的 validate 检查一遍，
+        # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend, output_ids = 续写时客户端已收到的输出 token)，先用引擎自己的 validate 检查一遍，
         #    再编码、检查帧长：引擎会丢掉的帧（它无法回答客户端：min_tokens 超过 2**31；超过 16 MiB 的帧，
         #    引擎的 socket 会连同连接一起丢掉）在这里就拒绝，并说明原因；通过则返回编码好的帧。
         # [ZH-END]
@@ -310,8 +310,10 @@ class TokenizerStage:
         meta = {"client": identity, "rid": req.request_id, "stop": stop, "skip": skip,
                 "include_stop": include_stop, "min_tokens": sampling.get("min_tokens", 0),
                 "tail": p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]), "t": time.time()}
+        if req.output_token_ids:  # a continued stream: what its client has already
+            meta["have"] = [len(req.output_token_ids) // 4, req.output_chars]
         out = p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta,
-                             priority=req.priority, resend=req.resend)
+                             priority=req.priority, resend=req.resend, output_ids=req.output_token_ids or b"")
         try:  # the engine's own checks: a frame it would drop (it cannot answer the client) is refused here
             out.validate()
         except ProtocolError as e:

@@ -3,10 +3,10 @@
 It builds request frames, turns incoming frames into per-request `Delta`s, and keeps every
 request in flight with how much of its stream has arrived. From that it follows the service's
 health and keeps streams alive across stage restarts:
-- an engine-dead notice fails every request in flight that has had an answer (its outputs can no
-  longer come); one that has had none yet (still queued, or in its prefill) is kept and sent
-  again once a new engine instance is up, for up to `engine_restart_wait_s`: nothing of it was
-  seen, so running it afresh loses nothing;
+- an engine-dead notice ends no request: each one in flight is kept and, once a new engine
+  instance is up (for up to `engine_restart_wait_s`), sent to it again, with the output tokens
+  and the count of characters it had received; the new engine continues from there, and the
+  stream goes on where it broke off;
 - a restarted tokenizer (a new instance id in its pong) may have lost requests it had not yet
   passed on: every request with no answer yet is sent again, marked as a resend, which the
   engine ignores if it got the first copy;
@@ -24,6 +24,7 @@ import itertools
 import logging
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -108,18 +109,31 @@ class InFlight:
     tokens: int = 0
     chars: int = 0
     answered: bool = False
+    ids: array = field(default_factory=lambda: array("I"))
+    """The output token ids received: what a continuation sends a new engine."""
 
 
 @dataclass
 class Parked:
-    """A request with no answer yet whose engine died: sent again to the next engine instance."""
-    resend_frame: bytes
+    """A request whose engine died: sent again to the next engine instance, continued from the
+    output it had received."""
+    progress: InFlight
     engine: str | None
     """The engine instance it was sent to (the one that died), if known."""
     why: str
     since: float
     dead_seen: bool
     """A death of `engine` was announced since: that instance speaking again lived on without it."""
+
+    def frame(self) -> bytes:
+        """The request as a resend; with output received, asking the engine to continue from it."""
+        if not self.progress.ids:
+            return self.progress.resend_frame
+        req = p.decode(self.progress.resend_frame)
+        req.output_token_ids, req.output_chars = p.pack_token_ids(self.progress.ids), self.progress.chars
+        if req.prompt_token_ids is not None:  # decoding unpacked them
+            req.prompt_token_ids = p.pack_token_ids(req.prompt_token_ids)
+        return req.encode()
 
 
 @dataclass
@@ -241,28 +255,28 @@ class ClientState:
     def _follow_engine(self, instance_id: str, reaction: Reaction) -> None:
         """The detokenizer names the engine it follows. Another instance than the one known means
         the engine restarted; when the detokenizer that saw the old one die died with it, nobody
-        else tells us: the requests in flight are failed as at an engine death (and aborted, in
-        case one reached the new engine after all), but for those with no answer yet, which are
-        kept for the new engine (`_unpark` sends them)."""
+        else tells us: the requests in flight are handled as at an engine death (kept for the new
+        engine, which `_unpark` then sends them to; failed, and aborted in case one reached the
+        new engine after all, when waiting is off)."""
         if not instance_id:
             return
         if self.engine_instance is not None and instance_id != self.engine_instance and self.inflight:
             log.info("engine restarted (%s replaced %s): %d request(s) in flight", instance_id,
                      self.engine_instance, len(self.inflight))
-            answered = [wire_id for wire_id, f in self.inflight.items() if f.answered or not self.engine_restart_wait_s]
-            reaction.to_tokenizer += [p.AbortReq(wire_id).encode() for wire_id in answered]
+            if not self.engine_restart_wait_s:
+                reaction.to_tokenizer += [p.AbortReq(wire_id).encode() for wire_id in self.inflight]
             reaction.deltas += self._fail_all(f"engine restarted (instance {instance_id} replaced "
                                               f"{self.engine_instance}); the request was lost", engine_dead=True)
         self.engine_instance = instance_id
 
     def _park(self, wire_id: str, why: str, dead_seen: bool) -> bool:
-        """Keep an unanswered request for the next engine instead of failing it; False if it
-        cannot be kept (answered already, not in flight, or waiting is off)."""
+        """Keep a request whose engine died for the next engine instead of failing it; False if it
+        cannot be kept (not in flight, or waiting is off)."""
         progress = self.inflight.get(wire_id)
-        if progress is None or progress.answered or not self.engine_restart_wait_s:
+        if progress is None or not self.engine_restart_wait_s:
             return False
         del self.inflight[wire_id]
-        self.parked[wire_id] = Parked(progress.resend_frame, self.engine_instance, why, time.monotonic(),
+        self.parked[wire_id] = Parked(progress, self.engine_instance, why, time.monotonic(),
                                       dead_seen or self.engine_alive is False)
         return True
 
@@ -276,8 +290,8 @@ class ClientState:
             return
         for wire_id, parked in list(self.parked.items()):
             if parked.engine is None or parked.engine != self.engine_instance:
-                self.inflight[wire_id] = InFlight(parked.resend_frame)
-                reaction.to_tokenizer.append(parked.resend_frame)
+                self.inflight[wire_id] = parked.progress
+                reaction.to_tokenizer.append(parked.frame())
             elif parked.dead_seen:
                 reaction.deltas.append(Delta(wire_id, "", [], "error", error=parked.why, engine_dead=True))
             else:
@@ -304,17 +318,19 @@ class ClientState:
         return deltas
 
     def _track(self, delta: Delta) -> Delta | None:
-        """Count the delta against its request; None when it is an engine death that the request,
-        never answered, waits out for the next engine instead (`_park`)."""
+        """Count the delta against its request; None when it is an engine death that the request
+        waits out for the next engine instead (`_park`)."""
         if delta.engine_dead and delta.finish_reason == "error" and self._park(delta.request_id, delta.error or "", False):
             return None
         progress = self.inflight.get(delta.request_id)
-        if progress is not None:
-            progress.answered = True
-            progress.tokens += len(delta.token_ids)
-            progress.chars += len(delta.text)
-            if delta.finished:
-                del self.inflight[delta.request_id]
+        if progress is None:
+            return delta
+        progress.answered = True
+        progress.tokens += len(delta.token_ids)
+        progress.chars += len(delta.text)
+        progress.ids.extend(delta.token_ids)
+        if delta.finished:
+            del self.inflight[delta.request_id]
         return delta
 
     @staticmethod
@@ -338,8 +354,8 @@ class ClientBase:
 
     `curve`: (this client's key pair, the service's public key), for a service that requires
     CURVE; by default from $NANOVLLM_CURVE_CLIENT_KEY and $NANOVLLM_CURVE_SERVER_KEY (files).
-    `engine_restart_wait_s`: how long a request the engine died before answering waits for a new
-    engine, which then runs it (0: it fails with the engine, like one that had streamed)."""
+    `engine_restart_wait_s`: how long a request whose engine died waits for a new engine, which
+    then continues it from the output received (0: it fails with the engine, `EngineDeadError`)."""
 
     def __init__(self, url: str | None, timeout: float | None, connect_timeout: float,
                  heartbeat_interval: float, hwm: int, stage_timeout: float = 30.0,

@@ -202,6 +202,12 @@ class GenerateReq(Message):
     resend: bool = False
     """A client sends a request again after a tokenizer restart (it may have been lost there);
     the engine ignores a resend whose id it already holds or recently finished."""
+    output_token_ids: bytes | None = None
+    """Packed output the request already has: a client continuing a stream whose engine died
+    sends the tokens it received, and the engine goes on from there (they count as output)."""
+    output_chars: int = 0
+    """With `output_token_ids`: the characters of text the client received; the stream resumes
+    after them (text held back at the break, e.g. a partial stop string, still comes)."""
 
     def validate(self) -> None:
         check_str("request_id", self.request_id, MAX_ID_LEN)
@@ -223,6 +229,9 @@ class GenerateReq(Message):
         check_bool("skip_special_tokens", self.skip_special_tokens)
         check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
         check_bool("resend", self.resend)
+        if self.output_token_ids is not None:
+            check_packed("output_token_ids", self.output_token_ids, MAX_FRAME_BYTES // 4)
+        check_int("output_chars", self.output_chars, 0, 2**31)
 
 
 @_message("abort")
@@ -265,10 +274,12 @@ class Resume(Message):
 
 # ---------------------------------------------------------------- request meta (tokenizer -> detok)
 
-META_FIELDS = frozenset({"client", "rid", "stop", "skip", "tail", "t", "min_tokens", "include_stop"})
+META_FIELDS = frozenset({"client", "rid", "stop", "skip", "tail", "t", "min_tokens", "include_stop", "have"})
 """What the detokenizer needs of a request, passed through the engine untouched:
 client routing id, client request id, stop strings, skip_special_tokens, prompt tail (packed),
-arrival time, min_tokens (before which no stop string ends the text), include the stop string."""
+arrival time, min_tokens (before which no stop string ends the text), include the stop string,
+and for a continued stream [tokens, characters] the client has (the engine reports that output
+again with its first new token; the detokenizer sends only what follows)."""
 
 
 def check_meta(meta: Any) -> None:
@@ -282,6 +293,10 @@ def check_meta(meta: Any) -> None:
     check_number("meta.t", meta.get("t", 0.0))
     check_int("meta.min_tokens", meta.get("min_tokens", 0), 0, 2**31)
     check_bool("meta.include_stop", meta.get("include_stop", False))
+    have = meta.get("have", [0, 0])
+    check(isinstance(have, list) and len(have) == 2, "meta.have must be [tokens, characters]")
+    check_int("meta.have tokens", have[0], 0, 2**31)
+    check_int("meta.have characters", have[1], 0, 2**31)
 
 
 # ---------------------------------------------------------------- tokenizer -> engine
@@ -297,10 +312,13 @@ class TokenizedReq(Message):
     """See `META_FIELDS`."""
     priority: int = 0
     resend: bool = False
+    output_ids: bytes = b""
+    """Packed output the request already has (`GenerateReq.output_token_ids`), continued from."""
 
     def validate(self) -> None:
         check_str("request_id", self.request_id, MAX_ENGINE_ID_LEN)
         check_packed("prompt_token_ids", self.prompt_token_ids, MAX_FRAME_BYTES // 4)
+        check_packed("output_ids", self.output_ids, MAX_FRAME_BYTES // 4)
         check_map("sampling", self.sampling, MAX_SAMPLING_FIELDS)
         check_meta(self.meta)
         check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)

@@ -111,7 +111,7 @@ class Client(ClientBase):
     # 【职责】同步客户端：对外提供 stream / generate / abort / server_stats / wait_engine / close；
     # 对内一个后台 I/O 线程持有两个 DEALER 和 ClientState，定时 ping 两个 stage，把收到的帧变成增量分发到各流。
     # 【边界】协议逻辑（tokenizer 重启后重发、detokenizer 重启后 Resume、引擎死亡判定）在 client_state.ClientState，
-    # 与 AsyncClient 共用，这里只做 I/O 和线程间传递；不重试失败的请求（只有引擎死时还没得到任何回答的请求例外：ClientState 在新引擎实例起来后重发它们）；两个 DEALER 用同一个随机路由 id，
+    # 与 AsyncClient 共用，这里只做 I/O 和线程间传递；不重试失败的请求（引擎死不算失败：ClientState 在新引擎实例起来后把在途请求连同已收到的输出重发，由新引擎续写）；两个 DEALER 用同一个随机路由 id，
     # 以便 detokenizer 把输出路由回来。
     # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping）；detok_proc（Ping / StatsReq / Resume，收 StreamOutput /
     # Pong / EngineStatus / StatsOutput）；Stream；ClientBase 提供地址、id 分配和超时。

@@ -143,10 +143,14 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, output_prefix: list[int] | None = None) -> None:
         """Queue a request; raises ValueError naming the problem if it can never be served.
 
         `priority` matters under the "priority" scheduling policy: higher runs first.
+        `output_prefix`: output the request already has (a stream continued after the engine that
+        ran it died). It counts as output (`max_tokens`, `min_tokens`, penalties, usage), is
+        prefilled with the prompt, and is reported again with the first new token; greedy and
+        seeded requests go on exactly as they would have.
         """
         # [ZH-START]
         # 1. params 缺省为 SamplingParams()。
@@ -156,6 +160,10 @@ class LLMEngine:
         #    → ValueError：这种请求永远放不下，接进来只会被反复抢占。
         # 4. build_logits_processors 为它构造 logits 处理器，runner.sampler.add_request 登记采样状态。
         # 5. 创建 Sequence（arrival = _arrivals，随后 _arrivals += 1），放进 requests，scheduler.add 入 waiting 堆。
+        # 6. 续写（output_prefix，引擎死后客户端把已收到的输出发回来）：先校验（比 max_tokens 少、prompt + 前缀 < max_model_len、
+        #    id 在词表内），再接到 token_ids 后面——它们算输出（num_prompt_tokens 不变），和被抢占的序列一样整段 prefill；
+        #    采样器里有种子的 Generator 前进 len(prefix) 个数（每个 token 恰好一个），所以续写与没中断时完全一样；
+        #    num_sent_tokens = 0：第一个新 token 和前缀一起报告。
         # [ZH-END]
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -163,6 +171,9 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer (higher runs first), got {show(priority)}")
         self._validate_prompt(prompt_token_ids)
+        prefix = list(output_prefix or ())
+        if prefix:
+            self._validate_output_prefix(prompt_token_ids, prefix, params)
         longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if self.block_manager.blocks_for(longest) > self.block_manager.num_total_blocks:
             raise ValueError(
@@ -170,11 +181,24 @@ class LLMEngine:
                 f"{self.block_manager.num_total_blocks * self.config.block_size}; lower max_tokens or enlarge the cache"
             )
         processors = build_logits_processors(params, self.model_config.vocab_size, self.runner.device, self._words)
-        self.runner.sampler.add_request(request_id, params, processors, self.eos_token_ids)
+        self.runner.sampler.add_request(request_id, params, processors, self.eos_token_ids, len(prefix))
         seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, priority)
+        seq.token_ids.extend(prefix)
         self._arrivals += 1
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _validate_output_prefix(self, prompt: list[int], prefix: list[int], params: SamplingParams) -> None:
+        if len(prefix) >= params.max_tokens:
+            raise ValueError(f"the output to continue from has {len(prefix)} tokens, max_tokens is {params.max_tokens}: "
+                             "the request is complete")
+        if len(prompt) + len(prefix) >= self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) and the output to continue from ({len(prefix)}) leave no "
+                             f"room for another token within max_model_len {self.max_model_len}")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prefix if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise ValueError(f"output token id {show(bad)} is outside the vocabulary [0, {vocab})")
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

@@ -124,8 +124,14 @@ class Sampler:
     # -- per-request state ---------------------------------------------------------------------
 
     def add_request(self, request_id: str, params: SamplingParams, processors: list[LogitsProcessor] | None = None,
-                    eos_token_ids: Seq[int] = ()) -> None:
-        self.states[request_id] = self._new_state(params, processors or [], eos_token_ids)
+                    eos_token_ids: Seq[int] = (), num_output_tokens: int = 0) -> None:
+        """`num_output_tokens`: output the request already has (continued after an engine died).
+        A seeded request's generator is advanced past the numbers those tokens drew (one each,
+        see `sample_rows`), so it goes on exactly as it would have."""
+        state = self.states[request_id] = self._new_state(params, processors or [], eos_token_ids)
+        if state.generator is not None:
+            for _ in range(num_output_tokens):
+                torch.rand(1, dtype=torch.float64, device=self.device, generator=state.generator)
 
     def remove_request(self, request_id: str) -> None:
         self.states.pop(request_id, None)

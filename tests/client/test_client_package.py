@@ -41,14 +41,15 @@ def test_build_request_accepts_text_chat_or_token_ids():
 
 
 def state_with(*wire_ids: str, engine_restart_wait_s: float = 60.0) -> ClientState:
+    """Requests in flight whose resend frames are real GenerateReqs (a continuation decodes one)."""
     state = ClientState(engine_restart_wait_s=engine_restart_wait_s)
     for wire_id in wire_ids:
-        state.sent(wire_id, b"resend:" + wire_id.encode())
+        state.sent(wire_id, p.GenerateReq(wire_id, prompt=f"prompt of {wire_id}", resend=True).encode())
     return state
 
 
-def answer(state: ClientState, *wire_ids: str) -> None:
-    state.handle(p.StreamOutput([{"request_id": w, "text": "x", "token_ids": p.pack_token_ids([1])}
+def answer(state: ClientState, *wire_ids: str, text: str = "xy", ids: tuple = (1, 2)) -> None:
+    state.handle(p.StreamOutput([{"request_id": w, "text": text, "token_ids": p.pack_token_ids(list(ids))}
                                  for w in wire_ids]).encode())
 
 
@@ -56,41 +57,44 @@ def failures(deltas) -> list[tuple]:
     return [(d.request_id, d.finish_reason, d.engine_dead) for d in deltas]
 
 
-def test_engine_death_notice_fails_every_answered_request_once():
-    state = state_with("a", "b")
-    state.handle(p.Pong("detokenizer", "d1", True).encode())
-    answer(state, "a", "b")
-    deltas = state.handle(p.EngineStatus(False, "e1", "crashed").encode()).deltas
-    assert failures(deltas) == [("a", "error", True), ("b", "error", True)]
-    assert state.engine_alive is False
-    assert state.handle(p.EngineStatus(False, "e1").encode()).deltas == []  # already known dead
+def sent_again(frames: list[bytes]) -> dict[str, tuple]:
+    """wire id -> (output token ids, output chars) of each request frame sent again."""
+    reqs = [p.decode(f) for f in frames]
+    assert all(isinstance(r, p.GenerateReq) and r.resend for r in reqs)
+    return {r.request_id: (p.unpack_token_ids(r.output_token_ids or b""), r.output_chars) for r in reqs}
 
 
-def test_requests_the_dead_engine_never_answered_go_to_the_next_engine():
-    """A request still queued (or in its prefill) when the engine died had shown nothing: it is
-    kept and sent again, as a resend, once another engine instance is up; answered ones fail."""
-    state = state_with("a", "b", "c")
-    state.handle(p.Pong("detokenizer", "d1", True).encode())
-    state.handle(p.EngineStatus(True, "e1").encode())
-    answer(state, "a")
-    # The detokenizer fails what it knew (b had started, no token yet), then tells of the death.
-    reaction = state.handle(p.StreamOutput([p.error_delta("a", "engine died: x", engine_dead=True),
-                                            p.error_delta("b", "engine died: x", engine_dead=True)]).encode())
-    assert failures(reaction.deltas) == [("a", "error", True)]
-    assert failures(state.handle(p.EngineStatus(False, "e1", "x").encode()).deltas) == []
-    assert set(state.parked) == {"b", "c"} and not state.inflight
-    assert state.handle(p.EngineStatus(True, "e1", state="loading").encode()).to_tokenizer == []  # not up yet
-    reaction = state.handle(p.EngineStatus(True, "e2").encode())
-    assert sorted(reaction.to_tokenizer) == [b"resend:b", b"resend:c"] and reaction.deltas == []
-    assert set(state.inflight) == {"b", "c"} and not state.parked
-
-
-def test_with_no_wait_every_request_fails_with_the_engine():
+def test_with_no_wait_an_engine_death_fails_every_request_once():
     state = state_with("a", "b", engine_restart_wait_s=0)
     state.handle(p.Pong("detokenizer", "d1", True).encode())
     answer(state, "a")
     deltas = state.handle(p.EngineStatus(False, "e1", "crashed").encode()).deltas
     assert failures(deltas) == [("a", "error", True), ("b", "error", True)] and not state.parked
+    assert state.engine_alive is False
+    assert state.handle(p.EngineStatus(False, "e1").encode()).deltas == []  # already known dead
+
+
+def test_every_request_of_a_dead_engine_goes_to_the_next_one_continued_from_what_it_received():
+    """Nothing fails: a request that had streamed is sent with the tokens and the count of
+    characters it received (the new engine continues from there), one that had not as it was."""
+    state = state_with("a", "b", "c")
+    state.handle(p.Pong("detokenizer", "d1", True).encode())
+    state.handle(p.EngineStatus(True, "e1").encode())
+    answer(state, "a", text="héllo", ids=(5, 6, 7))
+    # The detokenizer fails what it knew, then tells of the death.
+    reaction = state.handle(p.StreamOutput([p.error_delta("a", "engine died: x", engine_dead=True),
+                                            p.error_delta("b", "engine died: x", engine_dead=True)]).encode())
+    assert reaction.deltas == []
+    assert state.handle(p.EngineStatus(False, "e1", "x").encode()).deltas == []
+    assert set(state.parked) == {"a", "b", "c"} and not state.inflight
+    assert state.handle(p.EngineStatus(True, "e1", state="loading").encode()).to_tokenizer == []  # not up yet
+    reaction = state.handle(p.EngineStatus(True, "e2").encode())
+    assert sent_again(reaction.to_tokenizer) == {"a": ([5, 6, 7], 5), "b": ([], 0), "c": ([], 0)}
+    assert reaction.deltas == [] and set(state.inflight) == {"a", "b", "c"} and not state.parked
+    # Dies again before a's continuation streamed: what it has is still the same.
+    assert state.handle(p.EngineStatus(False, "e2", "y").encode()).deltas == []
+    answer_after = state.handle(p.EngineStatus(True, "e3").encode())
+    assert sent_again(answer_after.to_tokenizer)["a"] == ([5, 6, 7], 5)
 
 
 def test_a_kept_request_fails_when_no_engine_comes_back_in_time(monkeypatch):
@@ -125,20 +129,20 @@ def test_a_cancelled_kept_request_is_not_sent_again():
     state.handle(p.Pong("detokenizer", "d1", True).encode())
     state.handle(p.EngineStatus(False, "e1", "x").encode())
     state.forget("a")
-    assert state.handle(p.EngineStatus(True, "e2").encode()).to_tokenizer == [b"resend:b"]
+    assert list(sent_again(state.handle(p.EngineStatus(True, "e2").encode()).to_tokenizer)) == ["b"]
 
 
-def test_an_engine_restart_seen_only_as_a_new_instance_resends_what_was_never_answered():
+def test_an_engine_restart_seen_only_as_a_new_instance_continues_every_request():
     """When the detokenizer died with the engine, the first sign is a new engine instance: the
-    answered requests fail (and are aborted, in case one reached the new engine), the others
-    go to the new engine."""
+    requests in flight go to the new engine as at an engine death (no abort: one would overtake
+    the continuation and end it)."""
     state = state_with("a", "b")
     state.handle(p.Pong("detokenizer", "d1", True).encode())
     state.handle(p.EngineStatus(True, "e1").encode())
     answer(state, "a")
     reaction = state.handle(p.EngineStatus(True, "e2").encode())
-    assert failures(reaction.deltas) == [("a", "error", True)]
-    assert reaction.to_tokenizer == [p.AbortReq("a").encode(), b"resend:b"]
+    assert reaction.deltas == []
+    assert sent_again(reaction.to_tokenizer) == {"a": ([1, 2], 2), "b": ([], 0)}
 
 
 def test_a_restarted_detokenizer_is_asked_to_resume_each_stream_where_it_broke_off():
@@ -163,7 +167,7 @@ def test_a_restarted_tokenizer_gets_the_unanswered_requests_again():
     state.handle(p.Pong("tokenizer", "t1", True).encode())
     state.handle(p.StreamOutput([{"request_id": "a", "text": "x", "token_ids": p.pack_token_ids([1])}]).encode())
     assert state.handle(p.Pong("tokenizer", "t1", True).encode()).to_tokenizer == []  # same instance
-    assert state.handle(p.Pong("tokenizer", "t2", True).encode()).to_tokenizer == [b"resend:b"]
+    assert list(sent_again(state.handle(p.Pong("tokenizer", "t2", True).encode()).to_tokenizer)) == ["b"]
 
 
 def test_a_silent_detokenizer_fails_streams_only_after_the_stage_timeout(monkeypatch):

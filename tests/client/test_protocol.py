@@ -58,6 +58,12 @@ def test_generate_token_ids_may_travel_packed_or_as_a_list():
      "non-negative integers"),
     (msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "a", "stop": [""]}]),
      "non-empty strings"),
+    (msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "a", "output_token_ids": [1, 2]}]),
+     "output_token_ids must be packed uint32 bytes"),
+    (msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "a", "output_token_ids": b"abc"}]),
+     "multiple of 4 bytes"),
+    (msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "a", "output_chars": -1}]),
+     "output_chars"),
 ])
 def test_bad_frames_raise_protocol_errors_naming_the_problem(frame, expected):
     with pytest.raises(p.ProtocolError) as info:

@@ -104,3 +104,64 @@ def test_a_frame_sent_to_a_client_mid_pass_follows_what_the_pass_holds_for_it(ri
     deltas = [d for m in receive(client) if isinstance(m, p.StreamOutput) for d in m.deltas]
     assert [d["finish_reason"] for d in deltas] == [None, "error"]
     assert p.unpack_token_ids(deltas[0]["token_ids"]) == ids[:1] and deltas[1]["engine_dead"] is True
+
+
+TEXT = "Hello there, world! 🚀🎉 done."
+
+
+def continued_rows(ids: list[int], have: int) -> list[list]:
+    """What an engine continuing from `ids[:have]` reports: that output again with its first new
+    token, then one token a step."""
+    rows = [["c:x", p.pack_token_ids(ids[:have + 1]), False, None, 7, have + 1, 0, None]]
+    for k in range(have + 1, len(ids)):
+        last = k == len(ids) - 1
+        rows.append(["c:x", p.pack_token_ids([ids[k]]), last, "length" if last else None, 7, k + 1, 0, None])
+    return rows
+
+
+def streamed(client) -> tuple[str, list[int], dict]:
+    deltas = [d for m in receive(client) if isinstance(m, p.StreamOutput) for d in m.deltas]
+    return "".join(d["text"] for d in deltas), [t for d in deltas for t in p.unpack_token_ids(d["token_ids"])], deltas[-1]
+
+
+def test_a_continued_stream_sends_only_what_follows_what_its_client_has(rig):
+    """A client continuing a stream after an engine restart says what it has (`meta.have`); the
+    engine reports that output again with its first new token, and the client gets the rest."""
+    tok, stage, client, identity = rig
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    have, chars = 5, len(tok.decode(ids[:5]))
+    meta = {"client": identity, "rid": "x", "have": [have, chars]}
+    rows = continued_rows(ids, have)
+    stage.on_engine_frame(step(rows[:1], [["c:x", meta]]))
+    for r in rows[1:]:
+        stage.on_engine_frame(step([r]))
+    stage._flush_outbox()
+    text, tokens, last = streamed(client)
+    assert (text, tokens) == (TEXT[chars:], ids[have:])
+    assert last["finish_reason"] == "length" and last["usage"]["completion_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("reported", [0, 2], ids=["before-its-first-row", "after-two-new-tokens"])
+def test_a_continued_stream_survives_a_detokenizer_restart(rig, reported):
+    """A detokenizer restarted after a continued stream began. Before the engine's first row
+    for it, the engine's resync has no output for it and the client's resume says it has more:
+    the engine's first row then reports that output again, and only what follows reaches the
+    client. After it, the resync holds the output again plus the new tokens, and nothing more
+    may be cut (the request's `meta.have` no longer applies)."""
+    tok, stage, client, identity = rig
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    have = 5
+    meta = {"client": identity, "rid": "x", "have": [have, len(tok.decode(ids[:have]))]}
+    rows = continued_rows(ids, have)
+    output = ids[:have + reported] if reported else []
+    client_has = have + reported  # it received every reported token before the restart
+    chars = len(tok.decode(ids[:client_has]))
+    stage.on_engine_frame(p.Resync(ENGINE, stage.instance_id,
+                                   [["c:x", meta, p.pack_token_ids(output), False, None, 7, len(output), 0, None]],
+                                   True).encode())
+    stage.on_client_frames(identity, [p.Resume([["x", client_has, chars]]).encode()])
+    for r in rows[reported:]:  # rows[0] holds the output again and the first new token
+        stage.on_engine_frame(step([r]))
+    stage._flush_outbox()
+    text, tokens, last = streamed(client)
+    assert (text, tokens) == (TEXT[chars:], ids[client_has:]) and last["finish_reason"] == "length"

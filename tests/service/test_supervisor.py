@@ -76,49 +76,58 @@ def test_serve_restarts_a_dead_stage_and_stops_cleanly(supervisor):
     assert not any(pid_alive(pid) for pid in children), "a stage outlived the supervisor"
 
 
-def test_requests_the_engine_never_answered_are_served_by_the_restarted_engine(tiny_model_dir):
-    """An engine's death failed every request in flight, even those still queued that had shown
-    nothing yet. Those are now sent again to the restarted engine: they finish as if nothing had
-    happened; only the request that was streaming fails."""
+def test_an_engine_crash_loses_no_request(tiny_model_dir):
+    """An engine's death failed every request in flight. Now each client sends its requests to
+    the restarted engine, those that had streamed with the output they received, and the new
+    engine continues from there: every stream ends as it would have without the crash, to the
+    token and the character (greedy and seeded alike), over the sync and the async client."""
     import asyncio
     import threading
 
     from nanovllm_client import AsyncClient
-    from nanovllm_client.errors import EngineDeadError
+    from nanovllm_client.client_state import merge
 
-    def tokens(deltas) -> list[int]:
-        assert deltas[-1].finish_reason == "length"
-        return [t for d in deltas for t in d.token_ids]
+    short = dict(max_tokens=8, temperature=0, ignore_eos=True)
+    long = {"greedy": ("def f():", dict(max_tokens=300, temperature=0, ignore_eos=True)),
+            "seeded": ("def h():", dict(max_tokens=300, temperature=0.8, seed=5, ignore_eos=True))}
 
     async def async_queued(url: str, sent: threading.Event, results: list) -> None:
         async with AsyncClient(url, timeout=120) as ac:
-            streams = [await ac.stream("def g():", max_tokens=8, temperature=0, ignore_eos=True) for _ in range(2)]
+            streams = [await ac.stream("def g():", **short) for _ in range(2)]
             sent.set()
             for stream in streams:
-                results.append(tokens([d async for d in stream]))
+                results.append(merge([d async for d in stream], "g"))
 
-    flags = ("--max-live", "1", "--post-step-hook", "tests.helpers.hooks:slow_step")
+    flags = ("--max-live", "2", "--post-step-hook", "tests.helpers.hooks:slow_step")
     with serving(tiny_model_dir, *flags) as (proc, runtime_dir):
         url = f"ipc://{runtime_dir}"
         with Client(url, connect_timeout=START_TIMEOUT, timeout=120) as client:
             client.wait_engine(timeout=START_TIMEOUT)
-            expected = client.generate("def g():", max_tokens=8, temperature=0, ignore_eos=True).token_ids
-            running = client.stream("def f():", max_tokens=900, temperature=0, ignore_eos=True)
-            next(running)
-            queued = [client.stream("def g():", max_tokens=8, temperature=0, ignore_eos=True) for _ in range(4)]
+            want = {name: client.generate(prompt, **kw) for name, (prompt, kw) in long.items()}
+            want_short = client.generate("def g():", **short)
+            streams = {name: client.stream(prompt, **kw) for name, (prompt, kw) in long.items()}
+            got = {name: [next(stream)] for name, stream in streams.items()}
+            queued = [client.stream("def g():", **short) for _ in range(4)]
             sent, async_results = threading.Event(), []
             other = threading.Thread(target=asyncio.run, args=(async_queued(url, sent, async_results),))
             other.start()
             assert sent.wait(timeout=60)
             wait_for(lambda: client.server_stats()["engine"].get("num_queued", 0) >= 6, timeout=30,
-                     what="six requests of two clients queued behind the running one")
+                     what="six requests of two clients queued behind the two streaming")
+            for name, stream in streams.items():
+                got[name].append(next(stream))
             before = read_pids(runtime_dir)["engine_proc"]
             os.kill(before, signal.SIGKILL)
-            with pytest.raises(EngineDeadError):
-                list(running)
-            assert [tokens(list(stream)) for stream in queued] == [expected] * 4
+            for name, stream in streams.items():
+                result = merge(got[name] + list(stream), name)
+                assert (result.text, result.token_ids) == (want[name].text, want[name].token_ids), name
+                assert result.finish_reason == "length" and result.usage["completion_tokens"] == 300
+            for stream in queued:
+                result = merge(list(stream), "g")
+                assert (result.text, result.token_ids, result.finish_reason) == (
+                    want_short.text, want_short.token_ids, "length")
             other.join(timeout=120)
-            assert async_results == [expected] * 2
+            assert [(r.text, r.token_ids) for r in async_results] == [(want_short.text, want_short.token_ids)] * 2
             assert read_pids(runtime_dir)["engine_proc"] not in (None, before)
 
 
