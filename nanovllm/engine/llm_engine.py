@@ -150,7 +150,8 @@ class LLMEngine:
         `output_prefix`: output the request already has (a stream continued after the engine that
         ran it died). It counts as output (`max_tokens`, `min_tokens`, penalties, usage), is
         prefilled with the prompt, and is reported again with the first new token; greedy and
-        seeded requests go on exactly as they would have.
+        seeded requests go on as they would have (up to the rounding difference between
+        prefilling the prefix and having decoded it, as after a preemption).
         """
         # [ZH-START]
         # 1. params 缺省为 SamplingParams()。
@@ -162,7 +163,7 @@ class LLMEngine:
         # 5. 创建 Sequence（arrival = _arrivals，随后 _arrivals += 1），放进 requests，scheduler.add 入 waiting 堆。
         # 6. 续写（output_prefix，引擎死后客户端把已收到的输出发回来）：先校验（比 max_tokens 少、prompt + 前缀 < max_model_len、
         #    id 在词表内），再接到 token_ids 后面——它们算输出（num_prompt_tokens 不变），和被抢占的序列一样整段 prefill；
-        #    采样器里有种子的 Generator 前进 len(prefix) 个数（每个 token 恰好一个），所以续写与没中断时完全一样；
+        #    采样器里有种子的 Generator 前进 len(prefix) 个数（每个 token 恰好一个），所以续写与没中断时一样（只差 prefill 与 decode 的舍入差异，与抢占后重算相同）；
         #    num_sent_tokens = 0：第一个新 token 和前缀一起报告。
         # [ZH-END]
         params = params or SamplingParams()

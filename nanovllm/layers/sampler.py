@@ -127,7 +127,7 @@ class Sampler:
                     eos_token_ids: Seq[int] = (), num_output_tokens: int = 0) -> None:
         """`num_output_tokens`: output the request already has (continued after an engine died).
         A seeded request's generator is advanced past the numbers those tokens drew (one each,
-        see `sample_rows`), so it goes on exactly as it would have."""
+        see `sample_rows`), so it draws the numbers it would have drawn."""
         state = self.states[request_id] = self._new_state(params, processors or [], eos_token_ids)
         if state.generator is not None:
             for _ in range(num_output_tokens):

@@ -3,9 +3,11 @@ while ~10% are cancelled, one client process is SIGKILLed, and each stage is SIG
 (the supervisor restarts it).
 
 Every request of a surviving client ends with exactly one outcome; finished greedy answers equal
-a fault-free run; no request fails because the tokenizer or the detokenizer restarted (only the
-engine's death may end the requests it held, with an engine-dead error); and once it settles the
-engine holds nothing (no sequence, no KV block in use) and the detokenizer no request state.
+a fault-free run, those in flight across each stage's death included (the engine's are
+continued by the new engine from what their clients received); no request fails because a stage
+restarted (a request sent while the engine is known dead is refused at once with an engine-dead
+error); and once it settles the engine holds nothing (no sequence, no KV block in use) and the
+detokenizer no request state.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import pytest
 
 from nanovllm_client import Client
 from tests.service.chaos_client import MAX_TOKENS, PROMPTS
-from tests.service.conftest import START_TIMEOUT, TINY_ENGINE_ARGS
+from tests.service.conftest import EXACT_ARGS, START_TIMEOUT, TINY_ENGINE_ARGS
 from tests.service.harness import REPO, short_tmpdir, wait_for
 from tests.service.test_supervisor import pid_alive, read_pids
 
@@ -38,7 +40,7 @@ def served(tiny_model_dir):
     runtime_dir = short_tmpdir()
     log = open(os.path.join(runtime_dir, "serve.log"), "wb")
     proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", tiny_model_dir,
-                             "--runtime-dir", runtime_dir, *TINY_ENGINE_ARGS], cwd=REPO, env=env(),
+                             "--runtime-dir", runtime_dir, *TINY_ENGINE_ARGS, *EXACT_ARGS], cwd=REPO, env=env(),
                             stdout=log, stderr=subprocess.STDOUT)
     yield proc, runtime_dir
     if proc.poll() is None:
@@ -97,10 +99,11 @@ def test_chaos_loses_no_request(served, tmp_path):
         if o["kind"] == "done":
             text, ids = reference[(o["prompt"], o["max_tokens"])]
             assert (o["token_ids"], o["text"], o["terminals"]) == (ids, text, 1), o
-        elif o["kind"] == "engine_dead":  # only around the engine's death and restart
+        elif o["kind"] == "engine_dead":  # only new requests refused while the engine was down
             assert engine_killed_at - 1 <= o["ended"] <= engine_killed_at + 60, o
-    # The tokenizer and detokenizer kills landed on requests in flight, and those finished.
-    for stage in ("tokenizer_proc", "detok_proc"):
+            assert o["started"] >= engine_killed_at - 1, o
+    # Each kill landed on requests in flight, and those finished, exactly as without it.
+    for stage in ("tokenizer_proc", "detok_proc", "engine_proc"):
         spanning = [o for o in outcomes if o["kind"] == "done" and o["started"] < killed_at[stage] < o["ended"]]
         assert spanning, f"no request was in flight when {stage} was killed"
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from nanovllm_client import Client
-from tests.service.conftest import START_TIMEOUT, TINY_ENGINE_ARGS
+from tests.service.conftest import EXACT_ARGS, START_TIMEOUT, TINY_ENGINE_ARGS
 from tests.service.harness import REPO, short_tmpdir, wait_for
 
 
@@ -98,7 +98,7 @@ def test_an_engine_crash_loses_no_request(tiny_model_dir):
             for stream in streams:
                 results.append(merge([d async for d in stream], "g"))
 
-    flags = ("--max-live", "2", "--post-step-hook", "tests.helpers.hooks:slow_step")
+    flags = ("--max-live", "2", "--post-step-hook", "tests.helpers.hooks:slow_step", *EXACT_ARGS)
     with serving(tiny_model_dir, *flags) as (proc, runtime_dir):
         url = f"ipc://{runtime_dir}"
         with Client(url, connect_timeout=START_TIMEOUT, timeout=120) as client:
