@@ -19,6 +19,7 @@ SIGKILL if it outlives `WATCHDOG_KILL_S`, and is restarted like a stage that die
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -259,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args, engine_args = build_parser().parse_known_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s supervisor %(levelname)s %(message)s")
+    faulthandler.enable()  # like the stages: `kill -ABRT` on a hung supervisor prints every thread's stack
     url = args.url or f"ipc://{args.runtime_dir}"
     try:
         service_endpoints(url)

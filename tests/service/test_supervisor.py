@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -51,6 +52,22 @@ def serving(model: str, *flags: str):
                 os.kill(pid, signal.SIGKILL)
 
 
+def stopped(proc: subprocess.Popen, runtime_dir: str, timeout: float) -> int:
+    """`nanovllm serve`'s exit code once it stopped. If it does not within `timeout`, it and its
+    stages get SIGABRT first (each prints every thread's stack to the log), so the failure shows
+    where the stop hung."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stages = [pid for name, pid in (read_pids(runtime_dir) or {}).items() if name != "url" and pid]
+        for pid in [proc.pid, *stages]:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGABRT)
+        time.sleep(2)
+        raise AssertionError(f"nanovllm serve did not stop within {timeout}s; the stacks of it and its stages "
+                             "are in the log above") from None
+
+
 @pytest.fixture
 def supervisor(tiny_model_dir):
     with serving(tiny_model_dir) as (proc, runtime_dir):
@@ -71,7 +88,7 @@ def test_serve_restarts_a_dead_stage_and_stops_cleanly(supervisor):
         client.wait_engine(timeout=START_TIMEOUT)
         assert client.generate("hi", max_tokens=3, ignore_eos=True).usage["completion_tokens"] == 3
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+    assert stopped(proc, runtime_dir, 30) == 0
     children = [pid for name, pid in after.items() if name != "url"]
     assert not any(pid_alive(pid) for pid in children), "a stage outlived the supervisor"
 
@@ -166,7 +183,7 @@ def test_ctrl_c_on_serve_drains_the_requests_in_flight(tiny_model_dir):
                 t.start()
             for t in threads:
                 t.join(timeout=60)
-        assert proc.wait(timeout=60) == 0
+        assert stopped(proc, runtime_dir, 60) == 0
     assert finishes == ["length"] * 8
 
 
@@ -189,4 +206,4 @@ def test_serve_restarts_a_stage_that_hangs(tiny_model_dir, stage):
             client.wait_engine(timeout=START_TIMEOUT)
             assert client.generate("hi", max_tokens=3, ignore_eos=True).usage["completion_tokens"] == 3
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert stopped(proc, runtime_dir, 60) == 0
