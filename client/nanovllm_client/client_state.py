@@ -39,6 +39,10 @@ from .endpoints import default_url, service_endpoints
 log = logging.getLogger("nanovllm_client")
 
 ENGINE_DEAD = "engine is not available (dead or not started yet)"
+MAX_ENGINE_RESENDS = 1
+"""Times a request goes to a new engine after its engine died. A request that was in flight at
+two deaths fails: it may be what kills the engine, and sending it to every new one would keep
+the service down for everyone."""
 MAX_APP_ID_LEN = p.MAX_ID_LEN - 16
 """A request id given by the caller; the rest of the wire id is the per-stream suffix."""
 _wire_serial = itertools.count()
@@ -111,6 +115,8 @@ class InFlight:
     answered: bool = False
     ids: array = field(default_factory=lambda: array("I"))
     """The output token ids received: what a continuation sends a new engine."""
+    resends: int = 0
+    """Times it was sent to a new engine after an engine death (`MAX_ENGINE_RESENDS`)."""
 
 
 @dataclass
@@ -290,8 +296,14 @@ class ClientState:
             return
         for wire_id, parked in list(self.parked.items()):
             if parked.engine is None or parked.engine != self.engine_instance:
-                self.inflight[wire_id] = parked.progress
-                reaction.to_tokenizer.append(parked.frame())
+                if parked.progress.resends >= MAX_ENGINE_RESENDS:
+                    reaction.deltas.append(Delta(wire_id, "", [], "error", engine_dead=True, error=(
+                        f"{parked.why}; the engine died {parked.progress.resends + 1} times while this request was "
+                        "in flight, so it is not sent again (it may be what kills it)")))
+                else:
+                    parked.progress.resends += 1
+                    self.inflight[wire_id] = parked.progress
+                    reaction.to_tokenizer.append(parked.frame())
             elif parked.dead_seen:
                 reaction.deltas.append(Delta(wire_id, "", [], "error", error=parked.why, engine_dead=True))
             else:
