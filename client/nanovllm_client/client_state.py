@@ -172,8 +172,8 @@ class ClientState:
         self.last_pong = time.monotonic()
         self.inflight: dict[str, InFlight] = {}
         self.engine_restart_wait_s = engine_restart_wait_s
-        """How long a request the dead engine never answered waits for a new engine (0: it fails
-        with the engine, as one that was answered does)."""
+        """How long a request in flight when its engine died waits for a new engine to continue it
+        (0: it fails with the engine)."""
         self.parked: dict[str, Parked] = {}
 
     @property
@@ -310,7 +310,7 @@ class ClientState:
                 continue
             del self.parked[wire_id]
         if reaction.to_tokenizer:
-            log.info("engine %s is up: sending %d request(s) again that the dead engine never answered",
+            log.info("engine %s is up: sending %d request(s) again, each continued from the output received",
                      self.engine_instance, len(reaction.to_tokenizer))
 
     def _set_engine_alive(self, alive: bool | None, reason: str = "") -> list[Delta]:
@@ -323,7 +323,8 @@ class ClientState:
         return []
 
     def _fail_all(self, why: str, engine_dead: bool) -> list[Delta]:
-        """Fail the requests in flight; at an engine death, those with no answer yet are kept."""
+        """Fail the requests in flight; at an engine death each is kept for the next engine instead
+        (`_park`), unless waiting is off."""
         deltas = [Delta(wire_id, "", [], "error", error=why, engine_dead=engine_dead)
                   for wire_id in list(self.inflight) if not (engine_dead and self._park(wire_id, why, True))]
         self.inflight.clear()
