@@ -148,6 +148,26 @@ def test_an_engine_crash_loses_no_request(tiny_model_dir):
             assert read_pids(runtime_dir)["engine_proc"] not in (None, before)
 
 
+def test_a_request_in_flight_at_two_engine_deaths_fails_and_the_service_recovers(tiny_model_dir, monkeypatch):
+    """A request that makes the engine crash would, sent to every new engine, keep the service
+    down for everyone. It goes to one new engine; in flight at a second death, it fails, saying
+    why, and the next engine serves the rest. Every engine here dies at its 40th step, so the
+    long request (300 tokens) is in flight at the first two deaths."""
+    from nanovllm_client import EngineDeadError
+    from tests.helpers.hooks import DIE_AT_STEP_ENV
+
+    monkeypatch.setenv(DIE_AT_STEP_ENV, "40")
+    with serving(tiny_model_dir, "--post-step-hook", "tests.helpers.hooks:die_at_step") as (proc, runtime_dir):
+        with Client(f"ipc://{runtime_dir}", connect_timeout=START_TIMEOUT, timeout=120) as client:
+            client.wait_engine(timeout=START_TIMEOUT)
+            first = read_pids(runtime_dir)["engine_proc"]
+            with pytest.raises(EngineDeadError, match="the engine died 2 times while this request was in flight"):
+                client.generate("def f():", max_tokens=300, temperature=0, ignore_eos=True)
+            client.wait_engine(timeout=START_TIMEOUT)
+            assert client.generate("hi", max_tokens=5, ignore_eos=True).finish_reason == "length"
+            assert read_pids(runtime_dir)["engine_proc"] != first
+
+
 def test_serve_rejects_a_bad_url():
     out = subprocess.run([sys.executable, "-m", "nanovllm.supervisor", "--url", "http://nope"], cwd=REPO,
                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
