@@ -60,10 +60,10 @@ def _is_number(v: Any) -> bool:
 
 
 def _in_range(name: str, value: Any, lo: float, hi: float, allowed: str, key: Any = None) -> None:
-    """`name` may hold `{}` for `key` (shown only on failure, like the value)."""
+    """With `key`, the value is `name[key]` (the key shown only on failure, like the value)."""
     if not (_is_number(value) and lo <= value <= hi):
-        name = name.format(show(key)) if "{}" in name else name
-        raise ValueError(f"{name} must be {allowed}, got {show(value)}")
+        label = name if key is None else f"{name}[{show(key)}]"
+        raise ValueError(f"{label} must be {allowed}, got {show(value)}")
 
 
 def _is_token_id(v: Any) -> bool:
@@ -153,7 +153,7 @@ class SamplingParams:
                f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for k, v in self.logit_bias.items():
             _check(_is_bias_key(k), "logit_bias keys must be token ids >= 0, got {}", k)
-            _in_range("logit_bias[{}]", v, -100, 100, "in [-100, 100]", key=k)
+            _in_range("logit_bias", v, -100, 100, "in [-100, 100]", key=k)
 
     def _validate_lengths(self) -> None:
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be an integer >= 1, got {}", self.max_tokens)

@@ -196,10 +196,7 @@ class LLMEngine:
         if len(prompt) + len(prefix) >= self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) and the output to continue from ({len(prefix)}) leave no "
                              f"room for another token within max_model_len {self.max_model_len}")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prefix if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:
-            raise ValueError(f"output token id {show(bad)} is outside the vocabulary [0, {vocab})")
+        self._check_in_vocabulary("output", prefix)
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -209,10 +206,13 @@ class LLMEngine:
                 f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len} "
                 "(prompt plus at least one output token must fit)"
             )
+        self._check_in_vocabulary("prompt", prompt_token_ids)
+
+    def _check_in_vocabulary(self, what: str, token_ids: list[int]) -> None:
         vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
-            bad = next(t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab))
-            raise ValueError(f"prompt token id {show(bad)} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise ValueError(f"{what} token id {show(bad)} is outside the vocabulary [0, {vocab})")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks now; idempotent. True if it was live."""

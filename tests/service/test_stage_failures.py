@@ -9,6 +9,7 @@ import time
 import pytest
 
 from nanovllm_client import Client, EngineDeadError
+from nanovllm_client.client_state import merge
 from tests.service.conftest import EXACT_ARGS, TINY_ENGINE_ARGS, start_service
 from tests.service.harness import short_tmpdir, wait_for
 
@@ -19,6 +20,14 @@ def own_service(tiny_model_dir):
     procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc", engine_args=TINY_ENGINE_ARGS + EXACT_ARGS)
     yield procs
     procs.stop()
+
+
+def answer(first, rest: list, reference):
+    """The stream's whole answer (its first delta, then the rest), checked to be the reference's
+    to the character and the token, ended by its length."""
+    result = merge([first] + rest, reference.request_id)
+    assert (result.text, result.token_ids, result.finish_reason) == (reference.text, reference.token_ids, "length")
+    return result
 
 
 def test_engine_sigkill_loses_no_stream_and_new_requests_are_refused_while_it_is_down(own_service):
@@ -47,10 +56,7 @@ def test_engine_sigkill_loses_no_stream_and_new_requests_are_refused_while_it_is
         for t in threads:
             t.join(timeout=120)
         for i, reference in enumerate(want):
-            deltas = [firsts[i]] + results[i]
-            assert "".join(d.text for d in deltas) == reference.text
-            assert [t for d in deltas for t in d.token_ids] == reference.token_ids
-            assert deltas[-1].finish_reason == "length" and deltas[-1].usage["completion_tokens"] == 400
+            assert answer(firsts[i], results[i], reference).usage["completion_tokens"] == 400
         assert client.generate("hello", max_tokens=4, ignore_eos=True).finish_reason == "length"
     assert {name: own_service.pid(name) for name in others} == others  # nobody else restarted
     own_service.assert_running()
@@ -90,10 +96,7 @@ def test_a_detokenizer_restart_loses_no_stream(own_service):
         for t in threads:
             t.join(timeout=120)
         for i, want in enumerate(reference):
-            deltas = [firsts[i]] + results[i]
-            assert "".join(d.text for d in deltas) == want.text
-            assert [t for d in deltas for t in d.token_ids] == want.token_ids
-            assert deltas[-1].finish_reason == "length" and deltas[-1].usage == want.usage
+            assert answer(firsts[i], results[i], want).usage == want.usage
         assert (own_service.pid("tokenizer_proc"), own_service.pid("engine_proc")) == (tokenizer, engine)
         wait_for(lambda: (st := client.server_stats())["engine"]["num_live"] == 0 and st["detok"]["num_requests"] == 0,
                  timeout=10, what="nothing left behind")
