@@ -52,7 +52,7 @@ from nanovllm.metrics import DetokMetrics
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError
 from nanovllm_client.security import ServiceSecurity
-from nanovllm_client.stage import (Notifier, PeerMonitor, RejectLog, client_router, new_instance_id, pipeline_pull,
+from nanovllm_client.stage import (Notifier, PeerMonitor, RejectLog, bind, client_router, new_instance_id, pipeline_pull,
                                    pipeline_push)
 
 log = logging.getLogger("detok_proc")
@@ -165,8 +165,9 @@ class DetokStage:
         self.ctx = ctx or zmq.Context.instance()
         self.metrics = metrics or DetokMetrics(CollectorRegistry())
         self.security = security or ServiceSecurity(self.ctx, None, None)
-        self.from_engine = pipeline_pull(self.ctx, detok_endpoint, security=self.security)
-        self.engine_peers = PeerMonitor(self.from_engine)
+        self.from_engine = pipeline_pull(self.ctx, detok_endpoint, security=self.security, listen=False)
+        self.engine_peers = PeerMonitor(self.from_engine)  # before binding: an earlier handshake is never reported
+        bind(self.from_engine, detok_endpoint)
         self.clients_sock = client_router(self.ctx, stream_endpoint, hwm=client_hwm, security=self.security)
         self.to_engine = pipeline_push(self.ctx, control_endpoint, security=self.security)
         """The engine's control socket: it reads aborts and hellos whatever its load."""

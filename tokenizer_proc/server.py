@@ -102,9 +102,10 @@ class TokenizerStage:
         # Few request frames wait in zmq's pipes: while the engine holds us back, a client's
         # further requests wait on its side, not here (each frame may be 16 MiB).
         self.frontend = client_router(self.ctx, frontend, security=self.security, rcv_hwm=REQUEST_PIPE_HWM)
-        self.to_engine = pipeline_push(self.ctx, engine, hwm=REQUEST_PIPE_HWM, security=self.security)
+        self.to_engine = pipeline_push(self.ctx, engine, hwm=REQUEST_PIPE_HWM, security=self.security, connect=False)
+        self.engine_peers = PeerMonitor(self.to_engine)  # before connecting: an earlier handshake is never reported
+        self.to_engine.connect(engine)
         self.to_control = pipeline_push(self.ctx, control, security=self.security)
-        self.engine_peers = PeerMonitor(self.to_engine)
         self.pending: collections.deque[tuple[float, bytes, str, bytes]] = collections.deque()
         """(time, client identity, client request id, frame) waiting for room in the engine pipe."""
         self._pending_bytes = 0

@@ -149,23 +149,26 @@ def client_router(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM,
 
 
 def pipeline_push(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM, immediate: bool = True,
-                  security: ServiceSecurity | None = None) -> zmq.Socket:
+                  security: ServiceSecurity | None = None, connect: bool = True) -> zmq.Socket:
     """A PUSH to the next stage. `immediate`: nothing queues for a peer that is not there (the
-    send fails instead). Options must be set before connect: libzmq asserts on a change after."""
+    send fails instead). Options must be set before connect: libzmq asserts on a change after.
+    `connect=False`: the caller connects (after attaching a `PeerMonitor`)."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.IMMEDIATE, int(immediate))
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.LINGER, 1000)
     if security is not None:
         security.client(sock)  # stage to stage: the service's own key pair
-    sock.connect(endpoint)
+    if connect:
+        sock.connect(endpoint)
     return sock
 
 
 def pipeline_pull(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM,
-                  security: ServiceSecurity | None = None) -> zmq.Socket:
+                  security: ServiceSecurity | None = None, listen: bool = True) -> zmq.Socket:
     """A PULL from the previous stage; over tcp anyone may connect, so frames are size-limited
-    too. With `security`, only the service's own key gets through (not even allowed clients)."""
+    too. With `security`, only the service's own key gets through (not even allowed clients).
+    `listen=False`: the caller binds (`bind`, after attaching a `PeerMonitor`)."""
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -173,7 +176,8 @@ def pipeline_pull(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM,
     if security is not None:
         security.check_bind(endpoint)
         security.pipeline_server(sock)
-    bind(sock, endpoint)
+    if listen:
+        bind(sock, endpoint)
     return sock
 
 
@@ -186,7 +190,11 @@ class PeerMonitor:
     all?). A connection that closes before its handshake ends (a port scan, a client gone at
     once, a wrong key) also reports a disconnect: libzmq reports its handshake failure just
     before, and that disconnect is not taken off the count (it once made a detokenizer declare
-    its live engine dead)."""
+    its live engine dead).
+
+    Attach it before the socket connects or binds: a handshake that completes before the monitor
+    exists is never reported, and the peer never counted (a tokenizer once took its live engine
+    for absent and refused held requests as "engine is not available")."""
 
     def __init__(self, sock: zmq.Socket):
         # A unique address: pyzmq's default is derived from the fd, which a later socket may reuse.

@@ -38,8 +38,8 @@ def rig(tokenizer_dir, request):
     # term() when it is garbage-collected later, which would hang the rest of the test session.
     try:
         engine_in = ctx.socket(zmq.PULL)
+        engine_peers = PeerMonitor(engine_in)  # before binding (see PeerMonitor)
         engine_in.bind(eps.control)
-        engine_peers = PeerMonitor(engine_in)
         stage = DetokStage(tok, eps.stream, eps.detok, eps.control, client_timeout_s=60, engine_timeout_s=60,
                            client_hwm=2, ctx=ctx, **request.param)
         runner = threading.Thread(target=stage.run, args=(stop,), daemon=True)

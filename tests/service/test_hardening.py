@@ -645,5 +645,8 @@ def test_a_busy_engine_is_not_reported_dead(tmp_path, tokenizer_dir, ctx):
             assert client.server_stats()["engine_alive"] is True
             long.cancel()
         procs.assert_running()
+    except BaseException:
+        print(procs.logs())  # which stage saw what, when
+        raise
     finally:
         procs.stop()
