@@ -177,6 +177,7 @@ class Supervisor:
             proc = self.stages[name].proc
             if proc is None or proc.poll() is not None:
                 continue
+            log.info("stopping %s (pid %d)", name, proc.pid)
             proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
             while proc.poll() is None and time.monotonic() < deadline:

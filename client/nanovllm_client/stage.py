@@ -108,10 +108,36 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def stop_event() -> threading.Event:
-    """An event set by SIGINT/SIGTERM; the handler only sets state (the loop does the cleanup)."""
+    """An event set by SIGINT/SIGTERM; nothing else happens in the handler (the loop does the
+    cleanup). Call it from the main thread, before other threads start.
+
+    Python runs a signal's handler only in the main thread, between bytecodes, and only once
+    that thread notices the signal; a thread of its own, woken by the byte the signal writes to
+    the wakeup pipe, sets the event as well, so a stop never waits on the main thread and the
+    log says when the signal came."""
+    # [ZH-START]
+    # 1. 建一个 Event；SIGINT / SIGTERM 的 Python 处理函数只做 stop.set()。
+    # 2. 另建一条管道作 wakeup fd：信号到达时 C 层就往里写一个字节（信号编号），不必等主线程执行到下一条字节码。
+    # 3. 守护线程阻塞读这条管道：读到 SIGINT / SIGTERM 就记一行日志并 stop.set()；两条路径谁先到都行，set 是幂等的。
+    # [ZH-END]
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)  # the signal handler must never block on a full pipe
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            received = [n for n in os.read(read_fd, 64) if n in STOP_SIGNALS]
+            if received:
+                logging.getLogger("nanovllm.signals").info("%s received: stopping", signal.Signals(received[0]).name)
+                stop.set()
+
+    threading.Thread(target=watch, name="stop-signals", daemon=True).start()
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda *_: stop.set())
     return stop
 
