@@ -386,7 +386,8 @@ class TokenizerStage:
         #    两者中较晚的算起——排在长队后面的请求不因前面的等待被算作引擎停滞；
         #    上限 = 引擎连着时 10 秒（ENGINE_STALL_S），没连着时 1 秒（ENGINE_RECONNECT_GRACE_S，给重启的引擎重连）。
         # 3. 超过上限：丢弃队头，回错误增量：引擎连着（只是忙、队列满）→ ENGINE_BUSY，
-        #    不标 engine_dead（客户端不能因此认为引擎死了）；没连着 → NO_ENGINE 并标 engine_dead。
+        #    不标 engine_dead（客户端不能因此认为引擎死了）；没连着 → NO_ENGINE 并标 engine_dead 和 unsent
+        #    （请求没到过任何引擎，客户端可以原样再发）。
         # [ZH-END]
         while self.pending:
             queued_at, identity, request_id, frame = self.pending[0]
@@ -401,7 +402,9 @@ class TokenizerStage:
                 # A connected engine that reads nothing is busy, not dead: the client must not
                 # take it for dead (it would refuse every request until a new engine appears).
                 delta = (p.error_delta(request_id, ENGINE_BUSY) if connected
-                         else dict(p.error_delta(request_id, NO_ENGINE), engine_dead=True))
+                         else p.error_delta(request_id, NO_ENGINE, engine_dead=True, unsent=True))
+                log.info("request %s refused after %.1fs: %s", request_id,
+                         waited, "the engine took nothing (busy)" if connected else "no engine connected")
                 self._reply(identity, p.StreamOutput([delta]))
                 continue
             self._pop_pending()

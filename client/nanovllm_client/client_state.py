@@ -7,6 +7,8 @@ health and keeps streams alive across stage restarts:
   instance is up (for up to `engine_restart_wait_s`), sent to it again, with the output tokens
   and the count of characters it had received; the new engine continues from there, and the
   stream goes on where it broke off;
+- a request the tokenizer could pass to no engine (`unsent`: a new engine it has not connected
+  to yet) is kept the same way and sent again while an engine is up, within the same wait;
 - a restarted tokenizer (a new instance id in its pong) may have lost requests it had not yet
   passed on: every request with no answer yet is sent again, marked as a resend, which the
   engine ignores if it got the first copy;
@@ -117,6 +119,8 @@ class InFlight:
     """The output token ids received: what a continuation sends a new engine."""
     resends: int = 0
     """Times it was sent to a new engine after an engine death (`MAX_ENGINE_RESENDS`)."""
+    kept_since: float | None = None
+    """When it began waiting for an engine (kept across refusals, cleared by output)."""
 
 
 @dataclass
@@ -125,11 +129,14 @@ class Parked:
     output it had received."""
     progress: InFlight
     engine: str | None
-    """The engine instance it was sent to (the one that died), if known."""
+    """The engine instance it was sent to (the one that died), if known; None for one that
+    reached no engine."""
     why: str
-    since: float
     dead_seen: bool
     """A death of `engine` was announced since: that instance speaking again lived on without it."""
+    unsent: bool = False
+    """The tokenizer had no engine to pass it to: it reached none, so sending it again is no
+    resend to a new engine (`MAX_ENGINE_RESENDS`)."""
 
     def frame(self) -> bytes:
         """The request as a resend; with output received, asking the engine to continue from it."""
@@ -195,7 +202,8 @@ class ClientState:
             log.warning("dropping an undecodable frame from the service: %s", e)
             return Reaction()
         if isinstance(msg, p.StreamOutput):
-            reaction = Reaction([d for d in map(self._track, map(self._delta, msg.deltas)) if d is not None])
+            tracked = (self._track(self._delta(d), bool(d.get("unsent"))) for d in msg.deltas)
+            reaction = Reaction([d for d in tracked if d is not None])
             self._unpark(reaction)  # one refused for want of an engine while a new one is known up
             return reaction
         if isinstance(msg, p.ErrorOutput):
@@ -224,10 +232,9 @@ class ClientState:
         wait; silent for `stage_timeout`, the requests in flight fail (their outputs are lost).
         Requests kept for a new engine fail once they have waited `engine_restart_wait_s`."""
         now = time.monotonic()
-        expired = [w for w, parked in self.parked.items() if now - parked.since >= self.engine_restart_wait_s]
-        deltas = [Delta(w, "", [], "error", engine_dead=True,
-                        error=f"{self.parked.pop(w).why}; no new engine came up within "
-                              f"{self.engine_restart_wait_s:.0f}s") for w in expired]
+        expired = [w for w, parked in self.parked.items()
+                   if now - parked.progress.kept_since >= self.engine_restart_wait_s]
+        deltas = [self._give_up(w, self.parked.pop(w)) for w in expired]
         silent = now - self.last_pong
         if self.detok_responsive and silent >= self.detok_timeout:
             self.detok_responsive, self.engine_alive = False, None
@@ -275,16 +282,24 @@ class ClientState:
                                               f"{self.engine_instance}); the request was lost", engine_dead=True)
         self.engine_instance = instance_id
 
-    def _park(self, wire_id: str, why: str, dead_seen: bool) -> bool:
-        """Keep a request whose engine died for the next engine instead of failing it; False if it
-        cannot be kept (not in flight, or waiting is off)."""
+    def _park(self, wire_id: str, why: str, dead_seen: bool, unsent: bool = False) -> bool:
+        """Keep a request whose engine died (or that reached none: `unsent`) for the next engine
+        instead of failing it; False if it cannot be kept (not in flight, or waiting is off)."""
         progress = self.inflight.get(wire_id)
         if progress is None or not self.engine_restart_wait_s:
             return False
         del self.inflight[wire_id]
-        self.parked[wire_id] = Parked(progress, self.engine_instance, why, time.monotonic(),
-                                      dead_seen or self.engine_alive is False)
+        if progress.kept_since is None:
+            progress.kept_since = time.monotonic()
+        self.parked[wire_id] = Parked(progress, None if unsent else self.engine_instance, why,
+                                      dead_seen or self.engine_alive is False, unsent)
         return True
+
+    def _give_up(self, wire_id: str, parked: Parked) -> Delta:
+        wait = f"{self.engine_restart_wait_s:.0f}s"
+        why = (f"{parked.why}; the tokenizer reached no engine within {wait}" if parked.unsent
+               else f"{parked.why}; no new engine came up within {wait}")
+        return Delta(wire_id, "", [], "error", engine_dead=True, error=why)
 
     def _unpark(self, reaction: Reaction) -> None:
         """While an engine is up, send the kept requests again that were sent to another instance
@@ -296,7 +311,13 @@ class ClientState:
             return
         for wire_id, parked in list(self.parked.items()):
             if parked.engine is None or parked.engine != self.engine_instance:
-                if parked.progress.resends >= MAX_ENGINE_RESENDS:
+                if parked.unsent:  # it reached no engine: not a resend to a new one
+                    if time.monotonic() - parked.progress.kept_since >= self.engine_restart_wait_s:
+                        reaction.deltas.append(self._give_up(wire_id, parked))  # refused all along
+                    else:
+                        self.inflight[wire_id] = parked.progress
+                        reaction.to_tokenizer.append(parked.frame())
+                elif parked.progress.resends >= MAX_ENGINE_RESENDS:
                     reaction.deltas.append(Delta(wire_id, "", [], "error", engine_dead=True, error=(
                         f"{parked.why}; the engine died {parked.progress.resends + 1} times while this request was "
                         "in flight, so it is not sent again (it may be what kills it)")))
@@ -330,15 +351,16 @@ class ClientState:
         self.inflight.clear()
         return deltas
 
-    def _track(self, delta: Delta) -> Delta | None:
-        """Count the delta against its request; None when it is an engine death that the request
-        waits out for the next engine instead (`_park`)."""
-        if delta.engine_dead and delta.finish_reason == "error" and self._park(delta.request_id, delta.error or "", False):
+    def _track(self, delta: Delta, unsent: bool = False) -> Delta | None:
+        """Count the delta against its request; None when it is an engine death (or a refusal for
+        want of an engine: `unsent`) that the request waits out for the next engine instead (`_park`)."""
+        if (delta.engine_dead and delta.finish_reason == "error"
+                and self._park(delta.request_id, delta.error or "", False, unsent)):
             return None
         progress = self.inflight.get(delta.request_id)
         if progress is None:
             return delta
-        progress.answered = True
+        progress.answered, progress.kept_since = True, None
         progress.tokens += len(delta.token_ids)
         progress.chars += len(delta.text)
         progress.ids.extend(delta.token_ids)

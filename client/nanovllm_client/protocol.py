@@ -443,7 +443,8 @@ class EngineStatus(Message):
 
 # ---------------------------------------------------------------- stages -> client
 
-DELTA_FIELDS = frozenset({"request_id", "text", "token_ids", "finish_reason", "error", "usage", "engine_dead"})
+DELTA_FIELDS = frozenset({"request_id", "text", "token_ids", "finish_reason", "error", "usage", "engine_dead",
+                          "unsent"})
 
 
 @_message("stream")
@@ -451,7 +452,9 @@ DELTA_FIELDS = frozenset({"request_id", "text", "token_ids", "finish_reason", "e
 class StreamOutput(Message):
     """Deltas for one client's requests. Each delta is a map: request_id, text, token_ids (packed),
     finish_reason (None while streaming; "stop"/"length"/"abort"/"error" on the terminal delta),
-    error (text, with finish_reason "error"), usage (on the terminal delta), engine_dead."""
+    error (text, with finish_reason "error"), usage (on the terminal delta), engine_dead, and unsent
+    (with engine_dead: the tokenizer had no engine to pass the request to, so it reached none and
+    may be sent again as it is)."""
     TOLERANT = True
     deltas: list[dict[str, Any]]
 
@@ -471,6 +474,7 @@ class StreamOutput(Message):
             if d.get("usage") is not None:
                 check_map("delta usage", d["usage"], 16)
             check_bool("delta engine_dead", d.get("engine_dead", False))
+            check_bool("delta unsent", d.get("unsent", False))
 
 
 @_message("error")

@@ -128,6 +128,39 @@ def test_a_kept_request_fails_if_the_engine_it_went_to_comes_back():
     assert failures(reaction.deltas) == [("a", "error", True)] and reaction.to_tokenizer == []
 
 
+def test_a_request_that_reached_no_engine_is_sent_again_while_one_is_up(monkeypatch):
+    """The tokenizer refuses a request it had no engine to pass to (a new engine it has not
+    connected to yet, though the detokenizer already reports it). That request reached no
+    engine: it was kept under the engine instance the client knew, which was up, so it waited out
+    the whole wait and failed. Now it goes again while an engine is up, as often as it is refused
+    within the wait, never counted as a resend to a new engine; a continuation keeps its output."""
+    import nanovllm_client.client_state as cs
+
+    now = [1000.0]
+    monkeypatch.setattr(cs.time, "monotonic", lambda: now[0])
+    state = state_with("a", "b", engine_restart_wait_s=5)
+    state.handle(p.Pong("detokenizer", "d1", True).encode())
+    state.handle(p.EngineStatus(True, "e1").encode())
+    answer(state, "a", text="héllo", ids=(5, 6, 7))
+    state.handle(p.EngineStatus(False, "e1", "killed").encode())
+    assert sent_again(state.handle(p.EngineStatus(True, "e2").encode()).to_tokenizer) == {"a": ([5, 6, 7], 5),
+                                                                                       "b": ([], 0)}
+    for _ in range(3):  # refused each time: the tokenizer has not reached e2 yet
+        now[0] += 1.0
+        refused = [p.error_delta(w, "engine is not available", engine_dead=True, unsent=True) for w in ("a", "b")]
+        reaction = state.handle(p.StreamOutput(refused).encode())
+        assert reaction.deltas == [] and sent_again(reaction.to_tokenizer) == {"a": ([5, 6, 7], 5), "b": ([], 0)}
+    assert state.inflight["a"].resends == 1 and not state.parked
+    answer(state, "a", text="!", ids=(8,))  # it got through
+    now[0] += 2.5  # 5.5 s since "b" began to wait: refused once more, it fails
+    refused = [p.error_delta(w, "engine is not available", engine_dead=True, unsent=True) for w in ("a", "b")]
+    reaction = state.handle(p.StreamOutput(refused).encode())
+    assert sent_again(reaction.to_tokenizer) == {"a": ([5, 6, 7, 8], 6)}  # its wait began at this refusal
+    (delta,) = reaction.deltas
+    assert (delta.request_id, delta.engine_dead) == ("b", True)
+    assert delta.error == "engine is not available; the tokenizer reached no engine within 5s"
+
+
 def test_a_cancelled_kept_request_is_not_sent_again():
     state = state_with("a", "b")
     state.handle(p.Pong("detokenizer", "d1", True).encode())

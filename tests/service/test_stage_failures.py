@@ -114,6 +114,41 @@ def test_tokenizer_restart_rejoins_and_queued_requests_go_through(own_service):
         assert result["r"].usage["completion_tokens"] == 3
 
 
+def test_a_request_the_tokenizer_could_pass_to_no_engine_waits_for_one(own_service):
+    """The client learns of a (new) engine from the detokenizer, and the tokenizer may not have
+    reached it yet: it refuses what it holds after a second. That request reached no engine; it
+    was kept under the instance the client knew to be up, so nothing sent it again and it failed
+    after the whole wait. Now the client sends it again while it is refused, and it goes through
+    once the tokenizer reaches the engine. Here a tokenizer pointed at the wrong address stands
+    for the one that has not connected yet, then is restarted with the right one."""
+    prompt, kw = "def nowhere():", dict(max_tokens=16, temperature=0, ignore_eos=True)
+    with Client(own_service.url, timeout=120, engine_restart_wait_s=40) as client:
+        client.wait_engine(timeout=120)
+        want = client.generate(prompt, **kw)
+        tokenizer = client._state.tokenizer_instance
+        own_service.kill("tokenizer_proc")
+        own_service.args["tokenizer_proc"] = ["--engine-endpoint", f"ipc://{short_tmpdir()}/nowhere"]
+        log = f"{own_service.log_dir}/tokenizer_proc.log"
+        refusals = lambda: open(log, errors="replace").read().count("refused after")  # noqa: E731
+        try:
+            own_service.start("tokenizer_proc")
+            wait_for(lambda: client._state.tokenizer_instance not in (None, tokenizer), timeout=60,
+                     what="the misdirected tokenizer to answer")
+            stream = client.stream(prompt, **kw)
+            got: list = []
+            reader = threading.Thread(target=lambda: got.extend(stream), daemon=True)
+            reader.start()
+            wait_for(lambda: refusals() >= 3, timeout=30, what="three refusals")  # a second each, sent again
+            assert not got, "the request ended while no engine was reachable"
+        finally:
+            own_service.args["tokenizer_proc"] = []
+            own_service.restart("tokenizer_proc")
+        reader.join(timeout=60)
+        assert not reader.is_alive(), "the request did not go through once the tokenizer reached the engine"
+        answer(got[0], got[1:], want)
+    own_service.assert_running()
+
+
 def test_a_stage_raises_its_open_files_limit_to_the_hard_limit(tiny_model_dir):
     """zmq aborts a process that finds no free descriptor for a new connection. The stages ran
     with the soft limit they were given (1,024 under systemd's default, and from most shells)
