@@ -71,3 +71,54 @@ def test_an_impossible_continuation_is_refused_naming_why(tiny_model_dir):
     with pytest.raises(ValueError, match=r"output token id 1000000 is outside the vocabulary"):
         engine.add_request("c", [5, 6], SamplingParams(max_tokens=8), output_prefix=[1, 10**6])
     assert not engine.has_unfinished_requests() and not engine.runner.sampler.states
+
+
+def first_pair_cut(ids: list[int]) -> int:
+    """The first cut k (>= 2) whose pair (ids[k-1], ids[k]) does not occur earlier in ids: banning
+    that pair leaves everything before the cut as it was."""
+    for k in range(2, len(ids)):
+        pair = (ids[k - 1], ids[k])
+        if all((ids[i - 1], ids[i]) != pair for i in range(1, k)):
+            return k
+    raise AssertionError("no cut with a fresh pair")
+
+
+def test_a_banned_sequence_straddling_the_cut_is_still_banned(tiny_model_dir):
+    """A continuation's banned token sequences see the output it came with: the prefix ends with
+    the sequence's first token, so the next may not be its second. The continued answer equals
+    the uninterrupted one under the same ban."""
+    (prompt,) = random_prompts([29], 500, seed=3)
+    whole = [t for o in run(new_engine(tiny_model_dir), prompt, SamplingParams(max_tokens=16, temperature=0,
+                                                                               ignore_eos=True))
+             for t in o.new_token_ids]
+    cut = first_pair_cut(whole)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, banned_words=[whole[cut - 1:cut + 1]])
+    banned = [t for o in run(new_engine(tiny_model_dir), prompt, params) for t in o.new_token_ids]
+    assert banned[:cut] == whole[:cut] and banned[cut] != whole[cut]  # the ban bites at the cut
+    continued = [t for o in run(new_engine(tiny_model_dir), prompt, params, prefix=whole[:cut])
+                 for t in o.new_token_ids]
+    assert continued == banned
+
+
+def test_a_banned_string_straddling_the_cut_is_still_banned(tiny_model_dir):
+    """The same for a banned string whose first character ends the prefix's text and whose rest
+    the next token would start with: the matcher's state is rebuilt from the prefix's bytes."""
+    engine = new_engine(tiny_model_dir)
+    table = engine._words().table
+    (prompt,) = random_prompts([31], 500, seed=4)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    whole = [t for o in run(engine, prompt, greedy) for t in o.new_token_ids]
+    for cut in range(1, len(whole)):
+        before, after = table[whole[cut - 1]], table[whole[cut]]
+        word = (before[-1:] + after[:1]).decode("ascii", errors="replace")
+        text = b"".join(table[t] for t in whole[:cut])
+        if len(word) == 2 and "\ufffd" not in word and word.encode() not in text:  # absent before the cut: the ban changes nothing there
+            break
+    else:
+        pytest.skip("no cut with a two-character ASCII word straddling it")
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, banned_words=[word])
+    banned = [t for o in run(new_engine(tiny_model_dir), prompt, params) for t in o.new_token_ids]
+    assert banned[:cut] == whole[:cut] and banned[cut] != whole[cut]
+    continued = [t for o in run(new_engine(tiny_model_dir), prompt, params, prefix=whole[:cut])
+                 for t in o.new_token_ids]
+    assert continued == banned
