@@ -69,6 +69,9 @@ RESUME_INTERVAL_S = 1.0
 """A client sends one Resume per detokenizer it meets; one listing 65,536 streams costs ~0.1-0.3 s
 to apply, so more than one a second from the same client is refused as a flood."""
 MAX_GONE_CLIENTS = 4096
+STALL_S = 1.0
+"""A pass of the loop longer than this means the stage itself was not listening (stopped,
+swapped out, starved of CPU): the time beyond it counts toward no client's silence."""
 GONE_CLIENT_MEMORY_S = 600.0
 """How long the stage remembers a client it gave up on, to tell it if it comes back."""
 MAX_EARLY_RESUME_ROWS = p.MAX_ROWS
@@ -190,6 +193,7 @@ class DetokStage:
         self.resynced = False
         self._next_hello = 0.0
         self._resume_deadline = float("inf")
+        self._last_check = time.monotonic()
         self._early_resumes: dict[bytes, list[list]] = {}
         self._aborted_orphans: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.rejects = RejectLog(log, on_reject=self.metrics.frame_rejected)
@@ -840,6 +844,9 @@ class DetokStage:
 
     def check_timeouts(self, now: float) -> None:
         # [ZH-START]
+        # 0. 距上次检查超过 STALL_S（1 秒）：是我们自己没在听（进程被暂停、换出、抢不到 CPU），
+        #    多出的时间加到每个客户端的 last_seen 和 resume 期限上——这段时间不算客户端静默，
+        #    它们的心跳还排在 socket 里没读。
         # 1. 客户端超过 client_timeout_s（默认 5 秒）没有任何消息 → client_gone。
         # 2. 听到过引擎、未判死、超过 engine_timeout_s（默认 3 秒）没有消息，且 socket 里也没有没读的帧（那是我们忙，不是它静默）
         #    → _engine_dead（引擎挂起）。
@@ -847,6 +854,13 @@ class DetokStage:
         # 4. 过了 resume 期限：还在等 resume 的请求一律 _drop_unclaimed。
         # 5. gone 里超过 600 秒（GONE_CLIENT_MEMORY_S）的记录从最旧的开始删除。
         # [ZH-END]
+        stalled = now - self._last_check - STALL_S
+        self._last_check = now
+        if stalled > 0:  # we were not listening: their heartbeats wait unread, they were not silent
+            log.warning("the detokenizer stalled for %.1fs; that time counts toward no client's silence", stalled)
+            for info in self.clients.values():
+                info.last_seen += stalled
+            self._resume_deadline += stalled
         for identity, info in list(self.clients.items()):
             if now - info.last_seen > self.client_timeout_s:
                 self.client_gone(identity, f"no heartbeat for {self.client_timeout_s}s")

@@ -205,3 +205,51 @@ def test_a_connection_dropped_before_its_handshake_does_not_make_the_engine_look
         while time.monotonic() < watch_until:
             assert stage.engine_alive is True, "a stray connection's end was taken for the engine's"
             time.sleep(0.02)
+
+
+def test_a_detokenizer_stopped_for_a_while_does_not_give_up_on_its_clients(tiny_model_dir):
+    """Stopped (SIGSTOP, a frozen VM, swapped out) for longer than the client timeout, the
+    detokenizer came back, found every client silent for that long (their heartbeats still
+    waiting unread) and gave up on them: each stream in flight ended in an error (16 of 16 in a
+    soak after a 12 s stop). Time it did not listen now counts toward no client's silence."""
+    import os
+    import signal
+    import threading
+
+    from tests.service.conftest import TINY_ENGINE_ARGS
+
+    hook = ["--post-step-hook", "tests.helpers.hooks:slow_step"]  # the streams outlive the stop
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc", engine_args=TINY_ENGINE_ARGS + EXACT_ARGS + hook)
+    try:
+        with Client(procs.url, timeout=120) as client:
+            prompts = [f"def f{i}():" for i in range(3)]
+            kw = dict(max_tokens=1000, temperature=0, ignore_eos=True)
+            want = [merge(list(s), f"want{i}") for i, s in enumerate([client.stream(prompt, **kw) for prompt in prompts])]
+            streams = [client.stream(prompt, **kw) for prompt in prompts]
+            got = [[next(stream)] for stream in streams]
+            errors: list = []
+
+            def read(stream, deltas: list) -> None:
+                try:
+                    deltas.extend(stream)
+                except Exception as e:  # the stream ended in an error
+                    errors.append(str(e))
+
+            readers = [threading.Thread(target=read, args=(s, g)) for s, g in zip(streams, got)]
+            for reader in readers:
+                reader.start()
+            detok = procs.pid("detok_proc")
+            os.kill(detok, signal.SIGSTOP)
+            time.sleep(8.0)  # the detokenizer's client timeout is 3 s here
+            os.kill(detok, signal.SIGCONT)
+            for reader in readers:
+                reader.join(timeout=90)
+            assert not errors
+            for reference, deltas in zip(want, got):
+                result = merge(deltas, reference.request_id)
+                assert (result.text, result.token_ids, result.finish_reason) == (reference.text, reference.token_ids,
+                                                                                 "length")
+        procs.assert_running()
+        assert "stalled for" in procs.logs(tail=100_000)
+    finally:
+        procs.stop()
