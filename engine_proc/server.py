@@ -141,7 +141,10 @@ class EngineStage:
         """Fed by the engine's own post-step hook (added once the engine exists) and by this stage."""
         self.metrics.set_state(self.state)
         self._last_hello = ""
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Not a SimpleQueue: the main loop waits on this with a timeout, and CPython's
+        # SimpleQueue.get(timeout) blocks for good once a signal handler (the stop request) runs
+        # past the deadline during the wait; an idle engine then never saw its SIGTERM.
+        self.inbox: queue.Queue = queue.Queue()
         self._num_queued = self._queued_bytes = 0
         """Requests put in `inbox` or `backlog` and not yet admitted, rejected or aborted, and their bytes."""
         self._num_control = 0

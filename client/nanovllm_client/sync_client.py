@@ -46,10 +46,10 @@ class Stream:
     # 【职责】一个请求的增量迭代器：按截止时间等待下一个 Delta，看到终止增量就结束并释放请求 id，
     # 出错时（raise_on_error）抛 EngineDeadError / RequestError；中途 break、cancel() 或被回收都会 abort 该请求。
     # 【边界】不碰 socket（一切经 Client 的 I/O 线程）；不拼接文本（Client.generate 用 merge 拼）。
-    # 【协作者】Client.stream 创建它；它读的 SimpleQueue 由 I/O 线程的 _route 填充；cancel 经 Client._send 发 abort。
+    # 【协作者】Client.stream 创建它；它读的 Queue 由 I/O 线程的 _route 填充；cancel 经 Client._send 发 abort。
     # [ZH-END]
 
-    def __init__(self, client: Client, request_id: str, wire_id: str, deltas: queue.SimpleQueue, deadline: float,
+    def __init__(self, client: Client, request_id: str, wire_id: str, deltas: queue.Queue, deadline: float,
                  raise_on_error: bool):
         self.request_id = request_id
         self._wire_id = wire_id
@@ -124,15 +124,15 @@ class Client(ClientBase):
         # [ZH-START]
         # 1. ClientBase 初始化：解析服务 URL 得到四个端点、超时、随机路由 id、ClientState、CURVE 密钥。
         # 2. _ready 事件：detokenizer 回了 pong（它已认识我们的路由 id）之后才置位。
-        # 3. _streams：wire id → 该流的 SimpleQueue；_stats：server_stats 的回复队列。
+        # 3. _streams：wire id → 该流的 Queue；_stats：server_stats 的回复队列。
         # 4. 新建 zmq.Context，绑定一个本实例唯一的 inproc 命令端点，PUSH 端由 _cmd_lock 保护。
         # 5. 启动守护线程 _io_loop。
         # [ZH-END]
         super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout, curve,
                          engine_restart_wait_s)
         self._ready = threading.Event()
-        self._streams: dict[str, queue.SimpleQueue] = {}
-        self._stats: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, queue.Queue] = {}
+        self._stats: queue.Queue = queue.Queue()
         self._ctx = zmq.Context()
         self._cmd_endpoint = f"inproc://nanovllm-client-{next(_instances)}"
         self._cmd_lock = threading.Lock()
@@ -161,7 +161,8 @@ class Client(ClientBase):
         self._wait_ready()
         self._refuse_if_unavailable(req.request_id)
         wire_id, frame, resend_frame = self._claim(req)
-        deltas: queue.SimpleQueue = queue.SimpleQueue()
+        # Not a SimpleQueue: its get(timeout) blocks for good once a signal handler runs past the deadline.
+        deltas: queue.Queue = queue.Queue()
         self._streams[wire_id] = deltas
         self._send(_GENERATE, wire_id.encode(), frame, resend_frame)
         return Stream(self, req.request_id, wire_id, deltas, self._deadline(timeout), raise_on_error)
