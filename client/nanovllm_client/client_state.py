@@ -232,8 +232,7 @@ class ClientState:
         wait; silent for `stage_timeout`, the requests in flight fail (their outputs are lost).
         Requests kept for a new engine fail once they have waited `engine_restart_wait_s`."""
         now = time.monotonic()
-        expired = [w for w, parked in self.parked.items()
-                   if now - parked.progress.kept_since >= self.engine_restart_wait_s]
+        expired = [w for w, parked in self.parked.items() if self._waited_out(parked, now)]
         deltas = [self._give_up(w, self.parked.pop(w)) for w in expired]
         silent = now - self.last_pong
         if self.detok_responsive and silent >= self.detok_timeout:
@@ -295,6 +294,9 @@ class ClientState:
                                       dead_seen or self.engine_alive is False, unsent)
         return True
 
+    def _waited_out(self, parked: Parked, now: float) -> bool:
+        return now - parked.progress.kept_since >= self.engine_restart_wait_s
+
     def _give_up(self, wire_id: str, parked: Parked) -> Delta:
         wait = f"{self.engine_restart_wait_s:.0f}s"
         why = (f"{parked.why}; the tokenizer reached no engine within {wait}" if parked.unsent
@@ -312,7 +314,7 @@ class ClientState:
         for wire_id, parked in list(self.parked.items()):
             if parked.engine is None or parked.engine != self.engine_instance:
                 if parked.unsent:  # it reached no engine: not a resend to a new one
-                    if time.monotonic() - parked.progress.kept_since >= self.engine_restart_wait_s:
+                    if self._waited_out(parked, time.monotonic()):
                         reaction.deltas.append(self._give_up(wire_id, parked))  # refused all along
                     else:
                         self.inflight[wire_id] = parked.progress

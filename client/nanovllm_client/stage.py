@@ -115,10 +115,11 @@ def stop_event() -> threading.Event:
     """An event set by SIGINT/SIGTERM; nothing else happens in the handler (the loop does the
     cleanup). Call it from the main thread, before other threads start.
 
-    Python runs a signal's handler only in the main thread, between bytecodes, and only once
-    that thread notices the signal; a thread of its own, woken by the byte the signal writes to
-    the wakeup pipe, sets the event as well, so a stop never waits on the main thread and the
-    log says when the signal came."""
+    Python runs a signal's handler only in the main thread, between bytecodes, and a handler
+    must not log (the logging locks may be held by the code it interrupted). A thread of its
+    own, woken by the byte the signal writes to the wakeup pipe, logs which signal came the
+    moment it arrives and sets the event as well; the stage acts on it when its loop next looks,
+    and a stop that hangs shows in the log as a signal received with no stop after it."""
     # [ZH-START]
     # 1. 建一个 Event；SIGINT / SIGTERM 的 Python 处理函数只做 stop.set()。
     # 2. 另建一条管道作 wakeup fd：信号到达时 C 层就往里写一个字节（信号编号），不必等主线程执行到下一条字节码。

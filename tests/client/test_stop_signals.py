@@ -23,9 +23,10 @@ CHILD = textwrap.dedent("""
 
 
 def test_a_stop_signal_is_seen_while_the_main_thread_is_in_native_code():
-    """A stage's main thread acts on SIGTERM only between bytecodes, in Python's handler; a
-    step in native code delays it, and the service's ordered stop waited on it. The event is now
-    set by a thread the signal wakes at once, with a log line saying which signal came."""
+    """Python's handler runs only at the main thread's next bytecode, and may not log. A thread
+    the signal wakes logs which signal came and sets the event at once, even while the main
+    thread is in native code: the log then tells a signal never received from a stop that hung
+    in the stage's loop (how the engine's SimpleQueue wait, below, was found)."""
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
@@ -39,7 +40,6 @@ def test_a_stop_signal_is_seen_while_the_main_thread_is_in_native_code():
     assert out.split() == ["set-during-call", "set"], err
     assert "SIGTERM received: stopping" in err
     assert child.returncode == 0, err
-
 
 
 ENGINE_WAIT = textwrap.dedent("""
