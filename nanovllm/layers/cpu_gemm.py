@@ -13,20 +13,43 @@ therefore padded up to a bucket (powers of two to 32, then multiples of 32 to 51
 which bounds the kernels to a few dozen per weight shape for a few percent of padded rows.
 
 The packed copy is made after the weights are loaded (`pack_linear_weights`); a layer without
-one, or on another device or dtype, keeps using `F.linear`.
+one, or on another device or dtype, keeps using `F.linear`. oneDNN packs bf16 weights only on
+CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: on an AVX2-only CPU an explicit
+`dtype="bfloat16"` runs through `F.linear` (correct, slow; `auto` picks float32 there).
 """
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+logger = logging.getLogger(__name__)
+
 _PACKING_BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any row count works
 
 
+@functools.cache
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and multiplies `dtype` weights on this CPU (tried once on a tiny one).
+
+    bf16 needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; torch raises on an AVX2-only CPU."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight = torch.zeros(8, 16, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 16, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError as exc:
+        logger.info("oneDNN does not pack %s weights on this CPU, using F.linear: %s", dtype, exc)
+        return False
+    return True
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    return weight.device.type == "cpu" and packs(weight.dtype)
 
 
 def row_bucket(rows: int) -> int:

@@ -33,8 +33,10 @@ def test_bf16_greedy_matches_hf_in_bf16(tiny_models, arch):
     # other: a logit near 5 is rounded to 1/32, and these random models often have a runner-up
     # that close. HF itself then parts ways with itself (its cached `generate` and a full forward
     # pass pick different tokens). So: every token equal up to the first difference, and there
-    # HF's own logits must show a near-tie (our token within 2 bf16 steps of its best); at least
-    # half of the prompts equal for all 16 tokens.
+    # HF's own logits must show a near-tie: our token within 2 bf16 steps of its best, or within
+    # HF's own bf16 error at that position (its bf16 logits against the same model in fp32; on
+    # an AVX2-only CPU the matmuls and attention round differently and that error reaches ~4
+    # steps). At least half of the prompts equal for all 16 tokens.
     from transformers import AutoModelForCausalLM
 
     path = tiny_models[arch]
@@ -44,6 +46,7 @@ def test_bf16_greedy_matches_hf_in_bf16(tiny_models, arch):
     assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     equal = 0
     for prompt, ref, got in zip(prompts, expected, (o["token_ids"] for o in outs)):
         if got == ref:
@@ -52,11 +55,12 @@ def test_bf16_greedy_matches_hf_in_bf16(tiny_models, arch):
         i = next(j for j in range(16) if got[j] != ref[j])
         with torch.inference_mode():
             logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
+            hf_error = (logits - hf32(torch.tensor([prompt + ref[:i]])).logits[0, -1]).abs().max()
         best = logits.max()
         step = 2.0 ** (torch.floor(torch.log2(best.abs())) - 7)  # bf16 spacing at that magnitude
-        assert best - logits[got[i]] <= 2 * step, (
+        assert best - logits[got[i]] <= max(2 * step, hf_error), (
             f"prompt of {len(prompt)} tokens parts from HF at token {i} without a near-tie: "
-            f"ours {got[i]} ({logits[got[i]]:.4f}) vs HF's {ref[i]} ({best:.4f})")
+            f"ours {got[i]} ({logits[got[i]]:.4f}) vs HF's {ref[i]} ({best:.4f}); HF's own bf16 error {hf_error:.4f}")
     assert equal >= len(prompts) // 2, f"only {equal} of {len(prompts)} prompts equal HF for 16 tokens"
 
 

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.distributed import TensorParallel
-from nanovllm.layers.cpu_gemm import can_pack, linear, pack_linear_weights
+from nanovllm.layers.cpu_gemm import can_pack, linear, pack_linear_weights, packs
+from nanovllm.layers.cpu_kernels import cpu_flags
 from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -43,18 +44,33 @@ def test_float16_weights_are_not_packed():
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_packed_bf16_linear_matches_f_linear_to_bf16_rounding(rows):
-    # bf16 weights pack too (AMX tiles or AVX512-BF16 where the CPU has them, emulated elsewhere).
+    # bf16 weights pack where oneDNN computes bf16 (AMX tiles, AVX512-BF16, emulated on other
+    # AVX-512 CPUs); on an AVX2-only CPU they stay unpacked and go through F.linear.
     torch.manual_seed(rows)
     module = ColumnParallelLinear(256, 192, bias=True)
     module.weight.data.normal_()
     module.bias.data.normal_()
     module = module.to(torch.bfloat16)
-    assert pack_linear_weights(torch.nn.ModuleList([module])) == 1
+    assert pack_linear_weights(torch.nn.ModuleList([module])) == int(packs(torch.bfloat16))
     x = torch.randn(rows, 256).to(torch.bfloat16)
     got = linear(x, module.weight, module.bias, module.packed_weight)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
     expected = F.linear(x.float(), module.weight.float(), module.bias.float())  # fp32 from the same bf16 values
     torch.testing.assert_close(got.float(), expected, rtol=1.6e-2, atol=2e-2)
+
+
+def test_bf16_packing_is_used_exactly_where_onednn_supports_it():
+    # oneDNN's bf16 reorder needs AVX512 BW+VL+DQ or AVX-NE-CONVERT; without them torch raises,
+    # and an explicit dtype="bfloat16" must still load and run (unpacked).
+    flags = cpu_flags()
+    supported = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+    assert packs(torch.bfloat16) == supported
+    assert packs(torch.float32)
+    module = ColumnParallelLinear(16, 8).to(torch.bfloat16)
+    assert can_pack(module.weight) == supported
+    assert pack_linear_weights(module) == int(supported)
+    assert (module.packed_weight is not None) == supported
+    assert module(torch.randn(3, 16).to(torch.bfloat16)).shape == (3, 8)
 
 
 def test_engine_packs_every_projection_and_the_lm_head(tiny_model_dir):
