@@ -32,6 +32,7 @@ benchmark tool) the model is `models/null_model.py`: no weights, no cache tensor
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import threading
 import weakref
@@ -47,7 +48,7 @@ from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.engine.step_input import StepInput, build_cpu_batch, build_gpu_batch
 from nanovllm.engine.tp_workers import WorkerProcesses
 from nanovllm.layers.attention import PagedAttention
-from nanovllm.layers.cpu_gemm import pack_linear_weights
+from nanovllm.layers.cpu_gemm import pack_linear_weights, packs
 from nanovllm.layers.cpu_kernels import CpuAttentionKernel, CpuOps, auto_cpu_dtype
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.decoder import DecoderForCausalLM
@@ -74,7 +75,12 @@ def resolve_device(config: Config, rank: int = 0) -> torch.device:
 
 def resolve_dtype(config: Config, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     if config.dtype != "auto":
-        return DTYPES[config.dtype]
+        dtype = DTYPES[config.dtype]
+        if device.type == "cpu" and dtype == torch.bfloat16 and not packs(dtype):
+            logging.getLogger(__name__).warning(
+                "dtype bfloat16 on a CPU without AVX-512 or AVX-NE-CONVERT: its matmuls are emulated, "
+                "5-10x slower than float32 (dtype='auto' picks float32 here)")
+        return dtype
     if device.type == "cpu":
         return auto_cpu_dtype()  # bf16 where the CPU has AMX-BF16 or AVX512-BF16, fp32 elsewhere
     return model_config.torch_dtype if model_config.torch_dtype != torch.float32 else torch.bfloat16

@@ -82,3 +82,14 @@ def test_engine_packs_every_projection_and_the_lm_head(tiny_model_dir):
     slots = [m for m in model.modules() if hasattr(m, "packed_weight")]
     assert len(slots) == 4 * engine.model_config.num_layers + 1  # qkv, o, gate_up, down per layer + lm_head
     assert all(m.packed_weight is not None for m in slots)
+
+
+def test_an_explicit_bf16_on_a_cpu_that_emulates_it_is_warned_about(tiny_model_dir, caplog):
+    from nanovllm.config import Config
+    from nanovllm.engine.model_runner import resolve_dtype
+
+    with caplog.at_level("WARNING", logger="nanovllm.engine.model_runner"):
+        assert resolve_dtype(Config(model=tiny_model_dir, dtype="bfloat16"), None, torch.device("cpu")) == torch.bfloat16
+        assert resolve_dtype(Config(model=tiny_model_dir, dtype="float32"), None, torch.device("cpu")) == torch.float32
+    warned = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(warned) == (0 if packs(torch.bfloat16) else 1), warned
