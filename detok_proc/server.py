@@ -845,8 +845,9 @@ class DetokStage:
     def check_timeouts(self, now: float) -> None:
         # [ZH-START]
         # 0. 距上次检查超过 STALL_S（1 秒）：是我们自己没在听（进程被暂停、换出、抢不到 CPU），
-        #    多出的时间加到每个客户端的 last_seen 和 resume 期限上——这段时间不算客户端静默，
-        #    它们的心跳还排在 socket 里没读。
+        #    多出的时间加到每个客户端的 last_seen、引擎的 engine_last_seen 和 resume 期限上——这段时间
+        #    不算客户端或引擎静默，它们的心跳还排在 socket 里没读（刚恢复时可能还在 zmq 的 I/O 线程里，
+        #    poll 也看不到）。
         # 1. 客户端超过 client_timeout_s（默认 5 秒）没有任何消息 → client_gone。
         # 2. 听到过引擎、未判死、超过 engine_timeout_s（默认 3 秒）没有消息，且 socket 里也没有没读的帧（那是我们忙，不是它静默）
         #    → _engine_dead（引擎挂起）。
@@ -860,6 +861,7 @@ class DetokStage:
             log.warning("the detokenizer stalled for %.1fs; that time counts toward no client's silence", stalled)
             for info in self.clients.values():
                 info.last_seen += stalled
+            self.engine_last_seen += stalled  # its heartbeats wait too, maybe still in zmq's I/O thread
             self._resume_deadline += stalled
         for identity, info in list(self.clients.items()):
             if now - info.last_seen > self.client_timeout_s:

@@ -207,6 +207,34 @@ def test_a_connection_dropped_before_its_handshake_does_not_make_the_engine_look
             time.sleep(0.02)
 
 
+def test_a_stall_of_the_detokenizer_is_no_silence_of_the_engine(tokenizer_dir):
+    # Right after a SIGSTOP ends, the engine's heartbeats may still sit in zmq's I/O thread, not
+    # yet in the socket (a poll sees none): the stall must count toward the engine's silence no
+    # more than toward a client's. A silence after the stall is still one.
+    from transformers import AutoTokenizer
+
+    from detok_proc.server import DetokStage
+
+    ctx = zmq.Context()
+    eps = service_endpoints(f"ipc://{short_tmpdir()}")
+    stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.control,
+                       client_timeout_s=3.0, engine_timeout_s=1.5, ctx=ctx)
+    try:
+        now = time.monotonic()
+        stage.engine_state, stage.engine_alive, stage.engine_instance = "ready", True, "E1"
+        stage.engine_last_seen = stage._last_check = now - 8.0  # heard just before an 8 s stop
+        stage.check_timeouts(now)
+        assert stage.engine_alive is True, "the detokenizer's own stall was taken for the engine's silence"
+        # Only the stall beyond STALL_S is credited: silent for STALL_S before this check, the
+        # engine has engine_timeout_s - STALL_S left for its waiting heartbeats to be read.
+        stage.check_timeouts(now + 0.3)
+        assert stage.engine_alive is True
+        stage.check_timeouts(now + 0.3 + 0.9)  # awake and listening, and still nothing
+        assert stage.engine_alive is False
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_a_detokenizer_stopped_for_a_while_does_not_give_up_on_its_clients(tiny_model_dir):
     """Stopped (SIGSTOP, a frozen VM, swapped out) for longer than the client timeout, the
     detokenizer came back, found every client silent for that long (their heartbeats still
