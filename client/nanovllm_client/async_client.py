@@ -49,7 +49,8 @@ RECHECK_S = 0.1
 
 _watched: dict[asyncio.AbstractEventLoop, set[AsyncClient]] = {}
 """The started clients of each running loop, which one `_recheck_all` task serves: a task per
-client waking ten times a second cost 64 idle clients 3% of a core, the shared one ~0.3%."""
+client waking ten times a second cost 64 idle clients ~3.7% of a core, the shared one ~1.7%
+(measured against their heartbeats' ~1.5%, on a 2-core AMD EPYC)."""
 _recheck_tasks: set[asyncio.Task] = set()
 
 _EVENTS, _POLLIN, _POLLOUT, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
