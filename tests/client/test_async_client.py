@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import time
 
@@ -52,6 +53,20 @@ def fake_detokenizer(endpoint: str, report, flood: int = FLOOD) -> None:
     ctx.term()
 
 
+@contextlib.contextmanager
+def fake_detokenizer_answering(url: str):
+    """`fake_detokenizer` with no flood, in its own process, for the service at `url`."""
+    stop, stop_end = multiprocessing.Pipe()
+    fake = multiprocessing.get_context("spawn").Process(target=fake_detokenizer,
+                                                        args=(service_endpoints(url).stream, stop_end, 0))
+    fake.start()
+    try:
+        yield
+    finally:
+        stop.send("stop")
+        fake.join(10)
+
+
 def test_a_client_draining_a_backlog_keeps_sending_heartbeats(tmp_path):
     # A service gives up on a client that sends no ping for 5 s, so a reader that decodes a backlog
     # without ever yielding to the loop would get a busy client's requests aborted.
@@ -88,10 +103,6 @@ def test_a_frame_whose_wakeup_was_taken_elsewhere_is_still_read(tmp_path):
     # the loop is busy takes the signal of a frame that arrived meanwhile, and the loop never
     # hears of it. The client must read such a frame anyway, long before its next heartbeat.
     url = f"ipc://{tmp_path}"
-    stop, stop_end = multiprocessing.Pipe()
-    fake = multiprocessing.get_context("spawn").Process(target=fake_detokenizer,
-                                                        args=(service_endpoints(url).stream, stop_end, 0))
-    fake.start()
 
     async def scenario() -> tuple[bool, dict, float]:
         client = AsyncClient(url, heartbeat_interval=60, connect_timeout=60)
@@ -108,11 +119,8 @@ def test_a_frame_whose_wakeup_was_taken_elsewhere_is_still_read(tmp_path):
         finally:
             await client.close()
 
-    try:
+    with fake_detokenizer_answering(url):
         seen, stats, waited = asyncio.run(scenario())
-    finally:
-        stop.send("stop")
-        fake.join(10)
     assert seen, "the answer should have arrived while the loop was busy"
     assert stats == {"engine": {"answered": 1}}
     assert waited < 1.0, f"the answer was read {waited:.2f}s after the loop was free again"
@@ -125,10 +133,6 @@ def test_the_clients_of_one_loop_share_one_recheck_task(tmp_path):
     from nanovllm_client import async_client
 
     url = f"ipc://{tmp_path}"
-    stop, stop_end = multiprocessing.Pipe()
-    fake = multiprocessing.get_context("spawn").Process(target=fake_detokenizer,
-                                                        args=(service_endpoints(url).stream, stop_end, 0))
-    fake.start()
 
     def rechecks() -> list[asyncio.Task]:
         return [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "_recheck_all" and not t.done()]
@@ -154,11 +158,8 @@ def test_the_clients_of_one_loop_share_one_recheck_task(tmp_path):
         await late.close()
         return seen
 
-    try:
+    with fake_detokenizer_answering(url):
         seen = asyncio.run(scenario())
-    finally:
-        stop.send("stop")
-        fake.join(10)
     assert seen == [(1, 3), (1, 2), (0, 0), (1, 1)]
 
 
