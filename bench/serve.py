@@ -16,6 +16,9 @@ A single run:
 3. prints a table and one JSON line: best output tok/s of both, their ratio, TTFT/ITL p50/p99,
    and CPU seconds (engine stage vs. in-process, plus tokenizer and detokenizer stages).
 
+`--stream-interval N` starts the service with that many output tokens per streamed delta (after
+a request's first; `docs/tuning.md`).
+
 `--side-load` adds a third side to each repeat: `LLM.generate` again, beside a process that burns
 the CPU the service's streaming used in that repeat (tokenizer, detokenizer and clients), in one
 burst per engine step. If the service matches that side, the stages cost nothing beyond the CPU
@@ -356,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the service's --stream-interval: output tokens per streamed delta after the first")
     parser.add_argument("--repeats", type=int, default=2, help="alternating service/in-process runs; best is reported")
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--side-load", action="store_true",
@@ -407,13 +412,15 @@ def run_single(args: argparse.Namespace, model: str, vocab: int) -> int:
     config = engine_config(args, args.null_model)
     clients = args.clients or 4
     loaded: list[dict] | None = [] if args.side_load and not args.skip_offline else None
-    with Service(model, engine_flags(config), args.profile) as service:
+    service_flags = engine_flags(config) + ["--stream-interval", str(args.stream_interval)]
+    with Service(model, service_flags, args.profile) as service:
         offline = None if args.skip_offline else Offline(model, config)
         services, offlines = alternate(service, offline, prompt_sets, output_len, clients, loaded=loaded)
     service, offline, side = best(services), best(offlines), best(loaded or [])
     result = {"model": args.model, "null_model": args.null_model, "num_requests": args.num_requests, "clients": clients,
               "prompt_tokens": [sum(map(len, s)) for s in prompt_sets], "output_len": output_len,
-              "repeats": args.repeats, "config": config, "service": service, "offline": offline,
+              "repeats": args.repeats, "config": config, "stream_interval": args.stream_interval,
+              "service": service, "offline": offline,
               "service_over_offline": service["output_tok_s"] / offline["output_tok_s"] if offline else None,
               "all_service_tok_s": [round(r["output_tok_s"], 1) for r in services],
               "all_offline_tok_s": [round(r["output_tok_s"], 1) for r in offlines]}

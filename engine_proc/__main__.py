@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine_proc", description=__doc__)
     add_flag(parser, "--model", "'default', an HF folder or a .gguf file", default="default")
     add_flag(parser, "--heartbeat-s", "seconds between engine heartbeats to the detokenizer", default=0.25, type=float)
+    add_flag(parser, "--stream-interval", "output tokens per streamed delta after a request's first: more costs "
+             "the detokenizer and the clients fewer wake-ups (CPU the model step keeps where they share its cores), "
+             "at the price of burstier streams; tokens are never held longer than --heartbeat-s", default=1, type=int)
     add_flag(parser, "--max-live", "most requests held by the engine (running or waiting) at once",
              default=4096, type=int)
     add_flag(parser, "--max-queued", "most requests received but not yet admitted (beyond --max-live) before "
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = zmq.Context.instance()
         metrics, _ = stage_metrics(EngineMetrics, args.metrics_host, args.metrics_port)
         stage = EngineStage(None, SamplingParams, endpoints.engine, endpoints.detok, endpoints.control,
-                            heartbeat_s=args.heartbeat_s,
+                            heartbeat_s=args.heartbeat_s, stream_interval=args.stream_interval,
                             max_live=args.max_live, max_queued=args.max_queued, max_live_bytes=args.max_live_mib << 20,
                             max_queued_bytes=args.max_queued_mib << 20, drain_timeout_s=args.drain_timeout,
                             ctx=ctx, security=stage_security(ctx, args), metrics=metrics)

@@ -46,6 +46,7 @@ outgrow the budgets; a prompt stays packed (4 bytes a token) until its request i
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -87,6 +88,76 @@ SHUTDOWN_SEND_S = 2.0
 not reading (or gone) before it gives up and exits."""
 
 
+class StreamHold:
+    """Output tokens held in the output thread so that, past its first, a request streams
+    `interval` tokens per row instead of one per step.
+
+    Each row costs the detokenizer and the client a wake-up, a frame and a delta whatever it
+    carries; on a machine where those share the engine's cores that CPU comes out of the model
+    step. A request's first output goes at once (time to first token is unchanged), its last
+    one too (with whatever is held), and everything held goes before any other message the
+    output thread sends: the heartbeat (every `heartbeat_s`, so nothing is held longer), a
+    resync, a status. Interval 1 holds nothing.
+    """
+    # [ZH-START]
+    # 【职责】输出线程里按请求攒 token：第一个输出立即发（TTFT 不变），之后每攒够 interval 个 token 才发一行，
+    # 结束的输出连同攒着的一起立即发；输出线程发任何别的消息（心跳、resync、状态）之前先把攒着的全部发出，
+    # 所以顺序不变，且攒着的 token 最多等一个心跳周期（heartbeat_s）。interval = 1 时什么都不攒。
+    # 【边界】只在输出线程里用（不加锁）；不改 token、不改计数——合并后的行用最后一个输出的计数，
+    # token 按顺序拼接；不管 started / rejected 行（它们总是立即发）。
+    # 【协作者】EngineStage._output_loop：每个 step 项调 take，发心跳 / Message / 退出前调 flush；
+    # 行由 _encode_step 编码。
+    # [ZH-END]
+
+    def __init__(self, interval: int = 1):
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ValueError(f"stream interval must be an integer >= 1, got {interval!r}")
+        self.interval = interval
+        self._held: dict[str, RequestOutput] = {}
+        """request id -> its outputs not yet sent, merged into one."""
+        self._streaming: set[str] = set()
+        """Requests whose first output has gone and whose last has not."""
+
+    def take(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """This step's outputs -> the ones to send now, each carrying what was held before it."""
+        # [ZH-START]
+        # 1. interval == 1：原样返回。
+        # 2. 逐个输出：与这个请求攒着的输出合并（token 按顺序拼接，计数取本步的）。
+        # 3. 结束了、或是这个请求的第一个输出、或攒够 interval 个 token → 放进返回列表；
+        #    结束的从 _streaming 去掉，否则加入 _streaming。
+        # 4. 否则记进 _held，本步不发。
+        # [ZH-END]
+        if self.interval == 1:
+            return outputs
+        due = []
+        for out in outputs:
+            held = self._held.pop(out.request_id, None)
+            if held is not None:
+                out = _merged(held, out)
+            if out.finished or out.request_id not in self._streaming or len(out.new_token_ids) >= self.interval:
+                due.append(out)
+                if out.finished:
+                    self._streaming.discard(out.request_id)
+                else:
+                    self._streaming.add(out.request_id)
+            else:
+                self._held[out.request_id] = out
+        return due
+
+    def flush(self) -> list[RequestOutput]:
+        """Everything held, to send now (in the order the requests were held)."""
+        held, self._held = self._held, {}
+        return list(held.values())
+
+
+def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of a request: the tokens (and logprobs) of both, the
+    counts and ending of the later."""
+    logprobs = (earlier.logprobs + later.logprobs
+                if earlier.logprobs is not None and later.logprobs is not None else later.logprobs)
+    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids, logprobs=logprobs)
+
+
 @dataclass(slots=True)
 class Queued:
     """A request received and not yet admitted: its sampling parameters built by the input
@@ -124,7 +195,8 @@ class EngineStage:
                  control_endpoint: str, heartbeat_s: float = 0.25, max_live: int = 4096, max_queued: int = 4096,
                  max_live_bytes: int = 2 << 30, max_queued_bytes: int = 512 << 20, drain_timeout_s: float = 30.0,
                  out_hwm: int = DEFAULT_HWM, ctx: zmq.Context | None = None,
-                 security: ServiceSecurity | None = None, metrics: EngineMetrics | None = None):
+                 security: ServiceSecurity | None = None, metrics: EngineMetrics | None = None,
+                 stream_interval: int = 1):
         self.engine = engine
         """None until `run` loads it: meanwhile the stage answers, and says it is loading."""
         self.state = "ready" if engine is not None else "loading"
@@ -134,6 +206,8 @@ class EngineStage:
         self.make_sampling = make_sampling
         self.instance_id = new_instance_id()
         self.heartbeat_s = heartbeat_s
+        self._hold = StreamHold(stream_interval)
+        """Used by the output thread alone."""
         self.max_live, self.max_queued = max_live, max_queued
         self.max_live_bytes, self.max_queued_bytes = max_live_bytes, max_queued_bytes
         self.ctx = ctx or zmq.Context.instance()
@@ -617,11 +691,12 @@ class EngineStage:
         # [ZH-START]
         # 1. next_heartbeat = 现在 + heartbeat_s（默认 0.25 秒）。
         # 2. 从 outbox 取一项，最多等到下次心跳；超时就生成一个 EngineStatus(alive=True) 作为心跳。
-        # 3. 取到 _STOP → 退出线程。
-        # 4. 是 EngineStatus 就重置心跳计时。
-        # 5. 编码并 _send：Message 直接 encode，step 元组交给 _encode_step（打包在这个线程做，不占主线程）；
-        #    过了放弃时间的帧发不出去就丢，但队列照样清空。
-        # 6. 引擎很忙、一直有 step 时，到点也额外发一次心跳，detokenizer 才能持续拿到统计并确认存活。
+        # 3. 取到 _STOP → 先发出 StreamHold 攒着的输出，退出线程。
+        # 4. Message（心跳、状态、resync）：先发出攒着的输出（顺序不变），是 EngineStatus 就重置心跳计时，再 encode 发送。
+        # 5. step 元组：输出先过 StreamHold.take（--stream-interval 攒 token），再交给 _encode_step
+        #    （打包在这个线程做，不占主线程）；什么都不用发就不发帧。过了放弃时间的帧发不出去就丢，但队列照样清空。
+        # 6. 引擎很忙、一直有 step 时，到点也额外发一次心跳（之前同样先发攒着的），detokenizer 才能持续拿到统计并确认存活；
+        #    攒着的 token 因此最多等一个心跳周期。
         # [ZH-END]
         next_heartbeat = time.monotonic() + self.heartbeat_s
         while True:
@@ -630,15 +705,30 @@ class EngineStage:
             except queue.Empty:
                 item = self._status(True)
             if item is _STOP:
+                self._send_held()
                 return
-            if isinstance(item, p.EngineStatus):
-                next_heartbeat = time.monotonic() + self.heartbeat_s
             # Past the give-up time a frame nobody reads is dropped; the loop still empties the queue.
-            for frame in [item.encode()] if isinstance(item, p.Message) else self._encode_step(*item[1:]):
-                self._send(frame)
+            if isinstance(item, p.Message):
+                self._send_held()  # whatever is held goes first: the order of everything is kept
+                if isinstance(item, p.EngineStatus):
+                    next_heartbeat = time.monotonic() + self.heartbeat_s
+                self._send(item.encode())
+            else:
+                _, started, rejected, outputs = item
+                outputs = self._hold.take(outputs)
+                if started or rejected or outputs:
+                    for frame in self._encode_step(started, rejected, outputs):
+                        self._send(frame)
             if time.monotonic() >= next_heartbeat:  # busy engines still report their stats
+                self._send_held()
                 self._send(self._status(True).encode())
                 next_heartbeat = time.monotonic() + self.heartbeat_s
+
+    def _send_held(self) -> None:
+        held = self._hold.flush()
+        if held:
+            for frame in self._encode_step([], [], held):
+                self._send(frame)
 
     def _set_state(self, state: str) -> None:
         self.state = state
