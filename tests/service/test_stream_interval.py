@@ -105,10 +105,9 @@ def test_the_output_thread_sends_what_it_holds_before_its_heartbeat():
 
 def test_a_service_with_a_stream_interval_streams_the_same_answer_in_fewer_deltas(tiny_model_dir, client):
     """`--stream-interval 4` through the real stages: the same greedy tokens and text as the
-    shared service (interval 1) sends, the first token alone, then (heartbeats aside) four a delta."""
+    shared service (interval 1) sends, in about a quarter of the deltas (heartbeats aside)."""
     prompt, n = "def main():", 25
     reference = list(client.stream(prompt, max_tokens=n, temperature=0, ignore_eos=True))
-    assert [len(d.token_ids) for d in reference if d.token_ids] == [1] * n
     hook = ["--post-step-hook", "tests.helpers.hooks:slow_step"]  # steps of >= 10 ms: heartbeats every 25+
     procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc",
                           engine_args=TINY_ENGINE_ARGS + EXACT_ARGS + hook + ["--stream-interval", "4"])
@@ -121,7 +120,9 @@ def test_a_service_with_a_stream_interval_streams_the_same_answer_in_fewer_delta
         procs.stop()
     assert [t for d in deltas for t in d.token_ids] == [t for d in reference for t in d.token_ids]
     assert "".join(d.text for d in deltas) == "".join(d.text for d in reference)
+    # The detokenizer may merge rows it reads in one pass (it does at interval 1 too, when it
+    # falls behind): so at least, not exactly, four tokens in some delta.
     sizes = [len(d.token_ids) for d in deltas if d.token_ids]
-    assert sizes[0] == 1 and 4 in sizes
+    assert max(sizes) >= 4, sizes
     heartbeats = int(elapsed / 0.25) + 1  # each may send what is held early
     assert len(sizes) <= 1 + (n - 1) // 4 + 1 + heartbeats, sizes
