@@ -21,6 +21,7 @@ import zmq
 from .endpoints import Endpoints, default_url, ensure_ipc_dir, service_endpoints
 from .protocol import MAX_FRAME_BYTES
 from .security import ServiceSecurity
+from .throttle import ThrottledWarnings
 
 DEFAULT_HWM = 10_000
 """Messages queued per peer before senders see backpressure (EAGAIN / a blocking send)."""
@@ -261,25 +262,16 @@ class RejectLog:
     """
 
     def __init__(self, logger: logging.Logger, interval_s: float = 10.0, on_reject=None):
-        self.logger, self.interval_s = logger, interval_s
         self.on_reject = on_reject
         """Called with the reason of every rejected frame (the stage's metrics)."""
         self.counts: dict[str, int] = {}
-        self._last_logged: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
+        self._warnings = ThrottledWarnings(logger, interval_s)
 
     def __call__(self, reason: str, detail: str, *, exc_info: bool = False) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + 1
         if self.on_reject is not None:
             self.on_reject(reason)
-        now = time.monotonic()
-        if now - self._last_logged.get(reason, -1e9) < self.interval_s:
-            self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
-            return
-        suppressed = self._suppressed.pop(reason, 0)
-        self._last_logged[reason] = now
-        more = f" ({suppressed} more since the last report)" if suppressed else ""
-        self.logger.warning("rejected a frame (%s): %s%s", reason, detail, more, exc_info=exc_info)
+        self._warnings.warn(reason, "rejected a frame (%s): %s", reason, detail, exc_info=exc_info)
 
 
 def sd_notify(message: str) -> bool:

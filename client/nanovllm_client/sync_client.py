@@ -30,6 +30,7 @@ import zmq
 from . import protocol as p
 from .client_state import ClientBase, Delta, Result, build_request, merge
 from .security import CurveKeys
+from .throttle import ThrottledWarnings
 from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceUnavailableError
 
 log = logging.getLogger("nanovllm_client")
@@ -139,6 +140,8 @@ class Client(ClientBase):
         self._cmd = self._ctx.socket(zmq.PUSH)
         self._cmd.bind(self._cmd_endpoint)
         self._closed = False
+        self._warnings = ThrottledWarnings(log)
+        """For the I/O thread's warnings, which a flood would otherwise repeat once a frame."""
         self._io = threading.Thread(target=self._io_loop, name="nanovllm-client-io", daemon=True)
         self._io.start()
 
@@ -329,7 +332,7 @@ class Client(ClientBase):
                 self._state.forget(command[1].decode())
                 backlog[tok].append(command[2])
             elif backlog[out] or not out.poll(0, zmq.POLLOUT):  # a stats request the detokenizer has no
-                log.warning("the detokenizer takes no frames: a stats request was dropped")  # room for
+                self._warnings.warn("stats", "the detokenizer takes no frames: a stats request was dropped")  # room for
             else:
                 out.send(command[1], zmq.NOBLOCK)
 
