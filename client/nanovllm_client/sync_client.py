@@ -41,6 +41,17 @@ READ_BATCH = 256
 _instances = itertools.count()
 
 
+def _send_now(sock: zmq.Socket, frame: bytes) -> bool:
+    """Send `frame` if the socket takes it at once; False if not. A look at POLLOUT first is no
+    promise: a connection whose handshake fails (a CURVE server, no key) drops its pipe between the
+    look and the send, which then raises."""
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False
+
+
 class Stream:
     """Iterator over one request's deltas. Breaking out, `cancel()` or garbage collection aborts it."""
     # [ZH-START]
@@ -209,17 +220,24 @@ class Client(ClientBase):
         # [ZH-START]
         # 1. 已关闭则返回。
         # 2. abort 所有在途请求，再发 _STOP 让 I/O 线程退出；最多等 linger + 5 秒。
-        # 3. 标记关闭，关闭命令 socket，terminate context。
+        #    I/O 线程已不在（_send 抛 ServiceUnavailableError）就跳过这一步，照样清理。
+        # 3. 标记关闭，关闭命令 socket；I/O 线程已退出才 terminate context（它的 socket 没关时 term() 会永远等）。
         # [ZH-END]
         if self._closed:
             return
-        for app_id in list(self._wire_ids):
-            self.abort(app_id)
-        self._send(_STOP)
+        try:
+            for app_id in list(self._wire_ids):
+                self.abort(app_id)
+            self._send(_STOP)
+        except ServiceUnavailableError:
+            pass  # the I/O thread is gone (it logged why): nothing to flush, still release what is left
         self._io.join(timeout=linger + 5)
         self._closed = True
         self._cmd.close(linger=0)
-        self._ctx.term()
+        if self._io.is_alive():  # term() would wait for its sockets forever
+            log.warning("the client's I/O thread did not stop within %.0f s: its sockets are left open", linger + 5)
+        else:
+            self._ctx.term()
 
     def __enter__(self) -> Client:
         return self
@@ -231,6 +249,8 @@ class Client(ClientBase):
 
     def _wait_ready(self) -> None:
         if not self._ready.wait(self.connect_timeout):
+            if not self._io.is_alive():
+                raise ServiceUnavailableError("the client's I/O thread has stopped")
             raise ServiceUnavailableError(
                 f"no answer from the service's detokenizer at {self.endpoints.stream} within {self.connect_timeout}s")
 
@@ -241,12 +261,21 @@ class Client(ClientBase):
     def _send(self, *command: bytes) -> None:
         # [ZH-START]
         # 1. 已关闭 → RuntimeError。
-        # 2. 在 _cmd_lock 内把命令（多帧）发到 inproc PUSH：多个用户线程共用一个 socket，锁保证不交错。
+        # 2. 在 _cmd_lock 内把命令（多帧）NOBLOCK 发到 inproc PUSH：多个用户线程共用一个 socket，锁保证不交错。
+        # 3. zmq.Again：I/O 线程已不在（没有读的一方，阻塞发送会永远等下去）→ ServiceUnavailableError；
+        #    否则是管道满，等 100 ms 可写再试。
         # [ZH-END]
         if self._closed:
             raise RuntimeError("client is closed")
         with self._cmd_lock:
-            self._cmd.send_multipart(list(command))
+            while True:  # not a blocking send: with the I/O thread gone there is no reader, and it would block for good
+                try:
+                    self._cmd.send_multipart(list(command), zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    if not self._io.is_alive():
+                        raise ServiceUnavailableError("the client's I/O thread has stopped") from None
+                    self._cmd.poll(100, zmq.POLLOUT)
 
     def _io_loop(self) -> None:
         # [ZH-START]
@@ -254,57 +283,67 @@ class Client(ClientBase):
         #    接收命令的 PULL；backlog 为两个 DEALER 各暂存一队对方暂时收不下的帧（I/O 线程从不阻塞在发送上，
         #    否则一个不再读的 stage 会卡住所有流和心跳）。
         # 2. 循环：
-        #    a. 到了 ping 时间：ClientState.check_detok()（detokenizer 沉默太久就让在途流失败）并分发结果；
-        #       未就绪就清掉 _ready；对两个 stage 各发 Ping（管道满说明该 stage 不在，跳过）；
-        #       下次 ping：已就绪 heartbeat_interval（默认 1 秒）后，否则 0.1 秒后（尽快完成握手）；
+        #    a. 到了 ping 时间：先把下次 ping 定在 0.1 秒后（这一段出错也不会空转）；
+        #       ClientState.check_detok()（detokenizer 沉默太久就让在途流失败）并分发结果；
+        #       未就绪就清掉 _ready；对两个 stage 各 NOBLOCK 发 Ping（发不出说明该 stage 不在，跳过；
+        #       不先看 POLLOUT：握手失败的连接会在看和发之间丢掉管道，send 照样抛 Again）；
+        #       已就绪则下次 ping 在 heartbeat_interval（默认 1 秒）后，否则仍是 0.1 秒后（尽快完成握手）；
         #    b. 哪个 DEALER 有积压，才关心它的可写事件；
         #    c. poll 到下次 ping 为止；
         #    d. 有命令 → _drain_commands；收到 _STOP 就跳出循环；
         #    e. 各 DEALER 可写时按序发出积压帧（背压时保持顺序，abort 不会越过请求）；
-        #    f. 两个 DEALER 有帧 → _drain_incoming。
-        # 3. 退出时：把积压帧（close() 排下的 abort）NOBLOCK 交给 zmq（linger 1 秒），然后关闭 socket。
+        #    f. 两个 DEALER 有帧 → _drain_incoming；
+        #    g. 一轮里的任何异常只记（限频的）警告，循环继续：所有流都在等这个线程，它死了连 close() 的 _STOP 也无人接收。
+        # 3. 退出时：把积压帧（close() 排下的 abort）NOBLOCK 交给 zmq（linger 1 秒），然后关闭已建好的 socket
+        #    （建到一半失败也关，否则 close() 里的 term() 会一直等）。
         # [ZH-END]
-        tok = self._dealer(self._ctx, self.endpoints.tokenizer)
-        out = self._dealer(self._ctx, self.endpoints.stream)
-        cmd = self._ctx.socket(zmq.PULL)
-        cmd.connect(self._cmd_endpoint)
-        # Frames held while a stage pushes back, sent in order once it has room: the I/O thread never
-        # blocks on a send, or a stage that stops reading would stall every stream and the heartbeat.
-        backlog: dict[zmq.Socket, collections.deque[bytes]] = {tok: collections.deque(), out: collections.deque()}
-        poller = zmq.Poller()
-        for sock in (tok, out, cmd):
-            poller.register(sock, zmq.POLLIN)
-        next_ping = 0.0
+        socks: list[zmq.Socket] = []  # closed on the way out, however far the setup got
+        backlog: dict[zmq.Socket, collections.deque[bytes]] = {}
         try:
+            tok = self._dealer(self._ctx, self.endpoints.tokenizer)
+            socks.append(tok)
+            out = self._dealer(self._ctx, self.endpoints.stream)
+            socks.append(out)
+            cmd = self._ctx.socket(zmq.PULL)
+            socks.append(cmd)
+            cmd.connect(self._cmd_endpoint)
+            # Frames held while a stage pushes back, sent in order once it has room: the I/O thread never
+            # blocks on a send, or a stage that stops reading would stall every stream and the heartbeat.
+            backlog = {tok: collections.deque(), out: collections.deque()}
+            poller = zmq.Poller()
+            for sock in (tok, out, cmd):
+                poller.register(sock, zmq.POLLIN)
+            next_ping = 0.0
             while True:
-                now = time.monotonic()
-                if now >= next_ping:
-                    self._route(self._state.check_detok())
-                    if not self._state.ready:
-                        self._ready.clear()
-                    for sock in (out, tok):  # a full pipe means that stage is gone: skip the ping
-                        if sock.poll(0, zmq.POLLOUT):
-                            sock.send(p.Ping().encode(), zmq.NOBLOCK)
-                    next_ping = now + (self._heartbeat_interval if self._ready.is_set() else 0.1)
-                for sock, held in backlog.items():
-                    poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if held else 0))
-                events = dict(poller.poll(max(1, int((next_ping - time.monotonic()) * 1000))))
-                if cmd in events and self._drain_commands(cmd, tok, out, backlog):
-                    break
-                for sock, held in backlog.items():
-                    while held and sock.poll(0, zmq.POLLOUT):
-                        sock.send(held.popleft(), zmq.NOBLOCK)
-                for sock in (tok, out):
-                    if sock in events:
-                        self._drain_incoming(sock, tok, out, backlog)
+                try:
+                    now = time.monotonic()
+                    if now >= next_ping:
+                        next_ping = now + 0.1  # set first: a pass that fails cannot turn into a busy loop
+                        self._route(self._state.check_detok())
+                        if not self._state.ready:
+                            self._ready.clear()
+                        for sock in (out, tok):  # a full pipe means that stage is gone: no ping
+                            _send_now(sock, p.Ping().encode())
+                        if self._ready.is_set():
+                            next_ping = now + self._heartbeat_interval
+                    for sock, held in backlog.items():
+                        poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if held else 0))
+                    events = dict(poller.poll(max(1, int((next_ping - time.monotonic()) * 1000))))
+                    if cmd in events and self._drain_commands(cmd, tok, out, backlog):
+                        break
+                    for held_sock, held in backlog.items():
+                        while held and _send_now(held_sock, held[0]):
+                            held.popleft()
+                    for sock in (tok, out):
+                        if sock in events:
+                            self._drain_incoming(sock, tok, out, backlog)
+                except Exception:  # every stream waits on this thread: it must outlive any one failure
+                    self._warnings.warn("io", "the client's I/O loop failed (it goes on)", exc_info=True)
         finally:
             for sock, held in backlog.items():  # aborts queued by close(): hand them to zmq, which lingers 1 s
-                for frame in held:
-                    try:
-                        sock.send(frame, zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-            for sock in (tok, out, cmd):
+                while held and _send_now(sock, held[0]):
+                    held.popleft()
+            for sock in socks:
                 sock.close()
 
     def _drain_commands(self, cmd: zmq.Socket, tok: zmq.Socket, out: zmq.Socket,
@@ -331,10 +370,8 @@ class Client(ClientBase):
             elif kind == _ABORT:
                 self._state.forget(command[1].decode())
                 backlog[tok].append(command[2])
-            elif backlog[out] or not out.poll(0, zmq.POLLOUT):  # a stats request the detokenizer has no
-                self._warnings.warn("stats", "the detokenizer takes no frames: a stats request was dropped")  # room for
-            else:
-                out.send(command[1], zmq.NOBLOCK)
+            elif backlog[out] or not _send_now(out, command[1]):  # a stats request the detokenizer has no room for
+                self._warnings.warn("stats", "the detokenizer takes no frames: a stats request was dropped")
 
     def _drain_incoming(self, sock: zmq.Socket, tok: zmq.Socket, out: zmq.Socket,
                         backlog: dict[zmq.Socket, collections.deque]) -> None:

@@ -1,4 +1,4 @@
-"""The sync Client's I/O thread against a stage that stops reading."""
+"""The sync Client's I/O thread against a stage that stops reading, and against its own failures."""
 from __future__ import annotations
 
 import logging
@@ -6,12 +6,16 @@ import multiprocessing
 import threading
 import time
 
+import pytest
 import zmq
 
 from nanovllm_client import Client
+from nanovllm_client.client_state import ClientState
 from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
 from nanovllm_client.errors import ServiceUnavailableError
+from nanovllm_client.sync_client import _send_now
+from tests.client.test_async_client import fake_detokenizer_answering
 
 
 def detokenizer_gone_deaf(endpoint: str, stop) -> None:
@@ -128,3 +132,76 @@ def test_a_flood_of_frames_does_not_starve_the_heartbeat(tmp_path):
         logger.removeHandler(handler)
         fake.kill()
         fake.join(timeout=10)
+
+
+def close_within(client: Client, seconds: float) -> bool:
+    """close() in a helper thread: True if it returned within `seconds` (a hang fails the test
+    instead of the whole run)."""
+    closer = threading.Thread(target=client.close, daemon=True)
+    closer.start()
+    closer.join(seconds)
+    return not closer.is_alive()
+
+
+def test_sends_that_find_no_pipe_return_false_instead_of_raising():
+    # A keyless DEALER against a CURVE server: the pipe zmq made at connect() is dropped when the
+    # handshake fails, and a look at POLLOUT just before cannot promise it is still there. The I/O
+    # thread once died of the zmq.Again such a send raised (and close() then waited forever).
+    ctx = zmq.Context()
+    try:
+        public, secret = zmq.curve_keypair()
+        server = ctx.socket(zmq.ROUTER)
+        server.curve_server, server.curve_publickey, server.curve_secretkey = True, public, secret
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        keyless = ctx.socket(zmq.DEALER)
+        keyless.setsockopt(zmq.LINGER, 0)
+        keyless.connect(f"tcp://127.0.0.1:{port}")
+        deadline = time.monotonic() + 10
+        while _send_now(keyless, b"ping") and time.monotonic() < deadline:
+            time.sleep(0.01)  # taken while the handshake is under way, refused once it has failed
+        assert time.monotonic() < deadline, "the failed handshake never dropped the pipe"
+        with pytest.raises(zmq.Again):
+            keyless.send(b"ping", zmq.NOBLOCK)  # what the I/O thread used to do unguarded
+        assert _send_now(keyless, b"ping") is False
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_io_thread_outlives_a_failing_pass(tmp_path, monkeypatch, caplog):
+    url = f"ipc://{tmp_path}"
+    failures = {"left": 3}
+    check_detok = ClientState.check_detok
+
+    def failing_check_detok(self):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("planted failure")
+        return check_detok(self)
+
+    monkeypatch.setattr(ClientState, "check_detok", failing_check_detok)
+    with fake_detokenizer_answering(url), caplog.at_level(logging.WARNING, logger="nanovllm_client"):
+        client = Client(url, connect_timeout=30)
+        try:
+            assert client.server_stats(timeout=10)["engine"] == {"answered": 1}
+            assert failures["left"] == 0 and client._io.is_alive()
+        finally:
+            assert close_within(client, 10), "close() hung"
+    logged = [r for r in caplog.records if "I/O loop failed" in r.getMessage()]
+    assert logged and "planted failure" in logged[0].exc_text  # told once, with the traceback
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_client_whose_io_thread_is_gone_says_so_and_closes(tmp_path, monkeypatch):
+    # The I/O thread cannot even make its sockets: no call may wait on it forever.
+    def no_sockets(*args, **kwargs):
+        raise zmq.ZMQError(zmq.EMFILE)
+
+    monkeypatch.setattr(Client, "_dealer", no_sockets)
+    client = Client(f"ipc://{tmp_path}", connect_timeout=1)
+    client._io.join(10)
+    assert not client._io.is_alive()
+    with pytest.raises(ServiceUnavailableError, match="I/O thread has stopped"):
+        client.generate("x", max_tokens=2)
+    with pytest.raises(ServiceUnavailableError, match="I/O thread has stopped"):
+        client._send(b"x")  # the command a close() or a cancel() sends
+    assert close_within(client, 10), "close() waited on the I/O thread that is gone"
