@@ -709,10 +709,9 @@ class EngineStage:
                 return
             # Past the give-up time a frame nobody reads is dropped; the loop still empties the queue.
             if isinstance(item, p.Message):
-                self._send_held()  # whatever is held goes first: the order of everything is kept
                 if isinstance(item, p.EngineStatus):
                     next_heartbeat = time.monotonic() + self.heartbeat_s
-                self._send(item.encode())
+                self._send_message(item)
             else:
                 _, started, rejected, outputs = item
                 outputs = self._hold.take(outputs)
@@ -720,9 +719,12 @@ class EngineStage:
                     for frame in self._encode_step(started, rejected, outputs):
                         self._send(frame)
             if time.monotonic() >= next_heartbeat:  # busy engines still report their stats
-                self._send_held()
-                self._send(self._status(True).encode())
+                self._send_message(self._status(True))
                 next_heartbeat = time.monotonic() + self.heartbeat_s
+
+    def _send_message(self, msg: p.Message) -> None:
+        self._send_held()  # whatever is held goes first: the order of everything is kept
+        self._send(msg.encode())
 
     def _send_held(self) -> None:
         held = self._hold.flush()
