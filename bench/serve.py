@@ -25,6 +25,11 @@ burst per engine step. If the service matches that side, the stages cost nothing
 their work needs; what it loses against the plain in-process run is that CPU, taken from cores
 the engine would otherwise use.
 
+`--idle S` measures the fixed cost of open connections instead: `--clients` (default 64)
+AsyncClients connect, wait until ready, then send nothing for S seconds, heartbeats aside
+(`--client-heartbeat`, default the client's 1 s); it prints the CPU seconds each stage and the
+client process spent meanwhile, twice (so a first pass's settling shows).
+
 `--sweep` (bench/serve_sweep.py) runs the same measurement at each `--concurrency` level
 (`max(level, --min-requests)` requests, at most `level` in flight, one client connection per
 stream), adds engine steps/s, preemptions and KV-cache use from the server's stats, and also runs
@@ -227,6 +232,44 @@ class Service:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
+async def idle_clients(url: str, num_clients: int, seconds: float, heartbeat_s: float) -> float:
+    """Open `num_clients` connections, let them idle `seconds`; the CPU this process spent meanwhile."""
+    from nanovllm_client import AsyncClient
+
+    clients = [AsyncClient(url, timeout=3600, heartbeat_interval=heartbeat_s) for _ in range(num_clients)]
+    for c in clients:
+        await c.start()
+    await asyncio.gather(*(c.wait_engine() for c in clients))
+    await asyncio.sleep(1.0)  # the handshakes' replies land before the clock starts
+    own = time.process_time()
+    await asyncio.sleep(seconds)
+    own = time.process_time() - own
+    for c in clients:
+        await c.close()
+    return own
+
+
+def run_idle(args: argparse.Namespace, model: str) -> int:
+    """`--idle`: what open, quiet connections cost the stages and the client process."""
+    clients = args.clients or 64
+    runs = []
+    with Service(model, engine_flags(engine_config(args, False))) as service:
+        for _ in range(2):
+            before = service.cpu_seconds()
+            own = asyncio.run(idle_clients(service.url, clients, args.idle, args.client_heartbeat))
+            after = service.cpu_seconds()
+            cpu = {k: round(after[k] - before[k], 2) for k in after}
+            cpu["clients"] = round(own, 2)
+            runs.append(cpu)
+    print(f"\n{clients} connections idle for {args.idle:.0f} s (client heartbeat {args.client_heartbeat} s): CPU s")
+    print("".join(f"{k:>16}" for k in runs[0]))
+    for cpu in runs:
+        print("".join(f"{v:16.2f}" for v in cpu.values()))
+    print(json.dumps({"idle_s": args.idle, "clients": clients, "client_heartbeat_s": args.client_heartbeat,
+                      "cpu_s": runs}))
+    return 0
+
+
 def print_profiles(profile_dir: str, top: int = 12) -> None:
     """The hottest functions (own time) of each stage thread that the profile hook recorded."""
     for path in sorted(glob.glob(os.path.join(profile_dir, "*.prof"))):
@@ -371,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "the three stages sustain alone")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="run every stage under cProfile, write .prof files to DIR and print their top entries")
+    parser.add_argument("--idle", type=float, default=None, metavar="S",
+                        help="measure S seconds of open, quiet connections instead (see above)")
+    parser.add_argument("--client-heartbeat", type=float, default=1.0, help="--idle: the clients' heartbeat_interval")
     sweep = parser.add_argument_group("sweep (--sweep)")
     sweep.add_argument("--sweep", action="store_true", help="the concurrency sweep, KV pressure and null-model runs")
     sweep.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -398,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     from nanovllm.models.tokenizer import load_tokenizer
 
     vocab = len(load_tokenizer(model))
+    if args.idle is not None:
+        return run_idle(args, model)
     if args.sweep:
         from bench.serve_sweep import run_sweep
 
