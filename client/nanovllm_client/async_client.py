@@ -347,7 +347,7 @@ class AsyncClient(ClientBase):
             await self._send(self._out, p.Ping().encode())
             if self._events(self._tok) & _POLLOUT:  # a tokenizer pushing back answers later
                 await self._send(self._tok, p.Ping().encode())
-            await asyncio.sleep(self._heartbeat_interval if self._ready.is_set() else 0.1)
+            await asyncio.sleep(self._ping_wait(self._ready.is_set()))
 
     def _recheck(self) -> None:
         """The one safety net under the edge-triggered descriptors, called every RECHECK_S by the

@@ -287,7 +287,8 @@ class Client(ClientBase):
         #       ClientState.check_detok()（detokenizer 沉默太久就让在途流失败）并分发结果；
         #       未就绪就清掉 _ready；对两个 stage 各 NOBLOCK 发 Ping（发不出说明该 stage 不在，跳过；
         #       不先看 POLLOUT：握手失败的连接会在看和发之间丢掉管道，send 照样抛 Again）；
-        #       已就绪则下次 ping 在 heartbeat_interval（默认 1 秒）后，否则仍是 0.1 秒后（尽快完成握手）；
+        #       已就绪则下次 ping 在单调时钟上 heartbeat_interval（默认 1 秒）的下一个整数倍（_ping_wait：
+        #       同一台机器上的客户端同时 ping，stage 一次唤醒就处理完），否则仍是 0.1 秒后（尽快完成握手）；
         #    b. 哪个 DEALER 有积压，才关心它的可写事件；
         #    c. poll 到下次 ping 为止；
         #    d. 有命令 → _drain_commands；收到 _STOP 就跳出循环；
@@ -318,14 +319,14 @@ class Client(ClientBase):
                 try:
                     now = time.monotonic()
                     if now >= next_ping:
-                        next_ping = now + 0.1  # set first: a pass that fails cannot turn into a busy loop
+                        next_ping = now + self._ping_wait(False)  # first: a pass that fails cannot spin
                         self._route(self._state.check_detok())
                         if not self._state.ready:
                             self._ready.clear()
                         for sock in (out, tok):  # a full pipe means that stage is gone: no ping
                             _send_now(sock, p.Ping().encode())
                         if self._ready.is_set():
-                            next_ping = now + self._heartbeat_interval
+                            next_ping = time.monotonic() + self._ping_wait(True)
                     for sock, held in backlog.items():
                         poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if held else 0))
                     events = dict(poller.poll(max(1, int((next_ping - time.monotonic()) * 1000))))

@@ -223,3 +223,52 @@ def test_a_send_that_waits_on_a_full_pipe_can_be_cancelled_and_the_client_closed
     assert sent < 64, "the pipe never filled: the test did not reach a waiting send"
     assert not left_behind, "a request whose send was cancelled stayed registered"
     assert closing < 3, f"close() took {closing:.1f}s with a full pipe"
+
+
+def test_clients_started_apart_ping_at_the_same_instants(tmp_path):
+    # A ping that wakes a stage on its own costs it 3-4 times one that arrives with others
+    # (bench/ping_cost.py), so ready clients ping on a grid of their interval on the monotonic
+    # clock, not at whatever phase they happened to start: a stage then serves a host's pings in
+    # few wake-ups. Two clients started a quarter interval apart must ping in the same instants.
+    url = f"ipc://{tmp_path}"
+    interval = 0.5
+    report, fake_end = multiprocessing.Pipe()
+    fake = multiprocessing.get_context("spawn").Process(target=fake_detokenizer,
+                                                        args=(service_endpoints(url).stream, fake_end, 0))
+    fake.start()
+
+    async def scenario() -> float:
+        first = AsyncClient(url, heartbeat_interval=interval, connect_timeout=60)
+        second = AsyncClient(url, heartbeat_interval=interval, connect_timeout=60)
+        try:
+            await first.wait_engine(timeout=60)
+            await asyncio.sleep(interval / 4)
+            await second.wait_engine(timeout=60)
+            settled = time.monotonic() + interval  # the handshakes' 0.1 s pings are over
+            await asyncio.sleep(4 * interval)
+            return settled
+        finally:
+            await first.close()
+            await second.close()
+
+    try:
+        settled = asyncio.run(scenario())
+    finally:
+        report.send("stop")
+        _, pings = report.recv()
+        fake.join(10)
+    later = [t for t in pings if t > settled]
+    off_grid = [round(min(t % interval, interval - t % interval), 3) for t in later]
+    assert len(later) >= 6, f"only {len(later)} pings arrived after the handshakes"
+    assert max(off_grid) < 0.05, f"pings this far (s) from the {interval} s grid: {off_grid}"
+
+
+def test_the_wait_to_the_next_ping_lands_on_the_grid():
+    client = AsyncClient("ipc:///nonexistent", heartbeat_interval=0.7)
+    assert client._ping_wait(False) == 0.1  # the handshake is pending: soon
+    for _ in range(5):
+        now = time.monotonic()
+        wait = client._ping_wait(True)
+        assert 0.007 < wait < 0.707  # never a second ping at once
+        assert min((now + wait) % 0.7, 0.7 - (now + wait) % 0.7) < 0.01
+        time.sleep(0.13)
