@@ -54,27 +54,32 @@ def fake_detokenizer(endpoint: str, report, flood: int = FLOOD) -> None:
 
 
 @contextlib.contextmanager
-def fake_detokenizer_answering(url: str):
-    """`fake_detokenizer` with no flood, in its own process, for the service at `url`."""
-    stop, stop_end = multiprocessing.Pipe()
+def running_fake_detokenizer(url: str, flood: int = FLOOD):
+    """`fake_detokenizer` in its own process, for the service at `url`. Yields a dict that holds
+    its report once the block has ended: `started` (when the flood began) and `pings` (when each
+    ping arrived)."""
+    report, fake_end = multiprocessing.Pipe()
     fake = multiprocessing.get_context("spawn").Process(target=fake_detokenizer,
-                                                        args=(service_endpoints(url).stream, stop_end, 0))
+                                                        args=(service_endpoints(url).stream, fake_end, flood))
     fake.start()
+    seen: dict = {}
     try:
-        yield
+        yield seen
     finally:
-        stop.send("stop")
+        report.send("stop")
+        seen["started"], seen["pings"] = report.recv()
         fake.join(10)
+
+
+def fake_detokenizer_answering(url: str):
+    """`running_fake_detokenizer` with no flood: it answers pings and stats requests."""
+    return running_fake_detokenizer(url, 0)
 
 
 def test_a_client_draining_a_backlog_keeps_sending_heartbeats(tmp_path):
     # A service gives up on a client that sends no ping for 5 s, so a reader that decodes a backlog
     # without ever yielding to the loop would get a busy client's requests aborted.
     url = f"ipc://{tmp_path}"
-    report, fake_end = multiprocessing.Pipe()
-    fake = multiprocessing.get_context("spawn").Process(target=fake_detokenizer,
-                                                        args=(service_endpoints(url).stream, fake_end))
-    fake.start()
 
     async def drain() -> float:
         client = AsyncClient(url, heartbeat_interval=0.05, connect_timeout=60)
@@ -85,12 +90,9 @@ def test_a_client_draining_a_backlog_keeps_sending_heartbeats(tmp_path):
         finally:
             await client.close()
 
-    try:
+    with running_fake_detokenizer(url) as seen:
         finished = asyncio.run(drain())
-    finally:
-        report.send("stop")
-        started, pings = report.recv()
-        fake.join(10)
+    started, pings = seen["started"], seen["pings"]
     during = [started] + [t for t in pings if started < t < finished] + [finished]
     longest_gap = max(b - a for a, b in zip(during, during[1:]))
     assert finished - started > 0.3, "the backlog was too small to tell"
@@ -232,10 +234,6 @@ def test_clients_started_apart_ping_at_the_same_instants(tmp_path):
     # few wake-ups. Two clients started a quarter interval apart must ping in the same instants.
     url = f"ipc://{tmp_path}"
     interval = 0.5
-    report, fake_end = multiprocessing.Pipe()
-    fake = multiprocessing.get_context("spawn").Process(target=fake_detokenizer,
-                                                        args=(service_endpoints(url).stream, fake_end, 0))
-    fake.start()
 
     async def scenario() -> float:
         first = AsyncClient(url, heartbeat_interval=interval, connect_timeout=60)
@@ -251,13 +249,9 @@ def test_clients_started_apart_ping_at_the_same_instants(tmp_path):
             await first.close()
             await second.close()
 
-    try:
+    with fake_detokenizer_answering(url) as seen:
         settled = asyncio.run(scenario())
-    finally:
-        report.send("stop")
-        _, pings = report.recv()
-        fake.join(10)
-    later = [t for t in pings if t > settled]
+    later = [t for t in seen["pings"] if t > settled]
     off_grid = [round(min(t % interval, interval - t % interval), 3) for t in later]
     assert len(later) >= 6, f"only {len(later)} pings arrived after the handshakes"
     assert max(off_grid) < 0.05, f"pings this far (s) from the {interval} s grid: {off_grid}"
