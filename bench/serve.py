@@ -14,7 +14,9 @@ A single run:
    alternating the two `--repeats` times so other load on the machine hits both alike; every
    repeat draws fresh prompts (the same for both sides), so no run hits the prefix cache;
 3. prints a table and one JSON line: best output tok/s of both, their ratio, TTFT/ITL p50/p99,
-   and CPU seconds (engine stage vs. in-process, plus tokenizer and detokenizer stages).
+   and CPU seconds (engine stage vs. in-process, plus tokenizer and detokenizer stages); and the
+   ratio of each repeat (service over in-process on the same prompts, run one after the other)
+   with its median, the figure least moved by one disturbed run on either side.
 
 `--stream-interval N` starts the service with that many output tokens per streamed delta (after
 a request's first; `docs/tuning.md`).
@@ -49,6 +51,7 @@ import pstats
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -472,11 +475,12 @@ def run_single(args: argparse.Namespace, model: str, vocab: int) -> int:
               "service_over_offline": service["output_tok_s"] / offline["output_tok_s"] if offline else None,
               "all_service_tok_s": [round(r["output_tok_s"], 1) for r in services],
               "all_offline_tok_s": [round(r["output_tok_s"], 1) for r in offlines]}
+    if offline:
+        paired = [round(a["output_tok_s"] / b["output_tok_s"], 3) for a, b in zip(services, offlines)]
+        result.update(all_service_over_offline=paired, median_service_over_offline=statistics.median(paired))
     if side:
         result.update(offline_side_load=side, service_over_side_load=service["output_tok_s"] / side["output_tok_s"],
                       all_side_load_tok_s=[round(r["output_tok_s"], 1) for r in loaded],
-                      all_service_over_offline=[round(a["output_tok_s"] / b["output_tok_s"], 3)
-                                                for a, b in zip(services, offlines)],
                       all_service_over_side_load=[round(a["output_tok_s"] / b["output_tok_s"], 3)
                                                   for a, b in zip(services, loaded)])
 
@@ -490,14 +494,15 @@ def run_single(args: argparse.Namespace, model: str, vocab: int) -> int:
     print(f"{'engine CPU s':24}{engine_cpu:12.2f}{(offline or {}).get('cpu_s', float('nan')):12.2f}")
     print(f"{'tokenizer+detok CPU s':24}{service['cpu_s']['tokenizer_proc'] + service['cpu_s']['detok_proc']:12.2f}")
     if offline:
-        print(f"{'service / in-process':24}{result['service_over_offline']:12.3f}")
+        print(f"{'service / in-process':24}{result['service_over_offline']:12.3f}   (best of each side)")
+        print(f"{'  same prompts, median':24}{result['median_service_over_offline']:12.3f}   "
+              f"(per repeat: {', '.join(f'{r:.3f}' for r in result['all_service_over_offline'])})")
     if side:
         print(f"\nin-process beside a side load of the streaming's CPU ({side['streaming_cpu_s']:.2f} s; "
               f"burned {side['side_load_cpu_s']:.2f} s): {side['output_tok_s']:.1f} tok/s, "
               f"{side['elapsed_s']:.2f} s, engine CPU {side['cpu_s']:.2f} s")
         print(f"{'service / side-loaded':24}{result['service_over_side_load']:12.3f}")
-        print(f"per repeat: service / in-process {result['all_service_over_offline']}, "
-              f"service / side-loaded {result['all_service_over_side_load']}")
+        print(f"per repeat: service / side-loaded {result['all_service_over_side_load']}")
     if args.profile:
         print_profiles(args.profile)
     print(json.dumps(result))

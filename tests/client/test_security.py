@@ -345,12 +345,15 @@ def test_a_closed_service_security_lets_nobody_in(net, keys):
     alice, events = dealer(net, client_ctx, endpoint, b"alice", keys.alice, keys.service.public)
     alice.send(b"anyone?")
     # Without an authenticator libzmq would let any CURVE client in; the enforced ZAP domain fails
-    # closed. How the refusal reaches the client varies with timing (a failure without detail,
-    # or the server dropping the connection first): either way no handshake succeeds.
+    # closed. How the refusal reaches the client varies with timing: a failure without detail, the
+    # server dropping the connection first, or (about 1 run in 100) nothing at all, when the
+    # server's ZAP request went to the authenticator's socket while zmq was still tearing it down
+    # (closing a socket unregisters its endpoint later, on zmq's reaper thread) and the handshake
+    # waits for an answer that never comes. In every case no handshake succeeds and nothing gets in.
     refused = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_DISCONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED)
     first = wait_event(events, refused)
-    assert first is not None and first["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED, first
+    assert first is None or first["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED, first
     assert not router.poll(int(NOTHING_WAIT_S * 1000))
     assert wait_event(events, zmq.EVENT_HANDSHAKE_SUCCEEDED, timeout=0.5) is None
 
