@@ -12,7 +12,8 @@ A single run:
    -> first token) and ITL (gap between consecutive deltas, per token);
 2. runs the same prompts through `LLM.generate` in this process (the service idle meanwhile),
    alternating the two `--repeats` times so other load on the machine hits both alike; every
-   repeat draws fresh prompts (the same for both sides), so no run hits the prefix cache;
+   repeat draws fresh prompts (the same for both sides), so no run hits the prefix cache; before
+   them, `--warmup-runs` (default 1) unmeasured runs of both sides on prompts of their own;
 3. prints a table and one JSON line: best output tok/s of both, their ratio, TTFT/ITL p50/p99,
    and CPU seconds (engine stage vs. in-process, plus tokenizer and detokenizer stages); and the
    ratio of each repeat (service over in-process on the same prompts, run one after the other)
@@ -408,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the service's --stream-interval: output tokens per streamed delta after the first")
     parser.add_argument("--repeats", type=int, default=2, help="alternating service/in-process runs; best is reported")
+    parser.add_argument("--warmup-runs", type=int, default=1,
+                        help="single run: unmeasured full-size runs of both sides first (fresh prompts)")
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--side-load", action="store_true",
                         help="single run: also run LLM.generate beside a process burning the CPU the service's "
@@ -466,6 +469,10 @@ def run_single(args: argparse.Namespace, model: str, vocab: int) -> int:
     service_flags = engine_flags(config) + ["--stream-interval", str(args.stream_interval)]
     with Service(model, service_flags, args.profile) as service:
         offline = None if args.skip_offline else Offline(model, config)
+        if args.warmup_runs:  # unmeasured: both sides' first full-size runs were 5-15% slower than later ones
+            warmup = [make_prompts(args.num_requests, vocab, *args.prompt_len, f"{args.seed}-warmup-{r}")
+                      for r in range(args.warmup_runs)]
+            alternate(service, offline, warmup, output_len, clients)
         services, offlines = alternate(service, offline, prompt_sets, output_len, clients, loaded=loaded)
     service, offline, side = best(services), best(offlines), best(loaded or [])
     result = {"model": args.model, "null_model": args.null_model, "num_requests": args.num_requests, "clients": clients,

@@ -75,3 +75,6 @@ def test_a_single_run_with_side_load_reports_all_three_sides(tiny_model_dir, cap
     cpu = result["service"]["cpu_s"]
     assert side["streaming_cpu_s"] == round(sum(v for k, v in cpu.items() if k != "engine_proc"), 2) > 0
     assert result["service_over_side_load"] > 0 and len(result["all_service_over_side_load"]) == 1
+    # One repeat after the unmeasured warm-up: its pair is the one ratio, and the median.
+    paired = result["service"]["output_tok_s"] / result["offline"]["output_tok_s"]
+    assert result["all_service_over_offline"] == [round(paired, 3)] == [result["median_service_over_offline"]]
