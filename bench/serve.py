@@ -484,7 +484,7 @@ def run_single(args: argparse.Namespace, model: str, vocab: int) -> int:
               "all_offline_tok_s": [round(r["output_tok_s"], 1) for r in offlines]}
     if offline:
         paired = [round(a["output_tok_s"] / b["output_tok_s"], 3) for a, b in zip(services, offlines)]
-        result.update(all_service_over_offline=paired, median_service_over_offline=statistics.median(paired))
+        result.update(all_service_over_offline=paired, median_service_over_offline=round(statistics.median(paired), 3))
     if side:
         result.update(offline_side_load=side, service_over_side_load=service["output_tok_s"] / side["output_tok_s"],
                       all_side_load_tok_s=[round(r["output_tok_s"], 1) for r in loaded],
