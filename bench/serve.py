@@ -28,6 +28,12 @@ burst per engine step. If the service matches that side, the stages cost nothing
 their work needs; what it loses against the plain in-process run is that CPU, taken from cores
 the engine would otherwise use.
 
+`--streaming-cores CPUS` (e.g. `1`) asks what the service costs when its streaming has cores of
+its own, as where the clients run elsewhere: the engine of both sides runs on the other CPUs
+(`num_threads` = their number), the tokenizer, detokenizer, supervisor and the clients on CPUS.
+Every thread of each process is pinned (`sched_setaffinity`); this process moves between the two
+sets as it runs one side, then the other.
+
 `--idle S` measures the fixed cost of open connections instead: `--clients` (default 64)
 AsyncClients connect, wait until ready, then send nothing for S seconds, heartbeats aside
 (`--client-heartbeat`, default the client's 1 s); it prints the CPU seconds each stage and the
@@ -57,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE_PATH = [REPO, os.path.join(REPO, "client")]
@@ -165,6 +172,41 @@ async def run_clients(url: str, prompts: list[list[int]], output_len: int, num_c
             "kv_usage_mean": sum(kv_used) / len(kv_used) / total_blocks if kv_used else 0.0}
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, FileNotFoundError):  # a thread that just ended
+            pass
+
+
+def cpus_of(pid: int) -> list[int]:
+    """The CPUs any thread of process `pid` may run on."""
+    cpus: set[int] = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            cpus |= os.sched_getaffinity(int(tid))
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+    return sorted(cpus)
+
+
+@dataclass
+class Cores:
+    """`--streaming-cores`: the engine (either side) on `engine`, everything else on `streaming`."""
+    engine: set[int]
+    streaming: set[int]
+
+    @classmethod
+    def parse(cls, spec: str) -> Cores:
+        available = os.sched_getaffinity(0)
+        streaming = {int(c) for c in spec.split(",")}
+        if not streaming < available:
+            raise SystemExit(f"--streaming-cores {spec}: needs a proper subset of this process's CPUs {sorted(available)}")
+        return cls(available - streaming, streaming)
+
+
 class Service:
     """`nanovllm serve` in a temp runtime dir and its own process group, for a `with` block.
 
@@ -172,7 +214,9 @@ class Service:
     and writes one .prof file per thread there when it exits.
     """
 
-    def __init__(self, model: str, engine_args: list[str], profile_dir: str | None = None):
+    def __init__(self, model: str, engine_args: list[str], profile_dir: str | None = None,
+                 cores: Cores | None = None):
+        self.cores = cores
         self.runtime_dir = tempfile.mkdtemp(prefix="nvb-", dir="/tmp")
         self.url = f"ipc://{self.runtime_dir}"
         self.argv = [sys.executable, "-m", "nanovllm.supervisor", "--model", model, "--runtime-dir", self.runtime_dir,
@@ -193,6 +237,9 @@ class Service:
                 c.wait_engine(timeout=300)
             with open(os.path.join(self.runtime_dir, "stages.json")) as f:
                 self.pids = {k: v for k, v in json.load(f).items() if k != "url"}
+            if self.cores:
+                for name, pid in [("supervisor", self.proc.pid), *self.pids.items()]:
+                    pin(pid, self.cores.engine if name == "engine_proc" else self.cores.streaming)
         except BaseException:
             self.__exit__()
             raise
@@ -214,6 +261,8 @@ class Service:
             runner = uvloop.run
         except ImportError:
             runner = asyncio.run
+        if self.cores:  # the clients stream on the streaming cores
+            pin(os.getpid(), self.cores.streaming)
         profile = cProfile.Profile() if self.profile_dir else None
         before, own = self.cpu_seconds(), time.process_time()
         if profile:
@@ -224,6 +273,9 @@ class Service:
             profile.dump_stats(os.path.join(self.profile_dir, f"clients-{os.getpid()}-{time.monotonic_ns()}.prof"))
         after, own = self.cpu_seconds(), time.process_time() - own
         result["cpu_s"] = {**{k: round(after[k] - before[k], 2) for k in after}, "clients": round(own, 2)}
+        if self.cores:  # read back after the run: threads started meanwhile included
+            result["cpus"] = {name: cpus_of(pid) for name, pid in [("supervisor", self.proc.pid), *self.pids.items(),
+                                                                   ("clients", os.getpid())]}
         return result
 
     def __exit__(self, *exc) -> None:
@@ -287,13 +339,16 @@ def print_profiles(profile_dir: str, top: int = 12) -> None:
 class Offline:
     """The same workload through `LLM.generate` in this process."""
 
-    def __init__(self, model: str, config: dict):
+    def __init__(self, model: str, config: dict, cores: Cores | None = None):
         from nanovllm import LLM, SamplingParams
 
+        self.cores = cores
         self.llm, self.params_cls = LLM(model, **config), SamplingParams
         self.llm.generate([[11, 12, 13]] * 4, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
 
     def run(self, prompts, output_len: int) -> dict:
+        if self.cores:  # the engine cores only, as the service's engine stage
+            pin(os.getpid(), self.cores.engine)
         params = self.params_cls(temperature=0, max_tokens=output_len, ignore_eos=True)
         start, cpu, steps = time.perf_counter(), time.process_time(), self.llm.engine.num_steps
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -372,6 +427,8 @@ def engine_config(args: argparse.Namespace, null_model: bool) -> dict:
     config = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype}
     if null_model:
         config.update(null_model=True, num_threads=1)
+    if getattr(args, "streaming_cores", None):
+        config["num_threads"] = len(Cores.parse(args.streaming_cores).engine)
     return config
 
 
@@ -415,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--side-load", action="store_true",
                         help="single run: also run LLM.generate beside a process burning the CPU the service's "
                              "streaming used (is the loss that CPU, or the stages themselves?)")
+    parser.add_argument("--streaming-cores", metavar="CPUS", default=None,
+                        help="single run: give the streaming (tokenizer, detokenizer, clients) these CPUs, e.g. 1, "
+                             "and the engine of both sides the others, as many torch threads as it has CPUs")
     parser.add_argument("--null-model", action="store_true",
                         help="only the null model (fixed logits, no model work): what the scheduler, sampler and "
                              "the three stages sustain alone")
@@ -467,17 +527,23 @@ def run_single(args: argparse.Namespace, model: str, vocab: int) -> int:
     clients = args.clients or 4
     loaded: list[dict] | None = [] if args.side_load and not args.skip_offline else None
     service_flags = engine_flags(config) + ["--stream-interval", str(args.stream_interval)]
-    with Service(model, service_flags, args.profile) as service:
-        offline = None if args.skip_offline else Offline(model, config)
-        if args.warmup_runs:  # unmeasured: both sides' first full-size runs were 5-15% slower than later ones
-            warmup = [make_prompts(args.num_requests, vocab, *args.prompt_len, f"{args.seed}-warmup-{r}")
-                      for r in range(args.warmup_runs)]
-            alternate(service, offline, warmup, output_len, clients)
-        services, offlines = alternate(service, offline, prompt_sets, output_len, clients, loaded=loaded)
+    cores = Cores.parse(args.streaming_cores) if args.streaming_cores else None
+    own_cpus = os.sched_getaffinity(0)
+    try:
+        with Service(model, service_flags, args.profile, cores) as service:
+            offline = None if args.skip_offline else Offline(model, config, cores)
+            if args.warmup_runs:  # unmeasured: both sides' first full-size runs were 5-15% slower than later ones
+                warmup = [make_prompts(args.num_requests, vocab, *args.prompt_len, f"{args.seed}-warmup-{r}")
+                          for r in range(args.warmup_runs)]
+                alternate(service, offline, warmup, output_len, clients)
+            services, offlines = alternate(service, offline, prompt_sets, output_len, clients, loaded=loaded)
+    finally:
+        if cores:
+            pin(os.getpid(), own_cpus)
     service, offline, side = best(services), best(offlines), best(loaded or [])
     result = {"model": args.model, "null_model": args.null_model, "num_requests": args.num_requests, "clients": clients,
               "prompt_tokens": [sum(map(len, s)) for s in prompt_sets], "output_len": output_len,
-              "repeats": args.repeats, "config": config, "stream_interval": args.stream_interval,
+              "repeats": args.repeats, "config": config, "stream_interval": args.stream_interval, "streaming_cores": args.streaming_cores,
               "service": service, "offline": offline,
               "service_over_offline": service["output_tok_s"] / offline["output_tok_s"] if offline else None,
               "all_service_tok_s": [round(r["output_tok_s"], 1) for r in services],

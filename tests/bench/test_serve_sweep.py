@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -78,3 +79,35 @@ def test_a_single_run_with_side_load_reports_all_three_sides(tiny_model_dir, cap
     # One repeat after the unmeasured warm-up: its pair is the one ratio, and the median.
     paired = result["service"]["output_tok_s"] / result["offline"]["output_tok_s"]
     assert result["all_service_over_offline"] == [round(paired, 3)] == [result["median_service_over_offline"]]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to give the streaming one")
+def test_streaming_cores_pin_every_stage_and_the_clients(tiny_model_dir, capsys):
+    own = os.sched_getaffinity(0)
+    streaming = max(own)
+    engine = sorted(own - {streaming})
+    threads = torch.get_num_threads()
+    try:
+        code = main(["--model", tiny_model_dir, "--num-requests", "4", "--output-len", "8", "--repeats", "1",
+                     "--streaming-cores", str(streaming)])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["service"]["output_tokens"] == result["offline"]["output_tokens"] == 32
+    assert result["config"]["num_threads"] == len(engine)
+    # Read back from the kernel after the run, every thread of each process included.
+    assert result["service"]["cpus"] == {"supervisor": [streaming], "tokenizer_proc": [streaming],
+                                         "engine_proc": engine, "detok_proc": [streaming], "clients": [streaming]}
+    assert os.sched_getaffinity(0) == own  # this process is given its CPUs back
+
+
+def test_streaming_cores_must_leave_the_engine_a_cpu():
+    from bench.serve import Cores
+
+    own = os.sched_getaffinity(0)
+    with pytest.raises(SystemExit, match="proper subset"):
+        Cores.parse(",".join(map(str, sorted(own))))
+    if len(own) > 1:
+        cores = Cores.parse(str(min(own)))
+        assert cores.streaming == {min(own)} and cores.engine == own - {min(own)}
