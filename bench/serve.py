@@ -172,24 +172,32 @@ async def run_clients(url: str, prompts: list[list[int]], output_len: int, num_c
             "kv_usage_mean": sum(kv_used) / len(kv_used) / total_blocks if kv_used else 0.0}
 
 
-def pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of process `pid` onto `cpus` (threads it starts later inherit it)."""
+def cpu_seconds(pid: int) -> float:
+    """user+system CPU seconds of process `pid` so far (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def per_thread(pid: int, call) -> list:
+    """`call(tid)` for every thread of process `pid`, skipping threads that end meanwhile."""
+    out = []
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, FileNotFoundError):  # a thread that just ended
+            out.append(call(int(tid)))
+        except (ProcessLookupError, FileNotFoundError):
             pass
+    return out
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (threads it starts later inherit it)."""
+    per_thread(pid, lambda tid: os.sched_setaffinity(tid, cpus))
 
 
 def cpus_of(pid: int) -> list[int]:
     """The CPUs any thread of process `pid` may run on."""
-    cpus: set[int] = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            cpus |= os.sched_getaffinity(int(tid))
-        except (ProcessLookupError, FileNotFoundError):
-            pass
-    return sorted(cpus)
+    return sorted(set().union(*per_thread(pid, os.sched_getaffinity)))
 
 
 @dataclass
@@ -238,22 +246,20 @@ class Service:
             with open(os.path.join(self.runtime_dir, "stages.json")) as f:
                 self.pids = {k: v for k, v in json.load(f).items() if k != "url"}
             if self.cores:
-                for name, pid in [("supervisor", self.proc.pid), *self.pids.items()]:
+                for name, pid in self.processes():
                     pin(pid, self.cores.engine if name == "engine_proc" else self.cores.streaming)
         except BaseException:
             self.__exit__()
             raise
         return self
 
+    def processes(self) -> list[tuple[str, int]]:
+        """(name, pid) of the supervisor and each stage."""
+        return [("supervisor", self.proc.pid), *self.pids.items()]
+
     def cpu_seconds(self) -> dict[str, float]:
-        """user+system CPU seconds of each stage so far (from /proc)."""
-        ticks = os.sysconf("SC_CLK_TCK")
-        out = {}
-        for name, pid in self.pids.items():
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            out[name] = (int(fields[11]) + int(fields[12])) / ticks
-        return out
+        """user+system CPU seconds of each stage so far."""
+        return {name: cpu_seconds(pid) for name, pid in self.pids.items()}
 
     def run(self, prompts, output_len: int, num_clients: int, concurrency: int | None = None) -> dict:
         try:
@@ -274,8 +280,7 @@ class Service:
         after, own = self.cpu_seconds(), time.process_time() - own
         result["cpu_s"] = {**{k: round(after[k] - before[k], 2) for k in after}, "clients": round(own, 2)}
         if self.cores:  # read back after the run: threads started meanwhile included
-            result["cpus"] = {name: cpus_of(pid) for name, pid in [("supervisor", self.proc.pid), *self.pids.items(),
-                                                                   ("clients", os.getpid())]}
+            result["cpus"] = {name: cpus_of(pid) for name, pid in [*self.processes(), ("clients", os.getpid())]}
         return result
 
     def __exit__(self, *exc) -> None:
@@ -378,16 +383,11 @@ class SideLoad:
 
     def __enter__(self) -> SideLoad:
         self.proc = subprocess.Popen(self.argv)
-        self.start = self._cpu()
+        self.start = cpu_seconds(self.proc.pid)
         return self
 
-    def _cpu(self) -> float:
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
     def __exit__(self, *exc) -> None:
-        self.cpu_s = self._cpu() - self.start
+        self.cpu_s = cpu_seconds(self.proc.pid) - self.start
         self.proc.kill()
         self.proc.wait()
 
@@ -427,8 +427,6 @@ def engine_config(args: argparse.Namespace, null_model: bool) -> dict:
     config = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype}
     if null_model:
         config.update(null_model=True, num_threads=1)
-    if getattr(args, "streaming_cores", None):
-        config["num_threads"] = len(Cores.parse(args.streaming_cores).engine)
     return config
 
 
@@ -524,10 +522,12 @@ def run_single(args: argparse.Namespace, model: str, vocab: int) -> int:
     prompt_sets = [make_prompts(args.num_requests, vocab, *args.prompt_len, f"{args.seed}-{r}")
                    for r in range(args.repeats)]
     config = engine_config(args, args.null_model)
+    cores = Cores.parse(args.streaming_cores) if args.streaming_cores else None
+    if cores:  # a torch thread per engine CPU, both sides
+        config["num_threads"] = len(cores.engine)
     clients = args.clients or 4
     loaded: list[dict] | None = [] if args.side_load and not args.skip_offline else None
     service_flags = engine_flags(config) + ["--stream-interval", str(args.stream_interval)]
-    cores = Cores.parse(args.streaming_cores) if args.streaming_cores else None
     own_cpus = os.sched_getaffinity(0)
     try:
         with Service(model, service_flags, args.profile, cores) as service:
