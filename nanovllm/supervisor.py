@@ -31,6 +31,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+# At import, not in _announce_ready: that runs on a thread of its own, and no thread imports a
+# library while another may be importing it (nanovllm.models.tokenizer says why).
+from nanovllm_client import Client, NanovllmError
+from nanovllm_client.security import load_keypair
+
 STAGES = ("tokenizer_proc", "engine_proc", "detok_proc")
 DEFAULT_WATCHDOG_S = 60.0
 """As the engine's unit (`WatchdogSec=60`): one step may be a long prefill on a small CPU."""
@@ -205,9 +210,6 @@ class Supervisor:
         return 0
 
     def _announce_ready(self, stop: threading.Event) -> None:
-        from nanovllm_client import Client, NanovllmError
-        from nanovllm_client.security import load_keypair
-
         try:
             # With CURVE the service's own key pair is let in everywhere: the supervisor uses it.
             secret = self.env.get("NANOVLLM_CURVE_SECRET_KEY")

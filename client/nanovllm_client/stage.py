@@ -17,6 +17,7 @@ import time
 import uuid
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message  # at import: poll() runs on stage threads
 
 from .endpoints import Endpoints, default_url, ensure_ipc_dir, service_endpoints
 from .protocol import MAX_FRAME_BYTES
@@ -233,8 +234,6 @@ class PeerMonitor:
         """Handshake failures whose disconnect has not come yet."""
 
     def poll(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
         while self.socket.poll(0):
             event = recv_monitor_message(self.socket)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:

@@ -26,7 +26,6 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
@@ -103,8 +102,10 @@ class LLMEngine:
         # 5. eos_token_ids = 模型 config 的 eos + generation_config.json 里额外的 eos（去重，GGUF 不读）。
         # 6. Scheduler：max_num_seqs、max_num_batched_tokens、max_model_len、eos，策略 make_policy(scheduler_policy)。
         # 7. 请求表、_aborted、到达计数 _arrivals、last_step / num_steps、post-step hooks 初始化。
-        # 8. 后台线程加载 tokenizer，建 string banned_words 用的词表字节索引（WordIndex）：
-        #    加载要几秒，不能卡在 add_request 所在的 step 线程上。
+        # 8. start_word_index：先在本线程 import 加载 tokenizer 要用的 transformers 模块
+        #    （两个线程同时 import transformers 的惰性模块不安全），再由后台线程加载 tokenizer、
+        #    建 string banned_words 用的词表字节索引（WordIndex）：加载要几秒，不能卡在
+        #    add_request 所在的 step 线程上。
         # [ZH-END]
         self.config = config = config or Config(**kwargs)
         self.model_path = resolve_model_path(config.model)
@@ -124,8 +125,7 @@ class LLMEngine:
         self.post_step_hooks = PostStepHooks()
         # Loading a tokenizer takes seconds, and add_request runs on the step loop (the engine
         # stage's thread): the index for string banned words is built now, off that loop.
-        self._word_index = _in_background("nanovllm-word-index", load_word_index, self.model_path,
-                                          self.model_config.vocab_size, self.runner.device)
+        self._word_index = start_word_index(self.model_path, self.model_config.vocab_size, self.runner.device)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -341,24 +341,28 @@ class LLMEngine:
         }
 
 
-def load_word_index(model_path: str, vocab_size: int, device: torch.device) -> WordIndex:
-    """The token bytes of the model's vocabulary, indexed for banned strings (loads the tokenizer)."""
-    from nanovllm.models.tokenizer import load_tokenizer  # only string banned words need it
-    table = token_byte_table(load_tokenizer(model_path), vocab_size)
-    if not any(table):  # transformers builds an empty tokenizer from a folder without its files
-        raise ValueError("the tokenizer has no text tokens")
-    return WordIndex(table, device)
+def start_word_index(model_path: str, vocab_size: int, device: torch.device) -> Future:
+    """The token bytes of the model's vocabulary, indexed for banned strings, built on a daemon
+    thread; the future holds the index, or why there is none (no tokenizer files, ...).
 
-
-def _in_background(name: str, fn: Callable[..., Any], *args: Any) -> Future:
-    """fn(*args) on a daemon thread named `name`; its result (or exception) in the returned future."""
+    The imports the build needs happen first, here: the thread imports nothing, so it never
+    meets another thread inside a half-imported transformers module (`tokenizer_loader`)."""
+    from nanovllm.models.tokenizer import tokenizer_loader  # only string banned words need it
     future: Future = Future()
+    try:
+        load = tokenizer_loader(model_path)
+    except Exception as e:  # no tokenizer files, an unreadable GGUF: many kinds of errors
+        future.set_exception(e)
+        return future
 
-    def run() -> None:
+    def build() -> None:
         try:
-            future.set_result(fn(*args))
+            table = token_byte_table(load(), vocab_size)
+            if not any(table):  # transformers builds an empty tokenizer from a folder without its files
+                raise ValueError("the tokenizer has no text tokens")
+            future.set_result(WordIndex(table, device))
         except BaseException as e:  # handed to whoever waits on the future
             future.set_exception(e)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    threading.Thread(target=build, name="nanovllm-word-index", daemon=True).start()
     return future

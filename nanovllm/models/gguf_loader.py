@@ -15,7 +15,7 @@ import os
 import re
 import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -317,19 +317,27 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     directory (keyed by the file's path, size and mtime) and loaded from there in ~0.2 s, which
     every stage process and CLI start benefits from.
     """
-    from transformers import AutoTokenizer  # heavy import, only needed here
+    return gguf_tokenizer_loader(path)()
+
+
+def gguf_tokenizer_loader(path: str) -> Callable[[], PreTrainedTokenizerBase]:
+    """`load_gguf_tokenizer(path)` in two halves (see `nanovllm.models.tokenizer`): the imports,
+    and a first conversion, happen now; the returned call only reads the saved copy."""
+    from nanovllm.models.tokenizer import folder_tokenizer_loader
 
     _check_exists(path)
     cached = _tokenizer_cache_dir(path)
     if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
-        return AutoTokenizer.from_pretrained(cached)
+        return folder_tokenizer_loader(cached)
+    from transformers import AutoTokenizer  # heavy import, only needed here
+
     directory, filename = os.path.split(os.path.abspath(path))
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     if not tokenizer.chat_template:
         # Some transformers versions drop the template while converting; the engine needs it.
         tokenizer.chat_template = _read_header(path).metadata.get("tokenizer.chat_template")
     _save_atomically(tokenizer, cached)
-    return tokenizer
+    return lambda: tokenizer
 
 
 def _tokenizer_cache_dir(path: str) -> str:

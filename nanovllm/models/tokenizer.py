@@ -1,14 +1,63 @@
-"""Load the tokenizer that belongs to a model name, without loading the weights."""
+"""Load the tokenizer that belongs to a model name, without loading the weights.
+
+Loading comes in two halves, `tokenizer_loader(model)` and the call it returns, so that a
+background thread can do the slow half while other threads import: transformers' lazily loaded
+modules are not safe to import from two threads at once (an engine once failed to start with
+"cannot import name 'AutoTokenizer' from 'transformers'" because its word-index thread and its
+main thread were both inside transformers' imports). The first half imports what loading needs,
+on the calling thread; the second half only reads files.
+"""
 from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Callable
+from typing import Any
 
 from nanovllm.models.loader import is_gguf, resolve_model_path
 
 
 def load_tokenizer(model: str):
     """A transformers tokenizer for "default", an HF folder or a .gguf file."""
+    return tokenizer_loader(model)()
+
+
+def tokenizer_loader(model: str) -> Callable[[], Any]:
+    """Import now, on the calling thread, everything loading `model`'s tokenizer takes from
+    transformers, and return the load itself: a call that imports nothing, safe on any thread.
+    Converting a GGUF vocabulary the first time (seconds, once per file) happens here too, since
+    the conversion imports half of transformers."""
     path = resolve_model_path(model)
     if is_gguf(path):
-        from nanovllm.models.gguf_loader import load_gguf_tokenizer
-        return load_gguf_tokenizer(path)
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+        from nanovllm.models.gguf_loader import gguf_tokenizer_loader
+        return gguf_tokenizer_loader(path)
+    return folder_tokenizer_loader(path)
+
+
+def folder_tokenizer_loader(path: str) -> Callable[[], Any]:
+    """`tokenizer_loader` for a folder with HF tokenizer files."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    # AutoTokenizer reads the model's config to choose the tokenizer class, importing that model's
+    # configuration module on first use: read here, it is imported here.
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, OSError):  # no config.json (a tokenizer-only folder), an unknown model type
+        config = None
+    _import_tokenizer_class(path)
+    return functools.partial(AutoTokenizer.from_pretrained, path, config=config)
+
+
+def _import_tokenizer_class(path: str) -> None:
+    """Import the module of the class `tokenizer_config.json` names: AutoTokenizer would import
+    it on first use, on whatever thread loads. Best effort: where the name or transformers'
+    lookup is missing, AutoTokenizer resolves the class as it always does."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+        from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+    except (OSError, ValueError, AttributeError, ImportError):
+        return
+    if isinstance(name, str):
+        tokenizer_class_from_name(name)
