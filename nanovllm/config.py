@@ -54,8 +54,9 @@ class Config:
     share free too (the watermark is at least this), or the preempted sequences would refill it on
     the next step. 0: preempt only what is needed."""
     dtype: str = "auto"
-    """"auto" (on CPU bfloat16 where it has AMX-BF16 or AVX512-BF16, float32 elsewhere; on CUDA the
-    checkpoint's dtype, bfloat16 for float32 checkpoints), "float32", "float16" or "bfloat16"."""
+    """"auto" (on CPU bfloat16 where it has AMX-BF16 or AVX512-BF16, float32 elsewhere, or what the
+    environment variable NANOVLLM_AUTO_DTYPE says; on CUDA the checkpoint's dtype, bfloat16 for
+    float32 checkpoints), "float32", "float16" or "bfloat16"."""
     device: str = "auto"
     num_threads: int | None = None
     """Torch intra-op threads on CPU; defaults to the cores this process may use."""

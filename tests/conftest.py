@@ -33,23 +33,9 @@ def tokenizer_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def server_wheel(tmp_path_factory):
-    """The server wheel, built once per session (tests/helpers/wheel.py)."""
-    from tests.helpers.wheel import build_server_wheel
-    return build_server_wheel(tmp_path_factory.mktemp("wheel"))
-
-
-@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> str:
     """A random-weight tiny Qwen3 folder with a tokenizer (`<|im_end|>` is EOS)."""
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen3")), "qwen3", tokenizer_dir=tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def server_wheel(tmp_path_factory):
-    """The server wheel, built once per session (tests/helpers/wheel.py)."""
-    from tests.helpers.wheel import build_server_wheel
-    return build_server_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +45,21 @@ def tiny_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
         arch: make_tiny_model(str(tmp_path_factory.mktemp(f"tiny-{arch}")), arch, tokenizer_dir=tokenizer_dir, seed=i)
         for i, arch in enumerate(("qwen3", "llama", "qwen2"))
     }
+
+
+AUTO_DTYPES = ("float32", "bfloat16")
+"""What `dtype="auto"` resolves to on CPU: float32 without native bf16 (AVX2-only), bfloat16 with
+AVX512-BF16 or AMX."""
+
+
+@pytest.fixture(params=AUTO_DTYPES, ids=lambda dtype: f"auto={dtype}")
+def auto_dtype(request, monkeypatch) -> str:
+    """Runs the test once per resolution of `dtype="auto"`, forced by NANOVLLM_AUTO_DTYPE (which the
+    stage processes a test starts inherit), as it would resolve on each kind of CPU. For tests that
+    compare two engines or services: a comparison that holds in one precision only then fails on
+    every machine, not just on the CPUs that resolve to the other."""
+    monkeypatch.setenv("NANOVLLM_AUTO_DTYPE", request.param)
+    return request.param
 
 
 LEFTOVER_PREFIXES = ("nv-", "nvb-", "nanovllm", "pytest-of-", "tmp", "torchinductor")

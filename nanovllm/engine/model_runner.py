@@ -134,7 +134,8 @@ class ModelRunner:
         # [ZH-START]
         # 1. validate_tensor_parallel：heads / kv heads / intermediate_size 必须能被 TP size 整除。
         # 2. resolve_device：auto → 有 CUDA 用 cuda，否则 cpu；TP 时 rank r 固定用 cuda:r。
-        #    resolve_dtype：auto 时 CPU 看指令集（AMX-BF16 / AVX512-BF16 → bf16，否则 fp32），
+        #    resolve_dtype：auto 时 CPU 看指令集（AMX-BF16 / AVX512-BF16 → bf16，否则 fp32；
+        #    设了 NANOVLLM_AUTO_DTYPE 就按它，好在一台机器上复现另一类 CPU 的结果），
         #    GPU 用模型自带 dtype，模型是 fp32 则改用 bf16。
         # 3. max_model_len 按同一规则解析；workers / channel / graphs 先置空，tp 先是单卡 TensorParallel()。
         # 4. 调 _start() 真正加载；任何异常（BaseException，含 Ctrl-C）都先 _shutdown(workers_serving=False)

@@ -52,11 +52,35 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _BF16_FLAGS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16"}
 
 
-@functools.cache
+AUTO_DTYPE_ENV = "NANOVLLM_AUTO_DTYPE"
+"""Makes `dtype="auto"` resolve as it would on another CPU: "float32" as on a CPU without native
+bf16, "bfloat16" as on one with it. One machine can then run what depends on the resolution both
+ways (the suite's comparisons, an operator reproducing a report from another host)."""
+_AUTO_DTYPE_CHOICES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def auto_cpu_dtype() -> torch.dtype:
     """`dtype="auto"` on CPU: bfloat16 where the CPU computes it natively (AMX-BF16 tiles, or
     AVX512-BF16 dot products), float32 elsewhere, where bf16 matmuls are emulated and several
-    times slower than fp32. Logged once per process, with the reason."""
+    times slower than fp32; `NANOVLLM_AUTO_DTYPE` overrides the probe. Read at each call (a test
+    may set the variable after the first engine), logged once per process and outcome."""
+    forced = os.environ.get(AUTO_DTYPE_ENV, "")
+    if not forced:
+        return native_cpu_dtype()
+    if forced not in _AUTO_DTYPE_CHOICES:
+        raise ValueError(f"{AUTO_DTYPE_ENV} must be one of {', '.join(_AUTO_DTYPE_CHOICES)} (or unset); got {forced!r}")
+    _log_forced(forced)
+    return _AUTO_DTYPE_CHOICES[forced]
+
+
+@functools.cache
+def _log_forced(forced: str) -> None:
+    logger.info("dtype auto -> %s: forced by %s (this CPU alone would give %s)", forced, AUTO_DTYPE_ENV,
+                str(native_cpu_dtype()).removeprefix("torch."))
+
+
+@functools.cache
+def native_cpu_dtype() -> torch.dtype:
     found = [name for flag, name in _BF16_FLAGS.items() if flag in cpu_flags()]
     if found and torch.backends.mkldnn.is_available():
         logger.info("dtype auto -> bfloat16: this CPU has %s (set dtype='float32' to override)", " and ".join(found))

@@ -1,4 +1,5 @@
-"""Prefix caching and preemption change how much is computed, never what is generated."""
+"""Prefix caching and preemption change how much is computed, never what is generated: in either
+precision `dtype="auto"` picks (the `auto_dtype` fixture runs each test both ways)."""
 from __future__ import annotations
 
 from nanovllm import LLM, SamplingParams
@@ -7,7 +8,7 @@ from tests.engine.conftest import random_prompts
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
-def test_prefix_cache_reuses_blocks_and_keeps_greedy_output(tiny_model_dir):
+def test_prefix_cache_reuses_blocks_and_keeps_greedy_output(tiny_model_dir, auto_dtype):
     shared = random_prompts([48], vocab=2048, seed=11)[0]
     tails = random_prompts([5, 9, 2, 13], vocab=2048, seed=12)
     prompts = [shared + t for t in tails]
@@ -23,7 +24,7 @@ def test_prefix_cache_reuses_blocks_and_keeps_greedy_output(tiny_model_dir):
     assert warm.engine.block_manager.num_free_blocks == 256
 
 
-def test_preemption_keeps_greedy_output(tiny_model_dir):
+def test_preemption_keeps_greedy_output(tiny_model_dir, auto_dtype):
     prompts = random_prompts([30, 25, 28, 31, 22, 27], vocab=2048, seed=13)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     roomy = LLM(tiny_model_dir, block_size=4, num_kvcache_blocks=400)
@@ -37,7 +38,7 @@ def test_preemption_keeps_greedy_output(tiny_model_dir):
     assert tight.engine.block_manager.num_free_blocks == 40
 
 
-def test_preemption_keeps_banned_word_decisions(tiny_model_dir):
+def test_preemption_keeps_banned_word_decisions(tiny_model_dir, auto_dtype):
     # Banned strings keep matcher state between steps; a preempted, recomputed request must still
     # get the tokens it gets without preemption.
     prompts = random_prompts([30, 25, 28, 31, 22, 27], vocab=2048, seed=13)

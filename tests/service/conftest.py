@@ -56,6 +56,32 @@ def service(tiny_model_dir):
     procs.stop()
 
 
+@pytest.fixture(scope="session")
+def service_with_auto(service, tiny_model_dir):
+    """`service_with_auto(dtype)`: a tiny-model service whose engine resolves `dtype="auto"` to
+    `dtype` (the `auto_dtype` fixture's values). The shared service where that is what auto gives
+    here anyway; otherwise one started with NANOVLLM_AUTO_DTYPE on first use and kept for the
+    session, so each way costs one start however many tests ask."""
+    from nanovllm.layers.cpu_kernels import native_cpu_dtype
+
+    # What the shared service's engine resolved auto to: forced for the whole run, or this CPU's.
+    shared = os.environ.get("NANOVLLM_AUTO_DTYPE") or str(native_cpu_dtype()).removeprefix("torch.")
+    started = {shared: service}
+
+    def get(dtype: str) -> ServiceProcs:
+        if dtype not in started:
+            started[dtype] = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc",
+                                           env={"engine_proc": {"NANOVLLM_AUTO_DTYPE": dtype}})
+        procs = started[dtype]
+        assert f"dtype auto -> {dtype}:" in procs.logs(tail=10**8), f"the engine did not resolve auto to {dtype}"
+        return procs
+
+    yield get
+    for procs in started.values():
+        if procs is not service:
+            procs.stop()
+
+
 @pytest.fixture
 def client(service):
     with Client(service.url, timeout=60, connect_timeout=30) as c:

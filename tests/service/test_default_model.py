@@ -11,10 +11,13 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.mark.slow
-def test_default_model_greedy_chat_through_the_service_equals_llm_generate():
+def test_default_model_greedy_chat_through_the_service_equals_llm_generate(auto_dtype):
+    # Both sides resolve dtype "auto", forced to each precision in turn (the engine stage inherits
+    # NANOVLLM_AUTO_DTYPE): what the README's first command does, on either kind of CPU.
     from nanovllm import LLM, SamplingParams
 
     llm = LLM("default")
+    assert str(llm.engine.runner.dtype) == f"torch.{auto_dtype}"
     ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False),
                                add_special_tokens=False)
     offline = llm.generate([ids], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
@@ -23,6 +26,7 @@ def test_default_model_greedy_chat_through_the_service_equals_llm_generate():
     try:
         with Client(procs.url, timeout=120) as client:
             deltas = list(client.stream(QUESTION, max_tokens=32, temperature=0))
+        assert f"dtype auto -> {auto_dtype}:" in procs.logs(tail=10**8)
     finally:
         procs.stop()
     text = "".join(d.text for d in deltas)

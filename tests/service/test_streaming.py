@@ -14,13 +14,6 @@ from tests.service.harness import wait_for
 PROMPTS = ["def main():", "import os\nimport sys", "class Foo(object):\n    ", "Hello, world"]
 
 
-@pytest.fixture(scope="module")
-def offline_llm(tiny_model_dir):
-    from nanovllm import LLM
-
-    return LLM(tiny_model_dir, num_kvcache_blocks=256, num_threads=1)
-
-
 def record_wire_deltas(client: Client) -> list:
     """Every delta that reaches the client, before the client's own bookkeeping."""
     seen: list = []
@@ -36,12 +29,18 @@ def record_wire_deltas(client: Client) -> list:
     return seen
 
 
-def test_greedy_stream_equals_offline_generate(client, offline_llm):
-    from nanovllm import SamplingParams
+def test_greedy_stream_equals_offline_generate(tiny_model_dir, service_with_auto, auto_dtype):
+    import torch
+    from nanovllm import LLM, SamplingParams
 
-    expected = offline_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
-    for prompt, want in zip(PROMPTS, expected):
-        deltas = list(client.stream(prompt, max_tokens=24, temperature=0))
+    offline = LLM(tiny_model_dir, num_kvcache_blocks=256, num_threads=1)  # auto, forced as the service's
+    expected = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    procs = service_with_auto(auto_dtype)
+    with Client(procs.url, timeout=60, connect_timeout=30) as client:
+        deltas_by_prompt = [list(client.stream(prompt, max_tokens=24, temperature=0)) for prompt in PROMPTS]
+    procs.assert_running()
+    assert offline.engine.runner.dtype == getattr(torch, auto_dtype)
+    for deltas, want in zip(deltas_by_prompt, expected):
         assert "".join(d.text for d in deltas) == want["text"]
         assert [t for d in deltas for t in d.token_ids] == want["token_ids"]
         assert deltas[-1].finish_reason in ("stop", "length")
