@@ -225,7 +225,7 @@ class Service:
     def __init__(self, model: str, engine_args: list[str], profile_dir: str | None = None,
                  cores: Cores | None = None):
         self.cores = cores
-        self.runtime_dir = tempfile.mkdtemp(prefix="nvb-", dir="/tmp")
+        self.runtime_dir = tempfile.mkdtemp(prefix="nvb-")  # $TMPDIR, else /tmp: short, for ipc paths
         self.url = f"ipc://{self.runtime_dir}"
         self.argv = [sys.executable, "-m", "nanovllm.supervisor", "--model", model, "--runtime-dir", self.runtime_dir,
                      "--log-level", "WARNING", *engine_args]

@@ -25,8 +25,10 @@ import logging
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 # library while another may be importing it (nanovllm.models.tokenizer says why).
 from nanovllm_client import Client, NanovllmError
 from nanovllm_client.security import load_keypair
+from nanovllm_client.throttle import ThrottledWarnings
 
 STAGES = ("tokenizer_proc", "engine_proc", "detok_proc")
 DEFAULT_WATCHDOG_S = 60.0
@@ -94,7 +97,11 @@ class Supervisor:
         for stage in self.stages.values():
             stage.notify_name = f"@nanovllm-serve/{os.getpid()}/{stage.name}"
             stage.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+            # An abstract name has no permissions: any local user can send to it. The kernel's
+            # word on each sender's pid (SO_PASSCRED) tells the stage's datagrams from forged ones.
+            stage.notify.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             stage.notify.bind("\0" + stage.notify_name[1:])
+        self._forged = ThrottledWarnings(log)
         self.failed: str | None = None
         """Why the service could not start, once a stage failed before it was ever ready."""
 
@@ -112,18 +119,28 @@ class Supervisor:
     def write_state(self) -> None:
         state = {name: s.proc.pid if s.proc and s.proc.poll() is None else None for name, s in self.stages.items()}
         state["url"] = self.url
-        tmp = os.path.join(self.runtime_dir, "stages.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(state, f)
-        os.replace(tmp, os.path.join(self.runtime_dir, "stages.json"))
+        # A fresh private name (O_EXCL, never a link someone planted), renamed over the old file:
+        # rename replaces a link at the target, it never writes through one.
+        fd, tmp = tempfile.mkstemp(prefix=".stages.", suffix=".json", dir=self.runtime_dir)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(state, f)
+            os.replace(tmp, os.path.join(self.runtime_dir, "stages.json"))
+        except BaseException:
+            os.unlink(tmp)
+            raise
 
     def read_notifications(self) -> None:
         for stage in self.stages.values():
             while True:
                 try:
-                    datagram = stage.notify.recv(4096)
+                    datagram, sender = _recv_with_sender(stage.notify)
                 except BlockingIOError:
                     break
+                if stage.proc is None or sender != stage.proc.pid:
+                    self._forged.warn(stage.name, "ignored a notification for %s from pid %s, not the stage's",
+                                      stage.name, sender)
+                    continue
                 for line in datagram.decode(errors="replace").splitlines():
                     if line in ("READY=1", "WATCHDOG=1"):
                         stage.last_alive = time.monotonic()
@@ -225,6 +242,18 @@ class Supervisor:
             log.warning("service not ready: %s", e)
 
 
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _recv_with_sender(sock: socket.socket) -> tuple[bytes, int | None]:
+    """One datagram and the pid the kernel says sent it (None if it did not say)."""
+    datagram, ancillary, _, _ = sock.recvmsg(4096, socket.CMSG_SPACE(_UCRED.size))
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _UCRED.size:
+            return datagram, _UCRED.unpack_from(data)[0]
+    return datagram, None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from nanovllm_client.endpoints import default_runtime_dir
 
@@ -258,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nanovllm_client.endpoints import service_endpoints
+    from nanovllm_client.endpoints import ensure_private_dir, service_endpoints
     from nanovllm_client.stage import stop_event
 
     args, engine_args = build_parser().parse_known_args(argv)
@@ -270,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"nanovllm serve: {e}", file=sys.stderr)
         return 2
-    os.makedirs(args.runtime_dir, mode=0o700, exist_ok=True)
+    try:
+        ensure_private_dir(args.runtime_dir)
+    except OSError as e:  # another user's directory, a symlink, a mode others can use
+        print(f"nanovllm serve: {e}", file=sys.stderr)
+        return 2
     stop = stop_event()
     stage_env = {"NANOVLLM_METRICS_HOST": args.metrics_host, "NANOVLLM_INSECURE_TCP": "1" if args.insecure_tcp else "0"}
     for name, value in (("NANOVLLM_CURVE_SECRET_KEY", args.curve_secret_key), ("NANOVLLM_CURVE_CLIENTS", args.curve_clients)):

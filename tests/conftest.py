@@ -15,6 +15,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests.helpers.other_user import other_user  # noqa: E402,F401 (a fixture)
 from tests.helpers.tiny_models import make_tiny_model, make_tokenizer  # noqa: E402
 
 
@@ -65,15 +66,32 @@ def auto_dtype(request, monkeypatch) -> str:
 LEFTOVER_PREFIXES = ("nv-", "nvb-", "nanovllm", "pytest-of-", "tmp", "torchinductor")
 """Names in /tmp that this suite could create (ipc dirs, pytest's base, tempfile defaults)."""
 _SESSION_DIR_ENV = "NANOVLLM_TEST_TMPDIR"
+_SESSION_MARK = "session.pid"
+"""In each session's directory: the pid of the pytest that owns it, so a session running beside
+another one (a loaded-machine run) does not take the other's directory for its own leftover."""
 _tmp_before: set[str] = set()
 
 
 def session_tmpdir() -> str:
     """The one directory under /tmp that this test session writes to (short: ipc paths). Kept in
-    the environment, so every module (imported under any name) and every child process agrees."""
+    the environment, so every module (imported under any name) and every child process agrees.
+    Mode 0711: another uid (tests/helpers/other_user.py) may reach a folder the test opens to it
+    inside, but list nothing."""
     if not os.environ.get(_SESSION_DIR_ENV):
-        os.environ[_SESSION_DIR_ENV] = tempfile.mkdtemp(prefix="nv-", dir="/tmp")
+        path = tempfile.mkdtemp(prefix="nv-", dir="/tmp")
+        os.chmod(path, 0o711)
+        with open(os.path.join(path, _SESSION_MARK), "w") as f:
+            f.write(str(os.getpid()))
+        os.environ[_SESSION_DIR_ENV] = path
     return os.environ[_SESSION_DIR_ENV]
+
+
+def _another_sessions(name: str) -> bool:
+    try:
+        with open(os.path.join("/tmp", name, _SESSION_MARK)) as f:
+            return int(f.read()) != os.getpid()
+    except (OSError, ValueError):
+        return False
 
 
 def pytest_configure(config):
@@ -81,11 +99,16 @@ def pytest_configure(config):
     os.environ.pop(_SESSION_DIR_ENV, None)  # a fresh one per session, even if the variable leaked in
     if not config.option.basetemp:
         config.option.basetemp = os.path.join(session_tmpdir(), "pytest")
+    # tempfile's default folder, for this process and every child: what the suite does not name
+    # a place for lands in the session's directory too.
+    os.environ["TMPDIR"] = session_tmpdir()
+    tempfile.tempdir = None
 
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(session_tmpdir(), ignore_errors=True)
-    left = sorted(name for name in set(os.listdir("/tmp")) - _tmp_before if name.startswith(LEFTOVER_PREFIXES))
+    left = sorted(name for name in set(os.listdir("/tmp")) - _tmp_before
+                  if name.startswith(LEFTOVER_PREFIXES) and not _another_sessions(name))
     if left:
         print(f"\nthe test session left files behind in /tmp: {left}", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

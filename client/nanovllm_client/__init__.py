@@ -9,7 +9,7 @@ Depends on pyzmq and msgpack only (never torch, transformers or numpy).
 """
 from .async_client import AsyncClient, AsyncStream
 from .client_state import Delta, Result
-from .endpoints import Endpoints, default_url, service_endpoints
+from .endpoints import Endpoints, UnsafeRuntimeDirError, default_url, service_endpoints
 from .errors import (EngineDeadError, NanovllmError, RequestError, RequestTimeoutError, ServiceDrainingError,
                      ServiceUnavailableError)
 from .protocol import PROTOCOL_VERSION, ProtocolError
@@ -17,4 +17,5 @@ from .sync_client import Client, Stream
 
 __all__ = ["AsyncClient", "AsyncStream", "Client", "Delta", "EngineDeadError", "Endpoints", "NanovllmError",
            "PROTOCOL_VERSION", "ProtocolError", "RequestError", "RequestTimeoutError", "Result",
-           "ServiceDrainingError", "ServiceUnavailableError", "Stream", "default_url", "service_endpoints"]
+           "ServiceDrainingError", "ServiceUnavailableError", "Stream", "UnsafeRuntimeDirError", "default_url",
+           "service_endpoints"]

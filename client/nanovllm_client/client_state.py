@@ -36,7 +36,7 @@ from . import protocol as p
 from .checks import ProtocolError
 from .errors import EngineDeadError, ServiceDrainingError
 from .security import CurveKeys, client_keys_from_env, client_socket_security
-from .endpoints import default_url, service_endpoints
+from .endpoints import check_ipc_endpoint, default_url, service_endpoints
 
 log = logging.getLogger("nanovllm_client")
 
@@ -400,6 +400,7 @@ class ClientBase:
         self.url = url or default_url()
         self._curve = curve if curve is not None else client_keys_from_env()
         self.endpoints = service_endpoints(self.url)
+        check_ipc_endpoint(self.endpoints.tokenizer)  # both sockets live in one directory
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self._heartbeat_interval, self._hwm = heartbeat_interval, hwm
         self._identity = uuid.uuid4().bytes

@@ -19,7 +19,7 @@ import uuid
 import zmq
 from zmq.utils.monitor import recv_monitor_message  # at import: poll() runs on stage threads
 
-from .endpoints import Endpoints, default_url, ensure_ipc_dir, service_endpoints
+from .endpoints import Endpoints, default_url, ensure_private_dir, ipc_dir, service_endpoints
 from .protocol import MAX_FRAME_BYTES
 from .security import ServiceSecurity
 from .throttle import ThrottledWarnings
@@ -150,7 +150,10 @@ def new_instance_id() -> str:
 
 
 def bind(sock: zmq.Socket, endpoint: str) -> None:
-    ensure_ipc_dir(endpoint)
+    """Bind, an ipc:// endpoint only inside this user's private directory (made if missing)."""
+    directory = ipc_dir(endpoint)
+    if directory:
+        ensure_private_dir(directory)
     sock.bind(endpoint)
 
 
