@@ -92,8 +92,12 @@ def load_keypair(secret_file: str) -> CurveKeys:
         raise KeyFileError(f"{secret_file}: holds no secret key (a public .key file? give the {SECRET_SUFFIX} file)")
     if zmq.curve_public(secret) != public:
         raise KeyFileError(f"{secret_file}: its public key does not belong to its secret key (file edited?)")
-    if hasattr(os, "getuid") and os.stat(secret_file).st_mode & 0o077:
-        log.warning("secret key file %s is readable by other users; chmod 600 it", secret_file)
+    mode = os.stat(secret_file).st_mode
+    if hasattr(os, "getuid") and mode & 0o077:
+        # Whoever can read it can be the service: a warning would leave it so.
+        raise KeyFileError(f"{secret_file}: a secret key with mode {stat.S_IMODE(mode):04o} that other users "
+                           f"may read or write; refusing it. chmod 600 {secret_file} (and make a new pair if "
+                           "someone may have copied it)")
     return CurveKeys(public, secret)
 
 
@@ -188,7 +192,7 @@ class AllowList:
 
     def __init__(self, directory: str):
         self.directory = directory
-        self._files: dict[str, tuple[tuple[int, int, int], bytes | None]] = {}
+        self._files: dict[str, tuple[tuple[int, int, int, int], bytes | None]] = {}
         self._readable = True
 
     def keys(self) -> set[bytes]:
@@ -206,12 +210,15 @@ class AllowList:
                 st = entry.stat()
             except OSError:
                 continue  # removed while scanning
-            signature = (st.st_size, st.st_mtime_ns, st.st_ino)
+            signature = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_mode)
             cached = self._files.get(entry.name)
             if cached is not None and cached[0] == signature:
                 files[entry.name] = cached
                 continue
             try:
+                if st.st_mode & 0o022:
+                    raise KeyFileError(f"{entry.path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users "
+                                       f"replace the key in it; chmod go-w {entry.path}")
                 key = load_public_key(entry.path)
             except KeyFileError as e:
                 log.warning("skipping a client key: %s", e)
@@ -259,6 +266,10 @@ class ServiceSecurity:
         if allowed_clients_dir is not None and not os.path.isdir(allowed_clients_dir):
             raise ValueError(f"client allow-list directory {allowed_clients_dir} does not exist "
                              f"({CLIENTS_DIR_ENV}: a directory of client *{PUBLIC_SUFFIX} files)")
+        if allowed_clients_dir is not None and os.stat(allowed_clients_dir).st_mode & 0o022:
+            mode = stat.S_IMODE(os.stat(allowed_clients_dir).st_mode)
+            raise ValueError(f"client allow-list directory {allowed_clients_dir} has mode {mode:04o}: other users "
+                             f"could add their own keys to it and get in. chmod go-w {allowed_clients_dir}")
         if keys is not None and not zmq.has("curve"):
             raise RuntimeError("this libzmq was built without CURVE support")
         self.ctx, self.keys, self.insecure_tcp = ctx, keys, insecure_tcp
@@ -384,6 +395,30 @@ def client_keys_from_env(environ: Mapping[str, str] | None = None) -> tuple[Curv
 
 # ---------------------------------------------------------------------------------- nanovllm keygen
 
+def _parse_owner(text: str) -> tuple[int, int]:
+    """USER[:GROUP] (names, or numbers that need no entry) -> (uid, gid); the group defaults to
+    the user's own (or, for a bare number without an entry, the same number)."""
+    import grp
+    import pwd
+
+    user, _, group = text.partition(":")
+    try:
+        entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+        uid, default_gid = entry.pw_uid, entry.pw_gid
+    except KeyError:
+        if not user.isdigit():
+            raise ValueError(f"--owner: no such user {user!r}") from None
+        uid = default_gid = int(user)
+    if not group:
+        return uid, default_gid
+    if group.isdigit():
+        return uid, int(group)
+    try:
+        return uid, grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"--owner: no such group {group!r}") from None
+
+
 def keygen_main(argv: list[str] | None = None) -> int:
     """`nanovllm keygen DIR [--name NAME] [--client]`: write a key pair and say where each file goes."""
     parser = argparse.ArgumentParser(
@@ -396,10 +431,19 @@ def keygen_main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", help="where to write the files (created 0700 if missing)")
     parser.add_argument("--name", help="file name stem (default: server, or client with --client)")
     parser.add_argument("--client", action="store_true", help="a client's key pair (default: a service's)")
+    parser.add_argument("--owner", metavar="USER[:GROUP]",
+                        help="give the files (and the directory, if this makes it) to USER, e.g. the service's "
+                             "user `nanovllm` when root writes its keys: a secret key must be readable by its "
+                             "owner only, and the stages refuse one that others may read")
     args = parser.parse_args(argv)
     name = args.name or ("client" if args.client else "server")
     try:
+        owner = _parse_owner(args.owner) if args.owner else None
+        made_directory = not os.path.isdir(args.directory)
         public_file, secret_file = generate_keypair(args.directory, name)
+        if owner is not None:
+            for path in [public_file, secret_file] + ([args.directory] if made_directory else []):
+                os.chown(path, *owner)
     except (OSError, ValueError) as e:
         print(f"nanovllm keygen: error: {e}", file=sys.stderr)
         return 1

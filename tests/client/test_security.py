@@ -17,7 +17,7 @@ from zmq.auth.thread import AuthenticationThread
 from zmq.utils.monitor import recv_monitor_message
 
 from nanovllm_client.security import (CLIENT_KEY_ENV, CLIENTS_DIR_ENV, INSECURE_TCP_ENV, SECRET_KEY_ENV,
-                                      SERVER_KEY_ENV, CurveKeys, KeyFileError, ServiceSecurity,
+                                      SERVER_KEY_ENV, AllowList, CurveKeys, KeyFileError, ServiceSecurity,
                                       client_keys_from_env, client_socket_security, generate_keypair,
                                       keygen_main, load_keypair, load_public_key)
 
@@ -238,6 +238,57 @@ def test_keygen_main_for_a_service_and_a_client(tmp_path, capsys):
     load_keypair(os.path.join(directory, "alice.key_secret"))
     assert keygen_main([directory]) == 1  # the server pair exists
     assert "refusing to overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o644])
+def test_a_secret_key_others_may_read_is_refused(tmp_path, mode):
+    _, secret_file = generate_keypair(str(tmp_path), "k")
+    os.chmod(secret_file, mode)
+    with pytest.raises(KeyFileError, match=f"mode {mode:04o} that other users may read.*chmod 600 {secret_file}"):
+        load_keypair(secret_file)
+    os.chmod(secret_file, 0o600)
+    load_keypair(secret_file)
+
+
+def test_keygen_gives_the_pair_to_an_owner(tmp_path, capsys):
+    # `sudo nanovllm keygen DIR --owner nanovllm`: the service's user must read its own secret key.
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to give files to another uid")
+    directory = str(tmp_path / "keys")
+    assert keygen_main([directory, "--name", "service", "--owner", "4242:4243"]) == 0
+    for path in (directory, os.path.join(directory, "service.key"), os.path.join(directory, "service.key_secret")):
+        assert (os.stat(path).st_uid, os.stat(path).st_gid) == (4242, 4243), path
+    assert stat.S_IMODE(os.stat(os.path.join(directory, "service.key_secret")).st_mode) == 0o600
+    assert keygen_main([directory, "--name", "other", "--owner", "no-such-user-here"]) == 1
+    assert "no such user 'no-such-user-here'" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(directory, "other.key"))
+
+
+def test_an_allow_list_others_may_write_to_is_refused(tmp_path):
+    keys = load_keypair(generate_keypair(str(tmp_path / "svc"), "server")[1])
+    allowed = tmp_path / "allowed"
+    allowed.mkdir(mode=0o755)
+    allowed.chmod(0o777)
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(ValueError, match=f"allow-list directory {allowed} has mode 0777.*chmod go-w"):
+            ServiceSecurity(ctx, keys, str(allowed))
+    finally:
+        ctx.term()
+
+
+def test_an_allowed_key_file_others_may_write_to_is_skipped(tmp_path, caplog):
+    allowed = tmp_path / "allowed"
+    allowed.mkdir(mode=0o755)
+    public_file, _ = generate_keypair(str(tmp_path / "c"), "alice")
+    target = allowed / "alice.key"
+    target.write_bytes(open(public_file, "rb").read())
+    allow_list = AllowList(str(allowed))
+    assert len(allow_list.keys()) == 1
+    target.chmod(0o666)  # no content change: the cached key must not outlive the mode change
+    with caplog.at_level("WARNING", logger="nanovllm.security"):
+        assert allow_list.keys() == set()
+    assert any("lets other users replace the key" in r.getMessage() for r in caplog.records)
 
 
 def test_client_keys_from_env(tmp_path):
