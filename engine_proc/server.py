@@ -283,7 +283,7 @@ class EngineStage:
                 log.error("the engine cannot start: %s", e)
                 self._shutdown(f"cannot start: {type(e).__name__}: {e}")
                 return 1
-            self.latest_stats = self.engine.stats()
+        self.latest_stats = self._stage_stats()  # the same keys as every heartbeat's, from the first
         self.engine.add_post_step_hook(self.metrics)
         self._set_state("ready")
         self._emit(self._status(True, "started"))
@@ -357,9 +357,7 @@ class EngineStage:
             self._record(out)
         outputs = extra_outputs + outputs
         self.num_steps += bool(outputs)
-        stats = self.latest_stats = dict(self.engine.stats(), num_live=len(self.live), num_queued=len(self.backlog),
-                                         live_bytes=self._live_bytes, queued_bytes=self._queued_bytes,
-                                         num_steps=self.num_steps, rejected_frames=sum(self.rejects.counts.values()))
+        stats = self.latest_stats = self._stage_stats()
         used = 1 - stats["num_free_blocks"] / stats["num_total_blocks"]
         self.metrics.set_live(len(self.live), self._live_bytes)
         self.metrics.set_queued(len(self.backlog), self._queued_bytes)
@@ -735,6 +733,12 @@ class EngineStage:
     def _set_state(self, state: str) -> None:
         self.state = state
         self.metrics.set_state(state)
+
+    def _stage_stats(self) -> dict[str, Any]:
+        """The engine's stats and the stage's own counts, as every status message carries them."""
+        return dict(self.engine.stats(), num_live=len(self.live), num_queued=len(self.backlog),
+                    live_bytes=self._live_bytes, queued_bytes=self._queued_bytes, num_steps=self.num_steps,
+                    rejected_frames=sum(self.rejects.counts.values()))
 
     def _status(self, alive: bool, reason: str = "") -> p.EngineStatus:
         return p.EngineStatus(alive, self.instance_id, reason, self.latest_stats, self.state,

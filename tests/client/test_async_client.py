@@ -112,11 +112,11 @@ def test_a_frame_whose_wakeup_was_taken_elsewhere_is_still_read(tmp_path):
             await client.wait_engine(timeout=60)
             await asyncio.sleep(0.3)  # the heartbeat's last ping before its 60 s sleep (a send also looks at EVENTS)
             await client._send(client._out, p.StatsReq().encode())  # what server_stats() sends
-            seen, spin_end = False, time.monotonic() + 0.5
-            while time.monotonic() < spin_end:  # the loop is busy; the answer arrives meanwhile
-                seen |= bool(client._out.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            seen, spin_end = False, time.monotonic() + 60
+            while not seen and time.monotonic() < spin_end:  # the loop is busy until the answer has arrived
+                seen = bool(client._out.getsockopt(zmq.EVENTS) & zmq.POLLIN)
             waited = time.monotonic()
-            stats = await asyncio.wait_for(client._stats.get(), 3)
+            stats = await asyncio.wait_for(client._stats.get(), 30)
             return seen, stats, time.monotonic() - waited
         finally:
             await client.close()
@@ -125,7 +125,8 @@ def test_a_frame_whose_wakeup_was_taken_elsewhere_is_still_read(tmp_path):
         seen, stats, waited = asyncio.run(scenario())
     assert seen, "the answer should have arrived while the loop was busy"
     assert stats == {"engine": {"answered": 1}}
-    assert waited < 1.0, f"the answer was read {waited:.2f}s after the loop was free again"
+    # Read at the loop's next turn, not at the next heartbeat 60 s on (the limit allows a loaded machine).
+    assert waited < 10, f"the answer was read {waited:.2f}s after the loop was free again"
 
 
 def test_the_clients_of_one_loop_share_one_recheck_task(tmp_path):
@@ -224,7 +225,7 @@ def test_a_send_that_waits_on_a_full_pipe_can_be_cancelled_and_the_client_closed
         tok.join(10)
     assert sent < 64, "the pipe never filled: the test did not reach a waiting send"
     assert not left_behind, "a request whose send was cancelled stayed registered"
-    assert closing < 3, f"close() took {closing:.1f}s with a full pipe"
+    assert closing < 8, f"close() took {closing:.1f}s with a full pipe"  # its linger is 1 s; a hang never ends
 
 
 def test_clients_started_apart_ping_at_the_same_instants(tmp_path):
@@ -254,15 +255,18 @@ def test_clients_started_apart_ping_at_the_same_instants(tmp_path):
     later = [t for t in seen["pings"] if t > settled]
     off_grid = [round(min(t % interval, interval - t % interval), 3) for t in later]
     assert len(later) >= 6, f"only {len(later)} pings arrived after the handshakes"
-    assert max(off_grid) < 0.05, f"pings this far (s) from the {interval} s grid: {off_grid}"
+    # A ping may come late on a loaded machine; off the grid, half of them would lie ~interval/4 away.
+    on_grid = [d for d in off_grid if d < 0.05]
+    assert len(on_grid) >= 0.75 * len(off_grid), f"pings this far (s) from the {interval} s grid: {off_grid}"
 
 
-def test_the_wait_to_the_next_ping_lands_on_the_grid():
+def test_the_wait_to_the_next_ping_lands_on_the_grid(monkeypatch):
+    from nanovllm_client import client_state
+
     client = AsyncClient("ipc:///nonexistent", heartbeat_interval=0.7)
     assert client._ping_wait(False) == 0.1  # the handshake is pending: soon
-    for _ in range(5):
-        now = time.monotonic()
+    for now in (12.34, 100.1, 100.1 + 0.69, 7.0 + 0.001, 1e6 + 0.123):  # the clock, held still
+        monkeypatch.setattr(client_state.time, "monotonic", lambda: now)
         wait = client._ping_wait(True)
         assert 0.007 < wait < 0.707  # never a second ping at once
-        assert min((now + wait) % 0.7, 0.7 - (now + wait) % 0.7) < 0.01
-        time.sleep(0.13)
+        assert min((now + wait) % 0.7, 0.7 - (now + wait) % 0.7) < 1e-6

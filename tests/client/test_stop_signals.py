@@ -71,4 +71,4 @@ def test_the_idle_engine_loop_wakes_up_after_a_signal_handler_ran_in_its_wait():
     child = subprocess.run([sys.executable, "-c", ENGINE_WAIT, short_tmpdir()], capture_output=True, text=True,
                            timeout=60, env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=REPO))
     assert child.returncode == 0, child.stderr[-2000:]
-    assert float(child.stdout.split()[-1]) < 1.0
+    assert float(child.stdout.split()[-1]) < 10  # returns in ~0.1 s; the bug was a wait without end

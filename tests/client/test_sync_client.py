@@ -68,7 +68,7 @@ def test_a_detokenizer_that_stops_reading_does_not_stall_the_client(tmp_path):
         fake.join(10)
     assert not runner.is_alive(), "the client hung: its I/O thread waited on the full pipe"
     assert "no stats reply" in str(outcome.get("error")), outcome
-    assert outcome["closing"] < 3, f"close() took {outcome['closing']:.1f}s"
+    assert outcome["closing"] < 8, f"close() took {outcome['closing']:.1f}s"  # its linger is 1 s; a hang never ends
 
 
 def flooding_detokenizer(url: str, flood_s: float, result) -> None:
@@ -127,7 +127,7 @@ def test_a_flood_of_frames_does_not_starve_the_heartbeat(tmp_path):
         with Client(url, connect_timeout=30, heartbeat_interval=1.0) as client:
             client._wait_ready()
             assert result.poll(60), "the flood did not end"
-            assert result.recv() < 2.5  # pings kept coming about once a second
+            assert result.recv() < 4  # pings kept coming about once a second (they stopped for 6 s)
     finally:
         logger.removeHandler(handler)
         fake.kill()

@@ -131,7 +131,7 @@ def test_a_worker_that_dies_while_starting_is_reported_at_once(tiny_model_dir, m
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="worker rank 1 exited with code 1 while starting"):
         tp_llm(tiny_model_dir, 2, num_kvcache_blocks=32)
-    assert time.monotonic() - start < 10  # not the rendezvous timeout
+    assert time.monotonic() - start < 60  # not the rendezvous timeout (300 s)
 
 
 def test_a_dead_worker_fails_the_next_step_and_close_still_returns(tiny_model_dir):
@@ -143,4 +143,4 @@ def test_a_dead_worker_fails_the_next_step_and_close_still_returns(tiny_model_di
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     start = time.monotonic()
     runner.close()
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 60  # the goodbye's own limits are 5 s and 10 s; a hang never ends

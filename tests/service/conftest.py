@@ -19,7 +19,10 @@ from tests.service.harness import ServiceProcs, free_tcp_base_port, short_tmpdir
 START_TIMEOUT = 120.0
 """Three processes importing torch/transformers on two busy cores can take a while."""
 TINY_ENGINE_ARGS = ["--num-kvcache-blocks", "512", "--max-num-seqs", "64", "--num-threads", "1"]
-FAST_FAILURE_ARGS = ["--client-timeout-s", "3", "--engine-timeout-s", "1.5"]
+FAST_FAILURE_ARGS = ["--client-timeout-s", "3", "--engine-timeout-s", "3"]
+"""A client silent 3 s (the default is 5) has its requests aborted, so failure tests end sooner;
+an engine silent 3 s (the default) is dead: twelve missed heartbeats, which a loaded machine's
+scheduling does not make (the 1.5 s these tests once used could)."""
 EXACT_ARGS = ["--dtype", "float32"]
 """For tests that hold a stream continued by a restarted engine to the uninterrupted answer:
 the continuation prefills output that was decoded, and in bf16 (what `auto` picks on a CPU
@@ -82,6 +85,24 @@ def service_with_auto(service, tiny_model_dir):
             procs.stop()
 
 
+@pytest.fixture(scope="session")
+def slow_service(tiny_model_dir):
+    """Steps of >= 10 ms: a request of N tokens runs N steps, over N/100 s on any machine, so one
+    that ends sooner, counted in steps, was aborted (with the shared service a 600-token request
+    ends in about a second, and a test could not tell an abort from the natural end)."""
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc",
+                          engine_args=TINY_ENGINE_ARGS + ["--post-step-hook", "tests.helpers.hooks:slow_step"])
+    yield procs
+    procs.stop()
+
+
+@pytest.fixture
+def slow_client(slow_service):
+    with Client(slow_service.url, timeout=120, connect_timeout=60) as c:
+        yield c
+    slow_service.assert_running()
+
+
 @pytest.fixture
 def client(service):
     with Client(service.url, timeout=60, connect_timeout=30) as c:
@@ -97,8 +118,10 @@ def chain_model(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def tcp_chain_service(chain_model):
-    """The scripted chain model served over tcp://127.0.0.1."""
+    """The scripted chain model served over tcp://127.0.0.1, each step >= 10 ms (a request's
+    steps then last long enough to tell an abort from its natural end)."""
     path, _ = chain_model
-    procs = start_service(path, f"tcp://127.0.0.1:{free_tcp_base_port()}")
+    procs = start_service(path, f"tcp://127.0.0.1:{free_tcp_base_port()}",
+                          engine_args=TINY_ENGINE_ARGS + ["--post-step-hook", "tests.helpers.hooks:slow_step"])
     yield procs
     procs.stop()

@@ -138,3 +138,37 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def engine_idle(client):
+    stats = client.server_stats()
+    eng = stats["engine"]
+    idle = (eng.get("num_live") == 0 and eng["num_running"] == 0 and eng["num_waiting"] == 0
+            and eng["num_free_blocks"] == eng["num_total_blocks"] and stats["detok"]["num_requests"] == 0)
+    return stats if idle else None
+
+
+def fresh_engine_stats(client) -> dict:
+    """The engine's stats from a heartbeat it sent after this call began: the uptime it reports
+    must move on twice (the first change may come from a heartbeat already on its way). The
+    limit only catches a hang; a sleep would be a guess that load can break."""
+    seen = [client.server_stats()]
+    for _ in range(2):
+        before = seen[-1]["engine_uptime_s"]
+        wait_for(lambda: seen.append(client.server_stats()) or seen[-1]["engine_uptime_s"] != before,
+                 timeout=60, interval=0.02, what="a new engine heartbeat")
+    return seen[-1]["engine"]
+
+
+def num_steps(client) -> int:
+    """The engine's step count now (from a heartbeat sent after this call began)."""
+    return fresh_engine_stats(client)["num_steps"]
+
+
+def idle_before_the_natural_end(client, since: int, max_tokens: int, what: str) -> None:
+    """Every request gone and every KV block free (the limit only catches a hang), within half the
+    steps after `since` that running them to their `max_tokens` would take: some of their tokens
+    may have come before `since`, never half (steps of >= 10 ms; an abort's trip takes a few)."""
+    stats = wait_for(lambda: engine_idle(client), timeout=60, interval=0.1, what=what)
+    steps = stats["engine"]["num_steps"] - since
+    assert steps < max_tokens // 2, f"{what}: took {steps} steps, as if the requests ran on to their end"

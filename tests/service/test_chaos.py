@@ -93,7 +93,10 @@ def test_chaos_loses_no_request(served, tmp_path):
     outcomes = [o for out in outputs[:3] for o in json.load(open(out))]
     kinds = {kind: sum(o["kind"] == kind for o in outcomes) for kind in ("done", "cancelled", "engine_dead", "error")}
     print(f"{len(outcomes)} requests: {kinds}")
-    assert len(outcomes) >= 200 and kinds["done"] >= 150 and kinds["cancelled"] >= 15
+    # Counts in a fixed 30 s scale with the machine's speed: shares, and a floor far below what an
+    # idle 2-core machine does (~250 requests), so a loaded one still passes and a stalled one not.
+    assert len(outcomes) >= 60, f"only {len(outcomes)} requests in {CLIENT_SECONDS} s"
+    assert kinds["done"] >= 0.7 * len(outcomes) and kinds["cancelled"] >= 0.05 * len(outcomes), kinds
     assert kinds["error"] == 0, [o["error"] for o in outcomes if o["kind"] == "error"][:5]
     for o in outcomes:
         if o["kind"] == "done":
@@ -115,4 +118,4 @@ def test_chaos_loses_no_request(served, tmp_path):
                     and engine["num_free_blocks"] == engine["num_total_blocks"]
                     and stats["detok"]["num_requests"] == 0 and stats)
 
-        wait_for(settled, timeout=30, interval=0.5, what="the service to settle with nothing held")
+        wait_for(settled, timeout=120, interval=0.5, what="the service to settle with nothing held")

@@ -17,7 +17,7 @@ from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
 from nanovllm_client.security import generate_keypair, load_keypair, load_public_key
 from tests.service.conftest import start_service
-from tests.service.harness import REPO, free_tcp_base_port
+from tests.service.harness import REPO, free_tcp_base_port, fresh_engine_stats
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +45,10 @@ def curve_service(tiny_model_dir, keys):
 
 
 def engine_stats(procs, keys) -> dict:
-    """The engine's counters, as its heartbeat reports them (every 0.25 s: let the last one land)."""
-    time.sleep(1.0)
-    with Client(procs.url, curve=keys["alice"], connect_timeout=10) as client:
-        return client.server_stats()["engine"]
+    """The engine's counters, from a heartbeat sent after this call began."""
+    with Client(procs.url, curve=keys["alice"], connect_timeout=60) as client:
+        client.wait_engine(timeout=60)
+        return fresh_engine_stats(client)
 
 
 def test_an_allowed_client_streams(curve_service, keys):
@@ -110,7 +110,7 @@ def test_stage_sockets_refuse_frames_without_the_service_key(curve_service, keys
     after = engine_stats(curve_service, keys)
     assert after["prefix_cache_queries"] == before["prefix_cache_queries"]
     assert after["rejected_frames"] == before["rejected_frames"]  # nothing arrived, not even to be rejected
-    with Client(curve_service.url, curve=keys["alice"], connect_timeout=10) as client:
+    with Client(curve_service.url, curve=keys["alice"], connect_timeout=60) as client:
         assert client.server_stats()["engine_alive"] is True  # the forged death notice never arrived
         assert client.generate("x", max_tokens=2, ignore_eos=True).finish_reason == "length"
 

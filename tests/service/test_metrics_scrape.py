@@ -63,7 +63,7 @@ def test_metrics_agree_exactly_with_what_the_clients_received(metered):
     # The engine's counters come from its post-step hook; wait for the last step to be counted.
     engine = wait_for(lambda: (m := scrape(ports["engine_proc"]))
                       and value(m, "nanovllm:generation_tokens_total") == completion_tokens and m,
-                      timeout=10, what="the engine's last step to be counted")
+                      timeout=60, what="the engine's last step to be counted")
     assert value(engine, "nanovllm:prompt_tokens_total") + value(engine, "nanovllm:prefix_cache_hits_total") \
         == prompt_tokens  # every prompt token was either computed or served from the prefix cache
     assert value(engine, "nanovllm:num_preemptions_total") == 0

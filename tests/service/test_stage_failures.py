@@ -45,7 +45,7 @@ def test_engine_sigkill_loses_no_stream_and_new_requests_are_refused_while_it_is
         for t in threads:
             t.start()
         own_service.kill("engine_proc")
-        wait_for(lambda: client.engine_alive is False, timeout=6, what="engine reported dead")
+        wait_for(lambda: client.engine_alive is False, timeout=60, what="engine reported dead")
         refused_at = time.monotonic()
         with pytest.raises(EngineDeadError):
             client.generate("hello", max_tokens=4)
@@ -66,7 +66,7 @@ def test_new_client_is_refused_while_the_engine_is_down(own_service):
     own_service.kill("engine_proc")
     try:
         with Client(own_service.url, timeout=30) as client:
-            wait_for(lambda: client.engine_alive is False, timeout=6, what="engine reported dead")
+            wait_for(lambda: client.engine_alive is False, timeout=60, what="engine reported dead")
             with pytest.raises(EngineDeadError):
                 client.generate("hello", max_tokens=4)
     finally:
@@ -99,7 +99,7 @@ def test_a_detokenizer_restart_loses_no_stream(own_service):
             assert answer(firsts[i], results[i], want).usage == want.usage
         assert (own_service.pid("tokenizer_proc"), own_service.pid("engine_proc")) == (tokenizer, engine)
         wait_for(lambda: (st := client.server_stats())["engine"]["num_live"] == 0 and st["detok"]["num_requests"] == 0,
-                 timeout=10, what="nothing left behind")
+                 timeout=60, what="nothing left behind")
 
 
 def test_tokenizer_restart_rejoins_and_queued_requests_go_through(own_service):

@@ -67,6 +67,16 @@ def read_messages(sock: zmq.Socket, count: int, timeout_s: float = 10.0) -> list
     return messages
 
 
+def read_until(sock: zmq.Socket, last, timeout_s: float = 60.0) -> list:
+    """Messages up to and including the first for which `last` holds (the limit catches a hang)."""
+    messages: list = []
+    deadline = time.monotonic() + timeout_s
+    while not (messages and last(messages[-1])):
+        assert sock.poll(max(0, int(1000 * (deadline - time.monotonic())))), f"hung: got only {messages}"
+        messages.append(p.decode(sock.recv()))
+    return messages
+
+
 def test_the_output_thread_sends_what_it_holds_before_its_heartbeat():
     """A real output thread and socket: held tokens go out before the next heartbeat (so none
     waits longer than `heartbeat_s`, and the order of everything on the wire is kept)."""
@@ -81,10 +91,11 @@ def test_the_output_thread_sends_what_it_holds_before_its_heartbeat():
                         stream_interval=100)
     output_thread = stage._threads[1]
     try:
-        output_thread.start()
+        # Queued before the thread starts: a heartbeat cannot come first, however late it runs.
         stage.outbox.put(("step", [], [], [out("a", 1, 1)]))
         stage.outbox.put(("step", [], [], [out("a", 2, 2)]))
         stage.outbox.put(("step", [], [], [out("a", 3, 3)]))
+        output_thread.start()
         first, held, heartbeat = read_messages(detok_in, 3)
         assert isinstance(first, p.StepOutput) and [r[1] for r in first.outputs] == [p.pack_token_ids([1])]
         assert isinstance(held, p.StepOutput), "held tokens must go before the heartbeat"
@@ -94,9 +105,10 @@ def test_the_output_thread_sends_what_it_holds_before_its_heartbeat():
         stage.outbox.put(("step", [], [], [out("a", 4, 4)]))
         stage.outbox.put(stage._status(True, "draining"))
         stage.outbox.put(_STOP)
-        held, status = read_messages(detok_in, 2)
+        held, *heartbeats, status = read_until(detok_in, lambda m: isinstance(m, p.EngineStatus) and m.reason)
         assert isinstance(held, p.StepOutput) and p.unpack_token_ids(held.outputs[0][1]) == [4]
-        assert isinstance(status, p.EngineStatus) and status.reason == "draining"
+        assert all(isinstance(m, p.EngineStatus) for m in heartbeats)  # a stalled test thread lets some in
+        assert status.reason == "draining"
         output_thread.join(timeout=5)
         assert not output_thread.is_alive()
     finally:

@@ -212,7 +212,8 @@ def test_serve_restarts_a_stage_that_hangs(tiny_model_dir, stage):
     """The supervisor restarted a stage that exited, but one that hung (a deadlock, a step that
     never returns; here SIGSTOP) stayed there for ever, and with it every request. Now each
     stage's watchdog pings reach the supervisor, which kills and restarts a silent one."""
-    with serving(tiny_model_dir, "--watchdog-s", "3") as (proc, runtime_dir):
+    # 8 s: long enough that a healthy stage on a loaded machine is never taken for a hung one.
+    with serving(tiny_model_dir, "--watchdog-s", "8") as (proc, runtime_dir):
         with Client(f"ipc://{runtime_dir}", connect_timeout=START_TIMEOUT, timeout=60) as client:
             client.wait_engine(timeout=START_TIMEOUT)
             before = read_pids(runtime_dir)

@@ -6,8 +6,7 @@ from transformers import AutoTokenizer
 
 from nanovllm_client import Client
 from tests.service.chain_model import SPLIT_TEXT
-from tests.service.harness import wait_for
-from tests.service.test_streaming import engine_idle
+from tests.service.harness import idle_before_the_natural_end, num_steps
 
 
 @pytest.fixture
@@ -50,12 +49,13 @@ def test_stop_string_is_held_back_then_the_engine_request_is_aborted(tcp_client,
     tok = AutoTokenizer.from_pretrained(path)
     words = [tok.decode([t]) for t in chains["cycle"][1:]]  # an endless cycle w0 w1 w2 w0 w1 ...
     stop = words[2] + words[0]  # spans two tokens: w2 must be held back until w0 decides
+    since = num_steps(tcp_client)
     deltas = list(tcp_client.stream(prompt_token_ids=chains["cycle"][:1], max_tokens=900, temperature=0,
                                     stop=[stop]))
     assert "".join(d.text for d in deltas) == words[0] + words[1]
     assert deltas[-1].finish_reason == "stop"
     # Left alone the engine would run 900 steps; the detokenizer's abort ends it now.
-    wait_for(lambda: engine_idle(tcp_client), timeout=5, interval=0.1, what="the stopped request to leave the engine")
+    idle_before_the_natural_end(tcp_client, since, 900, "the stopped request to leave the engine")
 
 
 def test_greedy_stream_over_tcp_equals_offline_generate(tcp_client, chain_model):
