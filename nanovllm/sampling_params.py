@@ -38,6 +38,8 @@ MAX_ALLOWED_TOKEN_IDS = 262_144
 """Allowed token ids per request: the largest vocabularies in use (262,144), so any subset fits."""
 MAX_LOGIT_BIAS = 1024
 """logit_bias entries per request: added to the logits on every step."""
+MAX_CACHE_SALT_LENGTH = 256
+"""Characters of a `cache_salt`: hashed into a request's first prompt block."""
 
 def _check(ok: bool, message: str, *values: Any) -> None:
     """Raise `ValueError(message)` unless `ok`; each `{}` in `message` is one of `values`, through
@@ -118,6 +120,11 @@ class SamplingParams:
     a request at the limit holds 1 MiB instead of 9."""
     logits_processors: list[Callable] = field(default_factory=list)
     """In-process only: extra `LogitsProcessor`s, applied per request after the built-in ones."""
+    cache_salt: str | None = None
+    """Prefix-cache isolation: a request with a salt shares cached prompt blocks only with requests
+    that carry the same salt (and one without, only with others without). At most 256 characters
+    (MAX_CACHE_SALT_LENGTH). The service can salt every request by its client
+    (`--cache-salt-per-client`), so one client's prompts never show in another's `cached_tokens`."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -126,6 +133,11 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_lengths()
         self._validate_tokens()
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+               "cache_salt must be null or a non-empty string, got {}", self.cache_salt)
+        _check(self.cache_salt is None or len(self.cache_salt) <= MAX_CACHE_SALT_LENGTH,
+               f"cache_salt may have at most {MAX_CACHE_SALT_LENGTH} characters, got {{}}",
+               len(self.cache_salt or ""))
         self.stop_token_ids = list(self.stop_token_ids)
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self.banned_words = [w if isinstance(w, str) else list(w) for w in self.banned_words]

@@ -277,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="directory of allowed client public keys (*.key)")
     parser.add_argument("--insecure-tcp", action="store_true",
                         help="allow a non-loopback tcp URL without CURVE keys")
+    parser.add_argument("--cache-salt-per-client", action="store_true",
+                        default=os.environ.get("NANOVLLM_CACHE_SALT_PER_CLIENT", "0") == "1",
+                        help="salt each client's prefix cache by its CURVE key (else its routing id): no client's "
+                             "cached_tokens reveal another's prompts (env NANOVLLM_CACHE_SALT_PER_CLIENT=1)")
     parser.add_argument("--watchdog-s", type=float, default=float(os.environ.get("NANOVLLM_WATCHDOG_S", DEFAULT_WATCHDOG_S)),
                         help="restart a stage that sends no watchdog ping for this long once it serves (a hung "
                              "loop or step); 0: off (env NANOVLLM_WATCHDOG_S; default %(default)s)")
@@ -305,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanovllm serve: {e}", file=sys.stderr)
         return 2
     stop = stop_event()
-    stage_env = {"NANOVLLM_METRICS_HOST": args.metrics_host, "NANOVLLM_INSECURE_TCP": "1" if args.insecure_tcp else "0"}
+    stage_env = {"NANOVLLM_METRICS_HOST": args.metrics_host, "NANOVLLM_INSECURE_TCP": "1" if args.insecure_tcp else "0",
+                 "NANOVLLM_CACHE_SALT_PER_CLIENT": "1" if args.cache_salt_per_client else "0"}
     for name, value in (("NANOVLLM_CURVE_SECRET_KEY", args.curve_secret_key), ("NANOVLLM_CURVE_CLIENTS", args.curve_clients)):
         if value:
             stage_env[name] = os.path.abspath(value)

@@ -13,6 +13,9 @@ from nanovllm_client.stage import (add_endpoint_flags, add_flag, raise_open_file
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tokenizer_proc", description=__doc__)
     add_flag(parser, "--model", "model whose tokenizer to use: 'default', an HF folder or a .gguf file", default="default")
+    add_flag(parser, "--cache-salt-per-client", "salt every request's prefix cache by its client (its CURVE key, "
+             "else its routing id), so no client's cached_tokens reveal another's prompts; a prompt shared by "
+             "several clients is then computed once per client", default=False, type=bool)
     add_endpoint_flags(parser)
     args = parser.parse_args(argv)
     log = setup_logging(args.log_level, "tokenizer")
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         stage = TokenizerStage(load_tokenizer(args.model), sampling_fields(SamplingParams), SamplingParams,
                                frontend=endpoints.tokenizer, engine=endpoints.engine, control=endpoints.control, ctx=ctx,
                                max_prompt_tokens=context_length(args.model), security=stage_security(ctx, args),
-                               metrics=metrics)
+                               metrics=metrics, cache_salt_per_client=args.cache_salt_per_client)
     except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, no tokenizer in it, address in use
         return startup_failed(log, "tokenizer", e)
     log.info("model %s; clients at %s; engine at %s", args.model, endpoints.tokenizer, endpoints.engine)

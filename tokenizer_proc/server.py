@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
 import time
 from typing import Any
@@ -89,8 +90,11 @@ class TokenizerStage:
     # [ZH-END]
     def __init__(self, tokenizer: Any, sampling_fields: set[str], make_sampling, frontend: str,
                  engine: str, control: str, ctx: zmq.Context | None = None, max_prompt_tokens: int | None = None,
-                 security: ServiceSecurity | None = None, metrics: TokenizerMetrics | None = None):
+                 security: ServiceSecurity | None = None, metrics: TokenizerMetrics | None = None,
+                 cache_salt_per_client: bool = False):
         self.tokenizer = tokenizer
+        self.cache_salt_per_client = cache_salt_per_client
+        """Salt every request's prefix-cache blocks by its client (`client_cache_salt`)."""
         self.max_prompt_tokens = max_prompt_tokens
         """The model's context length: no longer prompt can ever be served, so none is tokenized."""
         self.sampling_fields = sampling_fields
@@ -178,31 +182,37 @@ class TokenizerStage:
         # 2. NOBLOCK 收一条：parts[0] 是 ROUTER 加上的客户端身份，其余交给 handle。
         #    pending 满了也照样读（满时新请求在 _on_generate 被拒绝），所以 ping 和 abort 永远不被忙碌的引擎挡住。
         # [ZH-END]
+        keyed = self.security.enabled  # CURVE: each message carries its sender's key (ZAP's User-Id)
         for _ in range(budget):
             try:
-                parts = self.frontend.recv_multipart(zmq.NOBLOCK)
+                parts = self.frontend.recv_multipart(zmq.NOBLOCK, copy=not keyed)
             except zmq.Again:
                 return
-            self.handle(parts[0], parts[1:])
+            if keyed:
+                key = parts[-1].get("User-Id")
+                self.handle(parts[0].bytes, [f.bytes for f in parts[1:]], key)
+            else:
+                self.handle(parts[0], parts[1:])
 
     # ------------------------------------------------------------------ messages
 
-    def handle(self, identity: bytes, frames: list[bytes]) -> None:
-        """One client message. Whatever it holds, the stage answers and carries on: a bug while
-        handling one frame costs that frame an error reply, never the stage."""
+    def handle(self, identity: bytes, frames: list[bytes], key: str | None = None) -> None:
+        """One client message (`key`: its sender's CURVE public key, where CURVE is on). Whatever
+        it holds, the stage answers and carries on: a bug while handling one frame costs that
+        frame an error reply, never the stage."""
         # [ZH-START]
         # 1. 调 _handle 处理一条客户端消息。
         # 2. 任何未预料的异常：记为 "internal" 拒绝（带 traceback），给这个客户端回一个 ErrorOutput；
         #    进程继续运行——一个 bug 只花掉这一帧。
         # [ZH-END]
         try:
-            self._handle(identity, frames)
+            self._handle(identity, frames, key)
         except Exception as e:
             self.rejects("internal", f"{type(e).__name__} while handling a frame from {identity.hex()}", exc_info=True)
             self._reply(identity, p.ErrorOutput(p.clip(f"internal error while handling this frame: "
                                                        f"{type(e).__name__}: {e}")))
 
-    def _handle(self, identity: bytes, frames: list[bytes]) -> None:
+    def _handle(self, identity: bytes, frames: list[bytes], key: str | None) -> None:
         # [ZH-START]
         # 1. 计数，记下该客户端最近活动时间。
         # 2. 不是恰好一帧 → 记 "multipart"，回错误。
@@ -227,7 +237,7 @@ class TokenizerStage:
             self._reply(identity, p.ErrorOutput(p.clip(str(e)), e.request_id))
             return
         if isinstance(msg, p.GenerateReq):
-            self._on_generate(identity, msg)
+            self._on_generate(identity, msg, key)
         elif isinstance(msg, p.AbortReq):
             self._send_abort(engine_request_id(identity, msg.request_id))
         elif isinstance(msg, p.Ping):
@@ -238,7 +248,7 @@ class TokenizerStage:
             self._reply(identity, p.ErrorOutput(f"the tokenizer does not accept {msg.TYPE!r} messages; "
                                                 "send 'generate', 'abort' or 'ping'"))
 
-    def _on_generate(self, identity: bytes, req: p.GenerateReq) -> None:
+    def _on_generate(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> None:
         # [ZH-START]
         # 1. draining 中：回 DRAINING 错误增量；pending 已满（_holding_full）：回 HOLDING_FULL（overloaded）错误增量，
         #    不分词——过载时不花 CPU 在注定放不下的请求上。
@@ -256,7 +266,7 @@ class TokenizerStage:
             return
         started = time.perf_counter()
         try:
-            frame = self.tokenize(identity, req)
+            frame = self.tokenize(identity, req, key)
         except RequestRejected as e:
             self.metrics.request_rejected()
             self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, str(e))]))
@@ -270,15 +280,17 @@ class TokenizerStage:
         self.metrics.request_forwarded()
         self._forward(identity, req.request_id, frame)
 
-    def tokenize(self, identity: bytes, req: p.GenerateReq) -> bytes:
+    def tokenize(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> bytes:
         """Validate and tokenize: the TokenizedReq frame for the engine, or `RequestRejected` saying
-        what was wrong."""
+        what was wrong. `key`: the client's CURVE key, which salts its cache where it is set."""
         # [ZH-START]
         # 1. sampling 里有未知字段 → 拒绝并列出允许的字段；有服务尚不支持的字段（logprobs、logits_processors）→ 拒绝。
         # 2. stop = req.stop + sampling.stop（单个字符串或列表），两处合计受同一限制（最多 64 个、每个 1024 字符）。
         # 3. 取出 skip_special_tokens、include_stop_str_in_output：这些是文本侧字段，交给 detokenizer，不给引擎。
         # 4. 用 make_sampling(...) 试建一次 SamplingParams 做校验；ValueError / TypeError → "invalid sampling parameters"。
-        # 5. ids = _prompt_ids(req)。
+        # 5. 开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(客户端 CURVE 公钥，没有则路由 id，
+        #    客户端自己给的盐)，前缀缓存只在同一客户端（同一把钥匙）内共享。
+        #    ids = _prompt_ids(req)。
         # 6. meta = {client 身份, rid, stop, skip, include_stop, min_tokens, tail = prompt 最后 8 个 token（打包）, t = 时间}，
         #    引擎原样转给 detokenizer，用来建 IncrementalDetokenizer 和路由输出。
         # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend, output_ids = 续写时客户端已收到的输出 token)，先用引擎自己的 validate 检查一遍，
@@ -307,6 +319,8 @@ class TokenizerStage:
             self.make_sampling(**sampling, stop=stop, skip_special_tokens=skip, include_stop_str_in_output=include_stop)
         except (ValueError, TypeError) as e:
             raise RequestRejected(f"invalid sampling parameters: {e}") from None
+        if self.cache_salt_per_client:
+            sampling["cache_salt"] = client_cache_salt(key or identity.hex(), sampling.get("cache_salt"))
         ids = self._prompt_ids(req)
         meta = {"client": identity, "rid": req.request_id, "stop": stop, "skip": skip,
                 "include_stop": include_stop, "min_tokens": sampling.get("min_tokens", 0),
@@ -446,6 +460,17 @@ NOT_SERVED = {
     "logprobs": "log-probabilities are not streamed yet",
     "logits_processors": "custom processors are Python objects, available in-process only",
 }
+
+
+def client_cache_salt(client: str, own: str | None) -> str:
+    """The cache salt of a request from `client` (its CURVE key, else its routing identity) that
+    asked for salt `own` (or none): requests share cached prompt blocks only within one client,
+    and within it only under one salt of its own. A digest, so the salt stays within its length
+    limit and names no client."""
+    digest = hashlib.blake2b(client.encode(), digest_size=16)
+    if own is not None:
+        digest.update(b"\0" + own.encode("utf-8", "surrogatepass"))
+    return "client:" + digest.hexdigest()
 
 
 def sampling_fields(params_cls) -> set[str]:

@@ -6,7 +6,8 @@ K/V have been written (`commit`, called after each step), and the block holding 
 token is never a hit, so every admitted sequence computes at least one token. Freed blocks keep
 their hash until they are handed out again (lazy eviction, least recently freed first). Two
 sequences with the same prefix scheduled in one step both compute it; `commit` then keeps one
-copy and returns the other block at once, so no duplicate stays resident.
+copy and returns the other block at once, so no duplicate stays resident. A request's
+`cache_salt` seeds its first block's hash, so it shares blocks only with requests of that salt.
 """
 # [ZH-START]
 # 【模块定位】分页 KV cache 的块分配器：只管块号（block id）和元数据，不碰任何 K/V 张量。
@@ -217,12 +218,13 @@ class BlockManager:
         # 1. seq.block_hashes 缓存已算好的哈希；长度不到 i + 1 就从 j = len(block_hashes) 往后补算。
         # 2. 第 j 块：h = xxh64(第 j-1 块哈希的 8 字节小端表示，j == 0 时为空)，
         #    再 update 本块 token 的 int64 字节（array("q")）。
+        #    第 0 块的种子是请求的 cache_salt（没有则为空）：加盐的链从第一块起就与别的盐、与不加盐的链分开。
         # 3. 链式的好处：哈希相同意味着整段前缀都相同（碰撞由调用方比较 token_ids 兜底）。
         # 4. 返回 block_hashes[i]。每块在序列生命周期里只算一次（token 只追加，不修改）。
         # [ZH-END]
         while len(seq.block_hashes) <= i:
             j = len(seq.block_hashes)
-            h = xxhash.xxh64(seq.block_hashes[j - 1].to_bytes(8, "little") if j else b"")
+            h = xxhash.xxh64(seq.block_hashes[j - 1].to_bytes(8, "little") if j else _salt_seed(seq.params.cache_salt))
             h.update(array("q", seq.token_ids[j * self.block_size:(j + 1) * self.block_size]).tobytes())
             seq.block_hashes.append(h.intdigest())
         return seq.block_hashes[i]
@@ -253,3 +255,10 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free_block_ids[block_id] = None
+
+
+def _salt_seed(salt: str | None) -> bytes:
+    """The first block's hash seed: nothing without a salt (the hash of token ids alone, whose
+    int64 bytes never spell this prefix); with one, the salt, so a salted prefix meets only
+    prefixes of the same salt."""
+    return b"" if salt is None else b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")

@@ -36,7 +36,8 @@ def keys(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def curve_service(tiny_model_dir, keys):
-    env = {"NANOVLLM_CURVE_SECRET_KEY": keys["service_secret"], "NANOVLLM_CURVE_CLIENTS": keys["allowed_dir"]}
+    env = {"NANOVLLM_CURVE_SECRET_KEY": keys["service_secret"], "NANOVLLM_CURVE_CLIENTS": keys["allowed_dir"],
+           "NANOVLLM_CACHE_SALT_PER_CLIENT": "1"}
     procs = start_service(tiny_model_dir, f"tcp://127.0.0.1:{free_tcp_base_port()}",
                           env={name: env for name in ("tokenizer_proc", "engine_proc", "detok_proc")},
                           curve=keys["alice"])
@@ -49,6 +50,20 @@ def engine_stats(procs, keys) -> dict:
     with Client(procs.url, curve=keys["alice"], connect_timeout=60) as client:
         client.wait_engine(timeout=60)
         return fresh_engine_stats(client)
+
+
+def test_salted_per_client_the_cache_is_shared_by_one_key_not_by_one_connection(curve_service, keys):
+    # Under CURVE a client is its key: two connections of one key share their cached prompts
+    # (whatever routing ids they pick), another allowed key sees none of them.
+    prompt = list(range(300, 340))  # two full blocks of 16, and a last one
+
+    def cached(who: str) -> int:
+        with Client(curve_service.url, curve=keys[who], connect_timeout=60, timeout=60) as client:
+            return client.generate(prompt_token_ids=prompt, max_tokens=2, ignore_eos=True).usage["cached_tokens"]
+
+    assert cached("alice") == 0
+    assert cached("alice") == 32
+    assert cached("service") == 0
 
 
 def test_an_allowed_client_streams(curve_service, keys):
