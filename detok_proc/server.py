@@ -422,7 +422,8 @@ class DetokStage:
         # 1. 解开一行 [id, 打包 token, finished, reason, prompt 数, output 数, cached 数, error]。
         # 2. 本地不认识这个请求（已结束、客户端已走、或比 resync 还早）：若引擎仍在生成且已 resync，就 _abort_orphan 一次；返回 None。
         # 3. 解包 token，text = detok.add(token, finished)。
-        # 4. 反分词器命中 stop string 但引擎还没结束：向引擎发 abort，把终止字段（"stop"、此刻的 usage）存进 state.stopped，
+        # 4. 反分词器命中 stop string：把终止字段（"stop"、此刻的 usage）存进 state.stopped（命中在引擎最后一行上、
+        #    或重启后 resync 里引擎已因旧 abort 结束的请求，也照 "stop" 结束）；引擎还没结束就向引擎发 abort，
         #    这一行的文本照常发出，但终止增量要等引擎的最后一行（它确认已丢掉这个请求）到了才发——
         #    这样客户端收到终止增量后复用同一个 id，引擎里一定已经没有旧请求。
         #    已 stopped 的请求：引擎之后的非最后行不发送（超过 1 秒就再发一次 abort，防止上次没送到）；最后一行到了才结束。
@@ -450,9 +451,10 @@ class DetokStage:
             token_ids = p.unpack_token_ids(packed_ids)
             text = state.detok.add(token_ids, finished)
             state.num_prompt, state.num_output = num_prompt, num_output
-            if state.detok.stopped and not finished:  # the end, once the engine confirms it dropped it
+            if state.detok.stopped:  # its stop string ends it, on whichever row it completes
                 state.stopped = _terminal("stop", num_prompt, num_output, num_cached)
-                self._abort_stopped(request_id, state)
+                if not finished:  # the end, once the engine confirms it dropped it
+                    self._abort_stopped(request_id, state)
         final = None
         if finished and state.stopped is not None:
             final = state.stopped
