@@ -122,6 +122,16 @@ class InFlight:
     kept_since: float | None = None
     """When it began waiting for an engine (kept across refusals, cleared by output)."""
 
+    def frame(self) -> bytes:
+        """The request as a resend; with output received, asking the engine to continue from it."""
+        if not self.ids:
+            return self.resend_frame
+        req = p.decode(self.resend_frame)
+        req.output_token_ids, req.output_chars = p.pack_token_ids(self.ids), self.chars
+        if req.prompt_token_ids is not None:  # decoding unpacked them
+            req.prompt_token_ids = p.pack_token_ids(req.prompt_token_ids)
+        return req.encode()
+
 
 @dataclass
 class Parked:
@@ -139,14 +149,7 @@ class Parked:
     resend to a new engine (`MAX_ENGINE_RESENDS`)."""
 
     def frame(self) -> bytes:
-        """The request as a resend; with output received, asking the engine to continue from it."""
-        if not self.progress.ids:
-            return self.progress.resend_frame
-        req = p.decode(self.progress.resend_frame)
-        req.output_token_ids, req.output_chars = p.pack_token_ids(self.progress.ids), self.progress.chars
-        if req.prompt_token_ids is not None:  # decoding unpacked them
-            req.prompt_token_ids = p.pack_token_ids(req.prompt_token_ids)
-        return req.encode()
+        return self.progress.frame()
 
 
 @dataclass
@@ -188,8 +191,14 @@ class ClientState:
         """The detokenizer answers our pings: it knows our routing id, outputs can reach us."""
         return self.detok_instance is not None and self.detok_responsive
 
-    def sent(self, wire_id: str, resend_frame: bytes) -> None:
+    def sent(self, wire_id: str, resend_frame: bytes) -> bool:
+        """Register a new request; False if it must not be sent now: the engine is known dead, so
+        it waits (as a request that reached no engine) for the next one, within
+        `engine_restart_wait_s` and its own timeout, instead of failing at once."""
         self.inflight[wire_id] = InFlight(resend_frame)
+        if self.engine_alive is False and self._park(wire_id, ENGINE_DEAD, False, unsent=True):
+            return False
+        return True
 
     def forget(self, wire_id: str) -> None:
         self.inflight.pop(wire_id, None)
@@ -249,7 +258,7 @@ class ClientState:
         if msg.role == "tokenizer":
             if self.tokenizer_instance is not None and msg.instance_id != self.tokenizer_instance:
                 # It may have died holding requests it had not passed on: send those again.
-                reaction.to_tokenizer = [f.resend_frame for f in self.inflight.values() if not f.answered]
+                reaction.to_tokenizer = [f.frame() for f in self.inflight.values() if not f.answered]
                 if reaction.to_tokenizer:
                     log.info("tokenizer restarted: sending %d unanswered request(s) again", len(reaction.to_tokenizer))
             self.tokenizer_instance = msg.instance_id
@@ -317,16 +326,14 @@ class ClientState:
                     if self._waited_out(parked, time.monotonic()):
                         reaction.deltas.append(self._give_up(wire_id, parked))  # refused all along
                     else:
-                        self.inflight[wire_id] = parked.progress
-                        reaction.to_tokenizer.append(parked.frame())
+                        self._resume_in_flight(wire_id, parked, reaction)
                 elif parked.progress.resends >= MAX_ENGINE_RESENDS:
                     reaction.deltas.append(Delta(wire_id, "", [], "error", engine_dead=True, error=(
                         f"{parked.why}; the engine died {parked.progress.resends + 1} times while this request was "
                         "in flight, so it is not sent again (it may be what kills it)")))
                 else:
                     parked.progress.resends += 1
-                    self.inflight[wire_id] = parked.progress
-                    reaction.to_tokenizer.append(parked.frame())
+                    self._resume_in_flight(wire_id, parked, reaction)
             elif parked.dead_seen:
                 reaction.deltas.append(Delta(wire_id, "", [], "error", error=parked.why, engine_dead=True))
             else:
@@ -335,6 +342,14 @@ class ClientState:
         if reaction.to_tokenizer:
             log.info("engine %s is up: sending %d request(s) again, each continued from the output received",
                      self.engine_instance, len(reaction.to_tokenizer))
+
+    def _resume_in_flight(self, wire_id: str, parked: Parked, reaction: Reaction) -> None:
+        """In flight again, sent to the tokenizer for the engine now up. Unanswered until that
+        engine's first output: should the tokenizer die before passing it on, its successor gets
+        it again (`_on_pong`), continued from the output received, not started over."""
+        parked.progress.answered = False
+        self.inflight[wire_id] = parked.progress
+        reaction.to_tokenizer.append(parked.frame())
 
     def _set_engine_alive(self, alive: bool | None, reason: str = "") -> list[Delta]:
         """None: not known (a detokenizer that just started, an engine loading) - not a death."""
@@ -430,8 +445,9 @@ class ClientBase:
         return time.monotonic() + (limit if limit is not None else 1e9)
 
     def _refuse_if_unavailable(self, request_id: str) -> None:
-        """New requests fail at once while the engine is known dead or draining."""
-        if self._state.engine_alive is False:
+        """New requests fail at once while the service is draining, and while the engine is known
+        dead if they may not wait for a new one (`engine_restart_wait_s` 0; else `sent` keeps them)."""
+        if self._state.engine_alive is False and not self._state.engine_restart_wait_s:
             raise EngineDeadError(ENGINE_DEAD, request_id)
         if self._state.engine_state == "draining":
             raise ServiceDrainingError(f"the service is draining (shutting down): request {request_id} was not sent; "

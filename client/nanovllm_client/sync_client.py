@@ -165,7 +165,8 @@ class Client(ClientBase):
         # 1. build_request：检查参数，建 GenerateReq。
         # 2. _wait_ready：等 detokenizer 应答 ping，最多 connect_timeout；不然抛 ServiceUnavailableError——
         #    在它认识我们的路由 id 之前发请求，输出可能被 ROUTER 丢掉。
-        # 3. _refuse_if_unavailable：已知引擎死亡 → EngineDeadError；服务在 draining → ServiceDrainingError。
+        # 3. _refuse_if_unavailable：服务在 draining → ServiceDrainingError；已知引擎死亡且不等新引擎
+        #    （engine_restart_wait_s 为 0）→ EngineDeadError，否则请求留着等下一个引擎。
         # 4. _claim：分配 wire id "<id>#<序号 hex>"，得到请求帧和 resend 帧；同一 id 仍在途 → ValueError。
         # 5. 先建队列登记到 _streams，再发送，保证第一个增量到达时一定有人接。
         # 6. 向 I/O 线程发 _GENERATE（wire id、帧、resend 帧）。
@@ -352,7 +353,8 @@ class Client(ClientBase):
         # [ZH-START]
         # 1. NOBLOCK 取完所有命令。
         # 2. _STOP → 返回 True，让 I/O 循环退出。
-        # 3. _GENERATE：ClientState.sent(wire id, resend 帧) 登记在途（供重发 / 续传），请求帧进 tokenizer 的积压队列。
+        # 3. _GENERATE：ClientState.sent(wire id, resend 帧) 登记在途（供重发 / 续传），请求帧进 tokenizer 的积压队列；
+        #    已知引擎死亡时 sent 返回 False：请求先留着，等新引擎起来由 _unpark 发出（在它自己的超时之内）。
         # 4. _ABORT：ClientState.forget(wire id)，abort 帧进同一队列（与请求同一队列，顺序不乱）。
         # 5. _TO_STREAM（StatsReq）：detokenizer 有空位就 NOBLOCK 发出；没有（有积压或管道满）就丢弃并记警告，
         #    server_stats() 等不到回复会报超时。
@@ -366,8 +368,8 @@ class Client(ClientBase):
             if kind == _STOP:
                 return True
             if kind == _GENERATE:
-                self._state.sent(command[1].decode(), command[3])
-                backlog[tok].append(command[2])
+                if self._state.sent(command[1].decode(), command[3]):  # else kept until an engine is up
+                    backlog[tok].append(command[2])
             elif kind == _ABORT:
                 self._state.forget(command[1].decode())
                 backlog[tok].append(command[2])

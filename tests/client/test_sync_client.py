@@ -144,28 +144,29 @@ def close_within(client: Client, seconds: float) -> bool:
 
 
 def test_sends_that_find_no_pipe_return_false_instead_of_raising():
-    # A keyless DEALER against a CURVE server: the pipe zmq made at connect() is dropped when the
-    # handshake fails, and a look at POLLOUT just before cannot promise it is still there. The I/O
-    # thread once died of the zmq.Again such a send raised (and close() then waited forever).
+    # A keyless DEALER against a CURVE server: the pipe zmq made at connect() may be dropped when
+    # the handshake fails, so a look at POLLOUT just before cannot promise it is still there. The
+    # I/O thread once died of the zmq.Again such a send raised (and close() then waited forever).
+    # Whether and when zmq drops that pipe is its own affair (measured here: within 20 ms in 7 of
+    # 8 tries, not within 20 s in the 8th), so the test makes the send that finds no pipe for
+    # certain: with IMMEDIATE a socket queues only to finished handshakes, and this one never is.
     ctx = zmq.Context()
     try:
         public, secret = zmq.curve_keypair()
         server = ctx.socket(zmq.ROUTER)
         server.curve_server, server.curve_publickey, server.curve_secretkey = True, public, secret
         port = server.bind_to_random_port("tcp://127.0.0.1")
-        keyless = ctx.socket(zmq.DEALER)
-        keyless.setsockopt(zmq.LINGER, 0)
-        keyless.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: only the dropped pipe refuses a send
-        keyless.connect(f"tcp://127.0.0.1:{port}")
-        # Waits for the event itself; the limit only catches a hang (a loaded machine once took
-        # more than 10 s to fail the handshake).
-        deadline = time.monotonic() + 300
-        while _send_now(keyless, b"ping"):  # taken while the handshake is under way, refused once it has failed
-            assert time.monotonic() < deadline, "hung: the failed CURVE handshake never dropped the pipe (300 s)"
-            time.sleep(0.01)
-        with pytest.raises(zmq.Again):
-            keyless.send(b"ping", zmq.NOBLOCK)  # what the I/O thread used to do unguarded
-        assert _send_now(keyless, b"ping") is False
+        for connected in (True, False):
+            keyless = ctx.socket(zmq.DEALER)
+            keyless.setsockopt(zmq.LINGER, 0)
+            keyless.setsockopt(zmq.IMMEDIATE, 1)
+            if connected:
+                keyless.connect(f"tcp://127.0.0.1:{port}")  # a handshake that fails: never a pipe
+            # else: connected nowhere at all
+            with pytest.raises(zmq.Again):
+                keyless.send(b"ping", zmq.NOBLOCK)  # what the I/O thread used to do unguarded
+            assert _send_now(keyless, b"ping") is False
+            keyless.close()
     finally:
         ctx.destroy(linger=0)
 

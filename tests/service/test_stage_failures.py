@@ -3,6 +3,8 @@ new engine), new ones are refused while the engine is down, and a restarted stag
 without restarting the others."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -30,9 +32,10 @@ def answer(first, rest: list, reference):
     return result
 
 
-def test_engine_sigkill_loses_no_stream_and_new_requests_are_refused_while_it_is_down(own_service):
+def test_engine_sigkill_loses_no_stream_and_new_requests_wait_for_the_next_engine(own_service):
     """Streams in flight wait for the restarted engine, which continues each from what its client
-    received (they used to fail); new requests meanwhile are refused at once rather than queued."""
+    received (they used to fail); a request sent while it is down waits for it too (it was
+    refused at once with "engine is not available", while the ones in flight lived on)."""
     others = {name: own_service.pid(name) for name in ("tokenizer_proc", "detok_proc")}
     with Client(own_service.url, timeout=120) as client:
         prompts = [f"def f{i}():" for i in range(4)]
@@ -44,12 +47,10 @@ def test_engine_sigkill_loses_no_stream_and_new_requests_are_refused_while_it_is
         threads = [threading.Thread(target=lambda i=i, s=s: results.update({i: list(s)})) for i, s in enumerate(streams)]
         for t in threads:
             t.start()
+        hello = client.generate("hello", max_tokens=4, ignore_eos=True, temperature=0)
         own_service.kill("engine_proc")
         wait_for(lambda: client.engine_alive is False, timeout=60, what="engine reported dead")
-        refused_at = time.monotonic()
-        with pytest.raises(EngineDeadError):
-            client.generate("hello", max_tokens=4)
-        assert time.monotonic() - refused_at < 3.0
+        late = client.stream("hello", max_tokens=4, ignore_eos=True, temperature=0)  # sent with no engine up
         assert not results, "a stream ended while the engine was down"
 
         own_service.restart("engine_proc")
@@ -57,20 +58,28 @@ def test_engine_sigkill_loses_no_stream_and_new_requests_are_refused_while_it_is
             t.join(timeout=120)
         for i, reference in enumerate(want):
             assert answer(firsts[i], results[i], reference).usage["completion_tokens"] == 400
-        assert client.generate("hello", max_tokens=4, ignore_eos=True).finish_reason == "length"
+        assert merge(list(late), "hello").token_ids == hello.token_ids
     assert {name: own_service.pid(name) for name in others} == others  # nobody else restarted
     own_service.assert_running()
 
 
-def test_new_client_is_refused_while_the_engine_is_down(own_service):
+def test_a_new_clients_request_waits_for_the_engine_unless_told_not_to(own_service):
     own_service.kill("engine_proc")
     try:
-        with Client(own_service.url, timeout=30) as client:
-            wait_for(lambda: client.engine_alive is False, timeout=60, what="engine reported dead")
-            with pytest.raises(EngineDeadError):
-                client.generate("hello", max_tokens=4)
+        with Client(own_service.url, timeout=30, engine_restart_wait_s=0) as impatient, \
+                Client(own_service.url, timeout=120) as patient:
+            wait_for(lambda: impatient.engine_alive is False and patient.engine_alive is False, timeout=60,
+                     what="engine reported dead")
+            refused_at = time.monotonic()
+            with pytest.raises(EngineDeadError, match="engine is not available"):
+                impatient.generate("hello", max_tokens=4)  # waiting is off: at once
+            assert time.monotonic() - refused_at < 10, "refused only after a wait"
+            waiting = patient.stream("hi", max_tokens=3, ignore_eos=True)
+            own_service.restart("engine_proc")
+            assert merge(list(waiting), "hi").usage["completion_tokens"] == 3
     finally:
-        own_service.restart("engine_proc")
+        if own_service.procs["engine_proc"].poll() is not None:
+            own_service.restart("engine_proc")
     with Client(own_service.url, timeout=60) as client:
         client.wait_engine(timeout=120)
         assert client.generate("hi", max_tokens=3, ignore_eos=True).usage["completion_tokens"] == 3
@@ -168,5 +177,36 @@ def test_a_stage_raises_its_open_files_limit_to_the_hard_limit(tiny_model_dir):
             with open(f"/proc/{procs.pid(stage)}/limits") as f:
                 fields = next(line for line in f if line.startswith("Max open files")).split()
             assert fields[3] == fields[4], f"{stage}: soft {fields[3]}, hard {fields[4]}"
+    finally:
+        procs.stop()
+
+
+def test_a_continued_stream_survives_its_tokenizer_dying_before_passing_it_on(tiny_model_dir):
+    """After an engine restart the client sends each stream it kept to the new engine, continued
+    from the output it received. It marked them answered and kept the first frame: a tokenizer
+    that died before passing the continuation on left nothing to send again, and the stream
+    waited to its timeout. Now the successor gets the continuation."""
+    hook = ["--post-step-hook", "tests.helpers.hooks:slow_step"]  # 300 tokens: over 3 s
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc", engine_args=TINY_ENGINE_ARGS + EXACT_ARGS + hook)
+    try:
+        with Client(procs.url, timeout=60) as client:
+            client.wait_engine(timeout=120)
+            kw = dict(max_tokens=300, ignore_eos=True, temperature=0)
+            want = client.generate("def f():", **kw)
+            wait_for(lambda: client._state.tokenizer_instance is not None, timeout=60, what="the tokenizer's first pong")
+            stream = client.stream("def f():", **kw)
+            received = [next(stream) for _ in range(3)]
+            os.kill(procs.pid("tokenizer_proc"), signal.SIGSTOP)  # it takes no frame from here on
+            first_engine = client._state.engine_instance
+            procs.kill("engine_proc")
+            procs.start("engine_proc")
+            state = client._state
+            wait_for(lambda: state.engine_alive is True and state.engine_instance != first_engine
+                     and not state.parked and len(state.inflight) == 1, timeout=120,
+                     what="the stream sent again, to the stopped tokenizer, for the new engine")
+            procs.kill("tokenizer_proc")  # with the continuation unread
+            procs.start("tokenizer_proc")
+            answer(received[0], received[1:] + list(stream), want)
+        procs.assert_running()
     finally:
         procs.stop()
