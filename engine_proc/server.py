@@ -268,7 +268,7 @@ class EngineStage:
         # [ZH-START]
         # 1. 启动输入、输出线程（此时已能收帧和发 "loading" 心跳）。
         # 2. 还没有引擎就调 load_engine() 加载；失败（模型不存在、配置错误）→ _shutdown("cannot start ...") 告诉所有人，返回 1。
-        # 3. 挂上指标的 post-step 钩子，状态设为 ready，发一次存活状态，notifier.ready。
+        # 3. 挂上指标的 post-step 钩子，状态设为 ready；先 notifier.ready（监管者先知道），再发一次存活状态。
         # 4. stop 未置位就不断 run_once()；置位后 drain() 得到关停原因。
         # 5. 循环里任何异常 = 引擎坏了：记 traceback，退出码 1，原因 "engine crashed: ..."（supervisor 会重启本进程）。
         # 6. _shutdown(reason) 最后发 alive=False，返回退出码。
@@ -286,9 +286,12 @@ class EngineStage:
         self.latest_stats = self._stage_stats()  # the same keys as every heartbeat's, from the first
         self.engine.add_post_step_hook(self.metrics)
         self._set_state("ready")
+        # READY=1 first: whoever learns from a client that the engine serves may count on its
+        # supervisor (systemd, `nanovllm serve`) knowing it too, and watching it (a test that
+        # stopped the engine at once found a supervisor that never heard it was ready).
+        self.notifier.ready(f"engine {self.instance_id} serving")
         self._emit(self._status(True, "started"))
         log.info("engine stage %s serving", self.instance_id)
-        self.notifier.ready(f"engine {self.instance_id} serving")
         code, reason = 0, "engine shut down"
         try:
             while not stop.is_set():
