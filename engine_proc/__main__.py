@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
              default=4096, type=int)
     add_flag(parser, "--max-queued", "most requests received but not yet admitted (beyond --max-live) before "
              "the engine stops reading its input", default=4096, type=int)
+    add_flag(parser, "--max-live-per-client", "most requests of one client held by the engine at once; its others "
+             "wait while other clients' requests are admitted past them (0: no per-client limit)", default=0, type=int)
+    add_flag(parser, "--max-queued-per-client", "most requests of one client waiting for admission; more are refused "
+             "with an error naming this limit (0: no per-client limit)", default=0, type=int)
     add_flag(parser, "--max-live-mib", "most MiB of requests held by the engine at once: each is charged its frame "
              "plus 40 bytes a prompt token", default=2048, type=int)
     add_flag(parser, "--max-queued-mib", "most MiB of requests received but not yet admitted before the engine stops "
@@ -83,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics, _ = stage_metrics(EngineMetrics, args.metrics_host, args.metrics_port)
         stage = EngineStage(None, SamplingParams, endpoints.engine, endpoints.detok, endpoints.control,
                             heartbeat_s=args.heartbeat_s, stream_interval=args.stream_interval,
-                            max_live=args.max_live, max_queued=args.max_queued, max_live_bytes=args.max_live_mib << 20,
+                            max_live=args.max_live, max_queued=args.max_queued,
+                            max_live_per_client=args.max_live_per_client, max_queued_per_client=args.max_queued_per_client, max_live_bytes=args.max_live_mib << 20,
                             max_queued_bytes=args.max_queued_mib << 20, drain_timeout_s=args.drain_timeout,
                             ctx=ctx, security=stage_security(ctx, args), metrics=metrics)
     except (OSError, ValueError, zmq.ZMQError) as e:  # bad flag or path, address in use

@@ -67,6 +67,7 @@ from nanovllm_client.security import ServiceSecurity
 from nanovllm_client.stage import (DEFAULT_HWM, REQUEST_PIPE_HWM, Notifier, RejectLog, new_instance_id, pipeline_pull,
                                    pipeline_push)
 
+from .client_shares import ClientShares
 from .ledger import FinishedRing, LiveRequest, request_bytes
 
 log = logging.getLogger("engine_proc")
@@ -196,7 +197,7 @@ class EngineStage:
                  max_live_bytes: int = 2 << 30, max_queued_bytes: int = 512 << 20, drain_timeout_s: float = 30.0,
                  out_hwm: int = DEFAULT_HWM, ctx: zmq.Context | None = None,
                  security: ServiceSecurity | None = None, metrics: EngineMetrics | None = None,
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, max_live_per_client: int = 0, max_queued_per_client: int = 0):
         self.engine = engine
         """None until `run` loads it: meanwhile the stage answers, and says it is loading."""
         self.state = "ready" if engine is not None else "loading"
@@ -210,6 +211,8 @@ class EngineStage:
         """Used by the output thread alone."""
         self.max_live, self.max_queued = max_live, max_queued
         self.max_live_bytes, self.max_queued_bytes = max_live_bytes, max_queued_bytes
+        self.shares = ClientShares(max_live_per_client, max_queued_per_client)
+        """Each client's part of `max_live` and of the backlog (0: no per-client limit)."""
         self.ctx = ctx or zmq.Context.instance()
         self.metrics = metrics or EngineMetrics(CollectorRegistry())
         """Fed by the engine's own post-step hook (added once the engine exists) and by this stage."""
@@ -339,7 +342,8 @@ class EngineStage:
         # 2. notifier.tick() 放在主循环里：一步卡死时看门狗就停了，systemd 能发现。
         # 3. idle = 引擎没有未完成请求且 backlog 为空：此时 _take_inbox 最多阻塞 50 ms 等消息，否则不等。
         # 4. _take_inbox：按到达顺序应用请求（进 backlog）、abort、DetokHello。
-        # 5. _admit：backlog 中最早的请求依次加入引擎，直到 live 达到 max_live 个或 max_live_bytes 字节（没有 live 时总放一个）。
+        # 5. _admit：backlog 中最早的请求依次加入引擎，直到 live 达到 max_live 个或 max_live_bytes 字节（没有 live 时总放一个）；
+        #    客户端已有 --max-live-per-client 个在引擎里的，它的请求先跳过，后面别的客户端的照常准入。
         # 6. 引擎有未完成请求就 step()，每个输出 _record 记账。
         # 7. outputs = extra_outputs（未准入就被 abort 的请求的终止输出）+ 本步输出；有输出才计一步。
         # 8. 汇总 stats（引擎统计 + live / queued / 步数 / 拒绝帧数）存进 latest_stats（心跳会带上），更新指标和 systemd 状态行（含 KV cache 占用率）。
@@ -420,21 +424,37 @@ class EngineStage:
                 self.rejects("duplicate", f"request id {rid!r} is already live; the new request is ignored")
             self._dequeued(queued)
             return
+        why = self.shares.refusal(_client(req))
+        if why is not None:  # one client may not fill the backlog every client shares
+            self._dequeued(queued)
+            self._refused.append([rid, req.meta, why])
+            return
         self.backlog[rid] = queued
+        self.shares.queued(_client(req))
         aborted_at = self._early_aborts.pop(rid, None)
         if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_S:
             self._abort(rid, started, extra_outputs)  # its abort overtook it on the control socket
 
     def _admit(self, started: list, rejected: list) -> None:
         """Admit the oldest queued requests while the live ones stay within `max_live` and
-        `max_live_bytes` (one is always admitted when none is live, whatever its size)."""
+        `max_live_bytes` (one is always admitted when none is live, whatever its size), passing
+        over those whose client has its share live: they wait, the clients behind them do not."""
         while self.backlog and len(self.live) < self.max_live:
-            queued = next(iter(self.backlog.values()))
-            if self.live and self._live_bytes + queued.nbytes > self.max_live_bytes:
+            queued = self._next_admissible()
+            if queued is None or (self.live and self._live_bytes + queued.nbytes > self.max_live_bytes):
                 return
-            self.backlog.popitem(last=False)
+            del self.backlog[queued.req.request_id]
+            self.shares.unqueued(_client(queued.req))
             self._dequeued(queued)
             self._add(queued, started, rejected)
+
+    def _next_admissible(self) -> Queued | None:
+        """The oldest queued request whose client is under its live share. At the head in the
+        common case; past a saturated client's requests (at most its queued share each) else."""
+        for queued in self.backlog.values():
+            if self.shares.may_go_live(_client(queued.req)):
+                return queued
+        return None
 
     def _add(self, queued: Queued, started: list, rejected: list) -> None:
         # [ZH-START]
@@ -465,6 +485,7 @@ class EngineStage:
     def _go_live(self, queued: Queued) -> None:
         self.live[queued.req.request_id] = LiveRequest(queued.req.meta, queued.nbytes)
         self._live_bytes += queued.nbytes
+        self.shares.went_live(_client(queued.req))
 
     def _abort(self, request_id: str, started: list, extra_outputs: list) -> None:
         # [ZH-START]
@@ -482,6 +503,7 @@ class EngineStage:
                 self._remember_early_abort(request_id)
             return
         # Never admitted: it starts and ends in this message, so its client still gets a terminal delta.
+        self.shares.unqueued(_client(queued.req))
         self._dequeued(queued)
         self._go_live(queued)
         started.append([request_id, queued.req.meta])
@@ -522,6 +544,7 @@ class EngineStage:
         if out.finished:
             del self.live[out.request_id]
             self._live_bytes -= live.nbytes
+            self.shares.ended(live.meta.get("client", b""))
             self.finished.add(out.request_id, [out.request_id, live.meta, p.pack_token_ids(live.tokens), True,
                                                out.finish_reason, *live.counts, _error(out)])
 
@@ -740,6 +763,7 @@ class EngineStage:
     def _stage_stats(self) -> dict[str, Any]:
         """The engine's stats and the stage's own counts, as every status message carries them."""
         return dict(self.engine.stats(), num_live=len(self.live), num_queued=len(self.backlog),
+                    num_clients=self.shares.num_clients,
                     live_bytes=self._live_bytes, queued_bytes=self._queued_bytes, num_steps=self.num_steps,
                     rejected_frames=sum(self.rejects.counts.values()))
 
@@ -780,6 +804,11 @@ class EngineStage:
         def make(part: list) -> p.StepOutput:
             return p.StepOutput(self.instance_id, *([r for kind, r in part if kind == k] for k in range(3)))
         return [frame for _, frame in p.frames_within(make, tagged)]
+
+
+def _client(req: p.TokenizedReq) -> bytes:
+    """The client a request came from: the routing identity its tokenizer stamped into its meta."""
+    return req.meta.get("client", b"")
 
 
 def _error(out: RequestOutput) -> str | None:

@@ -16,6 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     add_flag(parser, "--cache-salt-per-client", "salt every request's prefix cache by its client (its CURVE key, "
              "else its routing id), so no client's cached_tokens reveal another's prompts; a prompt shared by "
              "several clients is then computed once per client", default=False, type=bool)
+    add_flag(parser, "--max-pending-per-client", "most requests of one client the tokenizer holds while the engine "
+             "takes none; more are refused as overloaded (0: only the stage's own bounds)", default=0, type=int)
+    add_flag(parser, "--max-priority", "the highest priority a request may ask for (the priority scheduling policy "
+             "admits higher first); higher is refused with an error naming this ceiling (default: any)", type=int)
     add_endpoint_flags(parser)
     args = parser.parse_args(argv)
     log = setup_logging(args.log_level, "tokenizer")
@@ -36,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         stage = TokenizerStage(load_tokenizer(args.model), sampling_fields(SamplingParams), SamplingParams,
                                frontend=endpoints.tokenizer, engine=endpoints.engine, control=endpoints.control, ctx=ctx,
                                max_prompt_tokens=context_length(args.model), security=stage_security(ctx, args),
-                               metrics=metrics, cache_salt_per_client=args.cache_salt_per_client)
+                               metrics=metrics, cache_salt_per_client=args.cache_salt_per_client,
+                               max_pending_per_client=args.max_pending_per_client, max_priority=args.max_priority)
     except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, no tokenizer in it, address in use
         return startup_failed(log, "tokenizer", e)
     log.info("model %s; clients at %s; engine at %s", args.model, endpoints.tokenizer, endpoints.engine)

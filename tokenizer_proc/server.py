@@ -59,6 +59,8 @@ ENGINE_RECONNECT_GRACE_S = 1.0
 it is refused."""
 PENDING_MAX_FRAMES = 1024
 PENDING_MAX_BYTES = 64 << 20
+CLIENT_HOLDING_FULL = ("overloaded: the tokenizer holds {n} requests of this client for the engine, its limit "
+                       "(--max-pending-per-client {limit}); retry later")
 """Requests held for room in the engine pipe, at most; past either bound new requests are refused
 (`HOLDING_FULL`), while pings and aborts are still read and answered."""
 HOLDING_FULL = ("the tokenizer already holds {n} requests ({mib:.1f} MiB) that the engine has no room for: "
@@ -91,8 +93,17 @@ class TokenizerStage:
     def __init__(self, tokenizer: Any, sampling_fields: set[str], make_sampling, frontend: str,
                  engine: str, control: str, ctx: zmq.Context | None = None, max_prompt_tokens: int | None = None,
                  security: ServiceSecurity | None = None, metrics: TokenizerMetrics | None = None,
-                 cache_salt_per_client: bool = False):
+                 cache_salt_per_client: bool = False, max_pending_per_client: int = 0,
+                 max_priority: int | None = None):
         self.tokenizer = tokenizer
+        if not isinstance(max_pending_per_client, int) or max_pending_per_client < 0:
+            raise ValueError(f"max_pending_per_client must be an integer >= 0 (0: no limit), got {max_pending_per_client!r}")
+        self.max_pending_per_client = max_pending_per_client
+        """Most requests of one client held in `pending` (0: only the stage's own bounds)."""
+        self.max_priority = max_priority
+        """The highest `priority` a request may ask for (None: any the protocol allows)."""
+        self._pending_of: collections.Counter[bytes] = collections.Counter()
+        """Client identity -> its requests in `pending`."""
         self.cache_salt_per_client = cache_salt_per_client
         """Salt every request's prefix-cache blocks by its client (`client_cache_salt`)."""
         self.max_prompt_tokens = max_prompt_tokens
@@ -264,6 +275,12 @@ class TokenizerStage:
             self._reply(identity, p.StreamOutput([p.error_delta(
                 req.request_id, HOLDING_FULL.format(n=len(self.pending), mib=self._pending_bytes / (1 << 20)))]))
             return
+        held = self._pending_of[identity]
+        if self.max_pending_per_client and held >= self.max_pending_per_client:  # one client may not fill it
+            self.metrics.request_rejected()
+            self._reply(identity, p.StreamOutput([p.error_delta(
+                req.request_id, CLIENT_HOLDING_FULL.format(n=held, limit=self.max_pending_per_client))]))
+            return
         started = time.perf_counter()
         try:
             frame = self.tokenize(identity, req, key)
@@ -297,6 +314,9 @@ class TokenizerStage:
         #    再编码、检查帧长：引擎会丢掉的帧（它无法回答客户端：min_tokens 超过 2**31；超过 16 MiB 的帧，
         #    引擎的 socket 会连同连接一起丢掉）在这里就拒绝，并说明原因；通过则返回编码好的帧。
         # [ZH-END]
+        if self.max_priority is not None and req.priority > self.max_priority:
+            raise RequestRejected(f"priority {req.priority} is above this service's ceiling of {self.max_priority} "
+                                  f"(--max-priority)")
         unknown = set(req.sampling) - self.sampling_fields
         if unknown:
             raise RequestRejected(f"unknown sampling parameter(s) {show(sorted(unknown))}; "
@@ -379,6 +399,7 @@ class TokenizerStage:
 
     def _forward(self, identity: bytes, request_id: str, frame: bytes) -> None:
         self.pending.append((time.monotonic(), identity, request_id, frame))
+        self._pending_of[identity] += 1
         self._pending_bytes += len(frame)
         self._flush_pending()
         self.metrics.set_held(len(self.pending), self._pending_bytes)
@@ -425,7 +446,11 @@ class TokenizerStage:
             self._last_taken = time.monotonic()
 
     def _pop_pending(self) -> None:
-        self._pending_bytes -= len(self.pending.popleft()[3])
+        _, identity, _, frame = self.pending.popleft()
+        self._pending_bytes -= len(frame)
+        self._pending_of[identity] -= 1
+        if not self._pending_of[identity]:
+            del self._pending_of[identity]
         self.metrics.set_held(len(self.pending), self._pending_bytes)
 
     def _reply(self, identity: bytes, msg: p.Message) -> None:
