@@ -48,11 +48,9 @@ def test_a_flooding_client_does_not_slow_another_clients_stream(shared_engine):
     with Client(shared_engine.url, timeout=120) as flood, Client(shared_engine.url, timeout=120) as other:
         flood.wait_engine(timeout=120)
         floods = [flood.stream(f"def f{i}():", max_tokens=400, ignore_eos=True) for i in range(20)]
-        refused = []
         for s in floods[8:]:  # 2 live + 6 waiting: the other 12 are refused
             with pytest.raises(RequestError, match=r"its limit \(--max-queued-per-client 6\)"):
                 list(s)
-            refused.append(s)
         wait_for(lambda: fresh_engine_stats(flood).get("num_live") == 2, timeout=60, what="the flood's 2 live")
         since = num_steps(other)
         stream = other.stream("def mine():", max_tokens=8, ignore_eos=True)
