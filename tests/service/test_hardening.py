@@ -32,8 +32,8 @@ def raw_socket(ctx: zmq.Context, kind: int, endpoint: str, identity: bytes | Non
     return sock
 
 
-def reply(sock: zmq.Socket, timeout_ms: int = 10_000) -> p.Message:
-    assert sock.poll(timeout_ms), "no reply"
+def reply(sock: zmq.Socket, timeout_ms: int = 60_000) -> p.Message:
+    assert sock.poll(timeout_ms), f"no reply in {timeout_ms // 1000} s (hung)"
     return p.decode(sock.recv())
 
 
@@ -221,8 +221,9 @@ def test_a_request_id_can_be_reused_right_after_its_stream_was_cancelled(client)
 def test_a_client_the_detokenizer_gave_up_on_is_told_when_it_returns(tokenizer_dir, ctx):
     """A client whose requests were aborted after a silence (a network blip, a paused process)
     once waited for them forever. In-process detokenizer, fed by a scripted engine, so the
-    request is surely still running when the client goes quiet."""
-    stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=1.0)
+    request is surely still running when the client goes quiet. A 3 s client timeout: a loaded
+    machine may stall this test between two sends for a second, not for that long."""
+    stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=3.0)
     engine_in = ctx.socket(zmq.PULL)
     engine_in.bind(eps.control)
     with running(stage):
@@ -237,7 +238,7 @@ def test_a_client_the_detokenizer_gave_up_on_is_told_when_it_returns(tokenizer_d
         assert isinstance(reply(out), p.EngineStatus)  # the stage now follows engine-1
         assert isinstance(reply(out), p.StreamOutput)
         while True:  # silence: the stage gives up on us and aborts the request in the engine
-            msg = p.decode(engine_in.recv()) if engine_in.poll(5000) else None
+            msg = p.decode(engine_in.recv()) if engine_in.poll(60_000) else None
             assert msg is not None, "the silent client's request was never aborted"
             if isinstance(msg, p.AbortReq):
                 assert msg.request_id == "c:lost"
@@ -254,10 +255,12 @@ def test_a_client_the_detokenizer_gave_up_on_is_told_when_it_returns(tokenizer_d
 def test_resumes_held_before_the_engines_resync_are_bounded_and_dropped_with_their_client(tokenizer_dir, ctx):
     """Until its first resync a detokenizer holds each client's Resume, to apply it then. They
     were kept without limit, and kept after their clients were gone: 20 clients resuming 65,536
-    streams each held 240 MB. In-process detokenizer with no engine: it never resyncs."""
+    streams each held 240 MB. In-process detokenizer with no engine: it never resyncs. A 5 s
+    client timeout: the resumes must be seen held before their silent clients are given up on,
+    which a loaded machine once delayed past a 1 s timeout."""
     from detok_proc.server import MAX_EARLY_RESUME_ROWS
 
-    stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=1.0)
+    stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=5.0)
     rows = MAX_EARLY_RESUME_ROWS // 2 - 1
     resume = p.Resume([[f"r{i}", 1, 1] for i in range(rows)]).encode()
 
