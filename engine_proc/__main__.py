@@ -87,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         metrics, _ = stage_metrics(EngineMetrics, args.metrics_host, args.metrics_port)
         stage = EngineStage(None, SamplingParams, endpoints.engine, endpoints.detok, endpoints.control,
                             heartbeat_s=args.heartbeat_s, stream_interval=args.stream_interval,
-                            max_live=args.max_live, max_queued=args.max_queued,
-                            max_live_per_client=args.max_live_per_client, max_queued_per_client=args.max_queued_per_client, max_live_bytes=args.max_live_mib << 20,
+                            max_live=args.max_live, max_queued=args.max_queued, max_live_bytes=args.max_live_mib << 20,
                             max_queued_bytes=args.max_queued_mib << 20, drain_timeout_s=args.drain_timeout,
+                            max_live_per_client=args.max_live_per_client,
+                            max_queued_per_client=args.max_queued_per_client,
                             ctx=ctx, security=stage_security(ctx, args), metrics=metrics)
     except (OSError, ValueError, zmq.ZMQError) as e:  # bad flag or path, address in use
         return startup_failed(log, "engine", e)

@@ -17,7 +17,8 @@ class ClientShares:
     # 超过 --max-queued-per-client 的新请求被拒绝，达到 --max-live-per-client 的客户端的请求先不准入
     # （排在后面的别的客户端的请求照常准入，一个客户端占不满全局的名额）。0 表示不限。
     # 【边界】不碰 socket、不碰引擎；什么时候排队、准入、结束由 EngineStage 告诉它。
-    # 【协作者】EngineStage._queue_request（refusal / queued）、_admit（may_go_live）、_go_live、_record、_dequeued。
+    # 【协作者】EngineStage._queue_request（refusal / queued）、_admit（may_go_live / unqueued）、
+    # _abort（unqueued）、_go_live（went_live）、_record（ended）。
     # [ZH-END]
 
     def __init__(self, max_live: int = 0, max_queued: int = 0):

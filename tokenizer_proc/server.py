@@ -59,13 +59,13 @@ ENGINE_RECONNECT_GRACE_S = 1.0
 it is refused."""
 PENDING_MAX_FRAMES = 1024
 PENDING_MAX_BYTES = 64 << 20
-CLIENT_HOLDING_FULL = ("overloaded: the tokenizer holds {n} requests of this client for the engine, its limit "
-                       "(--max-pending-per-client {limit}); retry later")
 """Requests held for room in the engine pipe, at most; past either bound new requests are refused
 (`HOLDING_FULL`), while pings and aborts are still read and answered."""
 HOLDING_FULL = ("the tokenizer already holds {n} requests ({mib:.1f} MiB) that the engine has no room for: "
                 "the service is overloaded; retry later or on another instance")
-
+CLIENT_HOLDING_FULL = ("overloaded: the tokenizer holds {n} requests of this client for the engine, its limit "
+                       "(--max-pending-per-client {limit}); retry later")
+"""One client's part of what the tokenizer holds, when `--max-pending-per-client` sets one."""
 
 MAX_CHARS_PER_TOKEN = 64
 """Generous bound on characters per token (real text averages about 4), used to refuse text too
@@ -262,7 +262,8 @@ class TokenizerStage:
     def _on_generate(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> None:
         # [ZH-START]
         # 1. draining 中：回 DRAINING 错误增量；pending 已满（_holding_full）：回 HOLDING_FULL（overloaded）错误增量，
-        #    不分词——过载时不花 CPU 在注定放不下的请求上。
+        #    不分词——过载时不花 CPU 在注定放不下的请求上；这个客户端在 pending 里已有 --max-pending-per-client 个：
+        #    回 CLIENT_HOLDING_FULL，别的客户端不受影响。
         # 2. tokenize()：RequestRejected → 回它的文本；其他异常（分词器或模板意外失败）→ 记 "internal"，回 "could not tokenize"。
         # 3. 记录分词耗时，_forward 把 TokenizedReq 帧排队推给引擎。
         # [ZH-END]
@@ -301,7 +302,8 @@ class TokenizerStage:
         """Validate and tokenize: the TokenizedReq frame for the engine, or `RequestRejected` saying
         what was wrong. `key`: the client's CURVE key, which salts its cache where it is set."""
         # [ZH-START]
-        # 1. sampling 里有未知字段 → 拒绝并列出允许的字段；有服务尚不支持的字段（logprobs、logits_processors）→ 拒绝。
+        # 1. priority 超过 --max-priority → 拒绝并说出上限；
+        #    sampling 里有未知字段 → 拒绝并列出允许的字段；有服务尚不支持的字段（logprobs、logits_processors）→ 拒绝。
         # 2. stop = req.stop + sampling.stop（单个字符串或列表），两处合计受同一限制（最多 64 个、每个 1024 字符）。
         # 3. 取出 skip_special_tokens、include_stop_str_in_output：这些是文本侧字段，交给 detokenizer，不给引擎。
         # 4. 用 make_sampling(...) 试建一次 SamplingParams 做校验；ValueError / TypeError → "invalid sampling parameters"。
