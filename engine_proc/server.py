@@ -390,7 +390,7 @@ class EngineStage:
                 return
             timeout = 0.0
             if isinstance(msg, Queued):
-                self._queue_request(msg, started, extra_outputs)
+                self._queue_request(msg, started, rejected, extra_outputs)
                 rejected.extend(self._refused)
                 self._refused.clear()
                 continue
@@ -403,12 +403,14 @@ class EngineStage:
                     self.metrics.stage_restart_seen("detokenizer")
                 self._hello = msg.instance_id
 
-    def _queue_request(self, queued: Queued, started: list, extra_outputs: list) -> None:
+    def _queue_request(self, queued: Queued, started: list, rejected: list, extra_outputs: list) -> None:
         # [ZH-START]
         # 1. draining 且这个 id 没见过：计数减一，放进 _refused，附 DRAINING 原因。
         # 2. id 已在 live / backlog 中，或是 resend 且在最近一分钟结束的请求里：忽略（第一次的那个有效）；
         #    不是 resend 的重复记为 "duplicate" 拒绝帧。计数减一。
-        # 3. 否则放进 backlog（OrderedDict，保持到达顺序）。
+        # 3. 这个客户端排队的已达 --max-queued-per-client：若它在引擎里的还没到 --max-live-per-client
+        #    （一批请求同时到，还没来得及准入），先 _admit 再数一次；仍满 → 拒绝并说出限额。
+        #    否则放进 backlog（OrderedDict，保持到达顺序）。
         # 4. 它的 abort 已经先到（_early_aborts 里，且不超过 EARLY_ABORT_S）：立即 _abort——在同一条消息里开始并结束。
         # [ZH-END]
         req = queued.req
@@ -425,6 +427,11 @@ class EngineStage:
             self._dequeued(queued)
             return
         why = self.shares.refusal(_client(req))
+        if why is not None and self.shares.may_go_live(_client(req)):
+            # Its queued share is full but its live share is not (its requests came in one batch,
+            # before any could be admitted): admit first, then count what still waits.
+            self._admit(started, rejected)
+            why = self.shares.refusal(_client(req))
         if why is not None:  # one client may not fill the backlog every client shares
             self._dequeued(queued)
             self._refused.append([rid, req.meta, why])

@@ -47,11 +47,15 @@ def shared_engine(tiny_model_dir):
 def test_a_flooding_client_does_not_slow_another_clients_stream(shared_engine):
     with Client(shared_engine.url, timeout=120) as flood, Client(shared_engine.url, timeout=120) as other:
         flood.wait_engine(timeout=120)
-        floods = [flood.stream(f"def f{i}():", max_tokens=400, ignore_eos=True) for i in range(20)]
-        for s in floods[8:]:  # 2 live + 6 waiting: the other 12 are refused
+        # 900 tokens: >= 9 s at >= 10 ms a step, so none ends while the test runs, however loaded the
+        # machine (with 400, the requests of a loaded run came in over 4 s and one had ended).
+        floods = [flood.stream(f"def f{i}():", max_tokens=900, ignore_eos=True) for i in range(8)]
+        wait_for(lambda: (e := fresh_engine_stats(flood)).get("num_live") == 2 and e.get("num_queued") == 6,
+                 timeout=60, what="the flood's 2 live and 6 waiting")
+        floods += [flood.stream(f"def g{i}():", max_tokens=900, ignore_eos=True) for i in range(12)]
+        for s in floods[8:]:  # its share is full: the other 12 are refused
             with pytest.raises(RequestError, match=r"its limit \(--max-queued-per-client 6\)"):
                 list(s)
-        wait_for(lambda: fresh_engine_stats(flood).get("num_live") == 2, timeout=60, what="the flood's 2 live")
         since = num_steps(other)
         stream = other.stream("def mine():", max_tokens=8, ignore_eos=True)
         first = next(stream)
