@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 
 import pytest
@@ -30,7 +31,9 @@ def test_null_model_sweep_writes_json_and_plot(tiny_model_dir, tmp_path):
     for row in rows:
         assert row["output_tokens"] == row["num_requests"] * 24  # every token reached its client
         assert row["steps"] >= 24 and row["preemptions"] == 0
-        assert row["ttft_p50_ms"] > 0 and row["itl_p50_ms"] >= 0
+        # No interval at all (nan) where each request's 24 null-model tokens, made in well under a
+        # millisecond a step, reached its client in one delta, as on a loaded machine they may.
+        assert row["ttft_p50_ms"] > 0 and (math.isnan(row["itl_p50_ms"]) or row["itl_p50_ms"] >= 0)
     assert rows[-1]["offline"]["output_tokens"] == 3 * 24 and rows[-1]["service_over_offline"] > 0
     assert out_png.exists() == has_matplotlib
 
