@@ -51,9 +51,9 @@ from nanovllm.detokenize import IncrementalDetokenizer
 from nanovllm.metrics import DetokMetrics
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError
-from nanovllm_client.security import ServiceSecurity
+from nanovllm_client.security import ServiceSecurity, claimed_id, show_client
 from nanovllm_client.stage import (Notifier, PeerMonitor, RejectLog, bind, client_router, new_instance_id, pipeline_pull,
-                                   pipeline_push)
+                                   pipeline_push, recv_from_client)
 
 log = logging.getLogger("detok_proc")
 
@@ -240,10 +240,11 @@ class DetokStage:
             has_pending = any(c.pending for c in self.clients.values())
             events = dict(poller.poll(10 if has_pending else 100))
             if self.from_engine in events:
-                self._drain(self.from_engine, lambda parts: self.on_engine_frame(parts[0]))
+                self._drain(lambda: self.from_engine.recv_multipart(zmq.NOBLOCK), lambda parts: self.on_engine_frame(parts[0]))
                 self._flush_outbox()
             if self.clients_sock in events:
-                self._drain(self.clients_sock, lambda parts: self.on_client_frames(parts[0], parts[1:]))
+                self._drain(lambda: recv_from_client(self.clients_sock, self.security.enabled),
+                            lambda message: self.on_client_frames(*message))
             if (self.engine_peers.socket in events and not self.engine_peers.connected and self.engine_state
                     and self.engine_alive is not False):
                 self._engine_dead("its connection closed")  # crashed or killed: no need to wait for the timeout
@@ -255,7 +256,8 @@ class DetokStage:
             sock.close(linger=0)
         self.security.close()
 
-    def _drain(self, sock: zmq.Socket, handle, budget: int = 256, max_s: float = DRAIN_PASS_S) -> None:
+    def _drain(self, recv, handle, budget: int = 256, max_s: float = DRAIN_PASS_S) -> None:
+        """Handle what `recv()` (a NOBLOCK receive) returns until it raises zmq.Again, within a budget."""
         # [ZH-START]
         # 1. 每次最多处理 budget = 256 条、最多 max_s = 50 ms（一个客户端的一串大帧不能让另一个 socket 和超时检查等太久），
         #    NOBLOCK 收取，收空就返回。
@@ -266,11 +268,11 @@ class DetokStage:
             if time.monotonic() > until:
                 return
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK)
+                message = recv()
             except zmq.Again:
                 return
             try:
-                handle(parts)
+                handle(message)
             except Exception as e:  # a bug must cost one frame, never the stage
                 self.rejects("internal", f"{type(e).__name__} while handling a frame", exc_info=True)
 
@@ -304,13 +306,17 @@ class DetokStage:
         # [ZH-START]
         # 1. 记下引擎统计和运行时长（stats 请求会返回它们）。
         # 2. alive=True → _engine_speaks(实例 id, 状态)。
-        # 3. alive=False 且来自我们跟随的实例（或还没跟随任何实例）→ _engine_dead(原因)。
+        # 3. alive=False 且来自我们跟随的实例（或还没跟随任何实例）→ _engine_dead(原因)；
+        #    别的实例的、或不带实例 id 的死亡通知（伪造）→ 记 "foreign_engine"，不予理会。
         # [ZH-END]
         self.engine_stats, self.engine_uptime_s = msg.stats, msg.uptime_s
         if msg.alive:
             self._engine_speaks(msg.instance_id, msg.state)
-        elif msg.instance_id in ("", self.engine_instance) or not self.engine_instance:
+        elif msg.instance_id and (not self.engine_instance or msg.instance_id == self.engine_instance):
             self._engine_dead(msg.reason or "engine shut down")
+        else:  # another instance's death is no news of ours; one that names none is a forgery
+            self.rejects("foreign_engine", f"a death notice from engine {msg.instance_id!r}, following "
+                                           f"{self.engine_instance or 'none yet'}")
 
     def _from_current_engine(self, instance_id: str) -> bool:
         """Outputs count only from the engine instance we follow (a stage that just started follows
@@ -616,7 +622,7 @@ class DetokStage:
         self._early_resumes[identity] = msg.requests
 
     def _refuse_resume(self, identity: bytes, why: str) -> None:
-        self.rejects("resume_flood", f"from {identity.hex()}: {why}")
+        self.rejects("resume_flood", f"from {show_client(identity)}: {why}")
         self.send_to_client(identity, p.ErrorOutput(p.clip(f"resume refused: {why}")).encode())
 
     def _apply_resume(self, identity: bytes, rows: list[list]) -> None:
@@ -674,8 +680,10 @@ class DetokStage:
 
     # ------------------------------------------------------------------ client side
 
-    def on_client_frames(self, identity: bytes, frames: list[bytes]) -> None:
+    def on_client_frames(self, identity: bytes, frames: list[bytes], key: str | None = None) -> None:
         # [ZH-START]
+        # 0. 开了 CURVE 而路由 id 不属于发送者的钥匙（claimed_id）：别的钥匙占了这个 id 的连接，发给这个 id 的输出
+        #    都会落到它手里——记 "claimed_id"、回错误，并 client_gone 放弃这个 id 的客户端（它的请求在引擎里 abort）。
         # 1. 计数；更新（或新建）ClientInfo.last_seen——任何消息都算心跳。
         # 2. _tell_if_given_up：我们放弃过的客户端又出现了，告诉它哪些流已丢。必须在建好 ClientInfo 之后：
         #    因不读而被放弃的客户端管道多半还是满的，发不出去的帧要进它的 pending 排队，而不是被丢掉。
@@ -687,6 +695,13 @@ class DetokStage:
         #    其他 → "wrong_type"，并告诉客户端请求应发到 tokenizer 端点。
         # [ZH-END]
         self.metrics.frame_received()
+        if claimed_id(identity, key):
+            # The connection under this id is another key's (zmq lets a second connection with an
+            # id in use take it once the first is gone): whatever is sent to the id would reach it.
+            self.rejects("claimed_id", f"{show_client(identity)} from another CURVE key")
+            self.client_gone(identity, "its routing id was taken by another CURVE key")
+            self.send_to_client(identity, p.ErrorOutput("refused: this routing id belongs to another CURVE key").encode())
+            return
         info = self.clients.setdefault(identity, ClientInfo(time.monotonic()))
         first = not info.heard
         info.last_seen, info.heard = time.monotonic(), True
@@ -694,13 +709,13 @@ class DetokStage:
         # reading still has a full pipe, and a frame with nowhere to wait was dropped).
         self._tell_if_given_up(identity)
         if len(frames) != 1:
-            self.rejects("multipart", f"{len(frames)} frames from {identity.hex()}")
+            self.rejects("multipart", f"{len(frames)} frames from {show_client(identity)}")
             self.send_to_client(identity, p.ErrorOutput(f"expected exactly one frame per message, got {len(frames)}").encode())
             return
         try:
             msg = p.decode(frames[0])
         except ProtocolError as e:
-            self.rejects("bad_frame", f"from {identity.hex()}: {e}")
+            self.rejects("bad_frame", f"from {show_client(identity)}: {e}")
             self.send_to_client(identity, p.ErrorOutput(p.clip(str(e)), e.request_id).encode())
             return
         if isinstance(msg, p.Ping):
@@ -714,7 +729,7 @@ class DetokStage:
         elif isinstance(msg, p.Resume):
             self.on_resume(identity, msg)
         else:
-            self.rejects("wrong_type", f"{msg.TYPE!r} from {identity.hex()}")
+            self.rejects("wrong_type", f"{msg.TYPE!r} from {show_client(identity)}")
             self.send_to_client(identity, p.ErrorOutput(
                 f"the detokenizer accepts only 'ping', 'stats' and 'resume' messages, got {msg.TYPE!r}; "
                 "send requests to the tokenizer endpoint").encode())
@@ -826,7 +841,7 @@ class DetokStage:
             return
         self._held(info, -info.pending_bytes)
         if info.request_ids:
-            log.info("client %s gone (%s): aborting %d request(s)", identity.hex(), why, len(info.request_ids))
+            log.info("client %s gone (%s): aborting %d request(s)", show_client(identity), why, len(info.request_ids))
         lost = []
         for request_id in info.request_ids:
             self.metrics.request_dropped(request_id)

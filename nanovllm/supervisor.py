@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=os.environ.get("NANOVLLM_MODEL", "default"),
                         help="'default', an HF folder or a .gguf file (env NANOVLLM_MODEL; default %(default)s)")
     parser.add_argument("--runtime-dir", default=default_runtime_dir(),
-                        help="where the ipc sockets and stages.json live (env NANOVLLM_RUNTIME_DIR; default %(default)s)")
+                        help="where the ipc sockets, stages.json and a tcp service's instance key live (env "
+                             "NANOVLLM_RUNTIME_DIR, which clients read too; default %(default)s)")
     parser.add_argument("--url", default=os.environ.get("NANOVLLM_URL"),
                         help="service address, ipc://DIR or tcp://127.0.0.1:PORT (env NANOVLLM_URL; "
                              "default ipc://<runtime dir>)")
@@ -276,7 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--curve-clients", default=os.environ.get("NANOVLLM_CURVE_CLIENTS"),
                         help="directory of allowed client public keys (*.key)")
     parser.add_argument("--insecure-tcp", action="store_true",
-                        help="allow a non-loopback tcp URL without CURVE keys")
+                        help="serve a tcp URL without CURVE: on loopback every local user can then reach every "
+                             "socket, stage-to-stage ones included; elsewhere every host that reaches it. Without "
+                             "it and without keys, a loopback service makes an instance key in its runtime directory "
+                             "that only this user's clients (and root's) can read")
     parser.add_argument("--cache-salt-per-client", action="store_true",
                         default=os.environ.get("NANOVLLM_CACHE_SALT_PER_CLIENT", "0") == "1",
                         help="salt each client's prefix cache by its CURVE key (else its routing id): no client's "
@@ -292,26 +296,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from nanovllm_client.endpoints import ensure_private_dir, service_endpoints
-    from nanovllm_client.stage import stop_event
+    from nanovllm_client.stage import service_secret_key, stop_event
 
     args, engine_args = build_parser().parse_known_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s supervisor %(levelname)s %(message)s")
     faulthandler.enable()  # like the stages: `kill -ABRT` on a hung supervisor prints every thread's stack
     url = args.url or f"ipc://{args.runtime_dir}"
     try:
-        service_endpoints(url)
+        endpoints = service_endpoints(url)
     except ValueError as e:
         print(f"nanovllm serve: {e}", file=sys.stderr)
         return 2
     try:
         ensure_private_dir(args.runtime_dir)
-    except OSError as e:  # another user's directory, a symlink, a mode others can use
+        secret_key = service_secret_key(url, endpoints, args.curve_secret_key, args.insecure_tcp, args.runtime_dir)
+    except (OSError, ValueError) as e:  # another user's directory, a symlink, a mode others can use; a bad key
         print(f"nanovllm serve: {e}", file=sys.stderr)
         return 2
     stop = stop_event()
     stage_env = {"NANOVLLM_METRICS_HOST": args.metrics_host, "NANOVLLM_INSECURE_TCP": "1" if args.insecure_tcp else "0",
                  "NANOVLLM_CACHE_SALT_PER_CLIENT": "1" if args.cache_salt_per_client else "0"}
-    for name, value in (("NANOVLLM_CURVE_SECRET_KEY", args.curve_secret_key), ("NANOVLLM_CURVE_CLIENTS", args.curve_clients)):
+    for name, value in (("NANOVLLM_CURVE_SECRET_KEY", secret_key), ("NANOVLLM_CURVE_CLIENTS", args.curve_clients)):
         if value:
             stage_env[name] = os.path.abspath(value)
     return Supervisor(url, args.model, args.runtime_dir, engine_args, args.log_level, drain_timeout_s=args.drain_timeout,

@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
              "takes none; more are refused as overloaded (0: only the stage's own bounds)", default=0, type=int)
     add_flag(parser, "--max-priority", "the highest priority a request may ask for (the priority scheduling policy "
              "admits higher first); higher is refused with an error naming this ceiling (default: any)", type=int)
+    add_flag(parser, "--max-request-rate-per-client", "requests a second one client may send on average, in bursts "
+             "of a second's worth (at least one); faster ones are refused naming this limit (0: no limit)",
+             default=0.0, type=float)
     add_endpoint_flags(parser)
     args = parser.parse_args(argv)
     log = setup_logging(args.log_level, "tokenizer")
@@ -41,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                                frontend=endpoints.tokenizer, engine=endpoints.engine, control=endpoints.control, ctx=ctx,
                                max_prompt_tokens=context_length(args.model), security=stage_security(ctx, args),
                                metrics=metrics, cache_salt_per_client=args.cache_salt_per_client,
-                               max_pending_per_client=args.max_pending_per_client, max_priority=args.max_priority)
+                               max_pending_per_client=args.max_pending_per_client, max_priority=args.max_priority,
+                               max_request_rate_per_client=args.max_request_rate_per_client)
     except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, no tokenizer in it, address in use
         return startup_failed(log, "tokenizer", e)
     log.info("model %s; clients at %s; engine at %s", args.model, endpoints.tokenizer, endpoints.engine)

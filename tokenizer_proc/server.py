@@ -42,9 +42,11 @@ from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS
 from nanovllm.metrics import TokenizerMetrics
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError, check_strings, show
-from nanovllm_client.security import ServiceSecurity
+from nanovllm_client.security import ServiceSecurity, claimed_id, show_client
 from nanovllm_client.stage import (REQUEST_PIPE_HWM, Notifier, PeerMonitor, RejectLog, client_router, new_instance_id,
-                                   pipeline_push)
+                                   pipeline_push, recv_from_client)
+
+from .rate_limit import RateLimit
 
 log = logging.getLogger("tokenizer_proc")
 
@@ -66,6 +68,8 @@ HOLDING_FULL = ("the tokenizer already holds {n} requests ({mib:.1f} MiB) that t
 CLIENT_HOLDING_FULL = ("overloaded: the tokenizer holds {n} requests of this client for the engine, its limit "
                        "(--max-pending-per-client {limit}); retry later")
 """One client's part of what the tokenizer holds, when `--max-pending-per-client` sets one."""
+CLAIMED_ID = ("refused: this routing id belongs to another CURVE key (a client's routing id starts with its key's "
+              "tag); connect with a routing id of your own")
 
 MAX_CHARS_PER_TOKEN = 64
 """Generous bound on characters per token (real text averages about 4), used to refuse text too
@@ -94,14 +98,17 @@ class TokenizerStage:
                  engine: str, control: str, ctx: zmq.Context | None = None, max_prompt_tokens: int | None = None,
                  security: ServiceSecurity | None = None, metrics: TokenizerMetrics | None = None,
                  cache_salt_per_client: bool = False, max_pending_per_client: int = 0,
-                 max_priority: int | None = None):
+                 max_priority: int | None = None, max_request_rate_per_client: float = 0.0):
         self.tokenizer = tokenizer
+        self.rate_limit = RateLimit(max_request_rate_per_client)
+        """Each client's request rate (0: no limit)."""
         if not isinstance(max_pending_per_client, int) or max_pending_per_client < 0:
             raise ValueError(f"max_pending_per_client must be an integer >= 0 (0: no limit), got {max_pending_per_client!r}")
         self.max_pending_per_client = max_pending_per_client
         """Most requests of one client held in `pending` (0: only the stage's own bounds)."""
         self.max_priority = max_priority
-        """The highest `priority` a request may ask for (None: any the protocol allows)."""
+        """The highest `priority` a request may ask for (None: any the protocol allows); an
+        allow-listed key's file may set a lower one for that key."""
         self._pending_of: collections.Counter[bytes] = collections.Counter()
         """Client identity -> its requests in `pending`."""
         self.cache_salt_per_client = cache_salt_per_client
@@ -178,6 +185,7 @@ class TokenizerStage:
         if now >= self._next_prune:
             self._next_prune = now + 1.0
             self._clients_seen = {c: t for c, t in self._clients_seen.items() if now - t < window_s}
+            self.rate_limit.forget_idle(now)
             self.metrics.set_live_clients(len(self._clients_seen))
 
     def close(self) -> None:
@@ -190,25 +198,28 @@ class TokenizerStage:
     def _drain_frontend(self, budget: int = 256) -> None:
         # [ZH-START]
         # 1. 每轮最多处理 budget = 256 条消息，免得一个繁忙客户端饿死循环里的其他工作。
-        # 2. NOBLOCK 收一条：parts[0] 是 ROUTER 加上的客户端身份，其余交给 handle。
+        # 2. NOBLOCK 收一条（recv_from_client）：ROUTER 加上的客户端路由 id、各帧，开了 CURVE 时还有 ZAP 认证的公钥（User-Id）。
+        #    路由 id 的前 8 字节不是这把钥匙的标签（claimed_id）：别的钥匙冒用这个 id，记 "claimed_id" 并回错误；
+        #    否则交给 handle，钥匙先经 tenant_key（服务自己的钥匙按路由 id 区分客户端）。
         #    pending 满了也照样读（满时新请求在 _on_generate 被拒绝），所以 ping 和 abort 永远不被忙碌的引擎挡住。
         # [ZH-END]
         keyed = self.security.enabled  # CURVE: each message carries its sender's key (ZAP's User-Id)
         for _ in range(budget):
             try:
-                parts = self.frontend.recv_multipart(zmq.NOBLOCK, copy=not keyed)
+                identity, frames, key = recv_from_client(self.frontend, keyed)
             except zmq.Again:
                 return
-            if keyed:
-                key = parts[-1].get("User-Id")
-                self.handle(parts[0].bytes, [f.bytes for f in parts[1:]], key)
-            else:
-                self.handle(parts[0], parts[1:])
+            if claimed_id(identity, key):  # another key's id: its requests are not this sender's to touch
+                self.rejects("claimed_id", f"{show_client(identity)} from another CURVE key")
+                self._reply(identity, p.ErrorOutput(CLAIMED_ID))
+                continue
+            self.handle(identity, frames, self.security.tenant_key(key))
 
     # ------------------------------------------------------------------ messages
 
     def handle(self, identity: bytes, frames: list[bytes], key: str | None = None) -> None:
-        """One client message (`key`: its sender's CURVE public key, where CURVE is on). Whatever
+        """One client message (`key`: its sender's CURVE key where CURVE is on, unless that is the
+        service's own: `ServiceSecurity.tenant_key`). Whatever
         it holds, the stage answers and carries on: a bug while handling one frame costs that
         frame an error reply, never the stage."""
         # [ZH-START]
@@ -219,7 +230,7 @@ class TokenizerStage:
         try:
             self._handle(identity, frames, key)
         except Exception as e:
-            self.rejects("internal", f"{type(e).__name__} while handling a frame from {identity.hex()}", exc_info=True)
+            self.rejects("internal", f"{type(e).__name__} while handling a frame from {show_client(identity)}", exc_info=True)
             self._reply(identity, p.ErrorOutput(p.clip(f"internal error while handling this frame: "
                                                        f"{type(e).__name__}: {e}")))
 
@@ -238,13 +249,13 @@ class TokenizerStage:
         self.metrics.frame_received()
         self._clients_seen[identity] = time.monotonic()
         if len(frames) != 1:
-            self.rejects("multipart", f"{len(frames)} frames from {identity.hex()}")
+            self.rejects("multipart", f"{len(frames)} frames from {show_client(identity)}")
             self._reply(identity, p.ErrorOutput(f"expected exactly one frame per message, got {len(frames)}"))
             return
         try:
             msg = p.decode(frames[0])
         except ProtocolError as e:
-            self.rejects("bad_frame", f"from {identity.hex()}: {e}")
+            self.rejects("bad_frame", f"from {show_client(identity)}: {e}")
             self._reply(identity, p.ErrorOutput(p.clip(str(e)), e.request_id))
             return
         if isinstance(msg, p.GenerateReq):
@@ -255,7 +266,7 @@ class TokenizerStage:
             self._reply(identity, p.Pong("tokenizer", self.instance_id, self.engine_peers.connected, self.state,
                                          time.monotonic() - self.started_at))
         else:
-            self.rejects("wrong_type", f"{msg.TYPE!r} from {identity.hex()}")
+            self.rejects("wrong_type", f"{msg.TYPE!r} from {show_client(identity)}")
             self._reply(identity, p.ErrorOutput(f"the tokenizer does not accept {msg.TYPE!r} messages; "
                                                 "send 'generate', 'abort' or 'ping'"))
 
@@ -263,31 +274,30 @@ class TokenizerStage:
         # [ZH-START]
         # 1. draining 中：回 DRAINING 错误增量；pending 已满（_holding_full）：回 HOLDING_FULL（overloaded）错误增量，
         #    不分词——过载时不花 CPU 在注定放不下的请求上；这个客户端在 pending 里已有 --max-pending-per-client 个：
-        #    回 CLIENT_HOLDING_FULL，别的客户端不受影响。
+        #    回 CLIENT_HOLDING_FULL，别的客户端不受影响；这个客户端（钥匙，没有则路由 id）超过
+        #    --max-request-rate-per-client（RateLimit 令牌桶）：回限速错误，说出还要等多久。
         # 2. tokenize()：RequestRejected → 回它的文本；其他异常（分词器或模板意外失败）→ 记 "internal"，回 "could not tokenize"。
         # 3. 记录分词耗时，_forward 把 TokenizedReq 帧排队推给引擎。
         # [ZH-END]
         if self.state == "draining":
-            self.metrics.request_rejected()
-            self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, DRAINING)]))
+            self._refuse(identity, req, DRAINING)
             return
         if self._holding_full():  # refused before tokenizing: an overloaded stage spends nothing on it
-            self.metrics.request_rejected()
-            self._reply(identity, p.StreamOutput([p.error_delta(
-                req.request_id, HOLDING_FULL.format(n=len(self.pending), mib=self._pending_bytes / (1 << 20)))]))
+            self._refuse(identity, req, HOLDING_FULL.format(n=len(self.pending), mib=self._pending_bytes / (1 << 20)))
             return
         held = self._pending_of[identity]
         if self.max_pending_per_client and held >= self.max_pending_per_client:  # one client may not fill it
-            self.metrics.request_rejected()
-            self._reply(identity, p.StreamOutput([p.error_delta(
-                req.request_id, CLIENT_HOLDING_FULL.format(n=held, limit=self.max_pending_per_client))]))
+            self._refuse(identity, req, CLIENT_HOLDING_FULL.format(n=held, limit=self.max_pending_per_client))
+            return
+        too_fast = self.rate_limit.refusal(key.encode() if key else identity, time.monotonic())
+        if too_fast:
+            self._refuse(identity, req, too_fast)
             return
         started = time.perf_counter()
         try:
             frame = self.tokenize(identity, req, key)
         except RequestRejected as e:
-            self.metrics.request_rejected()
-            self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, str(e))]))
+            self._refuse(identity, req, str(e))
             return
         except Exception as e:  # the tokenizer or template failed in a way no check foresaw
             self.rejects("internal", f"{type(e).__name__} while tokenizing {req.request_id!r}", exc_info=True)
@@ -298,11 +308,16 @@ class TokenizerStage:
         self.metrics.request_forwarded()
         self._forward(identity, req.request_id, frame)
 
+    def _refuse(self, identity: bytes, req: p.GenerateReq, why: str) -> None:
+        """Refuse a request: its client gets `why` as the request's error."""
+        self.metrics.request_rejected()
+        self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, why)]))
+
     def tokenize(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> bytes:
         """Validate and tokenize: the TokenizedReq frame for the engine, or `RequestRejected` saying
         what was wrong. `key`: the client's CURVE key, which salts its cache where it is set."""
         # [ZH-START]
-        # 1. priority 超过 --max-priority → 拒绝并说出上限；
+        # 1. priority 超过 --max-priority，或超过这把客户端钥匙在 allow-list 文件里的 max-priority → 拒绝并说出是哪个上限；
         #    sampling 里有未知字段 → 拒绝并列出允许的字段；有服务尚不支持的字段（logprobs、logits_processors）→ 拒绝。
         # 2. stop = req.stop + sampling.stop（单个字符串或列表），两处合计受同一限制（最多 64 个、每个 1024 字符）。
         # 3. 取出 skip_special_tokens、include_stop_str_in_output：这些是文本侧字段，交给 detokenizer，不给引擎。
@@ -316,9 +331,7 @@ class TokenizerStage:
         #    再编码、检查帧长：引擎会丢掉的帧（它无法回答客户端：min_tokens 超过 2**31；超过 16 MiB 的帧，
         #    引擎的 socket 会连同连接一起丢掉）在这里就拒绝，并说明原因；通过则返回编码好的帧。
         # [ZH-END]
-        if self.max_priority is not None and req.priority > self.max_priority:
-            raise RequestRejected(f"priority {req.priority} is above this service's ceiling of {self.max_priority} "
-                                  f"(--max-priority)")
+        self._check_priority(req.priority, key)
         unknown = set(req.sampling) - self.sampling_fields
         if unknown:
             raise RequestRejected(f"unknown sampling parameter(s) {show(sorted(unknown))}; "
@@ -360,6 +373,16 @@ class TokenizerStage:
             raise RequestRejected(f"the request is {len(frame)} bytes once tokenized, over the {p.MAX_FRAME_BYTES}-byte "
                                   "frame limit: shorten the prompt or the sampling lists")
         return frame
+
+    def _check_priority(self, priority: int, key: str | None) -> None:
+        """RequestRejected for a priority above the service's ceiling or the client key's own."""
+        if self.max_priority is not None and priority > self.max_priority:
+            raise RequestRejected(f"priority {priority} is above this service's ceiling of {self.max_priority} "
+                                  f"(--max-priority)")
+        own = self.security.max_priority_of(key)
+        if own is not None and priority > own:
+            raise RequestRejected(f"priority {priority} is above this client key's ceiling of {own} "
+                                  f"(max-priority in its allow-list file)")
 
     def _prompt_ids(self, req: p.GenerateReq) -> list[int]:
         # [ZH-START]
@@ -463,7 +486,7 @@ class TokenizerStage:
         try:
             self.frontend.send_multipart([identity, msg.encode()], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: client gone; EAGAIN: it is not reading
-            log.info("could not reply to client %s: %s", identity.hex(), e)
+            log.info("could not reply to client %s: %s", show_client(identity), e)
 
 
 def _as_stop_list(value: Any) -> list[str]:

@@ -155,9 +155,9 @@ class AsyncClient(ClientBase):
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
                  connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000,
                  stage_timeout: float = 30.0, curve: tuple[CurveKeys, bytes] | None = None,
-                 engine_restart_wait_s: float = 60.0):
+                 engine_restart_wait_s: float = 60.0, insecure_tcp: bool = False):
         super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout, curve,
-                         engine_restart_wait_s)
+                         engine_restart_wait_s, insecure_tcp)
         self._streams: dict[str, asyncio.Queue] = {}
         self._stats: asyncio.Queue | None = None
         self._ready: asyncio.Event | None = None

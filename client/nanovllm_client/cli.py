@@ -7,7 +7,7 @@ import sys
 
 from .endpoints import default_url
 from .errors import NanovllmError
-from .security import CLIENT_KEY_ENV, SERVER_KEY_ENV, client_keys_from_env
+from .security import CLIENT_KEY_ENV, INSECURE_TCP_ENV, SERVER_KEY_ENV, client_keys_from_env
 from .sync_client import Client
 
 
@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"this client's CURVE secret key file, for a service that requires keys (env {CLIENT_KEY_ENV})")
     parser.add_argument("--curve-server-key", default=os.environ.get(SERVER_KEY_ENV),
                         help=f"the service's CURVE public key file (env {SERVER_KEY_ENV})")
+    parser.add_argument("--insecure-tcp", action="store_true",
+                        default=os.environ.get(INSECURE_TCP_ENV, "0").lower() in ("1", "true", "yes", "on"),
+                        help="connect to a tcp service run with --insecure-tcp: no CURVE (by default a loopback "
+                             f"service is reached with its instance key; env {INSECURE_TCP_ENV}=1)")
     args = parser.parse_args(argv)
 
     if args.raw:
@@ -42,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanovllm-client: {e}", file=sys.stderr)
         return 2
     try:
-        with Client(args.url, timeout=args.timeout, connect_timeout=args.connect_timeout, curve=curve) as client:
+        with Client(args.url, timeout=args.timeout, connect_timeout=args.connect_timeout, curve=curve,
+                    insecure_tcp=args.insecure_tcp) as client:
             client.wait_engine(timeout=args.connect_timeout)  # a service just started may still be loading
             last = None
             for delta in client.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,

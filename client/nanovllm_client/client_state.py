@@ -35,7 +35,7 @@ import zmq
 from . import protocol as p
 from .checks import ProtocolError
 from .errors import EngineDeadError, ServiceDrainingError
-from .security import CurveKeys, client_keys_from_env, client_socket_security
+from .security import CurveKeys, client_curve, client_socket_security, new_routing_id
 from .endpoints import check_ipc_endpoint, default_url, service_endpoints
 
 log = logging.getLogger("nanovllm_client")
@@ -405,20 +405,24 @@ class ClientBase:
     client's identity on both sockets, its CURVE keys, and the protocol state.
 
     `curve`: (this client's key pair, the service's public key), for a service that requires
-    CURVE; by default from $NANOVLLM_CURVE_CLIENT_KEY and $NANOVLLM_CURVE_SERVER_KEY (files).
+    CURVE; by default from $NANOVLLM_CURVE_CLIENT_KEY and $NANOVLLM_CURVE_SERVER_KEY (files), else
+    for a loopback tcp service of this user its instance key (`security.client_curve`).
+    `insecure_tcp`: no CURVE unless keys are given, for a tcp service run with --insecure-tcp
+    (also $NANOVLLM_INSECURE_TCP=1).
     `engine_restart_wait_s`: how long a request whose engine died waits for a new engine, which
     then continues it from the output received (0: it fails with the engine, `EngineDeadError`)."""
 
     def __init__(self, url: str | None, timeout: float | None, connect_timeout: float,
                  heartbeat_interval: float, hwm: int, stage_timeout: float = 30.0,
-                 curve: tuple[CurveKeys, bytes] | None = None, engine_restart_wait_s: float = 60.0):
+                 curve: tuple[CurveKeys, bytes] | None = None, engine_restart_wait_s: float = 60.0,
+                 insecure_tcp: bool = False):
         self.url = url or default_url()
-        self._curve = curve if curve is not None else client_keys_from_env()
         self.endpoints = service_endpoints(self.url)
         check_ipc_endpoint(self.endpoints.tokenizer)  # both sockets live in one directory
+        self._curve = client_curve(self.url, curve, insecure_tcp=insecure_tcp)
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self._heartbeat_interval, self._hwm = heartbeat_interval, hwm
-        self._identity = uuid.uuid4().bytes
+        self._identity = new_routing_id(self._curve)
         self._state = ClientState(stage_timeout=stage_timeout, engine_restart_wait_s=engine_restart_wait_s)
         self._wire_ids: dict[str, str] = {}
         """Caller's request id -> wire id of its stream in flight."""

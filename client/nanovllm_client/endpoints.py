@@ -111,13 +111,19 @@ def ensure_private_dir(directory: str) -> None:
 
 def check_ipc_endpoint(endpoint: str) -> None:
     """Before a client connects to an ipc:// endpoint: refuse a directory another user could
-    have put sockets in. Accepted: this user's private directory (as `ensure_private_dir`), or
-    a directory in a place only root can write (systemd's RuntimeDirectory under /run, owned by
-    the service's user), not writable by group or others. A missing directory in a shared place
-    is made here, private, so no one else can make it before the service starts."""
+    have put sockets in (`check_trusted_dir`)."""
     directory = ipc_dir(endpoint)
-    if directory is None:
-        return
+    if directory is not None:
+        check_trusted_dir(directory)
+
+
+def check_trusted_dir(directory: str) -> None:
+    """Before a client uses what a service put in `directory` (its sockets, its instance key):
+    refuse a directory another user could have put things in. Accepted: this user's private
+    directory (as `ensure_private_dir`), or a directory in a place only root can write (systemd's
+    RuntimeDirectory under /run, owned by the service's user), not writable by group or others.
+    A missing directory in a shared place is made here, private, so no one else can make it
+    before the service starts."""
     try:
         info = os.lstat(directory)
     except FileNotFoundError:

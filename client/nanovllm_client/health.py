@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +18,7 @@ import zmq
 from . import protocol as p
 from .checks import ProtocolError
 from .endpoints import default_url, service_endpoints
-from .security import CurveKeys, client_keys_from_env, client_socket_security
+from .security import CurveKeys, client_curve, client_socket_security, new_routing_id
 
 
 @dataclass
@@ -60,7 +59,7 @@ def check_health(url: str | None = None, timeout: float = 5.0, curve: tuple[Curv
                  ) -> HealthReport:
     url = url or default_url()
     endpoints = service_endpoints(url)
-    curve = curve if curve is not None else client_keys_from_env()
+    curve = client_curve(url, curve)
     report = HealthReport(url, {role: StageHealth(role) for role in ("tokenizer", "detokenizer", "engine")})
     ctx = zmq.Context()
     try:
@@ -82,7 +81,7 @@ def check_health(url: str | None = None, timeout: float = 5.0, curve: tuple[Curv
 
 def _dealer(ctx: zmq.Context, endpoint: str, curve: tuple[CurveKeys, bytes] | None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+    sock.setsockopt(zmq.ROUTING_ID, new_routing_id(curve))
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
     if curve is not None:

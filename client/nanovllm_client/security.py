@@ -4,8 +4,15 @@ One key pair per service instance (the "server" pair) is shared by its three sta
 bound sockets are CURVE servers with its secret key, and a stage's PUSH to another stage is a
 CURVE client using that same pair. Each client has a pair of its own and is let in by putting its
 public key file into the service's allow-list directory. A `zmq.auth` authenticator thread per
-stage (per zmq.Context) answers the handshakes. Without keys nothing changes, except that a stage
-refuses to bind a tcp address other hosts can reach unless told it may (`check_bind`).
+stage (per zmq.Context) answers the handshakes.
+
+A service on loopback tcp given no keys makes a key pair of its own on first use (its *instance*
+key, `ensure_instance_key`), in its private runtime directory: loopback keeps other hosts out, not
+other users of this one. Clients of the same user (and root) find it there and use it, or make
+it if they come first (`client_curve`); nobody else can read it. Only `--insecure-tcp` (and
+$NANOVLLM_INSECURE_TCP for clients) runs tcp without CURVE, and a
+stage refuses to bind a tcp address other hosts can reach without keys unless told it may
+(`check_bind`).
 
 Key files use the zmq certificate format (`zmq.auth.load_certificate` reads them). Imports only
 pyzmq and the standard library: the client library uses it too.
@@ -14,11 +21,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import ipaddress
 import logging
 import os
+import re
+import shutil
 import stat
 import sys
+import tempfile
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -26,6 +38,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
+
+from .endpoints import check_trusted_dir, default_runtime_dir, ensure_private_dir, service_endpoints
 
 SECRET_KEY_ENV = "NANOVLLM_CURVE_SECRET_KEY"
 """A stage's service secret key file (`NAME.key_secret`)."""
@@ -37,6 +51,13 @@ CLIENT_KEY_ENV = "NANOVLLM_CURVE_CLIENT_KEY"
 """A client's own secret key file."""
 SERVER_KEY_ENV = "NANOVLLM_CURVE_SERVER_KEY"
 """The service's public key file, for clients."""
+
+INSTANCE_KEY_PREFIX = "curve-"
+"""Instance key files: `<runtime dir>/curve-<host>_<port>.key_secret`."""
+KEY_TAG_BYTES = 8
+"""Under CURVE a client's routing id starts with this many bytes derived from its public key."""
+MAX_PRIORITY_FIELD = "max-priority"
+"""An allow-list key file may carry `max-priority = "N"` in its metadata: that key's ceiling."""
 
 CLIENT_DOMAIN = b"nanovllm.clients"
 """ZAP domain of client-facing sockets: the service's own key and the allow-list get in."""
@@ -61,11 +82,16 @@ class CurveKeys:
 
 # ---------------------------------------------------------------------------------- key files
 
-def generate_keypair(directory: str, name: str) -> tuple[str, str]:
+def generate_keypair(directory: str, name: str, max_priority: int | None = None) -> tuple[str, str]:
     """Write `DIR/NAME.key` (public) and `DIR/NAME.key_secret` (secret, mode 0600); the directory
-    is created 0700 if missing. Returns (public file, secret file). Never overwrites a key."""
+    is created 0700 if missing. Returns (public file, secret file). Never overwrites a key.
+    `max_priority`: written into the public file, the ceiling a service gives this key's requests
+    once the file is in its allow-list."""
     if not name or name in (".", "..") or "/" in name or os.sep in name or not name.isprintable():
         raise ValueError(f"a key name must be a plain file name (no directories), got {name!r}")
+    if max_priority is not None and (not isinstance(max_priority, int) or isinstance(max_priority, bool)
+                                     or not -2**31 <= max_priority < 2**31):
+        raise ValueError(f"max_priority must be a 32-bit integer, got {max_priority!r}")
     os.makedirs(directory, mode=0o700, exist_ok=True)
     public_file = os.path.join(directory, name + PUBLIC_SUFFIX)
     secret_file = os.path.join(directory, name + SECRET_SUFFIX)
@@ -78,7 +104,8 @@ def generate_keypair(directory: str, name: str) -> tuple[str, str]:
     _write_new(secret_file, _certificate(f"CURVE **secret** key of {name!r}, made {now}. "
                                          "Keep it private: never copy it off its host.", public, secret), 0o600)
     try:
-        _write_new(public_file, _certificate(f"CURVE public key of {name!r}, made {now}.", public), 0o644)
+        _write_new(public_file, _certificate(f"CURVE public key of {name!r}, made {now}.", public,
+                                             max_priority=max_priority), 0o644)
     except BaseException:
         os.unlink(secret_file)  # half a key pair is worse than none
         raise
@@ -106,9 +133,11 @@ def load_public_key(file: str) -> bytes:
     return _read_key_file(file)[0]
 
 
-def _certificate(comment: str, public: bytes, secret: bytes | None = None) -> str:
-    lines = [f"#   {comment}", "#   ZeroMQ CURVE certificate, written by nanovllm keygen", "", "metadata",
-             "curve", f'    public-key = "{public.decode()}"']
+def _certificate(comment: str, public: bytes, secret: bytes | None = None, max_priority: int | None = None) -> str:
+    lines = [f"#   {comment}", "#   ZeroMQ CURVE certificate, written by nanovllm keygen", "", "metadata"]
+    if max_priority is not None:
+        lines.append(f'    {MAX_PRIORITY_FIELD} = "{max_priority}"')
+    lines += ["curve", f'    public-key = "{public.decode()}"']
     if secret is not None:
         lines.append(f'    secret-key = "{secret.decode()}"')
     return "\n".join(lines) + "\n"
@@ -142,6 +171,28 @@ def _read_key_file(path: str) -> tuple[bytes, bytes | None]:
         if key is not None and not _is_z85_key(key):
             raise KeyFileError(f"{path}: the {which} key is not a 40-character z85 CURVE key")
     return public, secret
+
+
+_METADATA_LINE = re.compile(r'^\s+([A-Za-z0-9_-]+)\s*=\s*"([^"]*)"\s*$')
+
+
+def read_max_priority(path: str) -> int | None:
+    """The `max-priority` a key file's metadata section gives its key, or None; KeyFileError for a
+    value that is not a 32-bit integer (better refused than read as no ceiling)."""
+    with open(path, encoding="ascii", errors="replace") as f:
+        text = f.read(MAX_KEY_FILE_BYTES)
+    section = None
+    for line in text.splitlines():
+        if line and not line[0].isspace() and not line.startswith("#"):
+            section = line.strip()
+            continue
+        match = _METADATA_LINE.match(line)
+        if section == "metadata" and match and match.group(1) == MAX_PRIORITY_FIELD:
+            value = match.group(2)
+            if not re.fullmatch(r"-?[0-9]{1,10}", value) or not -2**31 <= int(value) < 2**31:
+                raise KeyFileError(f"{path}: {MAX_PRIORITY_FIELD} must be a 32-bit integer, got {value!r}")
+            return int(value)
+    return None
 
 
 def _is_z85_key(key: bytes) -> bool:
@@ -184,7 +235,8 @@ def exposure(endpoint: str) -> str | None:
 # ---------------------------------------------------------------------------------- authentication
 
 class AllowList:
-    """The client public keys in a directory of `*.key` files (other files are ignored).
+    """The client public keys in a directory of `*.key` files (other files are ignored), each
+    with the priority ceiling its file may carry (`max-priority` in its metadata).
 
     Re-read on every call: one directory scan, and a file is parsed again only when its size,
     mtime or inode changed. A key file added or removed takes effect at the next handshake; a
@@ -192,17 +244,25 @@ class AllowList:
 
     def __init__(self, directory: str):
         self.directory = directory
-        self._files: dict[str, tuple[tuple[int, int, int, int], bytes | None]] = {}
+        self._files: dict[str, tuple[tuple[int, int, int, int], bytes | None, int | None]] = {}
         self._readable = True
 
     def keys(self) -> set[bytes]:
+        return set(self.entries())
+
+    def max_priority(self, key: bytes) -> int | None:
+        """The ceiling an allow-list file gives `key` (the lowest, if several files hold it)."""
+        return self.entries().get(key)
+
+    def entries(self) -> dict[bytes, int | None]:
+        """Each allowed key and its priority ceiling (None: the service's own applies)."""
         try:
             entries = [e for e in os.scandir(self.directory) if e.name.endswith(PUBLIC_SUFFIX)]
         except OSError as e:
             if self._readable:  # logged when it breaks, not at every handshake
                 log.warning("cannot read the client allow-list %s (%s): no client gets in", self.directory, e.strerror)
             self._files, self._readable = {}, False
-            return set()
+            return {}
         self._readable = True
         files = {}
         for entry in entries:
@@ -215,17 +275,26 @@ class AllowList:
             if cached is not None and cached[0] == signature:
                 files[entry.name] = cached
                 continue
-            try:
-                if st.st_mode & 0o022:
-                    raise KeyFileError(f"{entry.path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users "
-                                       f"replace the key in it; chmod go-w {entry.path}")
-                key = load_public_key(entry.path)
-            except KeyFileError as e:
-                log.warning("skipping a client key: %s", e)
-                key = None
-            files[entry.name] = (signature, key)
+            files[entry.name] = (signature, *self._read(entry.path, st.st_mode))
         self._files = files
-        return {key for _, key in files.values() if key is not None}
+        allowed: dict[bytes, int | None] = {}
+        for _, key, ceiling in files.values():
+            if key is None:
+                continue
+            ceilings = [c for c in (allowed.get(key), ceiling) if c is not None]
+            allowed[key] = min(ceilings) if ceilings else None
+        return allowed
+
+    @staticmethod
+    def _read(path: str, mode: int) -> tuple[bytes | None, int | None]:
+        try:
+            if mode & 0o022:
+                raise KeyFileError(f"{path}: mode {stat.S_IMODE(mode):04o} lets other users "
+                                   f"replace the key in it; chmod go-w {path}")
+            return load_public_key(path), read_max_priority(path)
+        except (KeyFileError, OSError) as e:
+            log.warning("skipping a client key: %s", e)
+            return None, None
 
 
 class _KeyCheck:
@@ -288,6 +357,21 @@ class ServiceSecurity:
     @property
     def enabled(self) -> bool:
         return self.keys is not None
+
+    def tenant_key(self, key: str | None) -> str | None:
+        """The client a frame authenticated as `key` (ZAP's User-Id) counts as for per-client
+        salts, limits and ceilings: its key, except the service's own (its stages, the supervisor,
+        and clients of the service's user sharing its instance key), whose connections are told
+        apart by routing id as without CURVE (None)."""
+        if key is None or self.keys is None or key.encode("ascii", "replace") == self.keys.public:
+            return None
+        return key
+
+    def max_priority_of(self, key: str | None) -> int | None:
+        """The priority ceiling the allow-list gives `key` (None: none of its own)."""
+        if key is None or self.allow_list is None:
+            return None
+        return self.allow_list.max_priority(key.encode("ascii", "replace"))
 
     def check_bind(self, endpoint: str) -> None:
         """ValueError unless a stage may bind `endpoint`: ipc:// and loopback tcp always; a tcp
@@ -393,6 +477,98 @@ def client_keys_from_env(environ: Mapping[str, str] | None = None) -> tuple[Curv
     return load_keypair(client_file), load_public_key(server_file)
 
 
+def client_curve(url: str, curve: tuple[CurveKeys, bytes] | None = None,
+                 environ: Mapping[str, str] | None = None, insecure_tcp: bool = False
+                 ) -> tuple[CurveKeys, bytes] | None:
+    """The CURVE keys a client of `url` uses: `curve` if given, else the key files named by
+    $NANOVLLM_CURVE_CLIENT_KEY / $NANOVLLM_CURVE_SERVER_KEY, else, for a service on loopback tcp,
+    its instance key (`instance_keys`) unless `insecure_tcp` or $NANOVLLM_INSECURE_TCP says it runs
+    with --insecure-tcp; None: no CURVE (ipc, or a tcp service elsewhere that runs without it)."""
+    if curve is not None:
+        return curve
+    env = os.environ if environ is None else environ
+    from_files = client_keys_from_env(env)
+    if from_files is not None:
+        return from_files
+    insecure_tcp = insecure_tcp or env.get(INSECURE_TCP_ENV, "0").lower() in ("1", "true", "yes", "on")
+    if insecure_tcp or not url.startswith("tcp://"):
+        return None
+    return instance_keys(url) if exposure(service_endpoints(url).tokenizer) is None else None
+
+
+def key_tag(public_key: bytes | str) -> bytes:
+    """The first bytes of the routing id of every client holding this public key (z85 text)."""
+    text = public_key.encode("ascii") if isinstance(public_key, str) else public_key
+    return hashlib.blake2b(text, digest_size=KEY_TAG_BYTES).digest()
+
+
+def new_routing_id(curve: tuple[CurveKeys, bytes] | None) -> bytes:
+    """A client's routing id: 16 random bytes; under CURVE, its key's tag then 8 random bytes, so
+    a stage refuses the id from any other key (`claimed_id`) and no key can take over another's
+    streams by reconnecting under its id."""
+    if curve is None:
+        return uuid.uuid4().bytes
+    return key_tag(curve[0].public) + os.urandom(16 - KEY_TAG_BYTES)
+
+
+def claimed_id(identity: bytes, key: str | None) -> bool:
+    """Whether a frame under `identity` that CURVE authenticated as `key` comes from a key other
+    than the one the id belongs to (`new_routing_id`). False without CURVE (`key` None)."""
+    return key is not None and identity[:KEY_TAG_BYTES] != key_tag(key)
+
+
+def show_client(identity: bytes) -> str:
+    """A client's routing id as logs show it: its first half. A whole id, read from a log, would
+    let whoever reads it claim the client's streams where that is possible (no CURVE)."""
+    return identity[:KEY_TAG_BYTES].hex() + "~"
+
+
+# ---------------------------------------------------------------------------------- instance keys
+
+def instance_key_file(url: str, runtime_dir: str | None = None) -> str:
+    """Where the instance key of the tcp service at `url` lives: its runtime directory (default
+    `default_runtime_dir()`), named by host and port so services on one host keep theirs apart."""
+    address = url.partition("://")[2]
+    name = re.sub(r"[^A-Za-z0-9.-]", "_", address)
+    return os.path.join(runtime_dir or default_runtime_dir(), f"{INSTANCE_KEY_PREFIX}{name}{SECRET_SUFFIX}")
+
+
+def ensure_instance_key(url: str, runtime_dir: str | None = None) -> str:
+    """The instance key file of the service at `url`, made on first use (mode 0600, in the
+    private runtime directory); the stages of one service share it, and whichever stage comes
+    first makes it (a fresh pair linked into place: the others find the winner's). Delete the file
+    and restart the service to change the pair."""
+    path = instance_key_file(url, runtime_dir)
+    directory = os.path.dirname(path)
+    ensure_private_dir(directory)
+    if not os.path.lexists(path):
+        scratch = tempfile.mkdtemp(prefix=".keys.", dir=directory)
+        try:
+            _, secret = generate_keypair(scratch, "instance")
+            try:
+                os.link(secret, path)  # atomic, and never over a file another stage just made
+            except FileExistsError:
+                pass
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    load_keypair(path)  # a file it cannot use is an error now, not a failed handshake later
+    return path
+
+
+def instance_keys(url: str) -> tuple[CurveKeys, bytes]:
+    """(the instance key pair, its public key) of the loopback tcp service at `url`, from this
+    user's runtime directory ($NANOVLLM_RUNTIME_DIR names another: a systemd instance's, which root
+    may read). A client that comes before the service makes it, as a stage would: whoever is first
+    makes the pair, the others use it."""
+    path = instance_key_file(url)
+    if os.path.exists(path):
+        check_trusted_dir(os.path.dirname(path))  # a key another user planted would be theirs to read
+    else:
+        ensure_instance_key(url)
+    keys = load_keypair(path)
+    return keys, keys.public
+
+
 # ---------------------------------------------------------------------------------- nanovllm keygen
 
 def _parse_owner(text: str) -> tuple[int, int]:
@@ -431,16 +607,22 @@ def keygen_main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", help="where to write the files (created 0700 if missing)")
     parser.add_argument("--name", help="file name stem (default: server, or client with --client)")
     parser.add_argument("--client", action="store_true", help="a client's key pair (default: a service's)")
+    parser.add_argument("--max-priority", type=int, metavar="N",
+                        help="with --client: the highest priority the service gives this key's requests, written "
+                             "into its public file (a ceiling below the service's --max-priority; a request above it "
+                             "is refused)")
     parser.add_argument("--owner", metavar="USER[:GROUP]",
                         help="give the files (and the directory, if this makes it) to USER, e.g. the service's "
                              "user `nanovllm` when root writes its keys: a secret key must be readable by its "
                              "owner only, and the stages refuse one that others may read")
     args = parser.parse_args(argv)
     name = args.name or ("client" if args.client else "server")
+    if args.max_priority is not None and not args.client:
+        parser.error("--max-priority is a client key's ceiling: give --client too")
     try:
         owner = _parse_owner(args.owner) if args.owner else None
         made_directory = not os.path.isdir(args.directory)
-        public_file, secret_file = generate_keypair(args.directory, name)
+        public_file, secret_file = generate_keypair(args.directory, name, args.max_priority)
         if owner is not None:
             for path in [public_file, secret_file] + ([args.directory] if made_directory else []):
                 os.chown(path, *owner)

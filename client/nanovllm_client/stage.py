@@ -21,7 +21,7 @@ from zmq.utils.monitor import recv_monitor_message  # at import: poll() runs on 
 
 from .endpoints import Endpoints, default_url, ensure_private_dir, ipc_dir, service_endpoints
 from .protocol import MAX_FRAME_BYTES
-from .security import ServiceSecurity
+from .security import ServiceSecurity, ensure_instance_key, exposure
 from .throttle import ThrottledWarnings
 
 DEFAULT_HWM = 10_000
@@ -56,7 +56,9 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--curve-secret-key", "the service's CURVE secret key file (made by `nanovllm keygen`): "
              "encrypt and authenticate every socket")
     add_flag(parser, "--curve-clients", "directory of client public keys (*.key) allowed to connect")
-    add_flag(parser, "--insecure-tcp", "allow binding a non-loopback tcp address without CURVE keys", default=False,
+    add_flag(parser, "--insecure-tcp", "run tcp without CURVE: every local user can then reach every socket on "
+             "loopback, every host that reaches it elsewhere (without it and without keys, a loopback service uses "
+             "an instance key made in its runtime directory, and a non-loopback bind is refused)", default=False,
              type=bool)
 
 
@@ -158,8 +160,34 @@ def bind(sock: zmq.Socket, endpoint: str) -> None:
 
 
 def stage_security(ctx: zmq.Context, args: argparse.Namespace) -> ServiceSecurity:
-    """A stage's CURVE setup from its flags: keys (or none) and the loopback rule for tcp binds."""
-    return ServiceSecurity.from_files(ctx, args.curve_secret_key, args.curve_clients, args.insecure_tcp)
+    """A stage's CURVE setup from its flags: keys (or none) and the loopback rule for tcp binds.
+    A service on loopback tcp given no keys uses its instance key (made by whichever stage comes
+    first): loopback keeps other hosts out but lets every local user in, stage sockets included."""
+    return ServiceSecurity.from_files(ctx, service_secret_key(args.url, resolve_endpoints(args), args.curve_secret_key,
+                                                              args.insecure_tcp),
+                                      args.curve_clients, args.insecure_tcp)
+
+
+def service_secret_key(url: str, endpoints: Endpoints, secret_key_file: str | None, insecure_tcp: bool,
+                       runtime_dir: str | None = None) -> str | None:
+    """The secret key file a service at `url` runs with: the one it was given; else, where every
+    tcp endpoint is on loopback and not `insecure_tcp`, its instance key (made if missing); else
+    none (an ipc service; a non-loopback bind, which `check_bind` refuses without keys or
+    `insecure_tcp`)."""
+    tcp = [e for e in dataclasses.astuple(endpoints) if e.startswith("tcp://")]
+    if secret_key_file or insecure_tcp or not tcp or any(exposure(e) for e in tcp):
+        return secret_key_file
+    return ensure_instance_key(url, runtime_dir)
+
+
+def recv_from_client(sock: zmq.Socket, keyed: bool) -> tuple[bytes, list[bytes], str | None]:
+    """One message from a client-facing ROUTER (NOBLOCK; zmq.Again if none): the sender's routing
+    id, its frames, and under CURVE (`keyed`) the key ZAP authenticated it with (User-Id)."""
+    if not keyed:
+        parts = sock.recv_multipart(zmq.NOBLOCK)
+        return parts[0], parts[1:], None
+    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+    return parts[0].bytes, [f.bytes for f in parts[1:]], parts[-1].get("User-Id")
 
 
 def client_router(ctx: zmq.Context, endpoint: str, hwm: int = DEFAULT_HWM,

@@ -132,7 +132,7 @@ class Client(ClientBase):
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
                  connect_timeout: float = 30.0, heartbeat_interval: float = 1.0, hwm: int = 10_000,
                  stage_timeout: float = 30.0, curve: tuple[CurveKeys, bytes] | None = None,
-                 engine_restart_wait_s: float = 60.0):
+                 engine_restart_wait_s: float = 60.0, insecure_tcp: bool = False):
         # [ZH-START]
         # 1. ClientBase 初始化：解析服务 URL 得到四个端点、超时、随机路由 id、ClientState、CURVE 密钥。
         # 2. _ready 事件：detokenizer 回了 pong（它已认识我们的路由 id）之后才置位。
@@ -141,7 +141,7 @@ class Client(ClientBase):
         # 5. 启动守护线程 _io_loop。
         # [ZH-END]
         super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout, curve,
-                         engine_restart_wait_s)
+                         engine_restart_wait_s, insecure_tcp)
         self._ready = threading.Event()
         self._streams: dict[str, queue.Queue] = {}
         self._stats: queue.Queue = queue.Queue()

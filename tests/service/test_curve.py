@@ -1,6 +1,8 @@
 """CURVE over tcp: a client with an allowed key streams; a client with a wrong key or none gets
 nothing through (no request reaches the engine); a raw socket without keys cannot inject frames
-into the engine or the detokenizer; without keys a non-loopback bind is refused."""
+into the engine or the detokenizer; without keys a non-loopback bind is refused. Per key: another
+key cannot take over a client's routing id, an allow-list file's priority ceiling holds, and the
+request rate is counted per key, not per connection."""
 from __future__ import annotations
 
 import os
@@ -12,12 +14,17 @@ import time
 import pytest
 import zmq
 
-from nanovllm_client import Client, ServiceUnavailableError
+from nanovllm_client import Client, RequestError, ServiceUnavailableError
 from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
-from nanovllm_client.security import generate_keypair, load_keypair, load_public_key
-from tests.service.conftest import start_service
+from nanovllm_client.security import (client_socket_security, generate_keypair, load_keypair, load_public_key,
+                                      new_routing_id)
+from tests.service.conftest import TINY_ENGINE_ARGS, start_service
 from tests.service.harness import REPO, free_tcp_base_port, fresh_engine_stats
+
+
+RATE = 3
+"""Requests a second per client key (the tokenizer's --max-request-rate-per-client)."""
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +36,22 @@ def keys(tmp_path_factory):
     os.replace(allowed_public, root / "allowed" / "alice.key")
     _, stranger_secret = generate_keypair(str(root / "stranger"), "mallory")
     server_key = load_public_key(service_public)
-    return {"service_secret": service_secret, "allowed_dir": str(root / "allowed"), "server_key": server_key,
-            "alice": (load_keypair(allowed_secret), server_key), "mallory": (load_keypair(stranger_secret), server_key),
-            "service": (load_keypair(service_secret), server_key)}
+    found = {"service_secret": service_secret, "allowed_dir": str(root / "allowed"), "server_key": server_key,
+             "alice": (load_keypair(allowed_secret), server_key), "mallory": (load_keypair(stranger_secret), server_key),
+             "service": (load_keypair(service_secret), server_key)}
+    for name, ceiling in (("bob", 1), ("carol", None)):  # bob's file caps his priority at 1
+        public, secret = generate_keypair(str(root / f"{name}-secret"), name, max_priority=ceiling)
+        os.replace(public, root / "allowed" / f"{name}.key")
+        found[name] = (load_keypair(secret), server_key)
+    return found
 
 
 @pytest.fixture(scope="module")
 def curve_service(tiny_model_dir, keys):
     env = {"NANOVLLM_CURVE_SECRET_KEY": keys["service_secret"], "NANOVLLM_CURVE_CLIENTS": keys["allowed_dir"],
-           "NANOVLLM_CACHE_SALT_PER_CLIENT": "1"}
+           "NANOVLLM_CACHE_SALT_PER_CLIENT": "1", "NANOVLLM_MAX_REQUEST_RATE_PER_CLIENT": str(RATE)}
     procs = start_service(tiny_model_dir, f"tcp://127.0.0.1:{free_tcp_base_port()}",
+                          engine_args=TINY_ENGINE_ARGS + ["--post-step-hook", "tests.helpers.hooks:slow_step"],
                           env={name: env for name in ("tokenizer_proc", "engine_proc", "detok_proc")},
                           curve=keys["alice"])
     yield procs
@@ -84,7 +97,6 @@ def test_a_wrong_key_or_no_key_gets_nothing_through(curve_service, keys, who):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if who:
-            from nanovllm_client.security import client_socket_security
             client_socket_security(sock, *keys[who])
         sock.connect(service_endpoints(curve_service.url).tokenizer)
         sock.send(p.GenerateReq("sneaky", prompt="def f():", sampling={"max_tokens": 4}).encode())
@@ -116,7 +128,6 @@ def test_stage_sockets_refuse_frames_without_the_service_key(curve_service, keys
         # Even an allowed client's key is refused on a stage-to-stage socket.
         alice = ctx.socket(zmq.PUSH)
         alice.setsockopt(zmq.LINGER, 0)
-        from nanovllm_client.security import client_socket_security
         client_socket_security(alice, *keys["alice"])
         alice.connect(eps.engine)
         time.sleep(2)
@@ -141,3 +152,102 @@ def test_without_keys_a_non_loopback_bind_is_refused_with_a_clear_error():
 def test_ipc_runtime_directories_are_private(service):
     directory = service.url[len("ipc://"):]
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+
+
+def _dealer(ctx: zmq.Context, endpoint: str, curve, identity: bytes) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    client_socket_security(sock, *curve)
+    sock.connect(endpoint)
+    return sock
+
+
+def _until_answered(connect, frame: bytes, what: str, limit_s: float = 60.0) -> tuple[zmq.Socket, p.Message]:
+    """Connect (`connect()`: a new socket) and send `frame` until an answer comes, a second apart:
+    zmq holds a connection under an id still in use unread for good, so each try is a new one."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        sock = connect()
+        sock.send(frame)
+        if sock.poll(1000):
+            return sock, p.decode(sock.recv())
+        sock.close()
+    raise AssertionError(f"no answer to {what} within {limit_s}s")
+
+
+def _more_deltas(out: zmq.Socket, what: str, limit_s: float = 60.0) -> list[dict]:
+    """The next deltas on a raw client's stream socket, pinging a second apart as a client does
+    (a client silent for the detokenizer's client timeout is given up)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        out.send(p.Ping().encode())
+        if out.poll(1000):
+            msg = p.decode(out.recv())
+            if isinstance(msg, p.StreamOutput) and msg.deltas:
+                return msg.deltas
+    raise AssertionError(f"{what}: nothing within {limit_s}s")
+
+
+def test_another_key_cannot_take_over_a_clients_routing_id(curve_service, keys):
+    # Bob has learnt Alice's routing id. Once her connection to a stage ends he connects under it:
+    # he may neither abort her request through the tokenizer nor receive her stream from the
+    # detokenizer.
+    eps = service_endpoints(curve_service.url)
+    alice_id = new_routing_id(keys["alice"])
+    ctx = zmq.Context()
+    try:
+        out, pong = _until_answered(lambda: _dealer(ctx, eps.stream, keys["alice"], alice_id), p.Ping().encode(),
+                                    "alice's ping")
+        assert isinstance(pong, p.Pong)
+        tok = _dealer(ctx, eps.tokenizer, keys["alice"], alice_id)
+        tok.send(p.GenerateReq("r1", prompt="def f():", sampling={"max_tokens": 900, "ignore_eos": True}).encode())
+        deltas = _more_deltas(out, "alice's stream")  # begun, with >= 9 s to go (steps of >= 10 ms)
+        tok.close()
+        bob_tok, refused = _until_answered(lambda: _dealer(ctx, eps.tokenizer, keys["bob"], alice_id),
+                                           p.AbortReq("r1").encode(), "bob's abort")
+        assert isinstance(refused, p.ErrorOutput) and "belongs to another CURVE key" in refused.message
+        bob_tok.close()
+        received = len(deltas)
+        while len(deltas) < received + 3:  # her stream goes on, not aborted
+            deltas += _more_deltas(out, "alice's stream")
+        assert deltas[-1].get("finish_reason") is None, deltas[-1]
+        out.close()  # she is gone from the detokenizer too, her stream still running
+        bob_out, refused = _until_answered(lambda: _dealer(ctx, eps.stream, keys["bob"], alice_id),
+                                           p.Ping().encode(), "bob's ping")
+        assert isinstance(refused, p.ErrorOutput) and "belongs to another CURVE key" in refused.message, refused
+        while bob_out.poll(2000):  # nothing of hers follows: her client was given up
+            msg = p.decode(bob_out.recv())
+            assert not isinstance(msg, p.StreamOutput), f"bob received alice's stream: {msg}"
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_an_allow_list_files_priority_ceiling_holds_for_its_key(curve_service, keys):
+    with Client(curve_service.url, curve=keys["bob"], connect_timeout=60, timeout=60) as bob:
+        with pytest.raises(RequestError, match=r"priority 2 is above this client key's ceiling of 1"):
+            bob.generate("x", max_tokens=2, priority=2)
+        assert bob.generate("x", max_tokens=2, ignore_eos=True, priority=1).finish_reason == "length"
+    with Client(curve_service.url, curve=keys["carol"], connect_timeout=60, timeout=60) as carol:
+        assert carol.generate("x", max_tokens=2, ignore_eos=True, priority=2).finish_reason == "length"
+
+
+def test_the_request_rate_is_counted_per_key_not_per_connection(curve_service, keys):
+    burst = 4 * RATE
+    with Client(curve_service.url, curve=keys["carol"], connect_timeout=60, timeout=120) as one, \
+            Client(curve_service.url, curve=keys["carol"], connect_timeout=60, timeout=120) as two, \
+            Client(curve_service.url, curve=keys["alice"], connect_timeout=60, timeout=120) as alice:
+        for c in (one, two, alice):
+            c.wait_engine(timeout=60)
+        streams = [c.stream("x", max_tokens=1, ignore_eos=True) for _ in range(burst // 2) for c in (one, two)]
+        mine = alice.stream("y", max_tokens=1, ignore_eos=True)  # another key: a bucket of its own
+        refused = 0
+        for s in streams:
+            try:
+                list(s)
+            except RequestError as e:
+                assert f"faster than its limit of {RATE} a second (--max-request-rate-per-client)" in str(e)
+                refused += 1
+        # Both connections draw on one bucket of RATE (plus what refills while the burst is sent).
+        assert refused >= burst - 2 * RATE, f"{refused} of {burst} refused"
+        assert list(mine)[-1].finish_reason == "length"
