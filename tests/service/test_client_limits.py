@@ -105,3 +105,22 @@ def test_a_priority_above_the_ceiling_is_refused_naming_it(held_tokenizer):
         with pytest.raises(RequestError, match=r"priority 6 is above this service's ceiling of 5 \(--max-priority\)"):
             client.generate("x", max_tokens=2, priority=6)
         assert client.generate("x", max_tokens=2, ignore_eos=True, priority=5).finish_reason == "length"
+
+
+def test_a_rate_limit_is_a_bucket_per_client():
+    from tokenizer_proc.rate_limit import RateLimit
+
+    limit = RateLimit(2.0)  # 2 a second, bursts of 2
+    assert [limit.refusal(b"a", 0.0) for _ in range(2)] == [None, None]
+    why = limit.refusal(b"a", 0.0)
+    assert "faster than its limit of 2 a second (--max-request-rate-per-client); retry in 0.50s" in why
+    assert limit.refusal(b"b", 0.0) is None  # another client's bucket is its own
+    assert limit.refusal(b"a", 0.25) is not None and limit.refusal(b"a", 0.5) is None  # half a second: one more
+    limit.forget_idle(0.6)
+    assert limit.num_clients == 1  # b's bucket is full again at 0.5 s, a's not until 1.5 s
+    limit.forget_idle(5.0)  # refilled: as if never seen
+    assert limit.num_clients == 0
+    assert RateLimit(0).refusal(b"a", 0.0) is None and RateLimit(0.5).burst == 1.0
+    for bad in (-1, float("nan"), "3", True):
+        with pytest.raises(ValueError, match="max_request_rate_per_client must be a number >= 0"):
+            RateLimit(bad)
