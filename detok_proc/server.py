@@ -51,8 +51,8 @@ from nanovllm.detokenize import IncrementalDetokenizer
 from nanovllm.metrics import DetokMetrics
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError
-from nanovllm_client.security import ServiceSecurity, claimed_id, show_client
-from nanovllm_client.stage import (Notifier, PeerMonitor, RejectLog, bind, client_router, new_instance_id, pipeline_pull,
+from nanovllm.service.security import ServiceSecurity, claimed_id, show_client
+from nanovllm.service.stage import (Notifier, PeerMonitor, RejectLog, bind, client_router, new_instance_id, pipeline_pull,
                                    pipeline_push, recv_from_client)
 
 log = logging.getLogger("detok_proc")

@@ -63,8 +63,8 @@ from nanovllm.engine.llm_engine import RequestOutput
 from nanovllm.metrics import EngineMetrics
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError
-from nanovllm_client.security import ServiceSecurity
-from nanovllm_client.stage import (DEFAULT_HWM, REQUEST_PIPE_HWM, Notifier, RejectLog, new_instance_id, pipeline_pull,
+from nanovllm.service.security import ServiceSecurity
+from nanovllm.service.stage import (DEFAULT_HWM, REQUEST_PIPE_HWM, Notifier, RejectLog, new_instance_id, pipeline_pull,
                                    pipeline_push)
 
 from .client_shares import ClientShares

@@ -46,7 +46,7 @@ def _health(argv: list[str]) -> int:
 
 
 def _keygen(argv: list[str]) -> int:
-    from nanovllm_client.security import keygen_main
+    from nanovllm.service.security import keygen_main
     return keygen_main(argv)
 
 

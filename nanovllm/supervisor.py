@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from nanovllm_client.endpoints import ensure_private_dir, service_endpoints
-    from nanovllm_client.stage import service_secret_key, stop_event
+    from nanovllm.service.stage import service_secret_key, stop_event
 
     args, engine_args = build_parser().parse_known_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s supervisor %(levelname)s %(message)s")

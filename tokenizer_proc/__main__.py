@@ -6,7 +6,7 @@ import sys
 
 import zmq
 
-from nanovllm_client.stage import (add_endpoint_flags, add_flag, raise_open_files_limit, resolve_endpoints,
+from nanovllm.service.stage import (add_endpoint_flags, add_flag, raise_open_files_limit, resolve_endpoints,
                                    setup_logging, stage_security, startup_failed, stop_event)
 
 

@@ -42,8 +42,8 @@ from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS
 from nanovllm.metrics import TokenizerMetrics
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError, check_strings, show
-from nanovllm_client.security import ServiceSecurity, claimed_id, show_client
-from nanovllm_client.stage import (REQUEST_PIPE_HWM, Notifier, PeerMonitor, RejectLog, client_router, new_instance_id,
+from nanovllm.service.security import ServiceSecurity, claimed_id, show_client
+from nanovllm.service.stage import (REQUEST_PIPE_HWM, Notifier, PeerMonitor, RejectLog, client_router, new_instance_id,
                                    pipeline_push, recv_from_client)
 
 from .rate_limit import RateLimit

@@ -12,10 +12,26 @@ from nanovllm_client.client_state import ClientState, build_request
 
 
 def test_importing_the_client_never_imports_torch_transformers_or_numpy():
-    code = ("import sys, nanovllm_client, nanovllm_client.cli, nanovllm_client.stage; "
+    code = ("import sys, nanovllm_client, nanovllm_client.cli, nanovllm.service.stage; "
             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == "[]", out.stderr
+    assert out.stdout.strip() == "[]", out.stderr  # nor does the stage runtime: a stage's --help is quick
+
+
+def test_the_client_package_holds_and_imports_no_server_code():
+    code = ("import importlib, pkgutil, sys, nanovllm_client\n"
+            "names = [m.name for m in pkgutil.iter_modules(nanovllm_client.__path__)]\n"
+            "for name in names: importlib.import_module('nanovllm_client.' + name)\n"
+            "print(names)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'nanovllm' or m == 'zmq.auth.thread'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    modules, server_side = out.stdout.strip().splitlines()
+    assert "stage" not in modules and "__main__" not in modules, modules
+    assert server_side == "[]", server_side  # no stage runtime, no authenticator thread
+    from nanovllm_client import security
+
+    for name in ("ServiceSecurity", "AllowList", "keygen_main", "claimed_id"):  # the server half of CURVE
+        assert not hasattr(security, name), name
 
 
 def test_one_url_names_every_endpoint():
@@ -254,6 +270,6 @@ def test_the_server_distribution_carries_the_client_package_its_stages_import(se
     import zipfile
 
     names = set(zipfile.ZipFile(server_wheel).namelist())
-    for module in ("nanovllm_client/protocol.py", "nanovllm_client/stage.py", "engine_proc/server.py",
+    for module in ("nanovllm_client/protocol.py", "nanovllm/service/stage.py", "engine_proc/server.py",
                    "nanovllm/supervisor.py"):
         assert module in names, module

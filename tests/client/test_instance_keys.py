@@ -12,10 +12,11 @@ import pytest
 import zmq
 
 from nanovllm_client.endpoints import service_endpoints
-from nanovllm_client.security import (AllowList, KeyFileError, ServiceSecurity, claimed_id, client_curve,
-                                      ensure_instance_key, generate_keypair, instance_key_file, instance_keys,
-                                      keygen_main, load_keypair, new_routing_id, read_max_priority, show_client)
-from nanovllm_client.stage import service_secret_key
+from nanovllm_client.security import (KeyFileError, client_curve, ensure_instance_key, generate_keypair,
+                                      instance_key_file, instance_keys, load_keypair, new_routing_id)
+from nanovllm.service.security import (AllowList, ServiceSecurity, claimed_id, keygen_main, read_max_priority,
+                                       show_client)
+from nanovllm.service.stage import service_secret_key
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 URL = "tcp://127.0.0.1:5550"

@@ -16,10 +16,10 @@ import zmq.auth
 from zmq.auth.thread import AuthenticationThread
 from zmq.utils.monitor import recv_monitor_message
 
-from nanovllm_client.security import (CLIENT_KEY_ENV, CLIENTS_DIR_ENV, INSECURE_TCP_ENV, SECRET_KEY_ENV,
-                                      SERVER_KEY_ENV, AllowList, CurveKeys, KeyFileError, ServiceSecurity,
-                                      client_keys_from_env, client_socket_security, generate_keypair,
-                                      keygen_main, load_keypair, load_public_key)
+from nanovllm_client.security import (CLIENT_KEY_ENV, INSECURE_TCP_ENV, SERVER_KEY_ENV, CurveKeys, KeyFileError,
+                                      client_keys_from_env, client_socket_security, generate_keypair, load_keypair,
+                                      load_public_key)
+from nanovllm.service.security import CLIENTS_DIR_ENV, SECRET_KEY_ENV, AllowList, ServiceSecurity, keygen_main
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 

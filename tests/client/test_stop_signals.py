@@ -10,7 +10,7 @@ import time
 
 CHILD = textwrap.dedent("""
     import os, sys, time
-    from nanovllm_client.stage import setup_logging, stop_event
+    from nanovllm.service.stage import setup_logging, stop_event
     setup_logging("INFO", "child")
     stop = stop_event()
     print("ready", flush=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from nanovllm_client.stage import RejectLog
+from nanovllm.service.stage import RejectLog
 from nanovllm_client.throttle import ThrottledWarnings
 
 

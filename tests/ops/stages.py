@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from unittest import mock
 
-from nanovllm_client.stage import env_name
+from nanovllm.service.stage import env_name
 
 REPO = Path(__file__).resolve().parents[2]
 STAGE_OF_UNIT = {"nanovllm-tokenizer@.service": "tokenizer_proc", "nanovllm-engine@.service": "engine_proc",

@@ -15,7 +15,7 @@ import zmq
 from detok_proc.server import DetokStage
 from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
-from nanovllm_client.stage import PeerMonitor
+from nanovllm.service.stage import PeerMonitor
 from tests.service.harness import short_tmpdir, wait_for
 
 TOKENS_PER_STEP = 200

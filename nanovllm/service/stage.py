@@ -1,7 +1,8 @@
 """Plumbing the three service stages share: flags with NANOVLLM_* environment defaults, socket
 setup (bounded queues and frame sizes, ROUTER_MANDATORY), signal handling, the counted log of
-rejected frames, and the service manager's readiness protocol (`sd_notify`). Kept here, next to
-the protocol, so each stage package holds only its own job. Imports nothing heavy.
+rejected frames, and the service manager's readiness protocol (`sd_notify`). Server code, so it
+lives with the service, not in the client package; each stage package holds only its own job.
+Imports nothing heavy (no torch: a stage's --help stays fast).
 """
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ import uuid
 import zmq
 from zmq.utils.monitor import recv_monitor_message  # at import: poll() runs on stage threads
 
-from .endpoints import Endpoints, default_url, ensure_private_dir, ipc_dir, service_endpoints
-from .protocol import MAX_FRAME_BYTES
-from .security import ServiceSecurity, ensure_instance_key, exposure
-from .throttle import ThrottledWarnings
+from nanovllm_client.endpoints import Endpoints, default_url, ensure_private_dir, ipc_dir, service_endpoints
+from nanovllm_client.protocol import MAX_FRAME_BYTES
+from nanovllm_client.security import ensure_instance_key, exposure
+from nanovllm_client.throttle import ThrottledWarnings
+
+from .security import ServiceSecurity
 
 DEFAULT_HWM = 10_000
 """Messages queued per peer before senders see backpressure (EAGAIN / a blocking send)."""
