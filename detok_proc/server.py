@@ -240,11 +240,10 @@ class DetokStage:
             has_pending = any(c.pending for c in self.clients.values())
             events = dict(poller.poll(10 if has_pending else 100))
             if self.from_engine in events:
-                self._drain(lambda: self.from_engine.recv_multipart(zmq.NOBLOCK), lambda parts: self.on_engine_frame(parts[0]))
+                self._drain_engine()
                 self._flush_outbox()
             if self.clients_sock in events:
-                self._drain(lambda: recv_from_client(self.clients_sock, self.security.enabled),
-                            lambda message: self.on_client_frames(*message))
+                self._drain_clients()
             if (self.engine_peers.socket in events and not self.engine_peers.connected and self.engine_state
                     and self.engine_alive is not False):
                 self._engine_dead("its connection closed")  # crashed or killed: no need to wait for the timeout
@@ -255,6 +254,13 @@ class DetokStage:
         for sock in (self.engine_peers.socket, self.from_engine, self.clients_sock, self.to_engine):
             sock.close(linger=0)
         self.security.close()
+
+    def _drain_engine(self) -> None:
+        self._drain(lambda: self.from_engine.recv_multipart(zmq.NOBLOCK), lambda parts: self.on_engine_frame(parts[0]))
+
+    def _drain_clients(self) -> None:
+        self._drain(lambda: recv_from_client(self.clients_sock, self.security.enabled),
+                    lambda message: self.on_client_frames(*message))
 
     def _drain(self, recv, handle, budget: int = 256, max_s: float = DRAIN_PASS_S) -> None:
         """Handle what `recv()` (a NOBLOCK receive) returns until it raises zmq.Again, within a budget."""

@@ -34,7 +34,7 @@ def rig(tokenizer_dir):
         client.connect(eps.stream)
         client.send(p.Ping().encode())
         assert stage.clients_sock.poll(10_000), "the ping never reached the stage"
-        stage._drain(stage.clients_sock, lambda parts: stage.on_client_frames(parts[0], parts[1:]))
+        stage._drain_clients()
         assert isinstance(receive(client)[0], p.Pong)
         stage.on_engine_frame(p.EngineStatus(True, ENGINE).encode())
         yield tok, stage, client, identity
