@@ -22,8 +22,8 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT to the folder for results}"
 mkdir -p "$OUT"
 PYTHON="${PYTHON:-python3}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD:$PWD/client${PYTHONPATH:+:$PYTHONPATH}"  # the client package: the engine reads its wire limits
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET  # real kernels, never the interpreter
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/nanovllm-gpu-check.XXXXXX")"
 export NANOVLLM_CACHE_DIR="$WORK/cache"
@@ -66,20 +66,20 @@ json.dump(info, open(sys.argv[1], "w"), indent=1)
 sys.exit(0 if torch.cuda.is_available() else 1)
 EOF
 
-step tests 240 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 --junitxml="$OUT/pytest.xml" \
+step tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 --junitxml="$OUT/pytest.xml" \
   tests/gpu tests/kernels 2>&1 | tee "$OUT/pytest.txt"
 STATUS[tests]=${PIPESTATUS[0]}
 
 # Build the random-weight Qwen3-0.6B checkpoint once (both benchmarks reuse it).
-step model 120 "$PYTHON" -c "from bench.models import make_bench_model; print(make_bench_model('qwen3-0.6b', '$MODELS'))"
+step model 90 "$PYTHON" -c "from bench.models import make_bench_model; print(make_bench_model('qwen3-0.6b', '$MODELS'))"
 
-step offline 240 "$PYTHON" -m bench.offline --shape qwen3-0.6b --model-dir "$MODELS" --skip-hf \
+step offline 180 "$PYTHON" -m bench.offline --shape qwen3-0.6b --model-dir "$MODELS" --skip-hf \
   --num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 \
   --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 16384 | tee "$WORK/offline.out"
 STATUS[offline]=${PIPESTATUS[0]}
 json_line "$WORK/offline.out" > "$OUT/offline.json"
 
-step decode_latency 150 "$PYTHON" -m bench.decode_latency --shape qwen3-0.6b --model-dir "$MODELS" \
+step decode_latency 120 "$PYTHON" -m bench.decode_latency --shape qwen3-0.6b --model-dir "$MODELS" \
   --modes graph,eager --batch-sizes 1,8,32,128 --prompt-len 128 --output-len 128 | tee "$WORK/decode.out"
 STATUS[decode_latency]=${PIPESTATUS[0]}
 json_line "$WORK/decode.out" > "$OUT/decode_latency.json"
