@@ -364,15 +364,15 @@ class DetokStage:
         # 4. 增量放进 _outbox（_stage）：同一轮 drain 里同一请求的多步合并成一个增量，
         #    这一轮处理完后 _flush_outbox 给每个客户端发一个 StreamOutput。
         # [ZH-END]
-        for request_id, meta in step.started:
-            self._start(request_id, meta, step.instance_id)
-        for request_id, meta, error in step.rejected:
-            self._stage(meta["client"], p.error_delta(meta["rid"], error))
+        for row in step.started:
+            self._start(row.request_id, row.meta, step.instance_id)
+        for row in step.rejected:
+            self._stage(row.meta["client"], p.error_delta(row.meta["rid"], row.error))
         started = time.perf_counter()
         for row in step.outputs:
-            delta = self._advance(row)
+            state, delta = self._advance(row)
             if delta is not None:
-                self._stage(delta.pop("client"), delta)
+                self._stage(state.client, delta)
         if step.outputs:
             self.metrics.detokenize_seconds(time.perf_counter() - started)
 
@@ -429,10 +429,12 @@ class DetokStage:
         self.clients.setdefault(client, ClientInfo(time.monotonic())).request_ids.add(request_id)
         return state
 
-    def _advance(self, row: list[Any]) -> dict[str, Any] | None:
+    def _advance(self, row: p.OutputRow) -> tuple[RequestState | None, dict[str, Any] | None]:
+        """The delta `row` makes for its client, with the request's state (None, None: nothing to
+        send; it is held, or it is not ours)."""
         # [ZH-START]
-        # 1. 解开一行 [id, 打包 token, finished, reason, prompt 数, output 数, cached 数, error]。
-        # 2. 本地不认识这个请求（已结束、客户端已走、或比 resync 还早）：若引擎仍在生成且已 resync，就 _abort_orphan 一次；返回 None。
+        # 1. 一行 OutputRow：id、打包的 token、finished、reason、prompt / output / cached 数、error。
+        # 2. 本地不认识这个请求（已结束、客户端已走、或比 resync 还早）：若引擎仍在生成且已 resync，就 _abort_orphan 一次；返回 (None, None)。
         # 3. 解包 token，text = detok.add(token, finished)。
         # 4. 反分词器命中 stop string：把终止字段（"stop"、此刻的 usage）存进 state.stopped（命中在引擎最后一行上、
         #    或重启后 resync 里引擎已因旧 abort 结束的请求，也照 "stop" 结束）；引擎还没结束就向引擎发 abort，
@@ -441,23 +443,23 @@ class DetokStage:
         #    已 stopped 的请求：引擎之后的非最后行不发送（超过 1 秒就再发一次 abort，防止上次没送到）；最后一行到了才结束。
         # 5. 已结束：final = state.stopped，或 {finish_reason, usage{prompt_tokens, completion_tokens, cached_tokens}}，
         #    有错误（或 reason 为 error）加 error。
-        # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，返回 None。
+        # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，返回 (state, None)。
         # 7. 有 skip_tokens / skip_chars（resume 时客户端已有、引擎将再报告的续写前缀）：先从 token 和文本开头截掉，
-        #    截完什么都不剩且没结束就返回 None。
-        # 8. 否则组装增量 {client, request_id, text, token_ids（原样打包）, finish_reason: None}，合入 final；
-        #    已结束就 _finished（计指标、遗忘该请求）；返回增量。
+        #    截完什么都不剩且没结束就返回 (state, None)。
+        # 8. 否则组装增量 {request_id, text, token_ids（原样打包）, finish_reason: None}，合入 final；
+        #    已结束就 _finished（计指标、遗忘该请求）；返回 (state, 增量)，调用方按 state.client 路由。
         # [ZH-END]
         request_id, packed_ids, finished, finish_reason, num_prompt, num_output, num_cached, error = row
         state = self.requests.get(request_id)
         if state is None:  # already ended here, orphaned (client gone), or older than our resync
             if not finished and self.resynced:
                 self._abort_orphan(request_id)
-            return None
+            return None, None
         if state.stopped is not None:  # ended by its stop string; what the engine made since is not sent
             if not finished:
                 if time.monotonic() - state.abort_sent_at > 1.0:  # the abort may have found no room: again
                     self._abort_stopped(request_id, state)
-                return None
+                return state, None
             token_ids, packed_ids, text = [], b"", ""
         else:
             token_ids = p.unpack_token_ids(packed_ids)
@@ -478,22 +480,21 @@ class DetokStage:
             state.all_ids.extend(token_ids)
             state.all_text += text
             state.final = final
-            return None
+            return state, None
         if state.skip_tokens or state.skip_chars:  # what the client has already (see `skip_tokens`)
             n, m = min(state.skip_tokens, len(token_ids)), min(state.skip_chars, len(text))
             state.skip_tokens, state.skip_chars = state.skip_tokens - n, state.skip_chars - m
             token_ids, text = token_ids[n:], text[m:]
             packed_ids = p.pack_token_ids(token_ids)
             if not (token_ids or text or final):
-                return None
-        delta = {"client": state.client, "request_id": state.client_request_id, "text": text,
-                 "token_ids": packed_ids, "finish_reason": None}
+                return state, None
+        delta = {"request_id": state.client_request_id, "text": text, "token_ids": packed_ids, "finish_reason": None}
         if token_ids:
             self.metrics.tokens_streamed(request_id, len(token_ids), time.time())
         if final is not None:
             delta.update(final)
             self._finished(request_id, state, final["finish_reason"])
-        return delta
+        return state, delta
 
     def _abort_stopped(self, request_id: str, state: RequestState) -> None:
         state.abort_sent_at = time.monotonic()
@@ -579,12 +580,12 @@ class DetokStage:
         # [ZH-END]
         if msg.detok_instance != self.instance_id or self.resynced or not self._from_current_engine(msg.instance_id):
             return  # an answer to another detokenizer's hello, a repeat, or not from our engine
-        for request_id, meta, packed_ids, finished, reason, num_prompt, num_output, num_cached, error in msg.entries:
-            if request_id in self.requests:
+        for entry in msg.entries:
+            if entry.request_id in self.requests:
                 continue  # started after we came up: already streaming normally
-            state = self._start(request_id, meta, msg.instance_id, resumed=True)
+            state = self._start(entry.request_id, entry.meta, msg.instance_id, resumed=True)
             state.awaiting_resume = True
-            self._advance([request_id, packed_ids, finished, reason, num_prompt, num_output, num_cached, error])
+            self._advance(entry.output())
         if msg.last:
             self.resynced = True
             self._resume_deadline = time.monotonic() + max(2 * self.client_timeout_s, 10.0)

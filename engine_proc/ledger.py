@@ -11,6 +11,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanovllm_client.protocol import ResyncEntry
+
 
 @dataclass(slots=True)
 class LiveRequest:
@@ -34,11 +36,11 @@ def request_bytes(frame_bytes: int, num_prompt_tokens: int) -> int:
     return frame_bytes + PROMPT_TOKEN_BYTES * num_prompt_tokens
 
 
-def entry_bytes(entry: list[Any]) -> int:
+def entry_bytes(entry: ResyncEntry) -> int:
     """What a finished entry holds: its packed output ids and its meta's stop strings (up to
     4 bytes a character), plus a fixed allowance for the rest."""
-    meta = entry[1]
-    return 512 + len(entry[2]) + 4 * sum(len(s) for s in meta.get("stop", ())) + len(meta.get("tail", b""))
+    meta = entry.meta
+    return 512 + len(entry.token_ids) + 4 * sum(len(s) for s in meta.get("stop", ())) + len(meta.get("tail", b""))
 
 
 class FinishedRing:
@@ -47,10 +49,11 @@ class FinishedRing:
 
     def __init__(self, max_entries: int = 4096, max_age_s: float = 60.0, max_bytes: int = 256 << 20):
         self.max_entries, self.max_age_s, self.max_bytes = max_entries, max_age_s, max_bytes
-        self.entries: collections.OrderedDict[str, tuple[float, list[Any], int]] = collections.OrderedDict()
+        self.entries: collections.OrderedDict[str, tuple[float, ResyncEntry, int]] = collections.OrderedDict()
         self.nbytes = 0
 
-    def add(self, request_id: str, entry: list[Any]) -> None:
+    def add(self, entry: ResyncEntry) -> None:
+        request_id = entry.request_id
         old = self.entries.pop(request_id, None)
         if old is not None:
             self.nbytes -= old[2]
@@ -61,7 +64,7 @@ class FinishedRing:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.entries
 
-    def values(self) -> list[list[Any]]:
+    def values(self) -> list[ResyncEntry]:
         self._expire()
         return [entry for _, entry, _ in self.entries.values()]
 

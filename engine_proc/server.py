@@ -52,7 +52,7 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -181,6 +181,20 @@ class Queued:
         return len(self.req.prompt_token_ids) // 4
 
 
+@dataclass
+class StepMessages:
+    """What one pass of the step loop sends the detokenizer: the requests it admitted and refused
+    (their meta goes before their first output) and the outputs, from the engine's step or made
+    here (a request aborted before admission ends at once). The admission code adds to it; the
+    output thread turns it into `StepOutput` frames."""
+    started: list[p.StartedRow] = field(default_factory=list)
+    rejected: list[p.RejectedRow] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.started or self.rejected or self.outputs)
+
+
 class EngineStage:
     # [ZH-START]
     # 【职责】引擎进程的外壳：输入 / 主 / 输出三线程；准入闸门（最多 max_live 个、max_live_bytes 字节的请求在引擎里，
@@ -242,7 +256,6 @@ class EngineStage:
         self.rejects = RejectLog(log, on_reject=self.metrics.frame_rejected)
         self.latest_stats: dict[str, Any] = engine.stats() if engine is not None else {}
         self._abort_notes: dict[str, str] = {}
-        self._refused: list[list] = []
         """Why the stage (not the client) aborted a request: sent with its last output."""
         self.num_steps = 0
         self._stopping = threading.Event()
@@ -345,40 +358,38 @@ class EngineStage:
         # 5. _admit：backlog 中最早的请求依次加入引擎，直到 live 达到 max_live 个或 max_live_bytes 字节（没有 live 时总放一个）；
         #    客户端已有 --max-live-per-client 个在引擎里的，它的请求先跳过，后面别的客户端的照常准入。
         # 6. 引擎有未完成请求就 step()，每个输出 _record 记账。
-        # 7. outputs = extra_outputs（未准入就被 abort 的请求的终止输出）+ 本步输出；有输出才计一步。
+        # 7. 本步输出追加到 sent.outputs（其中已有未准入就被 abort 的请求的终止输出）；有输出才计一步。
         # 8. 汇总 stats（引擎统计 + live / queued / 步数 / 拒绝帧数）存进 latest_stats（心跳会带上），更新指标和 systemd 状态行（含 KV cache 占用率）。
-        # 9. 有 started / rejected / outputs 就把 ("step", started, rejected, outputs) 交给输出线程（编码在那边做）。
+        # 9. sent（StepMessages：started / rejected / outputs）非空就交给输出线程（编码在那边做）。
         # 10. 有待答的 hello 且距上次 resync 已满 1 秒 → _send_resync。
         # [ZH-END]
         if not all(t.is_alive() for t in self._threads):
             raise RuntimeError("an engine I/O thread died; the engine can no longer receive or send")
         self.notifier.tick()  # from the step loop itself: a hung step stops the watchdog
-        started: list[list] = []
-        rejected: list[list] = []
-        extra_outputs: list[Any] = []
+        sent = StepMessages()
         idle = not self.engine.has_unfinished_requests() and not self.backlog
-        self._take_inbox(idle, started, rejected, extra_outputs)
-        self._admit(started, rejected)
+        self._take_inbox(idle, sent)
+        self._admit(sent)
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
         for out in outputs:
             self._record(out)
-        outputs = extra_outputs + outputs
-        self.num_steps += bool(outputs)
+        sent.outputs += outputs
+        self.num_steps += bool(sent.outputs)
         stats = self.latest_stats = self._stage_stats()
         used = 1 - stats["num_free_blocks"] / stats["num_total_blocks"]
         self.metrics.set_live(len(self.live), self._live_bytes)
         self.metrics.set_queued(len(self.backlog), self._queued_bytes)
         self.notifier.status(f"{self.state}: {stats['num_running']} running, {stats['num_waiting']} waiting, "
                              f"{len(self.backlog)} queued, KV cache {used:.0%} used")
-        if started or rejected or outputs:
-            self._emit(("step", started, rejected, outputs))
+        if sent:
+            self._emit(sent)
         if self._hello is not None and time.monotonic() >= self._next_resync_at:
             self._send_resync(self._hello)
 
-    def _take_inbox(self, block: bool, started: list, rejected: list, extra_outputs: list) -> None:
+    def _take_inbox(self, block: bool, sent: StepMessages) -> None:
         # [ZH-START]
         # 1. block 时第一条消息最多等 0.05 秒，否则不等；取到一条后改为不等，把 inbox 里现有的一次取完。
-        # 2. Queued（输入线程包好的请求）→ _queue_request；draining 时被拒的（_refused）转进 rejected 列表。
+        # 2. Queued（输入线程包好的请求）→ _queue_request（被拒的直接记进 sent.rejected）。
         # 3. AbortReq → _abort（abort 来自 control socket，可能比它的请求先到：那时 _abort 记下它，请求到了再结束）。
         # 4. DetokHello → 记下最新的 detokenizer 实例 id；与上次服务过的实例不同就计一次 detokenizer 重启。
         # [ZH-END]
@@ -390,22 +401,20 @@ class EngineStage:
                 return
             timeout = 0.0
             if isinstance(msg, Queued):
-                self._queue_request(msg, started, rejected, extra_outputs)
-                rejected.extend(self._refused)
-                self._refused.clear()
+                self._queue_request(msg, sent)
                 continue
             with self._queued_lock:
                 self._num_control -= 1
             if isinstance(msg, p.AbortReq):
-                self._abort(msg.request_id, started, extra_outputs)
+                self._abort(msg.request_id, sent)
             elif isinstance(msg, p.DetokHello):
                 if msg.instance_id != self._hello and self._last_hello and msg.instance_id != self._last_hello:
                     self.metrics.stage_restart_seen("detokenizer")
                 self._hello = msg.instance_id
 
-    def _queue_request(self, queued: Queued, started: list, rejected: list, extra_outputs: list) -> None:
+    def _queue_request(self, queued: Queued, sent: StepMessages) -> None:
         # [ZH-START]
-        # 1. draining 且这个 id 没见过：计数减一，放进 _refused，附 DRAINING 原因。
+        # 1. draining 且这个 id 没见过：计数减一，以 DRAINING 原因记进 sent.rejected。
         # 2. id 已在 live / backlog 中，或是 resend 且在最近一分钟结束的请求里：忽略（第一次的那个有效）；
         #    不是 resend 的重复记为 "duplicate" 拒绝帧。计数减一。
         # 3. 这个客户端排队的已达 --max-queued-per-client：若它在引擎里的还没到 --max-live-per-client
@@ -417,7 +426,7 @@ class EngineStage:
         rid = req.request_id
         if self.state == "draining" and rid not in self.live and rid not in self.backlog:
             self._dequeued(queued)
-            self._refused.append([rid, req.meta, DRAINING])
+            sent.rejected.append(p.RejectedRow(rid, req.meta, DRAINING))
             return
         # A resend (the client's tokenizer restarted) of a request that got through after all,
         # or a client reusing an id that is still live: the first one stands.
@@ -430,19 +439,19 @@ class EngineStage:
         if why is not None and self.shares.may_go_live(_client(req)):
             # Its queued share is full but its live share is not (its requests came in one batch,
             # before any could be admitted): admit first, then count what still waits.
-            self._admit(started, rejected)
+            self._admit(sent)
             why = self.shares.refusal(_client(req))
         if why is not None:  # one client may not fill the backlog every client shares
             self._dequeued(queued)
-            self._refused.append([rid, req.meta, why])
+            sent.rejected.append(p.RejectedRow(rid, req.meta, why))
             return
         self.backlog[rid] = queued
         self.shares.queued(_client(req))
         aborted_at = self._early_aborts.pop(rid, None)
         if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_S:
-            self._abort(rid, started, extra_outputs)  # its abort overtook it on the control socket
+            self._abort(rid, sent)  # its abort overtook it on the control socket
 
-    def _admit(self, started: list, rejected: list) -> None:
+    def _admit(self, sent: StepMessages) -> None:
         """Admit the oldest queued requests while the live ones stay within `max_live` and
         `max_live_bytes` (one is always admitted when none is live, whatever its size), passing
         over those whose client has its share live: they wait, the clients behind them do not."""
@@ -453,7 +462,7 @@ class EngineStage:
             del self.backlog[queued.req.request_id]
             self.shares.unqueued(_client(queued.req))
             self._dequeued(queued)
-            self._add(queued, started, rejected)
+            self._add(queued, sent)
 
     def _next_admissible(self) -> Queued | None:
         """The oldest queued request whose client is under its live share. At the head in the
@@ -463,15 +472,15 @@ class EngineStage:
                 return queued
         return None
 
-    def _add(self, queued: Queued, started: list, rejected: list) -> None:
+    def _add(self, queued: Queued, sent: StepMessages) -> None:
         # [ZH-START]
         # 1. 采样参数已由输入线程建好（queued.params）；建失败的（queued.error）直接走第 3 步。
         # 2. 此时才把打包的 prompt 解成 list，engine.add_request(id, prompt ids, params, priority, output_prefix)；
         #    output_prefix 是续写时客户端已收到的输出（引擎死后发给新引擎），它随第一个新 token 一起再报告一次。
         # 3. 失败：ValueError / TypeError 是请求本身的问题（参数、超过 max_model_len、永远放不进 KV cache、词表外 id），
-        #    其他异常额外记 traceback；都作为 rejected 行 [id, meta, 错误] 发出，
+        #    其他异常额外记 traceback；都作为 RejectedRow(id, meta, 错误) 发出，
         #    并以 "error" 条目记进 FinishedRing，resync 时也知道它已结束。
-        # 4. 成功：_go_live 记进 live（连同它的字节额度），started 加 [id, meta]——detokenizer 在同一条有序管道上
+        # 4. 成功：_go_live 记进 live（连同它的字节额度），sent.started 加 StartedRow(id, meta)——detokenizer 在同一条有序管道上
         #    先拿到 meta，再拿到第一个 token。
         # [ZH-END]
         req, error = queued.req, queued.error
@@ -482,24 +491,24 @@ class EngineStage:
             except Exception as e:  # refused (ValueError/TypeError) or failed: either way this request's own
                 error = _refusal(e, req.request_id)
         if error is not None:
-            rejected.append([req.request_id, req.meta, error])
+            sent.rejected.append(p.RejectedRow(req.request_id, req.meta, error))
             n = queued.num_prompt_tokens
-            self.finished.add(req.request_id, [req.request_id, req.meta, b"", True, "error", n, 0, 0, error])
+            self.finished.add(p.ResyncEntry(req.request_id, req.meta, b"", True, "error", n, 0, 0, error))
             return
         self._go_live(queued)
-        started.append([req.request_id, req.meta])
+        sent.started.append(p.StartedRow(req.request_id, req.meta))
 
     def _go_live(self, queued: Queued) -> None:
         self.live[queued.req.request_id] = LiveRequest(queued.req.meta, queued.nbytes)
         self._live_bytes += queued.nbytes
         self.shares.went_live(_client(queued.req))
 
-    def _abort(self, request_id: str, started: list, extra_outputs: list) -> None:
+    def _abort(self, request_id: str, sent: StepMessages) -> None:
         # [ZH-START]
         # 1. 不在 backlog：在 live 里就 engine.abort(id)（幂等；最终输出由下一步产生）；
         #    也不在 live、不在 FinishedRing：请求还没到（abort 走 control socket 超过了它），_remember_early_abort 记下。
         # 2. 在 backlog（从未准入）：移出、计数和字节额度退回；记进 live 并加入 started，再合成一个
-        #    RequestOutput(finished=True, reason="abort", prompt 长度) 放进 extra_outputs 并 _record——
+        #    RequestOutput(finished=True, reason="abort", prompt 长度) 放进 sent.outputs 并 _record——
         #    它在同一条消息里开始并结束，客户端立刻得到终止增量，abort 不必等准入。
         # [ZH-END]
         queued = self.backlog.pop(request_id, None)
@@ -513,9 +522,9 @@ class EngineStage:
         self.shares.unqueued(_client(queued.req))
         self._dequeued(queued)
         self._go_live(queued)
-        started.append([request_id, queued.req.meta])
+        sent.started.append(p.StartedRow(request_id, queued.req.meta))
         out = RequestOutput(request_id, [], True, "abort", queued.num_prompt_tokens, 0, 0)
-        extra_outputs.append(out)
+        sent.outputs.append(out)
         self._record(out)
 
     def _remember_early_abort(self, request_id: str) -> None:
@@ -539,7 +548,7 @@ class EngineStage:
         # 1. 不在 live 里的输出忽略。
         # 2. 已结束且有 _abort_notes（例如 drain 超时）→ 把原因写进 out.error。
         # 3. 追加新 token，更新 (prompt, output, cached) 计数。
-        # 4. 已结束：移出 live、退回它的字节额度，把完整条目 [id, meta, 打包的全部 token, True, reason, 计数..., error] 记进 FinishedRing。
+        # 4. 已结束：移出 live、退回它的字节额度，把完整的 ResyncEntry(id, meta, 打包的全部 token, True, reason, 计数..., error) 记进 FinishedRing。
         # [ZH-END]
         live = self.live.get(out.request_id)
         if live is None:
@@ -552,8 +561,8 @@ class EngineStage:
             del self.live[out.request_id]
             self._live_bytes -= live.nbytes
             self.shares.ended(live.meta.get("client", b""))
-            self.finished.add(out.request_id, [out.request_id, live.meta, p.pack_token_ids(live.tokens), True,
-                                               out.finish_reason, *live.counts, _error(out)])
+            self.finished.add(p.ResyncEntry(out.request_id, live.meta, p.pack_token_ids(live.tokens), True,
+                                            out.finish_reason, *live.counts, _error(out)))
 
     def _dequeued(self, queued: Queued) -> None:
         with self._queued_lock:
@@ -566,14 +575,14 @@ class EngineStage:
         reaches the engine's port could repeat (a real detokenizer repeats its hello until answered)."""
         # [ZH-START]
         # 1. 清掉待答 hello，下次最早 1 秒后（RESYNC_INTERVAL_S）：hello 只有几个字节，谁都能重复发，resync 可能有几千条。
-        # 2. 条目 = 每个 live 请求 [id, meta, 已输出 token, False, None, 计数..., None] + FinishedRing 里最近结束的。
+        # 2. 条目 = 每个 live 请求的 ResyncEntry(id, meta, 已输出 token, False, None, 计数..., None) + FinishedRing 里最近结束的。
         # 3. 每 256 条（RESYNC_CHUNK）一帧，超过帧大小上限（meta 里的长 stop 字符串）的再用 frames_within 对半拆，
         #    最后一帧 last=True；没有条目也发一个空的最后帧。
         # 4. 经 _emit 进 outbox，与 step 同一管道，所以 resync 与后续 step 的顺序有保证。
         # [ZH-END]
         self._hello, self._next_resync_at = None, time.monotonic() + RESYNC_INTERVAL_S
         self._last_hello = detok_instance
-        entries = [[rid, r.meta, p.pack_token_ids(r.tokens), False, None, *r.counts, None]
+        entries = [p.ResyncEntry(rid, r.meta, p.pack_token_ids(r.tokens), False, None, *r.counts, None)
                    for rid, r in self.live.items()] + self.finished.values()
         log.info("resync for detokenizer %s: %d request(s)", detok_instance, len(entries))
         chunks = [entries[i:i + RESYNC_CHUNK] for i in range(0, len(entries), RESYNC_CHUNK)] or [[]]
@@ -724,7 +733,7 @@ class EngineStage:
         # 2. 从 outbox 取一项，最多等到下次心跳；超时就生成一个 EngineStatus(alive=True) 作为心跳。
         # 3. 取到 _STOP → 先发出 StreamHold 攒着的输出，退出线程。
         # 4. Message（心跳、状态、resync）：先发出攒着的输出（顺序不变），是 EngineStatus 就重置心跳计时，再 encode 发送。
-        # 5. step 元组：输出先过 StreamHold.take（--stream-interval 攒 token），再交给 _encode_step
+        # 5. StepMessages：输出先过 StreamHold.take（--stream-interval 攒 token），再交给 _encode_step
         #    （打包在这个线程做，不占主线程）；什么都不用发就不发帧。过了放弃时间的帧发不出去就丢，但队列照样清空。
         # 6. 引擎很忙、一直有 step 时，到点也额外发一次心跳（之前同样先发攒着的），detokenizer 才能持续拿到统计并确认存活；
         #    攒着的 token 因此最多等一个心跳周期。
@@ -744,10 +753,9 @@ class EngineStage:
                     next_heartbeat = time.monotonic() + self.heartbeat_s
                 self._send_message(item)
             else:
-                _, started, rejected, outputs = item
-                outputs = self._hold.take(outputs)
-                if started or rejected or outputs:
-                    for frame in self._encode_step(started, rejected, outputs):
+                step = StepMessages(item.started, item.rejected, self._hold.take(item.outputs))
+                if step:
+                    for frame in self._encode_step(step):
                         self._send(frame)
             if time.monotonic() >= next_heartbeat:  # busy engines still report their stats
                 self._send_message(self._status(True))
@@ -760,7 +768,7 @@ class EngineStage:
     def _send_held(self) -> None:
         held = self._hold.flush()
         if held:
-            for frame in self._encode_step([], [], held):
+            for frame in self._encode_step(StepMessages(outputs=held)):
                 self._send(frame)
 
     def _set_state(self, state: str) -> None:
@@ -794,19 +802,19 @@ class EngineStage:
                     return False
                 self._out_sock.poll(100, zmq.POLLOUT)
 
-    def _encode_step(self, started: list[list], rejected: list[list], outputs: list[Any]) -> list[bytes]:
+    def _encode_step(self, step: StepMessages) -> list[bytes]:
         """The step as StepOutput frames; token ids packed (one C call per request, no per-token
         loop). One frame, unless it would exceed the frame limit (a step that starts many requests
         whose meta carries long stop strings): then several, in order, started rows first."""
         # [ZH-START]
-        # 1. 每个输出变成一行 [id, 打包的新 token, finished, reason, prompt 数, output 数, cached 数, error]，
+        # 1. 每个输出变成一个 OutputRow(id, 打包的新 token, finished, reason, prompt 数, output 数, cached 数, error)，
         #    token 打包是每请求一次 C 调用，没有逐 token 的 Python 循环。
         # 2. 连同引擎实例 id、started、rejected 组成 StepOutput 帧：通常一帧；超过帧大小上限
         #    （一步开始了很多带长 stop 字符串的请求）就用 frames_within 按顺序拆成几帧，started 仍在前。
         # [ZH-END]
-        rows = [[o.request_id, p.pack_token_ids(o.new_token_ids), o.finished, o.finish_reason,
-                 o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, _error(o)] for o in outputs]
-        tagged = [(0, r) for r in started] + [(1, r) for r in rejected] + [(2, r) for r in rows]
+        rows = [p.OutputRow(o.request_id, p.pack_token_ids(o.new_token_ids), o.finished, o.finish_reason,
+                            o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, _error(o)) for o in step.outputs]
+        tagged = [(0, r) for r in step.started] + [(1, r) for r in step.rejected] + [(2, r) for r in rows]
 
         def make(part: list) -> p.StepOutput:
             return p.StepOutput(self.instance_id, *([r for kind, r in part if kind == k] for k in range(3)))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from array import array
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, NamedTuple
 
 import msgpack
 
@@ -339,19 +339,83 @@ class DetokHello(Message):
 
 # ---------------------------------------------------------------- engine -> detokenizer
 
-def check_output_row(row: Any, extra: int = 0) -> None:
-    """[request_id, packed ids, finished, finish_reason, num_prompt, num_output, num_cached, error],
-    after `extra` leading items (a resync entry has the meta second)."""
-    if not (isinstance(row, list) and len(row) == 8 + extra):
-        raise ProtocolError(f"an output row must have {8 + extra} items")
-    rid, ids, finished, reason, *counts, error = row[:1] + row[1 + extra:]
-    check_str("output request_id", rid, MAX_ENGINE_ID_LEN)
-    check_packed("output token ids", ids, MAX_FRAME_BYTES // 4)
-    check_bool("output finished", finished)
-    _check_finish_reason(reason)
-    for count in counts:
-        check_int("output token count", count, 0, 2**31)
-    check_opt_str("output error", error, MAX_ERROR_LEN)
+class StartedRow(NamedTuple):
+    """A request the engine accepted (`StepOutput.started`), before its first output."""
+    request_id: str
+    meta: dict[str, Any]
+
+    def check(self) -> None:
+        check_str("started request_id", self.request_id, MAX_ENGINE_ID_LEN)
+        check_meta(self.meta)
+
+
+class RejectedRow(NamedTuple):
+    """A request the engine refused (`StepOutput.rejected`), and why."""
+    request_id: str
+    meta: dict[str, Any]
+    error: str
+
+    def check(self) -> None:
+        check_str("rejected request_id", self.request_id, MAX_ENGINE_ID_LEN)
+        check_meta(self.meta)
+        check_str("rejection text", self.error, MAX_ERROR_LEN)
+
+
+class OutputRow(NamedTuple):
+    """What one request produced in a step (`StepOutput.outputs`)."""
+    request_id: str
+    token_ids: bytes
+    """New token ids, packed (`pack_token_ids`)."""
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str | None
+
+    def check(self) -> None:
+        check_str("output request_id", self.request_id, MAX_ENGINE_ID_LEN)
+        check_packed("output token ids", self.token_ids, MAX_FRAME_BYTES // 4)
+        check_bool("output finished", self.finished)
+        _check_finish_reason(self.finish_reason)
+        for count in (self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens):
+            check_int("output token count", count, 0, 2**31)
+        check_opt_str("output error", self.error, MAX_ERROR_LEN)
+
+
+class ResyncEntry(NamedTuple):
+    """A request the engine holds or finished lately (`Resync.entries`): its meta and its whole
+    output so far, as an `OutputRow` would carry it."""
+    request_id: str
+    meta: dict[str, Any]
+    token_ids: bytes
+    """Every output token id so far, packed."""
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str | None
+
+    def output(self) -> OutputRow:
+        return OutputRow(self.request_id, *self[2:])
+
+    def check(self) -> None:
+        self.output().check()
+        check_meta(self.meta)
+
+
+def typed_rows(name: str, rows: Any, row_type: type) -> list:
+    """A decoded list of rows -> `row_type` rows (NamedTuples: positional on the wire, named in
+    code), each checked; `ProtocolError` naming the first problem. The one place rows are read."""
+    check_list(name, rows, MAX_ROWS)
+    width = len(row_type._fields)
+    typed = []
+    for row in rows:
+        check(isinstance(row, (list, tuple)) and len(row) == width, f"each {name} row must have {width} items")
+        typed.append(row_type(*row))
+        typed[-1].check()
+    return typed
 
 
 def _check_finish_reason(reason: Any) -> None:
@@ -362,51 +426,35 @@ def _check_finish_reason(reason: Any) -> None:
 @_message("step")
 @dataclass
 class StepOutput(Message):
-    """Everything one engine step produced, in one message.
-
-    `started`: [request_id, meta] of requests accepted since the last message (always before
-    their outputs). `rejected`: [request_id, meta, error text] for requests the engine refused.
-    `outputs`: [request_id, packed new token ids, finished, finish_reason, num_prompt_tokens,
-    num_output_tokens, num_cached_tokens, error] per request that produced something.
-    """
+    """Everything one engine step produced, in one message: the requests accepted since the last
+    message (always before their outputs), those refused, and an `OutputRow` per request that
+    produced something."""
     instance_id: str
-    started: list[list[Any]] = field(default_factory=list)
-    rejected: list[list[Any]] = field(default_factory=list)
-    outputs: list[list[Any]] = field(default_factory=list)
+    started: list[StartedRow] = field(default_factory=list)
+    rejected: list[RejectedRow] = field(default_factory=list)
+    outputs: list[OutputRow] = field(default_factory=list)
 
     def validate(self) -> None:
         check_str("instance_id", self.instance_id, MAX_INSTANCE_ID_LEN)
-        for name, rows, width in (("started", self.started, 2), ("rejected", self.rejected, 3)):
-            check_list(name, rows, MAX_ROWS)
-            for row in rows:
-                check(isinstance(row, list) and len(row) == width, f"each {name} row must have {width} items")
-                check_str(f"{name} request_id", row[0], MAX_ENGINE_ID_LEN)
-                check_meta(row[1])
-                if width == 3:
-                    check_str("rejection text", row[2], MAX_ERROR_LEN)
-        check_list("outputs", self.outputs, MAX_ROWS)
-        for row in self.outputs:
-            check_output_row(row)
+        self.started = typed_rows("started", self.started, StartedRow)
+        self.rejected = typed_rows("rejected", self.rejected, RejectedRow)
+        self.outputs = typed_rows("outputs", self.outputs, OutputRow)
 
 
 @_message("resync")
 @dataclass
 class Resync(Message):
-    """The engine's answer to `DetokHello`: every request it holds, and those it finished in the
-    last minute, as [request_id, meta, packed output ids so far, finished, finish_reason,
-    num_prompt, num_output, num_cached, error]; split over frames, `last` on the final one."""
+    """The engine's answer to `DetokHello`: a `ResyncEntry` for every request it holds and those it
+    finished in the last minute; split over frames, `last` on the final one."""
     instance_id: str
     detok_instance: str
-    entries: list[list[Any]]
+    entries: list[ResyncEntry]
     last: bool
 
     def validate(self) -> None:
         check_str("instance_id", self.instance_id, MAX_INSTANCE_ID_LEN)
         check_str("detok_instance", self.detok_instance, MAX_INSTANCE_ID_LEN)
-        check_list("entries", self.entries, MAX_ROWS)
-        for entry in self.entries:
-            check_output_row(entry, extra=1)
-            check_meta(entry[1])
+        self.entries = typed_rows("entries", self.entries, ResyncEntry)
         check_bool("last", self.last)
 
 

@@ -20,14 +20,35 @@ META = {"client": b"\x01\x02", "rid": "r", "stop": ["x"], "skip": True, "tail": 
         "min_tokens": 0, "include_stop": False}
 
 
+STEP = p.StepOutput("e1", [p.StartedRow("a", META)], [p.RejectedRow("b", META, "no")],
+                    [p.OutputRow("a", p.pack_token_ids([5]), True, "stop", 1, 1, 0, None)])
+RESYNC = p.Resync("e1", "d1", [p.ResyncEntry("a", META, p.pack_token_ids([5, 6]), False, None, 1, 2, 0, None)], True)
+
+
+def test_typed_rows_travel_as_plain_arrays_and_come_back_named():
+    """Rows are named in code and positional on the wire: the same bytes as plain lists."""
+    as_lists = p.StepOutput("e1", [["a", META]], [["b", META, "no"]],
+                            [["a", p.pack_token_ids([5]), True, "stop", 1, 1, 0, None]])
+    assert STEP.encode() == as_lists.encode()
+    assert p.Resync("e1", "d1", [list(RESYNC.entries[0])], True).encode() == RESYNC.encode()
+    step = p.decode(as_lists.encode())
+    assert step.outputs[0].finish_reason == "stop" and step.rejected[0].error == "no" and step.started[0].meta == META
+    entry = p.decode(RESYNC.encode()).entries[0]
+    assert entry.output() == p.OutputRow("a", p.pack_token_ids([5, 6]), False, None, 1, 2, 0, None)
+    for bad, why in (([["a", META]], "each outputs row must have 8 items"),
+                     ([["a", b"123", True, "stop", 1, 1, 0, None]], "multiple of 4 bytes"),
+                     ([["a", b"", True, "done", 1, 1, 0, None]], "finish_reason")):
+        with pytest.raises(p.ProtocolError, match=why):
+            p.decode(p.StepOutput("e1", outputs=bad).encode())
+
+
 def test_every_message_type_round_trips():
     messages = [
         p.GenerateReq("r", prompt="hi", sampling={"max_tokens": 3}, stop=["x"], skip_special_tokens=False),
         p.GenerateReq("r", messages=[{"role": "user", "content": "hi"}]),
         p.AbortReq("r"), p.Ping(), p.StatsReq(),
         p.TokenizedReq("c:r", p.pack_token_ids([1, 2]), {"temperature": 0}, META, priority=3, resend=True),
-        p.StepOutput("e1", [["a", META]], [["b", META, "no"]], [["a", p.pack_token_ids([5]), True, "stop", 1, 1, 0, None]]),
-        p.Resync("e1", "d1", [["a", META, p.pack_token_ids([5, 6]), False, None, 1, 2, 0, None]], True),
+        STEP, RESYNC,
         p.DetokHello("d1"), p.Resume([["r#1", 3, 9]]),
         p.EngineStatus(True, "abc", "", {"num_running": 1}),
         p.StreamOutput([p.error_delta("r", "boom")]), p.ErrorOutput("bad", "r"), p.Pong("detokenizer", "i", True),

@@ -541,17 +541,17 @@ def test_recently_finished_requests_are_bounded_by_bytes_as_well_as_count():
     ids for a resync: 4,096 of them could hold over a GiB. The oldest go once the bytes run out."""
     from engine_proc.ledger import FinishedRing, entry_bytes
 
-    def entry(rid: str) -> list:
+    def entry(rid: str) -> p.ResyncEntry:
         meta = {"client": b"c", "rid": rid, "stop": ["s" * 1024] * 64}
-        return [rid, meta, p.pack_token_ids(range(1000)), True, "length", 3, 1000, 0, None]
+        return p.ResyncEntry(rid, meta, p.pack_token_ids(range(1000)), True, "length", 3, 1000, 0, None)
     one = entry_bytes(entry("x"))
     assert one > 64 * 1024 * 4 + 4000
     ring = FinishedRing(max_entries=4096, max_bytes=10 * one)
     for i in range(25):
-        ring.add(str(i), entry(str(i)))
-    assert [e[0] for e in ring.values()] == [str(i) for i in range(15, 25)]
+        ring.add(entry(str(i)))
+    assert [e.request_id for e in ring.values()] == [str(i) for i in range(15, 25)]
     assert ring.nbytes == 10 * one and "14" not in ring and "15" in ring
-    ring.add("24", entry("24"))  # the same id again replaces its entry, charged once
+    ring.add(entry("24"))  # the same id again replaces its entry, charged once
     assert ring.nbytes == 10 * one and len(ring.values()) == 10
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from engine_proc.server import StreamHold
+from engine_proc.server import StepMessages, StreamHold
 from nanovllm.engine.llm_engine import RequestOutput
 from nanovllm_client import Client
 from nanovllm_client import protocol as p
@@ -92,21 +92,21 @@ def test_the_output_thread_sends_what_it_holds_before_its_heartbeat():
     output_thread = stage._threads[1]
     try:
         # Queued before the thread starts: a heartbeat cannot come first, however late it runs.
-        stage.outbox.put(("step", [], [], [out("a", 1, 1)]))
-        stage.outbox.put(("step", [], [], [out("a", 2, 2)]))
-        stage.outbox.put(("step", [], [], [out("a", 3, 3)]))
+        stage.outbox.put(StepMessages(outputs=[out("a", 1, 1)]))
+        stage.outbox.put(StepMessages(outputs=[out("a", 2, 2)]))
+        stage.outbox.put(StepMessages(outputs=[out("a", 3, 3)]))
         output_thread.start()
         first, held, heartbeat = read_messages(detok_in, 3)
-        assert isinstance(first, p.StepOutput) and [r[1] for r in first.outputs] == [p.pack_token_ids([1])]
+        assert isinstance(first, p.StepOutput) and [r.token_ids for r in first.outputs] == [p.pack_token_ids([1])]
         assert isinstance(held, p.StepOutput), "held tokens must go before the heartbeat"
-        assert [(r[0], p.unpack_token_ids(r[1]), r[5]) for r in held.outputs] == [("a", [2, 3], 3)]
+        assert [(r.request_id, p.unpack_token_ids(r.token_ids), r.num_output_tokens) for r in held.outputs] == [("a", [2, 3], 3)]
         assert isinstance(heartbeat, p.EngineStatus)
         # A status queued behind held tokens (a resync, a drain) also goes after them.
-        stage.outbox.put(("step", [], [], [out("a", 4, 4)]))
+        stage.outbox.put(StepMessages(outputs=[out("a", 4, 4)]))
         stage.outbox.put(stage._status(True, "draining"))
         stage.outbox.put(_STOP)
         held, *heartbeats, status = read_until(detok_in, lambda m: isinstance(m, p.EngineStatus) and m.reason)
-        assert isinstance(held, p.StepOutput) and p.unpack_token_ids(held.outputs[0][1]) == [4]
+        assert isinstance(held, p.StepOutput) and p.unpack_token_ids(held.outputs[0].token_ids) == [4]
         assert all(isinstance(m, p.EngineStatus) for m in heartbeats)  # a stalled test thread lets some in
         assert status.reason == "draining"
         output_thread.join(timeout=5)
