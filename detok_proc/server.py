@@ -50,17 +50,17 @@ from prometheus_client import CollectorRegistry
 from nanovllm.detokenize import IncrementalDetokenizer
 from nanovllm.metrics import DetokMetrics
 from nanovllm_client import protocol as p
-from nanovllm_client.checks import ProtocolError
+from nanovllm.service.intake import accept, drain
 from nanovllm.service.security import ServiceSecurity, claimed_id, show_client
 from nanovllm.service.stage import (Notifier, PeerMonitor, RejectLog, bind, client_router, new_instance_id, pipeline_pull,
                                    pipeline_push, recv_from_client)
 
 log = logging.getLogger("detok_proc")
 
+ENGINE_MESSAGES = (p.EngineStatus, p.StepOutput, p.Resync)
+CLIENT_MESSAGES = (p.Ping, p.StatsReq, p.Resume)
 HELLO_INTERVAL_S = 0.5
 """A new detokenizer repeats its DetokHello this often until the engine's Resync arrives."""
-DRAIN_PASS_S = 0.05
-"""Longest a pass over one socket runs before the loop turns to the other and to its timeouts."""
 CLIENT_HWM = 128
 """Frames zmq holds in its pipe to one client before a send says EAGAIN and the frame is held in
 the client's `pending`, where its bytes are counted: one step a frame, so seconds of a client
@@ -212,7 +212,7 @@ class DetokStage:
         #    b. draining 且没有待发帧：退出；
         #    c. 看门狗 tick、更新指标和 systemd 状态行；
         #    d. 有待发帧时 poll 10 ms，否则 100 ms；
-        #    e. 引擎有帧 → _drain(on_engine_frame)；客户端有帧 → _drain(on_client_frames)；
+        #    e. 引擎有帧 → _drain_engine（intake.drain 逐条交给 on_engine_frames），之后 _flush_outbox；客户端有帧 → _drain_clients（on_client_frames）；
         #    f. 监视 socket 有事件、引擎已不在连接、之前听到过它且未被判死 → _engine_dead("its connection closed")，崩溃毫秒级发现；
         #    g. 有待发帧 → _flush_all_pending；
         #    h. check_timeouts(now)：客户端 / 引擎超时、hello 重发、resume 期限、gone 过期。
@@ -256,46 +256,23 @@ class DetokStage:
         self.security.close()
 
     def _drain_engine(self) -> None:
-        self._drain(lambda: self.from_engine.recv_multipart(zmq.NOBLOCK), lambda parts: self.on_engine_frame(parts[0]))
+        drain(lambda: self.from_engine.recv_multipart(zmq.NOBLOCK), self.on_engine_frames, self.rejects)
 
     def _drain_clients(self) -> None:
-        self._drain(lambda: recv_from_client(self.clients_sock, self.security.enabled),
-                    lambda message: self.on_client_frames(*message))
-
-    def _drain(self, recv, handle, budget: int = 256, max_s: float = DRAIN_PASS_S) -> None:
-        """Handle what `recv()` (a NOBLOCK receive) returns until it raises zmq.Again, within a budget."""
-        # [ZH-START]
-        # 1. 每次最多处理 budget = 256 条、最多 max_s = 50 ms（一个客户端的一串大帧不能让另一个 socket 和超时检查等太久），
-        #    NOBLOCK 收取，收空就返回。
-        # 2. 每条都包在 try 里：处理时的任何 bug 记为 "internal" 拒绝帧，只花掉这一帧，进程继续。
-        # [ZH-END]
-        until = time.monotonic() + max_s
-        for _ in range(budget):
-            if time.monotonic() > until:
-                return
-            try:
-                message = recv()
-            except zmq.Again:
-                return
-            try:
-                handle(message)
-            except Exception as e:  # a bug must cost one frame, never the stage
-                self.rejects("internal", f"{type(e).__name__} while handling a frame", exc_info=True)
+        drain(lambda: recv_from_client(self.clients_sock, self.security.enabled),
+              lambda message: self.on_client_frames(*message), self.rejects)
 
     # ------------------------------------------------------------------ engine side
 
-    def on_engine_frame(self, frame: bytes) -> None:
+    def on_engine_frames(self, frames: list[bytes]) -> None:
         # [ZH-START]
-        # 1. 解帧，坏帧记 "bad_frame" 后丢弃；更新 engine_last_seen（心跳超时计时）。
-        # 2. EngineStatus → on_engine_status。
-        # 3. StepOutput → 只有来自当前跟随的引擎实例才 on_step。
-        # 4. Resync → on_resync；其他类型记 "wrong_type"。
+        # 1. accept：恰好一帧、能解码、是 EngineStatus / StepOutput / Resync 之一；否则已按原因计数，丢弃（引擎没有回复通道）。
+        # 2. 更新 engine_last_seen（心跳超时计时）。
+        # 3. EngineStatus → on_engine_status；StepOutput → 只有来自当前跟随的引擎实例才 on_step；Resync → on_resync。
         # [ZH-END]
         self.metrics.frame_received()
-        try:
-            msg = p.decode(frame)
-        except ProtocolError as e:
-            self.rejects("bad_frame", f"from the engine socket: {e}")
+        msg = accept(frames, ENGINE_MESSAGES, self.rejects, "on the engine socket", "the detokenizer's engine socket")
+        if isinstance(msg, p.ErrorOutput):
             return
         self.engine_last_seen = time.monotonic()
         if isinstance(msg, p.EngineStatus):
@@ -303,10 +280,8 @@ class DetokStage:
         elif isinstance(msg, p.StepOutput):
             if self._from_current_engine(msg.instance_id):
                 self.on_step(msg)
-        elif isinstance(msg, p.Resync):
-            self.on_resync(msg)
         else:
-            self.rejects("wrong_type", f"{msg.TYPE!r} on the engine socket")
+            self.on_resync(msg)
 
     def on_engine_status(self, msg: p.EngineStatus) -> None:
         # [ZH-START]
@@ -694,12 +669,12 @@ class DetokStage:
         # 1. 计数；更新（或新建）ClientInfo.last_seen——任何消息都算心跳。
         # 2. _tell_if_given_up：我们放弃过的客户端又出现了，告诉它哪些流已丢。必须在建好 ClientInfo 之后：
         #    因不读而被放弃的客户端管道多半还是满的，发不出去的帧要进它的 pending 排队，而不是被丢掉。
-        # 3. 不是恰好一帧 → "multipart" 错误；解帧失败 → "bad_frame" 错误（带能认出的 request_id）。
+        # 3. accept：不是恰好一帧、解不开、或不是 Ping / StatsReq / Resume → 已按原因计数，把返回的 ErrorOutput 发回
+        #    （类型不对的还告诉它请求应发到 tokenizer 端点）。
         # 4. Ping → 回 Pong("detokenizer", 实例 id, engine_alive, 状态, 运行时长, 引擎状态)；
         #    这是本实例第一次听到这个客户端且引擎活着：再发一个 EngineStatus，说出我们跟随的引擎实例——
         #    客户端若记得的是另一个实例，就知道引擎重启过（看到旧引擎死掉的 detokenizer 可能也一起死了）；
-        #    StatsReq → 回 StatsOutput；Resume → on_resume；
-        #    其他 → "wrong_type"，并告诉客户端请求应发到 tokenizer 端点。
+        #    StatsReq → 回 StatsOutput；Resume → on_resume。
         # [ZH-END]
         self.metrics.frame_received()
         if claimed_id(identity, key):
@@ -715,17 +690,11 @@ class DetokStage:
         # Known again first: what it is told goes through its queue (a client given up for not
         # reading still has a full pipe, and a frame with nowhere to wait was dropped).
         self._tell_if_given_up(identity)
-        if len(frames) != 1:
-            self.rejects("multipart", f"{len(frames)} frames from {show_client(identity)}")
-            self.send_to_client(identity, p.ErrorOutput(f"expected exactly one frame per message, got {len(frames)}").encode())
-            return
-        try:
-            msg = p.decode(frames[0])
-        except ProtocolError as e:
-            self.rejects("bad_frame", f"from {show_client(identity)}: {e}")
-            self.send_to_client(identity, p.ErrorOutput(p.clip(str(e)), e.request_id).encode())
-            return
-        if isinstance(msg, p.Ping):
+        msg = accept(frames, CLIENT_MESSAGES, self.rejects, f"from {show_client(identity)}", "the detokenizer",
+                     "; send requests to the tokenizer endpoint")
+        if isinstance(msg, p.ErrorOutput):
+            self.send_to_client(identity, msg.encode())
+        elif isinstance(msg, p.Ping):
             self.send_to_client(identity, p.Pong("detokenizer", self.instance_id, self.engine_alive, self.state,
                                                  time.monotonic() - self.started_at, self.engine_state).encode())
             if first and self.engine_alive:  # which engine we follow: a client that knew another one
@@ -733,13 +702,8 @@ class DetokStage:
                                                              state=self.engine_state).encode())
         elif isinstance(msg, p.StatsReq):
             self.send_to_client(identity, p.StatsOutput(self.stats()).encode())
-        elif isinstance(msg, p.Resume):
-            self.on_resume(identity, msg)
         else:
-            self.rejects("wrong_type", f"{msg.TYPE!r} from {show_client(identity)}")
-            self.send_to_client(identity, p.ErrorOutput(
-                f"the detokenizer accepts only 'ping', 'stats' and 'resume' messages, got {msg.TYPE!r}; "
-                "send requests to the tokenizer endpoint").encode())
+            self.on_resume(identity, msg)
 
     def _tell_if_given_up(self, identity: bytes) -> None:
         """A client we gave up on is back (a network blip, a long pause): end its lost streams."""

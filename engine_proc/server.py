@@ -62,7 +62,7 @@ from prometheus_client import CollectorRegistry
 from nanovllm.engine.llm_engine import RequestOutput
 from nanovllm.metrics import EngineMetrics
 from nanovllm_client import protocol as p
-from nanovllm_client.checks import ProtocolError
+from nanovllm.service.intake import accept, drain
 from nanovllm.service.security import ServiceSecurity
 from nanovllm.service.stage import (DEFAULT_HWM, REQUEST_PIPE_HWM, Notifier, RejectLog, new_instance_id, pipeline_pull,
                                    pipeline_push)
@@ -669,51 +669,42 @@ class EngineStage:
         if self._in_sock in events:
             self._receive_request()
 
-    def _receive_control(self, budget: int = 256) -> None:
+    def _receive_control(self) -> None:
         """Aborts and detokenizer hellos: tiny, and read whatever the load."""
-        for _ in range(budget):
-            try:
-                frame = self._control_sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            msg = self._decode(frame, (p.AbortReq, p.DetokHello), "control")
-            if msg is not None:
-                self._put_control(msg)
+        drain(lambda: self._control_sock.recv_multipart(zmq.NOBLOCK), self._on_control, self.rejects)
+
+    def _on_control(self, frames: list[bytes]) -> None:
+        msg = self._accept(frames, (p.AbortReq, p.DetokHello), "control")
+        if msg is not None:
+            self._put_control(msg)
 
     def _receive_request(self) -> None:
         # [ZH-START]
-        # 1. 收一帧，只接受 TokenizedReq（abort 和 DetokHello 走 control socket），否则记 "bad_frame"（对面只有 stage，没有回复通道）。
+        # 1. 收一条，经 _accept（intake.accept）只接受 TokenizedReq（abort 和 DetokHello 走 control socket），否则按原因计数后丢弃（对面只有 stage，没有回复通道）。
         # 2. _queued：在这里（不占主线程）建好采样参数（allowed_token_ids 存成 4 字节一个的 array），
         #    丢掉解出来的 sampling 大 list；prompt 保持打包；额度 = 帧长 + 每个 prompt token 40 字节。
         #    在锁内把 _num_queued 加一、_queued_bytes 加上额度。
         # 3. 放进 inbox，保持到达顺序。
         # [ZH-END]
         try:
-            frame = self._in_sock.recv(zmq.NOBLOCK)
+            frames = self._in_sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return
-        msg = self._decode(frame, (p.TokenizedReq,), "input")
+        msg = self._accept(frames, (p.TokenizedReq,), "input")
         if msg is None:
             return
-        queued = self._queued(msg, len(frame))
+        queued = self._queued(msg, len(frames[0]))
         with self._queued_lock:
             self._num_queued += 1
             self._queued_bytes += queued.nbytes
         self.inbox.put(queued)
 
-    def _decode(self, frame: bytes, accepted: tuple, socket_name: str) -> Any:
-        """The frame's message if it is one of `accepted`; otherwise None, the frame counted as
-        rejected (only stages talk to us, and they have no reply path)."""
+    def _accept(self, frames: list[bytes], accepted: tuple, socket_name: str) -> Any:
+        """The message if it is one of `accepted`; otherwise None, the frame counted as rejected
+        (only stages talk to us, and they have no reply path)."""
         self.metrics.frame_received()
-        try:
-            msg = p.decode(frame)
-            if not isinstance(msg, accepted):
-                raise ProtocolError(f"the engine's {socket_name} socket does not accept {msg.TYPE!r} messages; it takes "
-                                    + " and ".join(repr(t.TYPE) for t in accepted))
-        except ProtocolError as e:
-            self.rejects("bad_frame", str(e))
-            return None
-        return msg
+        msg = accept(frames, accepted, self.rejects, f"on the {socket_name} socket", f"the engine's {socket_name} socket")
+        return None if isinstance(msg, p.ErrorOutput) else msg
 
     def _queued(self, req: p.TokenizedReq, frame_bytes: int) -> Queued:
         """Build the request's sampling parameters here, off the step loop: they hold large lists

@@ -42,6 +42,7 @@ from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS
 from nanovllm.metrics import TokenizerMetrics
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError, check_strings, show
+from nanovllm.service.intake import accept, drain
 from nanovllm.service.security import ServiceSecurity, claimed_id, show_client
 from nanovllm.service.stage import (REQUEST_PIPE_HWM, Notifier, PeerMonitor, RejectLog, client_router, new_instance_id,
                                    pipeline_push, recv_from_client)
@@ -51,6 +52,7 @@ from .rate_limit import RateLimit
 log = logging.getLogger("tokenizer_proc")
 
 DRAINING = "the tokenizer is draining (shutting down): it takes no new requests; retry on another instance or later"
+CLIENT_MESSAGES = (p.GenerateReq, p.AbortReq, p.Ping)
 NO_ENGINE = "engine is not available (dead, restarting or not started yet); retry later"
 ENGINE_STALL_S = 10.0
 """A request waiting this long for room in the engine pipe is failed instead of held."""
@@ -195,25 +197,24 @@ class TokenizerStage:
         self.to_control.close(linger=500)
         self.security.close()
 
-    def _drain_frontend(self, budget: int = 256) -> None:
+    def _drain_frontend(self) -> None:
         # [ZH-START]
-        # 1. 每轮最多处理 budget = 256 条消息，免得一个繁忙客户端饿死循环里的其他工作。
-        # 2. NOBLOCK 收一条（recv_from_client）：ROUTER 加上的客户端路由 id、各帧，开了 CURVE 时还有 ZAP 认证的公钥（User-Id）。
-        #    路由 id 的前 8 字节不是这把钥匙的标签（claimed_id）：别的钥匙冒用这个 id，记 "claimed_id" 并回错误；
-        #    否则交给 handle，钥匙先经 tenant_key（服务自己的钥匙按路由 id 区分客户端）。
-        #    pending 满了也照样读（满时新请求在 _on_generate 被拒绝），所以 ping 和 abort 永远不被忙碌的引擎挡住。
+        # 1. intake.drain：每轮最多 256 条、50 毫秒，免得一个繁忙客户端饿死循环里的其他工作。
+        # 2. NOBLOCK 收一条（recv_from_client）：ROUTER 加上的客户端路由 id、各帧，开了 CURVE 时还有 ZAP 认证的公钥（User-Id），
+        #    交给 _on_client_message。pending 满了也照样读（满时新请求在 _on_generate 被拒绝），所以 ping 和 abort 永远不被忙碌的引擎挡住。
         # [ZH-END]
         keyed = self.security.enabled  # CURVE: each message carries its sender's key (ZAP's User-Id)
-        for _ in range(budget):
-            try:
-                identity, frames, key = recv_from_client(self.frontend, keyed)
-            except zmq.Again:
-                return
-            if claimed_id(identity, key):  # another key's id: its requests are not this sender's to touch
-                self.rejects("claimed_id", f"{show_client(identity)} from another CURVE key")
-                self._reply(identity, p.ErrorOutput(CLAIMED_ID))
-                continue
-            self.handle(identity, frames, self.security.tenant_key(key))
+        drain(lambda: recv_from_client(self.frontend, keyed), lambda message: self._on_client_message(*message),
+              self.rejects)
+
+    def _on_client_message(self, identity: bytes, frames: list[bytes], key: str | None) -> None:
+        """Routing id `identity` claimed by another CURVE key: refused; else `handle`, under the
+        key that counts for limits (`ServiceSecurity.tenant_key`)."""
+        if claimed_id(identity, key):  # another key's id: its requests are not this sender's to touch
+            self.rejects("claimed_id", f"{show_client(identity)} from another CURVE key")
+            self._reply(identity, p.ErrorOutput(CLAIMED_ID))
+            return
+        self.handle(identity, frames, self.security.tenant_key(key))
 
     # ------------------------------------------------------------------ messages
 
@@ -237,38 +238,25 @@ class TokenizerStage:
     def _handle(self, identity: bytes, frames: list[bytes], key: str | None) -> None:
         # [ZH-START]
         # 1. 计数，记下该客户端最近活动时间。
-        # 2. 不是恰好一帧 → 记 "multipart"，回错误。
-        # 3. p.decode 解帧（协议版本、类型、字段、大小与嵌套都在这里检查）；ProtocolError → 记 "bad_frame"，
-        #    回 ErrorOutput（能认出 request_id 就带上）。
-        # 4. 按类型分发：
+        # 2. intake.accept：不是恰好一帧（"multipart"）、解不开（"bad_frame"：协议版本、类型、字段、大小与嵌套都在 decode 里查）、
+        #    或不是 generate / abort / ping（"wrong_type"）→ 已计数，把返回的 ErrorOutput 回给客户端（能认出 request_id 就带上）。
+        # 3. 按类型分发：
         #    GenerateReq → _on_generate；
         #    AbortReq → 换成引擎侧 id "<客户端身份 hex>:<request_id>"，_send_abort 直接推给引擎的 control socket（不排在 pending 后面）；
-        #    Ping → 回 Pong("tokenizer", 实例 id, 引擎是否已连接, 状态, 运行时长)；
-        #    其他类型 → 记 "wrong_type"，回错误说明只接受 generate / abort / ping。
+        #    Ping → 回 Pong("tokenizer", 实例 id, 引擎是否已连接, 状态, 运行时长)。
         # [ZH-END]
         self.metrics.frame_received()
         self._clients_seen[identity] = time.monotonic()
-        if len(frames) != 1:
-            self.rejects("multipart", f"{len(frames)} frames from {show_client(identity)}")
-            self._reply(identity, p.ErrorOutput(f"expected exactly one frame per message, got {len(frames)}"))
-            return
-        try:
-            msg = p.decode(frames[0])
-        except ProtocolError as e:
-            self.rejects("bad_frame", f"from {show_client(identity)}: {e}")
-            self._reply(identity, p.ErrorOutput(p.clip(str(e)), e.request_id))
-            return
-        if isinstance(msg, p.GenerateReq):
+        msg = accept(frames, CLIENT_MESSAGES, self.rejects, f"from {show_client(identity)}", "the tokenizer")
+        if isinstance(msg, p.ErrorOutput):
+            self._reply(identity, msg)
+        elif isinstance(msg, p.GenerateReq):
             self._on_generate(identity, msg, key)
         elif isinstance(msg, p.AbortReq):
             self._send_abort(engine_request_id(identity, msg.request_id))
-        elif isinstance(msg, p.Ping):
+        else:
             self._reply(identity, p.Pong("tokenizer", self.instance_id, self.engine_peers.connected, self.state,
                                          time.monotonic() - self.started_at))
-        else:
-            self.rejects("wrong_type", f"{msg.TYPE!r} from {show_client(identity)}")
-            self._reply(identity, p.ErrorOutput(f"the tokenizer does not accept {msg.TYPE!r} messages; "
-                                                "send 'generate', 'abort' or 'ping'"))
 
     def _on_generate(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> None:
         # [ZH-START]

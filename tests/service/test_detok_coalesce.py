@@ -36,7 +36,7 @@ def rig(tokenizer_dir):
         assert stage.clients_sock.poll(10_000), "the ping never reached the stage"
         stage._drain_clients()
         assert isinstance(receive(client)[0], p.Pong)
-        stage.on_engine_frame(p.EngineStatus(True, ENGINE).encode())
+        stage.on_engine_frames([p.EngineStatus(True, ENGINE).encode()])
         yield tok, stage, client, identity
     finally:
         ctx.destroy(linger=0)
@@ -66,7 +66,7 @@ def test_steps_handled_in_one_pass_reach_the_client_as_one_frame(rig):
     n = max(len(v) for v in ids.values())
     for k in range(n):
         rows = [row(f"c:{rid}", v[k], k, k == len(v) - 1) for rid, v in ids.items() if k < len(v)]
-        stage.on_engine_frame(step(rows, started if k == 0 else []))
+        stage.on_engine_frames([step(rows, started if k == 0 else [])])
     stage._flush_outbox()
     streams = [m for m in receive(client) if isinstance(m, p.StreamOutput)]
     assert len(streams) == 1, f"{n} steps in one pass should make one frame, got {len(streams)}"
@@ -85,9 +85,9 @@ def test_a_request_id_reused_within_a_pass_keeps_its_two_streams_apart(rig):
     first, second = tok.encode("one two", add_special_tokens=False), tok.encode("three", add_special_tokens=False)
     meta = {"client": identity, "rid": "r"}
     for k, token in enumerate(first):
-        stage.on_engine_frame(step([row("c:r#1", token, k, k == len(first) - 1)], [["c:r#1", meta]] if k == 0 else []))
+        stage.on_engine_frames([step([row("c:r#1", token, k, k == len(first) - 1)], [["c:r#1", meta]] if k == 0 else [])])
     for k, token in enumerate(second):  # the client reused its id once the first had ended
-        stage.on_engine_frame(step([row("c:r#2", token, k, k == len(second) - 1)], [["c:r#2", meta]] if k == 0 else []))
+        stage.on_engine_frames([step([row("c:r#2", token, k, k == len(second) - 1)], [["c:r#2", meta]] if k == 0 else [])])
     stage._flush_outbox()
     deltas = [d for m in receive(client) if isinstance(m, p.StreamOutput) for d in m.deltas]
     assert [(d["request_id"], p.unpack_token_ids(d["token_ids"]), d["finish_reason"]) for d in deltas] == [
@@ -98,8 +98,8 @@ def test_a_request_id_reused_within_a_pass_keeps_its_two_streams_apart(rig):
 def test_a_frame_sent_to_a_client_mid_pass_follows_what_the_pass_holds_for_it(rig):
     tok, stage, client, identity = rig
     ids = tok.encode("steady text", add_special_tokens=False)
-    stage.on_engine_frame(step([row("c:s", ids[0], 0, False)], [["c:s", {"client": identity, "rid": "s"}]]))
-    stage.on_engine_frame(p.EngineStatus(False, ENGINE, "gone").encode())  # fails the request mid-pass
+    stage.on_engine_frames([step([row("c:s", ids[0], 0, False)], [["c:s", {"client": identity, "rid": "s"}]])])
+    stage.on_engine_frames([p.EngineStatus(False, ENGINE, "gone").encode()])  # fails the request mid-pass
     stage._flush_outbox()
     deltas = [d for m in receive(client) if isinstance(m, p.StreamOutput) for d in m.deltas]
     assert [d["finish_reason"] for d in deltas] == [None, "error"]
@@ -132,9 +132,9 @@ def test_a_continued_stream_sends_only_what_follows_what_its_client_has(rig):
     have, chars = 5, len(tok.decode(ids[:5]))
     meta = {"client": identity, "rid": "x", "have": [have, chars]}
     rows = continued_rows(ids, have)
-    stage.on_engine_frame(step(rows[:1], [["c:x", meta]]))
+    stage.on_engine_frames([step(rows[:1], [["c:x", meta]])])
     for r in rows[1:]:
-        stage.on_engine_frame(step([r]))
+        stage.on_engine_frames([step([r])])
     stage._flush_outbox()
     text, tokens, last = streamed(client)
     assert (text, tokens) == (TEXT[chars:], ids[have:])
@@ -156,12 +156,12 @@ def test_a_continued_stream_survives_a_detokenizer_restart(rig, reported):
     output = ids[:have + reported] if reported else []
     client_has = have + reported  # it received every reported token before the restart
     chars = len(tok.decode(ids[:client_has]))
-    stage.on_engine_frame(p.Resync(ENGINE, stage.instance_id,
+    stage.on_engine_frames([p.Resync(ENGINE, stage.instance_id,
                                    [["c:x", meta, p.pack_token_ids(output), False, None, 7, len(output), 0, None]],
-                                   True).encode())
+                                   True).encode()])
     stage.on_client_frames(identity, [p.Resume([["x", client_has, chars]]).encode()])
     for r in rows[reported:]:  # rows[0] holds the output again and the first new token
-        stage.on_engine_frame(step([r]))
+        stage.on_engine_frames([step([r])])
     stage._flush_outbox()
     text, tokens, last = streamed(client)
     assert (text, tokens) == (TEXT[chars:], ids[client_has:]) and last["finish_reason"] == "length"

@@ -22,9 +22,9 @@ def test_a_stop_string_completed_by_the_last_row_ends_with_stop(rig):
     stop = tok.decode(ids[-1:])  # completes only with the engine's final token (max_tokens reached)
     meta = {"client": identity, "rid": "x", "stop": [stop]}
     rows = rows_of(ids, "length")
-    stage.on_engine_frame(step(rows[:1], [["c:x", meta]]))
+    stage.on_engine_frames([step(rows[:1], [["c:x", meta]])])
     for r in rows[1:]:
-        stage.on_engine_frame(step([r]))
+        stage.on_engine_frames([step([r])])
     stage._flush_outbox()
     text, _, last = streamed(client)
     assert last["finish_reason"] == "stop", last
@@ -40,7 +40,7 @@ def test_a_resynced_request_the_engine_ended_on_a_stop_abort_ends_with_stop(rig)
     stop = tok.decode(ids[2:3])
     meta = {"client": identity, "rid": "x", "stop": [stop]}
     entry = ["c:x", meta, p.pack_token_ids(ids[:3]), True, "abort", 3, 3, 0, None]
-    stage.on_engine_frame(p.Resync(ENGINE, stage.instance_id, [entry], True).encode())
+    stage.on_engine_frames([p.Resync(ENGINE, stage.instance_id, [entry], True).encode()])
     stage.on_client_frames(identity, [p.Resume([["x", 1, len(tok.decode(ids[:1]))]]).encode()])
     stage._flush_outbox()
     text, tokens, last = streamed(client)
