@@ -2,7 +2,7 @@
 (admitted into the engine) and how many may wait in the backlog, so that one client cannot take
 the limits every client shares.
 
-Pure bookkeeping, no I/O: `EngineStage` asks it before queueing and admitting, and tells it
+Pure bookkeeping, no I/O: `Admission` asks it before queueing and admitting, and tells it
 when a request goes live or ends. A client is the routing identity the tokenizer stamped into
 each request's meta. Counts are dropped at zero, so nothing stays behind for a client gone.
 """
@@ -16,9 +16,9 @@ class ClientShares:
     # 【职责】按客户端计数：在引擎里（live）和在 backlog 里排队（queued）的请求各有几个；
     # 超过 --max-queued-per-client 的新请求被拒绝，达到 --max-live-per-client 的客户端的请求先不准入
     # （排在后面的别的客户端的请求照常准入，一个客户端占不满全局的名额）。0 表示不限。
-    # 【边界】不碰 socket、不碰引擎；什么时候排队、准入、结束由 EngineStage 告诉它。
-    # 【协作者】EngineStage._queue_request（refusal / queued）、_admit（may_go_live / unqueued）、
-    # _abort（unqueued）、_go_live（went_live）、_record（ended）。
+    # 【边界】不碰 socket、不碰引擎；什么时候排队、准入、结束由 Admission 告诉它。
+    # 【协作者】Admission.queue（refusal / queued）、admit（may_go_live / unqueued）、
+    # abort（unqueued）、_go_live（went_live）、record（ended）。
     # [ZH-END]
 
     def __init__(self, max_live: int = 0, max_queued: int = 0):

@@ -45,14 +45,12 @@ outgrow the budgets; a prompt stays packed (4 bytes a token) until its request i
 # [ZH-END]
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -67,20 +65,16 @@ from nanovllm.service.security import ServiceSecurity
 from nanovllm.service.stage import (DEFAULT_HWM, REQUEST_PIPE_HWM, Notifier, RejectLog, new_instance_id, pipeline_pull,
                                    pipeline_push)
 
+from .admission import Admission, Queued, StepMessages, _error, _refusal
 from .client_shares import ClientShares
-from .ledger import FinishedRing, LiveRequest, request_bytes
+from .ledger import request_bytes
 
 log = logging.getLogger("engine_proc")
 
 _STOP = object()
 RESYNC_CHUNK = 256
 """Requests per `Resync` frame, so one frame stays far below the frame size limit."""
-DRAINING = "the engine is draining (shutting down): it takes no new requests; retry on another instance or later"
 RESYNC_INTERVAL_S = 1.0
-EARLY_ABORT_S = 60.0
-"""How long an abort for a request the engine has not seen yet is kept: it came on the control
-socket ahead of its request, which still waits in the tokenizer or in the input pipe."""
-MAX_EARLY_ABORTS = 65_536
 MAX_CONTROL_BACKLOG = 65_536
 """Control messages read and not yet applied by the step loop: over this the control socket is
 left unread for a moment (a flood of aborts during a long step cannot grow the inbox without end)."""
@@ -159,42 +153,6 @@ def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids, logprobs=logprobs)
 
 
-@dataclass(slots=True)
-class Queued:
-    """A request received and not yet admitted: its sampling parameters built by the input
-    thread (off the step loop), its prompt still packed."""
-    # [ZH-START]
-    # 【职责】收到、还没准入的一个请求：输入线程已建好它的采样参数（或记下为什么建不了），prompt 仍是打包的字节，
-    # 带着它的字节额度 nbytes（帧长 + 每个 prompt token 40 字节），从排队一直记到请求结束。
-    # 【边界】不做校验以外的事；准入、拒绝、abort 都由 EngineStage 决定。
-    # 【协作者】EngineStage._queued 创建；inbox / backlog 保存；_admit、_add、_abort、_dequeued 使用它的 nbytes。
-    # [ZH-END]
-    req: p.TokenizedReq
-    params: Any
-    """The built sampling parameters, or None when they were refused (`error` says why)."""
-    error: str | None
-    nbytes: int
-    """Its charge against the byte budgets (`ledger.request_bytes`), held until it ends."""
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.req.prompt_token_ids) // 4
-
-
-@dataclass
-class StepMessages:
-    """What one pass of the step loop sends the detokenizer: the requests it admitted and refused
-    (their meta goes before their first output) and the outputs, from the engine's step or made
-    here (a request aborted before admission ends at once). The admission code adds to it; the
-    output thread turns it into `StepOutput` frames."""
-    started: list[p.StartedRow] = field(default_factory=list)
-    rejected: list[p.RejectedRow] = field(default_factory=list)
-    outputs: list[RequestOutput] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.started or self.rejected or self.outputs)
-
-
 class EngineStage:
     # [ZH-START]
     # 【职责】引擎进程的外壳：输入 / 主 / 输出三线程；准入闸门（最多 max_live 个、max_live_bytes 字节的请求在引擎里，
@@ -223,10 +181,7 @@ class EngineStage:
         self.heartbeat_s = heartbeat_s
         self._hold = StreamHold(stream_interval)
         """Used by the output thread alone."""
-        self.max_live, self.max_queued = max_live, max_queued
-        self.max_live_bytes, self.max_queued_bytes = max_live_bytes, max_queued_bytes
-        self.shares = ClientShares(max_live_per_client, max_queued_per_client)
-        """Each client's part of `max_live` and of the backlog (0: no per-client limit)."""
+        self.max_queued, self.max_queued_bytes = max_queued, max_queued_bytes
         self.ctx = ctx or zmq.Context.instance()
         self.metrics = metrics or EngineMetrics(CollectorRegistry())
         """Fed by the engine's own post-step hook (added once the engine exists) and by this stage."""
@@ -240,23 +195,17 @@ class EngineStage:
         """Requests put in `inbox` or `backlog` and not yet admitted, rejected or aborted, and their bytes."""
         self._num_control = 0
         """Control messages put in `inbox` and not yet taken by the step loop."""
-        self._early_aborts: collections.OrderedDict[str, float] = collections.OrderedDict()
-        """Request id -> when its abort came, for aborts that overtook their request (see the module doc)."""
-        self._live_bytes = 0
-        """The bytes charged to the requests in `live`."""
         self._queued_lock = threading.Lock()
         self.outbox: queue.Queue = queue.Queue(maxsize=64)  # a slow detokenizer slows the engine, never loses
-        self.backlog: collections.OrderedDict[str, Queued] = collections.OrderedDict()
-        self.live: dict[str, LiveRequest] = {}
-        """request id -> its meta and output so far, for every request added and not yet finished."""
-        self.finished = FinishedRing()
         self._hello: str | None = None
         """The latest detokenizer that asked for a resync and has not got one yet."""
         self._next_resync_at = 0.0
         self.rejects = RejectLog(log, on_reject=self.metrics.frame_rejected)
+        self.admission = Admission(max_live, max_live_bytes, ClientShares(max_live_per_client, max_queued_per_client),
+                                   self.rejects, self._dequeued)
+        """The requests: queued, live, lately finished (used by the step loop alone)."""
+        self.admission.engine = engine
         self.latest_stats: dict[str, Any] = engine.stats() if engine is not None else {}
-        self._abort_notes: dict[str, str] = {}
-        """Why the stage (not the client) aborted a request: sent with its last output."""
         self.num_steps = 0
         self._stopping = threading.Event()
         self._give_up_at = float("inf")
@@ -299,6 +248,7 @@ class EngineStage:
                 log.error("the engine cannot start: %s", e)
                 self._shutdown(f"cannot start: {type(e).__name__}: {e}")
                 return 1
+        self.admission.engine = self.engine
         self.latest_stats = self._stage_stats()  # the same keys as every heartbeat's, from the first
         self.engine.add_post_step_hook(self.metrics)
         self._set_state("ready")
@@ -324,7 +274,7 @@ class EngineStage:
         abort the rest, saying why. Returns the shutdown reason."""
         # [ZH-START]
         # 1. 状态设为 draining；deadline = _start_drain_clock()（默认 30 秒，只在第一次确定）。
-        # 2. 发一次 draining 状态：客户端看到后不再发新请求；新到的请求在 _queue_request 里回 DRAINING。
+        # 2. 发一次 draining 状态：客户端看到后不再发新请求；新到的请求在 Admission.queue 里回 DRAINING。
         # 3. 只要还有 live 或 backlog 且未到期限，就继续 run_once()，让在途请求正常跑完。
         # 4. 全部结束 → 返回 "engine shut down after draining"。
         # 5. 到期仍有剩余：为每个请求记下原因（_abort_notes），往 inbox 放 AbortReq；
@@ -332,18 +282,19 @@ class EngineStage:
         # [ZH-END]
         self._set_state("draining")
         deadline = self._start_drain_clock()
-        log.info("draining %d request(s) for up to %.0fs", len(self.live) + len(self.backlog), self.drain_timeout_s)
-        self.notifier.stopping(f"draining {len(self.live) + len(self.backlog)} request(s)")
+        book = self.admission
+        log.info("draining %d request(s) for up to %.0fs", len(book.in_flight()), self.drain_timeout_s)
+        self.notifier.stopping(f"draining {len(book.in_flight())} request(s)")
         self._emit(self._status(True, "draining"))
-        while (self.live or self.backlog) and time.monotonic() < deadline:
+        while book.in_flight() and time.monotonic() < deadline:
             self.run_once()
-        left = list(self.live) + list(self.backlog)
+        left = book.in_flight()
         if not left:
             return "engine shut down after draining"
         why = f"the engine is shutting down: draining ended after {self.drain_timeout_s:.0f}s and this request was aborted"
         log.warning("drain timed out: aborting %d request(s)", len(left))
         for request_id in left:
-            self._abort_notes[request_id] = why
+            book.abort_notes[request_id] = why
             self._put_control(p.AbortReq(request_id))
         for _ in range(3):  # the aborts' final outputs come from the next step
             self.run_once()
@@ -367,20 +318,21 @@ class EngineStage:
             raise RuntimeError("an engine I/O thread died; the engine can no longer receive or send")
         self.notifier.tick()  # from the step loop itself: a hung step stops the watchdog
         sent = StepMessages()
-        idle = not self.engine.has_unfinished_requests() and not self.backlog
+        book = self.admission
+        idle = not self.engine.has_unfinished_requests() and not book.backlog
         self._take_inbox(idle, sent)
-        self._admit(sent)
+        book.admit(sent)
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
         for out in outputs:
-            self._record(out)
+            book.record(out)
         sent.outputs += outputs
         self.num_steps += bool(sent.outputs)
         stats = self.latest_stats = self._stage_stats()
         used = 1 - stats["num_free_blocks"] / stats["num_total_blocks"]
-        self.metrics.set_live(len(self.live), self._live_bytes)
-        self.metrics.set_queued(len(self.backlog), self._queued_bytes)
+        self.metrics.set_live(len(book.live), book.live_bytes)
+        self.metrics.set_queued(len(book.backlog), self._queued_bytes)
         self.notifier.status(f"{self.state}: {stats['num_running']} running, {stats['num_waiting']} waiting, "
-                             f"{len(self.backlog)} queued, KV cache {used:.0%} used")
+                             f"{len(book.backlog)} queued, KV cache {used:.0%} used")
         if sent:
             self._emit(sent)
         if self._hello is not None and time.monotonic() >= self._next_resync_at:
@@ -389,8 +341,8 @@ class EngineStage:
     def _take_inbox(self, block: bool, sent: StepMessages) -> None:
         # [ZH-START]
         # 1. block 时第一条消息最多等 0.05 秒，否则不等；取到一条后改为不等，把 inbox 里现有的一次取完。
-        # 2. Queued（输入线程包好的请求）→ _queue_request（被拒的直接记进 sent.rejected）。
-        # 3. AbortReq → _abort（abort 来自 control socket，可能比它的请求先到：那时 _abort 记下它，请求到了再结束）。
+        # 2. Queued（输入线程包好的请求）→ Admission.queue（被拒的直接记进 sent.rejected）。
+        # 3. AbortReq → Admission.abort（abort 来自 control socket，可能比它的请求先到：那时它记下这个 id，请求到了再结束）。
         # 4. DetokHello → 记下最新的 detokenizer 实例 id；与上次服务过的实例不同就计一次 detokenizer 重启。
         # [ZH-END]
         timeout = 0.05 if block else 0.0
@@ -401,168 +353,21 @@ class EngineStage:
                 return
             timeout = 0.0
             if isinstance(msg, Queued):
-                self._queue_request(msg, sent)
+                self.admission.queue(msg, sent, self.state == "draining")
                 continue
             with self._queued_lock:
                 self._num_control -= 1
             if isinstance(msg, p.AbortReq):
-                self._abort(msg.request_id, sent)
+                self.admission.abort(msg.request_id, sent)
             elif isinstance(msg, p.DetokHello):
                 if msg.instance_id != self._hello and self._last_hello and msg.instance_id != self._last_hello:
                     self.metrics.stage_restart_seen("detokenizer")
                 self._hello = msg.instance_id
 
-    def _queue_request(self, queued: Queued, sent: StepMessages) -> None:
-        # [ZH-START]
-        # 1. draining 且这个 id 没见过：计数减一，以 DRAINING 原因记进 sent.rejected。
-        # 2. id 已在 live / backlog 中，或是 resend 且在最近一分钟结束的请求里：忽略（第一次的那个有效）；
-        #    不是 resend 的重复记为 "duplicate" 拒绝帧。计数减一。
-        # 3. 这个客户端排队的已达 --max-queued-per-client：若它在引擎里的还没到 --max-live-per-client
-        #    （一批请求同时到，还没来得及准入），先 _admit 再数一次；仍满 → 拒绝并说出限额。
-        #    否则放进 backlog（OrderedDict，保持到达顺序）。
-        # 4. 它的 abort 已经先到（_early_aborts 里，且不超过 EARLY_ABORT_S）：立即 _abort——在同一条消息里开始并结束。
-        # [ZH-END]
-        req = queued.req
-        rid = req.request_id
-        if self.state == "draining" and rid not in self.live and rid not in self.backlog:
-            self._dequeued(queued)
-            sent.rejected.append(p.RejectedRow(rid, req.meta, DRAINING))
-            return
-        # A resend (the client's tokenizer restarted) of a request that got through after all,
-        # or a client reusing an id that is still live: the first one stands.
-        if rid in self.live or rid in self.backlog or (req.resend and rid in self.finished):
-            if not req.resend:
-                self.rejects("duplicate", f"request id {rid!r} is already live; the new request is ignored")
-            self._dequeued(queued)
-            return
-        why = self.shares.refusal(_client(req))
-        if why is not None and self.shares.may_go_live(_client(req)):
-            # Its queued share is full but its live share is not (its requests came in one batch,
-            # before any could be admitted): admit first, then count what still waits.
-            self._admit(sent)
-            why = self.shares.refusal(_client(req))
-        if why is not None:  # one client may not fill the backlog every client shares
-            self._dequeued(queued)
-            sent.rejected.append(p.RejectedRow(rid, req.meta, why))
-            return
-        self.backlog[rid] = queued
-        self.shares.queued(_client(req))
-        aborted_at = self._early_aborts.pop(rid, None)
-        if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_S:
-            self._abort(rid, sent)  # its abort overtook it on the control socket
-
-    def _admit(self, sent: StepMessages) -> None:
-        """Admit the oldest queued requests while the live ones stay within `max_live` and
-        `max_live_bytes` (one is always admitted when none is live, whatever its size), passing
-        over those whose client has its share live: they wait, the clients behind them do not."""
-        while self.backlog and len(self.live) < self.max_live:
-            queued = self._next_admissible()
-            if queued is None or (self.live and self._live_bytes + queued.nbytes > self.max_live_bytes):
-                return
-            del self.backlog[queued.req.request_id]
-            self.shares.unqueued(_client(queued.req))
-            self._dequeued(queued)
-            self._add(queued, sent)
-
-    def _next_admissible(self) -> Queued | None:
-        """The oldest queued request whose client is under its live share. At the head in the
-        common case; past a saturated client's requests (at most its queued share each) else."""
-        for queued in self.backlog.values():
-            if self.shares.may_go_live(_client(queued.req)):
-                return queued
-        return None
-
-    def _add(self, queued: Queued, sent: StepMessages) -> None:
-        # [ZH-START]
-        # 1. 采样参数已由输入线程建好（queued.params）；建失败的（queued.error）直接走第 3 步。
-        # 2. 此时才把打包的 prompt 解成 list，engine.add_request(id, prompt ids, params, priority, output_prefix)；
-        #    output_prefix 是续写时客户端已收到的输出（引擎死后发给新引擎），它随第一个新 token 一起再报告一次。
-        # 3. 失败：ValueError / TypeError 是请求本身的问题（参数、超过 max_model_len、永远放不进 KV cache、词表外 id），
-        #    其他异常额外记 traceback；都作为 RejectedRow(id, meta, 错误) 发出，
-        #    并以 "error" 条目记进 FinishedRing，resync 时也知道它已结束。
-        # 4. 成功：_go_live 记进 live（连同它的字节额度），sent.started 加 StartedRow(id, meta)——detokenizer 在同一条有序管道上
-        #    先拿到 meta，再拿到第一个 token。
-        # [ZH-END]
-        req, error = queued.req, queued.error
-        if error is None:
-            try:
-                self.engine.add_request(req.request_id, p.unpack_token_ids(req.prompt_token_ids), queued.params,
-                                        priority=req.priority, output_prefix=p.unpack_token_ids(req.output_ids))
-            except Exception as e:  # refused (ValueError/TypeError) or failed: either way this request's own
-                error = _refusal(e, req.request_id)
-        if error is not None:
-            sent.rejected.append(p.RejectedRow(req.request_id, req.meta, error))
-            n = queued.num_prompt_tokens
-            self.finished.add(p.ResyncEntry(req.request_id, req.meta, b"", True, "error", n, 0, 0, error))
-            return
-        self._go_live(queued)
-        sent.started.append(p.StartedRow(req.request_id, req.meta))
-
-    def _go_live(self, queued: Queued) -> None:
-        self.live[queued.req.request_id] = LiveRequest(queued.req.meta, queued.nbytes)
-        self._live_bytes += queued.nbytes
-        self.shares.went_live(_client(queued.req))
-
-    def _abort(self, request_id: str, sent: StepMessages) -> None:
-        # [ZH-START]
-        # 1. 不在 backlog：在 live 里就 engine.abort(id)（幂等；最终输出由下一步产生）；
-        #    也不在 live、不在 FinishedRing：请求还没到（abort 走 control socket 超过了它），_remember_early_abort 记下。
-        # 2. 在 backlog（从未准入）：移出、计数和字节额度退回；记进 live 并加入 started，再合成一个
-        #    RequestOutput(finished=True, reason="abort", prompt 长度) 放进 sent.outputs 并 _record——
-        #    它在同一条消息里开始并结束，客户端立刻得到终止增量，abort 不必等准入。
-        # [ZH-END]
-        queued = self.backlog.pop(request_id, None)
-        if queued is None:
-            if request_id in self.live:
-                self.engine.abort(request_id)  # idempotent; its final output comes from the next step
-            elif request_id not in self.finished:
-                self._remember_early_abort(request_id)
-            return
-        # Never admitted: it starts and ends in this message, so its client still gets a terminal delta.
-        self.shares.unqueued(_client(queued.req))
-        self._dequeued(queued)
-        self._go_live(queued)
-        sent.started.append(p.StartedRow(request_id, queued.req.meta))
-        out = RequestOutput(request_id, [], True, "abort", queued.num_prompt_tokens, 0, 0)
-        sent.outputs.append(out)
-        self._record(out)
-
-    def _remember_early_abort(self, request_id: str) -> None:
-        """An abort for an id not seen yet: keep it (at most `MAX_EARLY_ABORTS`, for `EARLY_ABORT_S`)
-        for the request it overtook; one never sent (a client's stray abort) just expires."""
-        now = time.monotonic()
-        early = self._early_aborts
-        early.pop(request_id, None)
-        early[request_id] = now
-        while early and (len(early) > MAX_EARLY_ABORTS or now - next(iter(early.values())) >= EARLY_ABORT_S):
-            early.popitem(last=False)
-
     def _put_control(self, msg: p.Message) -> None:
         with self._queued_lock:
             self._num_control += 1
         self.inbox.put(msg)
-
-    def _record(self, out: Any) -> None:
-        """Keep what a resync needs: the output so far, and the whole request once it ends."""
-        # [ZH-START]
-        # 1. 不在 live 里的输出忽略。
-        # 2. 已结束且有 _abort_notes（例如 drain 超时）→ 把原因写进 out.error。
-        # 3. 追加新 token，更新 (prompt, output, cached) 计数。
-        # 4. 已结束：移出 live、退回它的字节额度，把完整的 ResyncEntry(id, meta, 打包的全部 token, True, reason, 计数..., error) 记进 FinishedRing。
-        # [ZH-END]
-        live = self.live.get(out.request_id)
-        if live is None:
-            return
-        if out.finished and out.request_id in self._abort_notes:
-            out.error = self._abort_notes.pop(out.request_id)
-        live.tokens.extend(out.new_token_ids)
-        live.counts = (out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-        if out.finished:
-            del self.live[out.request_id]
-            self._live_bytes -= live.nbytes
-            self.shares.ended(live.meta.get("client", b""))
-            self.finished.add(p.ResyncEntry(out.request_id, live.meta, p.pack_token_ids(live.tokens), True,
-                                            out.finish_reason, *live.counts, _error(out)))
 
     def _dequeued(self, queued: Queued) -> None:
         with self._queued_lock:
@@ -582,8 +387,7 @@ class EngineStage:
         # [ZH-END]
         self._hello, self._next_resync_at = None, time.monotonic() + RESYNC_INTERVAL_S
         self._last_hello = detok_instance
-        entries = [p.ResyncEntry(rid, r.meta, p.pack_token_ids(r.tokens), False, None, *r.counts, None)
-                   for rid, r in self.live.items()] + self.finished.values()
+        entries = self.admission.resync_entries()
         log.info("resync for detokenizer %s: %d request(s)", detok_instance, len(entries))
         chunks = [entries[i:i + RESYNC_CHUNK] for i in range(0, len(entries), RESYNC_CHUNK)] or [[]]
         parts = [part for chunk in chunks for part, _ in p.frames_within(
@@ -768,9 +572,10 @@ class EngineStage:
 
     def _stage_stats(self) -> dict[str, Any]:
         """The engine's stats and the stage's own counts, as every status message carries them."""
-        return dict(self.engine.stats(), num_live=len(self.live), num_queued=len(self.backlog),
-                    num_clients=self.shares.num_clients,
-                    live_bytes=self._live_bytes, queued_bytes=self._queued_bytes, num_steps=self.num_steps,
+        book = self.admission
+        return dict(self.engine.stats(), num_live=len(book.live), num_queued=len(book.backlog),
+                    num_clients=book.shares.num_clients,
+                    live_bytes=book.live_bytes, queued_bytes=self._queued_bytes, num_steps=self.num_steps,
                     rejected_frames=sum(self.rejects.counts.values()))
 
     def _status(self, alive: bool, reason: str = "") -> p.EngineStatus:
@@ -810,21 +615,3 @@ class EngineStage:
         def make(part: list) -> p.StepOutput:
             return p.StepOutput(self.instance_id, *([r for kind, r in part if kind == k] for k in range(3)))
         return [frame for _, frame in p.frames_within(make, tagged)]
-
-
-def _client(req: p.TokenizedReq) -> bytes:
-    """The client a request came from: the routing identity its tokenizer stamped into its meta."""
-    return req.meta.get("client", b"")
-
-
-def _error(out: RequestOutput) -> str | None:
-    return p.clip(out.error) if out.error else None
-
-
-def _refusal(e: Exception, request_id: str) -> str:
-    """Why a request was refused: ValueError / TypeError are the request's own fault (its
-    parameters, its size); anything else is a failure, logged with its traceback."""
-    if isinstance(e, (ValueError, TypeError)):
-        return p.clip(str(e))
-    log.error("adding request %r failed", request_id, exc_info=e)
-    return p.clip(f"{type(e).__name__}: {e}")

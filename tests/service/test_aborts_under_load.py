@@ -92,7 +92,7 @@ def test_an_abort_that_overtakes_its_request_ends_it_when_it_arrives(tiny_model_
     with running(stage):
         control = raw_socket(ctx, zmq.PUSH, eps.control)
         control.send(p.AbortReq("c:early").encode())
-        wait_for(lambda: "c:early" in stage._early_aborts, timeout=60, what="the early abort kept")
+        wait_for(lambda: "c:early" in stage.admission.early_aborts, timeout=60, what="the early abort kept")
         requests = raw_socket(ctx, zmq.PUSH, eps.engine)
         for rid in ("c:early", "c:other"):
             requests.send(p.TokenizedReq(rid, p.pack_token_ids([1, 2, 3]), {"max_tokens": 4, "ignore_eos": True},
@@ -107,7 +107,7 @@ def test_an_abort_that_overtakes_its_request_ends_it_when_it_arrives(tiny_model_
                     started += [row[0] for row in msg.started]
                     ends.update({row[0]: (row[3], row[5]) for row in msg.outputs if row[2]})
         assert ends == {"c:early": ("abort", 0), "c:other": ("length", 4)}
-        assert started.count("c:early") == 1 and not stage._early_aborts
-        wait_for(lambda: not stage.live, timeout=60, what="both requests gone")
+        assert started.count("c:early") == 1 and not stage.admission.early_aborts
+        wait_for(lambda: not stage.admission.live, timeout=60, what="both requests gone")
         # Every charge came back, and every control message was taken.
-        assert (stage._live_bytes, stage._queued_bytes, stage._num_queued, stage._num_control) == (0, 0, 0, 0)
+        assert (stage.admission.live_bytes, stage._queued_bytes, stage._num_queued, stage._num_control) == (0, 0, 0, 0)

@@ -575,22 +575,22 @@ def test_every_way_a_request_leaves_the_engine_returns_its_byte_charge(tiny_mode
         def send(rid: str, sampling: dict, prompt=(1, 2, 3)) -> None:
             push.send(p.TokenizedReq(rid, p.pack_token_ids(list(prompt)), sampling, {"client": b"c", "rid": rid}).encode())
         send("long", {"max_tokens": 500, "ignore_eos": True})
-        read(lambda: stage._live_bytes > 0)
+        read(lambda: stage.admission.live_bytes > 0)
         send("queued", {"max_tokens": 5, "allowed_token_ids": list(range(100))})
         send("queued", {"max_tokens": 5})  # a duplicate of a queued id: ignored
         send("bad", {"temperature": -1})  # refused by its sampling parameters
         send("too-long", {"max_tokens": 5}, prompt=range(1, 5000))  # refused at admission: longer than the model
         send("short", {"max_tokens": 3, "ignore_eos": True})
-        read(lambda: stage._queued_bytes and len(stage.backlog) == 4)
-        assert stage._queued_bytes == sum(q.nbytes for q in stage.backlog.values())
+        read(lambda: stage._queued_bytes and len(stage.admission.backlog) == 4)
+        assert stage._queued_bytes == sum(q.nbytes for q in stage.admission.backlog.values())
         control = raw_socket(ctx, zmq.PUSH, eps.control)
         control.send(p.AbortReq("queued").encode())
         read(lambda: "queued" in ends)
         control.send(p.AbortReq("long").encode())
         read(lambda: len(ends) == 5)
         assert ends == {"long": "abort", "queued": "abort", "bad": "rejected", "too-long": "rejected", "short": "length"}
-        read(lambda: not stage.live and not stage.backlog)
-        assert (stage._live_bytes, stage._queued_bytes, stage._num_queued) == (0, 0, 0)
+        read(lambda: not stage.admission.live and not stage.admission.backlog)
+        assert (stage.admission.live_bytes, stage._queued_bytes, stage._num_queued) == (0, 0, 0)
 
 
 def test_a_request_over_the_frame_limit_once_tokenized_is_refused_by_the_tokenizer(tmp_path, tokenizer_dir, ctx):
