@@ -68,6 +68,12 @@ class StepMessages:
     (their meta goes before their first output) and the outputs, from the engine's step or made
     here (a request aborted before admission ends at once). The admission code adds to it; the
     output thread turns it into `StepOutput` frames."""
+    # [ZH-START]
+    # 【职责】主线程一轮要告诉 detokenizer 的全部：准入的请求（StartedRow，meta 总在它的第一个输出之前）、
+    # 被拒的（RejectedRow，带原因）、输出（引擎这一步的，加上未准入就被 abort、当场结束的）。
+    # 【边界】只是容器：不编码、不发送；输出线程把它变成一个或几个 StepOutput 帧。
+    # 【协作者】EngineStage.run_once 创建；Admission 的 queue / admit / abort 往里加；_output_loop 里 StreamHold 与 _encode_step 取用。
+    # [ZH-END]
     started: list[p.StartedRow] = field(default_factory=list)
     rejected: list[p.RejectedRow] = field(default_factory=list)
     outputs: list[RequestOutput] = field(default_factory=list)
@@ -160,6 +166,11 @@ class Admission:
         """Admit the oldest queued requests while the live ones stay within `max_live` and
         `max_live_bytes` (one is always admitted when none is live, whatever its size), passing
         over those whose client has its share live: they wait, the clients behind them do not."""
+        # [ZH-START]
+        # 1. live 不到 max_live 个时，取 backlog 里最早的、其客户端还没占满 live 份额的请求（_next_admissible）；没有就停。
+        # 2. 已有 live 请求且加上它会超过 max_live_bytes：停（没有 live 时总放一个，不管多大）。
+        # 3. 移出 backlog、退回客户端的排队份额和输入线程的排队计数（dequeued），_add 加入引擎。
+        # [ZH-END]
         while self.backlog and len(self.live) < self.max_live:
             queued = self._next_admissible()
             if queued is None or (self.live and self.live_bytes + queued.nbytes > self.max_live_bytes):
