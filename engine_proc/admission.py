@@ -72,7 +72,7 @@ class StepMessages:
     # 【职责】主线程一轮要告诉 detokenizer 的全部：准入的请求（StartedRow，meta 总在它的第一个输出之前）、
     # 被拒的（RejectedRow，带原因）、输出（引擎这一步的，加上未准入就被 abort、当场结束的）。
     # 【边界】只是容器：不编码、不发送；输出线程把它变成一个或几个 StepOutput 帧。
-    # 【协作者】EngineStage.run_once 创建；Admission 的 queue / admit / abort 往里加；_output_loop 里 StreamHold 与 _encode_step 取用。
+    # 【协作者】EngineStage.run_once 创建；Admission 的 queue / admit / abort 往里加；Output.loop 里 StreamHold 与 encode_step 取用。
     # [ZH-END]
     started: list[p.StartedRow] = field(default_factory=list)
     rejected: list[p.RejectedRow] = field(default_factory=list)

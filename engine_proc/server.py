@@ -45,7 +45,6 @@ outgrow the budgets; a prompt stays packed (4 bytes a token) until its request i
 # [ZH-END]
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -57,7 +56,6 @@ import zmq
 
 from prometheus_client import CollectorRegistry
 
-from nanovllm.engine.llm_engine import RequestOutput
 from nanovllm.metrics import EngineMetrics
 from nanovllm_client import protocol as p
 from nanovllm.service.intake import accept, drain
@@ -65,13 +63,13 @@ from nanovllm.service.security import ServiceSecurity
 from nanovllm.service.stage import (DEFAULT_HWM, REQUEST_PIPE_HWM, Notifier, RejectLog, new_instance_id, pipeline_pull,
                                    pipeline_push)
 
-from .admission import Admission, Queued, StepMessages, _error, _refusal
+from .admission import Admission, Queued, StepMessages, _refusal
 from .client_shares import ClientShares
 from .ledger import request_bytes
+from .output import STOP, Output
 
 log = logging.getLogger("engine_proc")
 
-_STOP = object()
 RESYNC_CHUNK = 256
 """Requests per `Resync` frame, so one frame stays far below the frame size limit."""
 RESYNC_INTERVAL_S = 1.0
@@ -83,86 +81,15 @@ SHUTDOWN_SEND_S = 2.0
 not reading (or gone) before it gives up and exits."""
 
 
-class StreamHold:
-    """Output tokens held in the output thread so that, past its first, a request streams
-    `interval` tokens per row instead of one per step.
-
-    Each row costs the detokenizer and the client a wake-up, a frame and a delta whatever it
-    carries; on a machine where those share the engine's cores that CPU comes out of the model
-    step. A request's first output goes at once (time to first token is unchanged), its last
-    one too (with whatever is held), and everything held goes before any other message the
-    output thread sends: the heartbeat (every `heartbeat_s`, so nothing is held longer), a
-    resync, a status. Interval 1 holds nothing.
-    """
-    # [ZH-START]
-    # 【职责】输出线程里按请求攒 token：第一个输出立即发（TTFT 不变），之后每攒够 interval 个 token 才发一行，
-    # 结束的输出连同攒着的一起立即发；输出线程发任何别的消息（心跳、resync、状态）之前先把攒着的全部发出，
-    # 所以顺序不变，且攒着的 token 最多等一个心跳周期（heartbeat_s）。interval = 1 时什么都不攒。
-    # 【边界】只在输出线程里用（不加锁）；不改 token、不改计数——合并后的行用最后一个输出的计数，
-    # token 按顺序拼接；不管 started / rejected 行（它们总是立即发）。
-    # 【协作者】EngineStage._output_loop：每个 step 项调 take，发心跳 / Message / 退出前调 flush；
-    # 行由 _encode_step 编码。
-    # [ZH-END]
-
-    def __init__(self, interval: int = 1):
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-            raise ValueError(f"stream interval must be an integer >= 1, got {interval!r}")
-        self.interval = interval
-        self._held: dict[str, RequestOutput] = {}
-        """request id -> its outputs not yet sent, merged into one."""
-        self._streaming: set[str] = set()
-        """Requests whose first output has gone and whose last has not."""
-
-    def take(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """This step's outputs -> the ones to send now, each carrying what was held before it."""
-        # [ZH-START]
-        # 1. interval == 1：原样返回。
-        # 2. 逐个输出：与这个请求攒着的输出合并（token 按顺序拼接，计数取本步的）。
-        # 3. 结束了、或是这个请求的第一个输出、或攒够 interval 个 token → 放进返回列表；
-        #    结束的从 _streaming 去掉，否则加入 _streaming。
-        # 4. 否则记进 _held，本步不发。
-        # [ZH-END]
-        if self.interval == 1:
-            return outputs
-        due = []
-        for out in outputs:
-            held = self._held.pop(out.request_id, None)
-            if held is not None:
-                out = _merged(held, out)
-            if out.finished or out.request_id not in self._streaming or len(out.new_token_ids) >= self.interval:
-                due.append(out)
-                if out.finished:
-                    self._streaming.discard(out.request_id)
-                else:
-                    self._streaming.add(out.request_id)
-            else:
-                self._held[out.request_id] = out
-        return due
-
-    def flush(self) -> list[RequestOutput]:
-        """Everything held, to send now (in the order the requests were held)."""
-        held, self._held = self._held, {}
-        return list(held.values())
-
-
-def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output for two consecutive ones of a request: the tokens (and logprobs) of both, the
-    counts and ending of the later."""
-    logprobs = (earlier.logprobs + later.logprobs
-                if earlier.logprobs is not None and later.logprobs is not None else later.logprobs)
-    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids, logprobs=logprobs)
-
-
 class EngineStage:
     # [ZH-START]
-    # 【职责】引擎进程的外壳：输入 / 主 / 输出三线程；准入闸门（最多 max_live 个、max_live_bytes 字节的请求在引擎里，
-    # 其余排在 backlog，backlog 满 max_queued 个或 max_queued_bytes 字节才停止读输入）；abort 处理（包括还没准入的请求）；
-    # 为 resync 记账；心跳与统计；draining 与关停。
-    # 【边界】不分词也不反分词；不直接回复客户端（没有回复通道，拒绝理由作为 rejected 行随 step 发给 detokenizer）；
-    # 不做调度细节（LLMEngine / Scheduler 负责）；只有主线程碰 engine 对象。
+    # 【职责】引擎进程的外壳：sockets 与三个线程的接线——输入线程收帧、建采样参数进 inbox（backlog 满 max_queued 个或
+    # max_queued_bytes 字节就停止读输入）；主线程把 inbox 交给 Admission（准入、abort、记账），跑一步，把 StepMessages
+    # 交给输出线程（Output）；DetokHello 的 resync 节奏；心跳里的统计；draining 与关停。
+    # 【边界】请求记账在 Admission、编码与发送在 Output，这里只接线；不分词也不反分词；不直接回复客户端
+    # （没有回复通道，拒绝理由作为 RejectedRow 随 step 发给 detokenizer）；只有主线程碰 engine 对象。
     # 【协作者】tokenizer_proc（请求推到 input PULL，abort 推到 control PULL）与 detok_proc（abort、DetokHello 推到 control）；
-    # detok_proc 收 StepOutput / Resync / EngineStatus；LLMEngine；ledger 里的 LiveRequest / FinishedRing；
-    # EngineMetrics、Notifier（systemd）。
+    # Admission、Output、LLMEngine；EngineMetrics、Notifier（systemd）。
     # [ZH-END]
     def __init__(self, engine: Any | None, make_sampling, input_endpoint: str, output_endpoint: str,
                  control_endpoint: str, heartbeat_s: float = 0.25, max_live: int = 4096, max_queued: int = 4096,
@@ -179,8 +106,6 @@ class EngineStage:
         self.make_sampling = make_sampling
         self.instance_id = new_instance_id()
         self.heartbeat_s = heartbeat_s
-        self._hold = StreamHold(stream_interval)
-        """Used by the output thread alone."""
         self.max_queued, self.max_queued_bytes = max_queued, max_queued_bytes
         self.ctx = ctx or zmq.Context.instance()
         self.metrics = metrics or EngineMetrics(CollectorRegistry())
@@ -196,7 +121,6 @@ class EngineStage:
         self._num_control = 0
         """Control messages put in `inbox` and not yet taken by the step loop."""
         self._queued_lock = threading.Lock()
-        self.outbox: queue.Queue = queue.Queue(maxsize=64)  # a slow detokenizer slows the engine, never loses
         self._hello: str | None = None
         """The latest detokenizer that asked for a resync and has not got one yet."""
         self._next_resync_at = 0.0
@@ -208,7 +132,6 @@ class EngineStage:
         self.latest_stats: dict[str, Any] = engine.stats() if engine is not None else {}
         self.num_steps = 0
         self._stopping = threading.Event()
-        self._give_up_at = float("inf")
         self._stop = threading.Event()
         self._drain_deadline: float | None = None
         # Bind/connect here, in the main thread, before the threads start using the sockets.
@@ -222,8 +145,11 @@ class EngineStage:
         # Not IMMEDIATE: outputs queue (up to the HWM) while the detokenizer restarts.
         self._out_sock = pipeline_push(self.ctx, output_endpoint, hwm=out_hwm, immediate=False,
                                        security=self.security)
+        self.output = Output(self._out_sock, self.instance_id, lambda: self._status(True), heartbeat_s, stream_interval)
+        """The output thread's state; the step loop hands it items through `outbox`."""
+        self.outbox = self.output.outbox
         self._threads = [threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
-                         threading.Thread(target=self._output_loop, name="engine-output", daemon=True)]
+                         threading.Thread(target=self.output.loop, name="engine-output", daemon=True)]
 
     # ------------------------------------------------------------------ main loop
 
@@ -400,7 +326,7 @@ class EngineStage:
         may be waiting on a full output queue when it comes)."""
         if self._drain_deadline is None:
             self._drain_deadline = time.monotonic() + self.drain_timeout_s
-            self._give_up_at = self._drain_deadline + SHUTDOWN_SEND_S  # then nobody is reading: stop waiting
+            self.output.give_up_at = self._drain_deadline + SHUTDOWN_SEND_S  # then nobody is reading: stop waiting
         return self._drain_deadline
 
     def _emit(self, item: Any, timeout: float | None = None) -> None:
@@ -410,7 +336,7 @@ class EngineStage:
         # [ZH-START]
         # 1. 往 outbox（最多 64 项）放；默认每次最多等 0.1 秒，然后重试——detokenizer 慢，引擎就跟着等，但不丢。
         # 2. 给了 timeout 时 queue.Full 直接抛给调用方。
-        # 3. 没给 timeout：stop 已置位就启动 drain 计时（同时定下放弃时间）；超过 _give_up_at 说明没人在读，丢弃这一项返回。
+        # 3. 没给 timeout：stop 已置位就启动 drain 计时（同时定下放弃时间）；超过 output.give_up_at 说明没人在读，丢弃这一项返回。
         # [ZH-END]
         while True:
             try:
@@ -421,20 +347,20 @@ class EngineStage:
                     raise
                 if self._stop.is_set():
                     self._start_drain_clock()
-                if time.monotonic() > self._give_up_at:
+                if time.monotonic() > self.output.give_up_at:
                     return
 
     def _shutdown(self, reason: str) -> None:
         # [ZH-START]
         # 1. 放弃时间 = 现在 + 2 秒（SHUTDOWN_SEND_S），置 _stopping 让输入线程退出。
-        # 2. 依次放入 EngineStatus(alive=False, 原因) 和 _STOP，各最多等 2 秒；放不进只记警告。
+        # 2. 依次放入 EngineStatus(alive=False, 原因) 和 STOP，各最多等 2 秒；放不进只记警告。
         # 3. join 两个线程（各最多 3 秒），关闭 socket，释放安全设置。
         # [ZH-END]
-        self._give_up_at = time.monotonic() + SHUTDOWN_SEND_S
+        self.output.give_up_at = time.monotonic() + SHUTDOWN_SEND_S
         self._stopping.set()
         try:
             self._emit(self._status(False, p.clip(reason)), timeout=SHUTDOWN_SEND_S)
-            self._emit(_STOP, timeout=SHUTDOWN_SEND_S)
+            self._emit(STOP, timeout=SHUTDOWN_SEND_S)
         except queue.Full:
             log.warning("could not queue the last messages: the detokenizer is not reading")
         for t in self._threads:
@@ -522,50 +448,6 @@ class EngineStage:
         num_tokens = (len(req.prompt_token_ids) + len(req.output_ids)) // 4  # the output to continue from too
         return Queued(req, params, error, request_bytes(frame_bytes, num_tokens))
 
-    def _output_loop(self) -> None:
-        # [ZH-START]
-        # 1. next_heartbeat = 现在 + heartbeat_s（默认 0.25 秒）。
-        # 2. 从 outbox 取一项，最多等到下次心跳；超时就生成一个 EngineStatus(alive=True) 作为心跳。
-        # 3. 取到 _STOP → 先发出 StreamHold 攒着的输出，退出线程。
-        # 4. Message（心跳、状态、resync）：先发出攒着的输出（顺序不变），是 EngineStatus 就重置心跳计时，再 encode 发送。
-        # 5. StepMessages：输出先过 StreamHold.take（--stream-interval 攒 token），再交给 _encode_step
-        #    （打包在这个线程做，不占主线程）；什么都不用发就不发帧。过了放弃时间的帧发不出去就丢，但队列照样清空。
-        # 6. 引擎很忙、一直有 step 时，到点也额外发一次心跳（之前同样先发攒着的），detokenizer 才能持续拿到统计并确认存活；
-        #    攒着的 token 因此最多等一个心跳周期。
-        # [ZH-END]
-        next_heartbeat = time.monotonic() + self.heartbeat_s
-        while True:
-            try:
-                item = self.outbox.get(timeout=max(0.0, next_heartbeat - time.monotonic()))
-            except queue.Empty:
-                item = self._status(True)
-            if item is _STOP:
-                self._send_held()
-                return
-            # Past the give-up time a frame nobody reads is dropped; the loop still empties the queue.
-            if isinstance(item, p.Message):
-                if isinstance(item, p.EngineStatus):
-                    next_heartbeat = time.monotonic() + self.heartbeat_s
-                self._send_message(item)
-            else:
-                step = StepMessages(item.started, item.rejected, self._hold.take(item.outputs))
-                if step:
-                    for frame in self._encode_step(step):
-                        self._send(frame)
-            if time.monotonic() >= next_heartbeat:  # busy engines still report their stats
-                self._send_message(self._status(True))
-                next_heartbeat = time.monotonic() + self.heartbeat_s
-
-    def _send_message(self, msg: p.Message) -> None:
-        self._send_held()  # whatever is held goes first: the order of everything is kept
-        self._send(msg.encode())
-
-    def _send_held(self) -> None:
-        held = self._hold.flush()
-        if held:
-            for frame in self._encode_step(StepMessages(outputs=held)):
-                self._send(frame)
-
     def _set_state(self, state: str) -> None:
         self.state = state
         self.metrics.set_state(state)
@@ -581,37 +463,3 @@ class EngineStage:
     def _status(self, alive: bool, reason: str = "") -> p.EngineStatus:
         return p.EngineStatus(alive, self.instance_id, reason, self.latest_stats, self.state,
                               time.monotonic() - self.started_at)
-
-    def _send(self, frame: bytes) -> bool:
-        """Push one frame, waiting at the HWM (backpressure from a slow detokenizer); while
-        stopping, give up after `SHUTDOWN_SEND_S` so a vanished detokenizer cannot hold us."""
-        # [ZH-START]
-        # 1. NOBLOCK 推一帧，成功返回 True。
-        # 2. zmq.Again（到达 HWM，detokenizer 慢）：超过 _give_up_at 返回 False；否则 poll POLLOUT 100 ms 再试。
-        # [ZH-END]
-        while True:
-            try:
-                self._out_sock.send(frame, zmq.NOBLOCK)
-                return True
-            except zmq.Again:
-                if time.monotonic() > self._give_up_at:
-                    return False
-                self._out_sock.poll(100, zmq.POLLOUT)
-
-    def _encode_step(self, step: StepMessages) -> list[bytes]:
-        """The step as StepOutput frames; token ids packed (one C call per request, no per-token
-        loop). One frame, unless it would exceed the frame limit (a step that starts many requests
-        whose meta carries long stop strings): then several, in order, started rows first."""
-        # [ZH-START]
-        # 1. 每个输出变成一个 OutputRow(id, 打包的新 token, finished, reason, prompt 数, output 数, cached 数, error)，
-        #    token 打包是每请求一次 C 调用，没有逐 token 的 Python 循环。
-        # 2. 连同引擎实例 id、started、rejected 组成 StepOutput 帧：通常一帧；超过帧大小上限
-        #    （一步开始了很多带长 stop 字符串的请求）就用 frames_within 按顺序拆成几帧，started 仍在前。
-        # [ZH-END]
-        rows = [p.OutputRow(o.request_id, p.pack_token_ids(o.new_token_ids), o.finished, o.finish_reason,
-                            o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, _error(o)) for o in step.outputs]
-        tagged = [(0, r) for r in step.started] + [(1, r) for r in step.rejected] + [(2, r) for r in rows]
-
-        def make(part: list) -> p.StepOutput:
-            return p.StepOutput(self.instance_id, *([r for kind, r in part if kind == k] for k in range(3)))
-        return [frame for _, frame in p.frames_within(make, tagged)]

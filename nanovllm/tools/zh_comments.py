@@ -51,8 +51,9 @@ CORE_MODULES: dict[str, list[str]] = {
                                "IncrementalDetokenizer._release"],
     "tokenizer_proc/server.py": [f"TokenizerStage.{m}" for m in ("run", "handle", "_on_generate", "tokenize")],
     "engine_proc/server.py": [f"EngineStage.{m}" for m in (
-        "run", "run_once", "_take_inbox", "_input_loop", "_output_loop")],
+        "run", "run_once", "_take_inbox", "_input_loop")],
     "engine_proc/admission.py": [f"Admission.{m}" for m in ("queue", "admit", "abort", "record")],
+    "engine_proc/output.py": ["Output.loop", "StreamHold.take"],
     "detok_proc/server.py": [f"DetokStage.{m}" for m in (
         "run", "on_step", "_advance", "_abort_in_engine", "on_client_frames", "client_gone")],
     "client/nanovllm_client/sync_client.py": ["Stream.__next__", "Client.stream", "Client._io_loop"],

@@ -45,6 +45,7 @@ def test_a_stop_signal_is_seen_while_the_main_thread_is_in_native_code():
 ENGINE_WAIT = textwrap.dedent("""
     import os, signal, sys, threading, time
     import zmq
+    from engine_proc.admission import StepMessages
     from engine_proc.server import EngineStage
     from nanovllm.sampling_params import SamplingParams
     from nanovllm_client.endpoints import service_endpoints
@@ -54,7 +55,7 @@ ENGINE_WAIT = textwrap.dedent("""
     signal.signal(signal.SIGUSR1, lambda *_: time.sleep(0.1))  # runs past the 0.05 s wait's end
     threading.Timer(0.02, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
     started = time.monotonic()
-    stage._take_inbox(True, [], [], [])  # the idle main loop's wait for requests (0.05 s)
+    stage._take_inbox(True, StepMessages())  # the idle main loop's wait for requests (0.05 s)
     print(round(time.monotonic() - started, 2), flush=True)
     os._exit(0)
 """)

@@ -7,7 +7,8 @@ import time
 import pytest
 import zmq
 
-from engine_proc.server import StepMessages, StreamHold
+from engine_proc.admission import StepMessages
+from engine_proc.output import StreamHold
 from nanovllm.engine.llm_engine import RequestOutput
 from nanovllm_client import Client
 from nanovllm_client import protocol as p
@@ -80,7 +81,8 @@ def read_until(sock: zmq.Socket, last, timeout_s: float = 60.0) -> list:
 def test_the_output_thread_sends_what_it_holds_before_its_heartbeat():
     """A real output thread and socket: held tokens go out before the next heartbeat (so none
     waits longer than `heartbeat_s`, and the order of everything on the wire is kept)."""
-    from engine_proc.server import _STOP, EngineStage
+    from engine_proc.output import STOP
+    from engine_proc.server import EngineStage
     from nanovllm.sampling_params import SamplingParams
 
     ctx = zmq.Context()
@@ -104,7 +106,7 @@ def test_the_output_thread_sends_what_it_holds_before_its_heartbeat():
         # A status queued behind held tokens (a resync, a drain) also goes after them.
         stage.outbox.put(StepMessages(outputs=[out("a", 4, 4)]))
         stage.outbox.put(stage._status(True, "draining"))
-        stage.outbox.put(_STOP)
+        stage.outbox.put(STOP)
         held, *heartbeats, status = read_until(detok_in, lambda m: isinstance(m, p.EngineStatus) and m.reason)
         assert isinstance(held, p.StepOutput) and p.unpack_token_ids(held.outputs[0].token_ids) == [4]
         assert all(isinstance(m, p.EngineStatus) for m in heartbeats)  # a stalled test thread lets some in
