@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     from nanovllm.models.tokenizer import load_tokenizer
     from nanovllm.sampling_params import SamplingParams
 
-    from .server import TokenizerStage, sampling_fields
+    from .requests import sampling_fields
+    from .server import TokenizerStage
 
     try:
         ctx = zmq.Context.instance()

@@ -28,8 +28,6 @@ on whatever the load. With no engine connected at all, requests are refused afte
 from __future__ import annotations
 
 import collections
-import dataclasses
-import hashlib
 import logging
 import time
 from typing import Any
@@ -38,16 +36,15 @@ import zmq
 
 from prometheus_client import CollectorRegistry
 
-from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS
 from nanovllm.metrics import TokenizerMetrics
 from nanovllm_client import protocol as p
-from nanovllm_client.checks import ProtocolError, check_strings, show
 from nanovllm.service.intake import accept, drain
 from nanovllm.service.security import ServiceSecurity, claimed_id, show_client
 from nanovllm.service.stage import (REQUEST_PIPE_HWM, Notifier, PeerMonitor, RejectLog, client_router, new_instance_id,
                                    pipeline_push, recv_from_client)
 
 from .rate_limit import RateLimit
+from .requests import RequestBuilder, RequestRejected, engine_request_id
 
 log = logging.getLogger("tokenizer_proc")
 
@@ -73,56 +70,35 @@ CLIENT_HOLDING_FULL = ("overloaded: the tokenizer holds {n} requests of this cli
 CLAIMED_ID = ("refused: this routing id belongs to another CURVE key (a client's routing id starts with its key's "
               "tag); connect with a routing id of your own")
 
-MAX_CHARS_PER_TOKEN = 64
-"""Generous bound on characters per token (real text averages about 4), used to refuse text too
-long for the model before spending time tokenizing it."""
-
-
-class RequestRejected(ValueError):
-    """A request the stage refuses; the text goes back to the client."""
-    # [ZH-START]
-    # 【职责】"这个请求被拒绝"的异常，消息文本原样作为错误增量回给客户端。
-    # 【边界】只表示请求本身的问题（参数、长度、模板）；内部 bug 不用它，由 handle 的兜底捕获。
-    # 【协作者】tokenize / _prompt_ids / _bounded / _as_stop_list 抛出，_on_generate 捕获并回复。
-    # [ZH-END]
-
-
 class TokenizerStage:
     # [ZH-START]
-    # 【职责】从客户端 ROUTER 收消息，校验采样参数与 stop string、套 chat 模板、分词、检查长度，
-    # 把 TokenizedReq 推给引擎的 input、abort 推给引擎的 control；回答 ping（带上引擎是否已连接）。
+    # 【职责】从客户端 ROUTER 收消息（intake.accept 检查帧），过载与每客户端限额（pending 份额、请求速率）先挡，
+    # 再交 RequestBuilder 校验、分词，把 TokenizedReq 推给引擎的 input、abort 推给引擎的 control；回答 ping（带上引擎是否已连接）。
     # 【边界】不保存请求状态（只有等待管道空位的 pending 帧队列，以及供存活客户端计数用的最近活动时间）；
     # 不发送输出（那是 detok_proc）；不判断 prompt 能否放进 KV cache（引擎 add_request 判断）。
     # 【协作者】客户端的 DEALER；engine_proc 的两个 PULL（input、control，经 pipeline_push）；PeerMonitor 看引擎是否连着；
-    # Notifier 向 systemd 报 READY / 看门狗；TokenizerMetrics 记指标。
+    # RequestBuilder；RateLimit；Notifier 向 systemd 报 READY / 看门狗；TokenizerMetrics 记指标。
     # [ZH-END]
     def __init__(self, tokenizer: Any, sampling_fields: set[str], make_sampling, frontend: str,
                  engine: str, control: str, ctx: zmq.Context | None = None, max_prompt_tokens: int | None = None,
                  security: ServiceSecurity | None = None, metrics: TokenizerMetrics | None = None,
                  cache_salt_per_client: bool = False, max_pending_per_client: int = 0,
                  max_priority: int | None = None, max_request_rate_per_client: float = 0.0):
-        self.tokenizer = tokenizer
         self.rate_limit = RateLimit(max_request_rate_per_client)
         """Each client's request rate (0: no limit)."""
         if not isinstance(max_pending_per_client, int) or max_pending_per_client < 0:
             raise ValueError(f"max_pending_per_client must be an integer >= 0 (0: no limit), got {max_pending_per_client!r}")
         self.max_pending_per_client = max_pending_per_client
         """Most requests of one client held in `pending` (0: only the stage's own bounds)."""
-        self.max_priority = max_priority
-        """The highest `priority` a request may ask for (None: any the protocol allows); an
-        allow-listed key's file may set a lower one for that key."""
         self._pending_of: collections.Counter[bytes] = collections.Counter()
         """Client identity -> its requests in `pending`."""
-        self.cache_salt_per_client = cache_salt_per_client
-        """Salt every request's prefix-cache blocks by its client (`client_cache_salt`)."""
-        self.max_prompt_tokens = max_prompt_tokens
-        """The model's context length: no longer prompt can ever be served, so none is tokenized."""
-        self.sampling_fields = sampling_fields
-        self.make_sampling = make_sampling
         self.instance_id = new_instance_id()
         self.ctx = ctx or zmq.Context.instance()
         self.metrics = metrics or TokenizerMetrics(CollectorRegistry())
         self.security = security or ServiceSecurity(self.ctx, None, None)
+        self.requests = RequestBuilder(tokenizer, sampling_fields, make_sampling, max_prompt_tokens, cache_salt_per_client,
+                                       max_priority, self.security.max_priority_of)
+        """Checks and tokenizes each request (no I/O)."""
         # Few request frames wait in zmq's pipes: while the engine holds us back, a client's
         # further requests wait on its side, not here (each frame may be 16 MiB).
         self.frontend = client_router(self.ctx, frontend, security=self.security, rcv_hwm=REQUEST_PIPE_HWM)
@@ -264,7 +240,7 @@ class TokenizerStage:
         #    不分词——过载时不花 CPU 在注定放不下的请求上；这个客户端在 pending 里已有 --max-pending-per-client 个：
         #    回 CLIENT_HOLDING_FULL，别的客户端不受影响；这个客户端（钥匙，没有则路由 id）超过
         #    --max-request-rate-per-client（RateLimit 令牌桶）：回限速错误，说出还要等多久。
-        # 2. tokenize()：RequestRejected → 回它的文本；其他异常（分词器或模板意外失败）→ 记 "internal"，回 "could not tokenize"。
+        # 2. requests.build()（RequestBuilder）：RequestRejected → 回它的文本；其他异常（分词器或模板意外失败）→ 记 "internal"，回 "could not tokenize"。
         # 3. 记录分词耗时，_forward 把 TokenizedReq 帧排队推给引擎。
         # [ZH-END]
         if self.state == "draining":
@@ -283,7 +259,7 @@ class TokenizerStage:
             return
         started = time.perf_counter()
         try:
-            frame = self.tokenize(identity, req, key)
+            frame = self.requests.build(identity, req, key)
         except RequestRejected as e:
             self._refuse(identity, req, str(e))
             return
@@ -300,115 +276,6 @@ class TokenizerStage:
         """Refuse a request: its client gets `why` as the request's error."""
         self.metrics.request_rejected()
         self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, why)]))
-
-    def tokenize(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> bytes:
-        """Validate and tokenize: the TokenizedReq frame for the engine, or `RequestRejected` saying
-        what was wrong. `key`: the client's CURVE key, which salts its cache where it is set."""
-        # [ZH-START]
-        # 1. priority 超过 --max-priority，或超过这把客户端钥匙在 allow-list 文件里的 max-priority → 拒绝并说出是哪个上限；
-        #    sampling 里有未知字段 → 拒绝并列出允许的字段；有服务尚不支持的字段（logprobs、logits_processors）→ 拒绝。
-        # 2. stop = req.stop + sampling.stop（单个字符串或列表），两处合计受同一限制（最多 64 个、每个 1024 字符）。
-        # 3. 取出 skip_special_tokens、include_stop_str_in_output：这些是文本侧字段，交给 detokenizer，不给引擎。
-        # 4. 用 make_sampling(...) 试建一次 SamplingParams 做校验；ValueError / TypeError → "invalid sampling parameters"。
-        # 5. 开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(客户端 CURVE 公钥，没有则路由 id，
-        #    客户端自己给的盐)，前缀缓存只在同一客户端（同一把钥匙）内共享。
-        #    ids = _prompt_ids(req)。
-        # 6. meta = {client 身份, rid, stop, skip, include_stop, min_tokens, tail = prompt 最后 8 个 token（打包）, t = 时间}，
-        #    引擎原样转给 detokenizer，用来建 IncrementalDetokenizer 和路由输出。
-        # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend, output_ids = 续写时客户端已收到的输出 token)，先用引擎自己的 validate 检查一遍，
-        #    再编码、检查帧长：引擎会丢掉的帧（它无法回答客户端：min_tokens 超过 2**31；超过 16 MiB 的帧，
-        #    引擎的 socket 会连同连接一起丢掉）在这里就拒绝，并说明原因；通过则返回编码好的帧。
-        # [ZH-END]
-        self._check_priority(req.priority, key)
-        unknown = set(req.sampling) - self.sampling_fields
-        if unknown:
-            raise RequestRejected(f"unknown sampling parameter(s) {show(sorted(unknown))}; "
-                                  f"allowed: {sorted(self.sampling_fields - set(NOT_SERVED))}")
-        not_served = sorted(set(req.sampling) & set(NOT_SERVED))
-        if not_served:
-            raise RequestRejected("; ".join(f"sampling parameter {name!r} is not supported by the service: "
-                                            f"{NOT_SERVED[name]}" for name in not_served))
-        sampling = dict(req.sampling)
-        # Text-side fields are the detokenizer's job; accept them in `sampling` too, as the
-        # offline API does (one string or a list), under the same limits as `GenerateReq.stop`.
-        stop = req.stop + _as_stop_list(sampling.pop("stop", None))
-        try:
-            check_strings("stop", stop, p.MAX_STOP_STRINGS, p.MAX_STOP_LEN)
-        except ProtocolError as e:
-            raise RequestRejected(f"{e} (stop strings in 'stop' and 'sampling.stop' count together)") from None
-        skip = sampling.pop("skip_special_tokens", req.skip_special_tokens)
-        include_stop = sampling.pop("include_stop_str_in_output", False)
-        try:
-            self.make_sampling(**sampling, stop=stop, skip_special_tokens=skip, include_stop_str_in_output=include_stop)
-        except (ValueError, TypeError) as e:
-            raise RequestRejected(f"invalid sampling parameters: {e}") from None
-        if self.cache_salt_per_client:
-            sampling["cache_salt"] = client_cache_salt(key or identity.hex(), sampling.get("cache_salt"))
-        ids = self._prompt_ids(req)
-        meta = {"client": identity, "rid": req.request_id, "stop": stop, "skip": skip,
-                "include_stop": include_stop, "min_tokens": sampling.get("min_tokens", 0),
-                "tail": p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]), "t": time.time()}
-        if req.output_token_ids:  # a continued stream: what its client has already
-            meta["have"] = [len(req.output_token_ids) // 4, req.output_chars]
-        out = p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta,
-                             priority=req.priority, resend=req.resend, output_ids=req.output_token_ids or b"")
-        try:  # the engine's own checks: a frame it would drop (it cannot answer the client) is refused here
-            out.validate()
-        except ProtocolError as e:
-            raise RequestRejected(f"the request cannot be passed to the engine: {e}") from None
-        frame = out.encode()
-        if len(frame) > p.MAX_FRAME_BYTES:  # its socket would drop it, and the connection with it
-            raise RequestRejected(f"the request is {len(frame)} bytes once tokenized, over the {p.MAX_FRAME_BYTES}-byte "
-                                  "frame limit: shorten the prompt or the sampling lists")
-        return frame
-
-    def _check_priority(self, priority: int, key: str | None) -> None:
-        """RequestRejected for a priority above the service's ceiling or the client key's own."""
-        if self.max_priority is not None and priority > self.max_priority:
-            raise RequestRejected(f"priority {priority} is above this service's ceiling of {self.max_priority} "
-                                  f"(--max-priority)")
-        own = self.security.max_priority_of(key)
-        if own is not None and priority > own:
-            raise RequestRejected(f"priority {priority} is above this client key's ceiling of {own} "
-                                  f"(max-priority in its allow-list file)")
-
-    def _prompt_ids(self, req: p.GenerateReq) -> list[int]:
-        # [ZH-START]
-        # 1. 给了 prompt_token_ids：直接用。
-        # 2. 给了 messages：apply_chat_template(add_generation_prompt=True, tokenize=False)，失败 → 拒绝；
-        #    文本先过 _bounded，再 encode(add_special_tokens=False)（模板里已经带了特殊 token）。
-        # 3. 否则是 prompt 文本：_bounded 后 encode。
-        # 4. 空 prompt → 拒绝；token 数 >= max_prompt_tokens（模型上下文长度）→ 拒绝：prompt 加至少一个输出 token 必须放得下。
-        # [ZH-END]
-        if req.prompt_token_ids is not None:
-            ids = req.prompt_token_ids
-        elif req.messages is not None:
-            try:
-                text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
-            except Exception as e:  # template errors come in many types
-                raise RequestRejected(f"cannot apply the model's chat template: {e}") from None
-            ids = self.tokenizer.encode(self._bounded(text), add_special_tokens=False)
-        else:
-            ids = self.tokenizer.encode(self._bounded(req.prompt))
-        if not ids:
-            raise RequestRejected("prompt is empty: at least one token is needed")
-        if self.max_prompt_tokens is not None and len(ids) >= self.max_prompt_tokens:
-            raise RequestRejected(f"prompt has {len(ids)} tokens but the model's context length is "
-                                  f"{self.max_prompt_tokens} (prompt plus at least one output token must fit)")
-        return ids
-
-    def _bounded(self, text: str) -> str:
-        """Refuse, before tokenizing, text far longer than any prompt the model could take: a
-        megabyte of text costs the stage seconds and hundreds of MB to turn into tokens."""
-        # [ZH-START]
-        # 1. 字符数 > 64 × max_prompt_tokens：不可能是放得下的 prompt，分词前就拒绝（1 MB 文本分词要花几秒和几百 MB）。
-        # 2. 否则原样返回。
-        # [ZH-END]
-        if self.max_prompt_tokens is not None and len(text) > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:
-            raise RequestRejected(f"prompt has {len(text)} characters, more than the model's context length of "
-                                  f"{self.max_prompt_tokens} tokens could hold (at most {MAX_CHARS_PER_TOKEN} "
-                                  "characters per token are allowed for)")
-        return text
 
     def _forward(self, identity: bytes, request_id: str, frame: bytes) -> None:
         self.pending.append((time.monotonic(), identity, request_id, frame))
@@ -475,41 +342,3 @@ class TokenizerStage:
             self.frontend.send_multipart([identity, msg.encode()], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: client gone; EAGAIN: it is not reading
             log.info("could not reply to client %s: %s", show_client(identity), e)
-
-
-def _as_stop_list(value: Any) -> list[str]:
-    """`sampling.stop` as the offline API takes it: absent, one string, or a list of strings."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list):
-        return value
-    raise RequestRejected(f"sampling.stop must be a string or a list of strings, got {show(value)}")
-
-
-def engine_request_id(identity: bytes, request_id: str) -> str:
-    """Client request ids are only unique per client; the engine sees '<client>:<request>'."""
-    return f"{identity.hex()}:{request_id}"
-
-
-# SamplingParams fields the offline API has but the service does not carry yet.
-NOT_SERVED = {
-    "logprobs": "log-probabilities are not streamed yet",
-    "logits_processors": "custom processors are Python objects, available in-process only",
-}
-
-
-def client_cache_salt(client: str, own: str | None) -> str:
-    """The cache salt of a request from `client` (its CURVE key, else its routing identity) that
-    asked for salt `own` (or none): requests share cached prompt blocks only within one client,
-    and within it only under one salt of its own. A digest, so the salt stays within its length
-    limit and names no client."""
-    digest = hashlib.blake2b(client.encode(), digest_size=16)
-    if own is not None:
-        digest.update(b"\0" + own.encode("utf-8", "surrogatepass"))
-    return "client:" + digest.hexdigest()
-
-
-def sampling_fields(params_cls) -> set[str]:
-    return {f.name for f in dataclasses.fields(params_cls)}

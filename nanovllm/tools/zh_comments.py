@@ -49,7 +49,8 @@ CORE_MODULES: dict[str, list[str]] = {
                                              "paged_prefill_attention"],
     "nanovllm/detokenize.py": ["_StopMatcher.scan", "IncrementalDetokenizer.add", "IncrementalDetokenizer._decode_next",
                                "IncrementalDetokenizer._release"],
-    "tokenizer_proc/server.py": [f"TokenizerStage.{m}" for m in ("run", "handle", "_on_generate", "tokenize")],
+    "tokenizer_proc/server.py": [f"TokenizerStage.{m}" for m in ("run", "handle", "_on_generate")],
+    "tokenizer_proc/requests.py": ["RequestBuilder.build", "RequestBuilder._prompt_ids"],
     "engine_proc/server.py": [f"EngineStage.{m}" for m in (
         "run", "run_once", "_take_inbox", "_input_loop")],
     "engine_proc/admission.py": [f"Admission.{m}" for m in ("queue", "admit", "abort", "record")],
