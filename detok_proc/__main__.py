@@ -7,8 +7,7 @@ import sys
 
 import zmq
 
-from nanovllm.service.stage import (add_endpoint_flags, add_flag, raise_open_files_limit, resolve_endpoints,
-                                   setup_logging, stage_security, startup_failed, stop_event)
+from nanovllm.service.stage import add_flag, build_stage, stage_setup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,27 +20,19 @@ def main(argv: list[str] | None = None) -> int:
              "are aborted", default=1000, type=int)
     add_flag(parser, "--max-pending-mib", "output held for all clients that are not reading, together; over it the "
              "client holding the most has its requests aborted", default=256, type=int)
-    add_endpoint_flags(parser)
-    args = parser.parse_args(argv)
-    log = setup_logging(args.log_level, "detok")
-    raise_open_files_limit()
-    endpoints = resolve_endpoints(args)
-    stop = stop_event()
+    args, log, endpoints, stop = stage_setup(parser, argv, "detok")
 
-    from nanovllm.metrics import DetokMetrics, stage_metrics
+    from nanovllm.metrics import DetokMetrics
     from nanovllm.models.tokenizer import load_tokenizer
 
     from .server import DetokStage
 
-    try:
-        ctx = zmq.Context.instance()
-        metrics, _ = stage_metrics(DetokMetrics, args.metrics_host, args.metrics_port)
-        stage = DetokStage(load_tokenizer(args.model), endpoints.stream, endpoints.detok, endpoints.control,
-                           client_timeout_s=args.client_timeout_s, engine_timeout_s=args.engine_timeout_s,
-                           max_pending_frames=args.max_pending_frames, max_pending_bytes=args.max_pending_mib << 20, ctx=ctx, security=stage_security(ctx, args),
-                           metrics=metrics)
-    except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, no tokenizer in it, address in use
-        return startup_failed(log, "detokenizer", e)
+    def make(ctx: zmq.Context, security, metrics) -> DetokStage:
+        return DetokStage(load_tokenizer(args.model), endpoints.stream, endpoints.detok, endpoints.control,
+                          client_timeout_s=args.client_timeout_s, engine_timeout_s=args.engine_timeout_s,
+                          max_pending_frames=args.max_pending_frames, max_pending_bytes=args.max_pending_mib << 20,
+                          ctx=ctx, security=security, metrics=metrics)
+    stage = build_stage(log, "detokenizer", args, DetokMetrics, make)
     log.info("model %s; clients at %s; engine outputs at %s", args.model, endpoints.stream, endpoints.detok)
     stage.run(stop)
     return 0

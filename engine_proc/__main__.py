@@ -10,8 +10,7 @@ import sys
 
 import zmq
 
-from nanovllm.service.stage import (add_endpoint_flags, add_flag, raise_open_files_limit, resolve_endpoints,
-                                   setup_logging, stage_security, startup_failed, stop_event)
+from nanovllm.service.stage import add_flag, build_stage, stage_setup
 
 _SKIP_FIELDS = {"model"}
 
@@ -64,36 +63,31 @@ def main(argv: list[str] | None = None) -> int:
                         default=[h for h in os.environ.get("NANOVLLM_POST_STEP_HOOK", "").split(",") if h],
                         help="call this with every step's StepMetrics (repeatable; env NANOVLLM_POST_STEP_HOOK, "
                              "comma-separated)")
-    add_endpoint_flags(parser)
     config_names = add_config_flags(parser, Config)
-    args = parser.parse_args(argv)
-    log = setup_logging(args.log_level, "engine")
-    raise_open_files_limit()
-    endpoints = resolve_endpoints(args)
-    stop = stop_event()
+    args, log, endpoints, stop = stage_setup(parser, argv, "engine")
 
     from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.engine.policy import make_policy
-    from nanovllm.metrics import EngineMetrics, stage_metrics
+    from nanovllm.metrics import EngineMetrics
     from nanovllm.plugins import load_hook
     from nanovllm.sampling_params import SamplingParams
 
     from .server import EngineStage
 
     overrides = {n: getattr(args, n) for n in config_names if getattr(args, n) is not None}
-    try:
+    config = None
+
+    def make(ctx: zmq.Context, security, metrics) -> EngineStage:
+        nonlocal config
         config = Config(model=args.model, **overrides)
-        ctx = zmq.Context.instance()
-        metrics, _ = stage_metrics(EngineMetrics, args.metrics_host, args.metrics_port)
-        stage = EngineStage(None, SamplingParams, endpoints.engine, endpoints.detok, endpoints.control,
-                            heartbeat_s=args.heartbeat_s, stream_interval=args.stream_interval,
-                            max_live=args.max_live, max_queued=args.max_queued, max_live_bytes=args.max_live_mib << 20,
-                            max_queued_bytes=args.max_queued_mib << 20, drain_timeout_s=args.drain_timeout,
-                            max_live_per_client=args.max_live_per_client,
-                            max_queued_per_client=args.max_queued_per_client,
-                            ctx=ctx, security=stage_security(ctx, args), metrics=metrics)
-    except (OSError, ValueError, zmq.ZMQError) as e:  # bad flag or path, address in use
-        return startup_failed(log, "engine", e)
+        return EngineStage(None, SamplingParams, endpoints.engine, endpoints.detok, endpoints.control,
+                           heartbeat_s=args.heartbeat_s, stream_interval=args.stream_interval,
+                           max_live=args.max_live, max_queued=args.max_queued, max_live_bytes=args.max_live_mib << 20,
+                           max_queued_bytes=args.max_queued_mib << 20, drain_timeout_s=args.drain_timeout,
+                           max_live_per_client=args.max_live_per_client,
+                           max_queued_per_client=args.max_queued_per_client,
+                           ctx=ctx, security=security, metrics=metrics)
+    stage = build_stage(log, "engine", args, EngineMetrics, make)
 
     def load_engine() -> LLMEngine:
         # Extension points first: a name that does not resolve fails before the model loads.

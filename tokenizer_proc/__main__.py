@@ -6,8 +6,7 @@ import sys
 
 import zmq
 
-from nanovllm.service.stage import (add_endpoint_flags, add_flag, raise_open_files_limit, resolve_endpoints,
-                                   setup_logging, stage_security, startup_failed, stop_event)
+from nanovllm.service.stage import add_flag, build_stage, stage_setup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,14 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     add_flag(parser, "--max-request-rate-per-client", "requests a second one client may send on average, in bursts "
              "of a second's worth (at least one); faster ones are refused naming this limit (0: no limit)",
              default=0.0, type=float)
-    add_endpoint_flags(parser)
-    args = parser.parse_args(argv)
-    log = setup_logging(args.log_level, "tokenizer")
-    raise_open_files_limit()
-    endpoints = resolve_endpoints(args)
-    stop = stop_event()
+    args, log, endpoints, stop = stage_setup(parser, argv, "tokenizer")
 
-    from nanovllm.metrics import TokenizerMetrics, stage_metrics
+    from nanovllm.metrics import TokenizerMetrics
     from nanovllm.models.model_config import context_length
     from nanovllm.models.tokenizer import load_tokenizer
     from nanovllm.sampling_params import SamplingParams
@@ -38,17 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     from .requests import sampling_fields
     from .server import TokenizerStage
 
-    try:
-        ctx = zmq.Context.instance()
-        metrics, _ = stage_metrics(TokenizerMetrics, args.metrics_host, args.metrics_port)
-        stage = TokenizerStage(load_tokenizer(args.model), sampling_fields(SamplingParams), SamplingParams,
-                               frontend=endpoints.tokenizer, engine=endpoints.engine, control=endpoints.control, ctx=ctx,
-                               max_prompt_tokens=context_length(args.model), security=stage_security(ctx, args),
-                               metrics=metrics, cache_salt_per_client=args.cache_salt_per_client,
-                               max_pending_per_client=args.max_pending_per_client, max_priority=args.max_priority,
-                               max_request_rate_per_client=args.max_request_rate_per_client)
-    except (OSError, ValueError, zmq.ZMQError) as e:  # no such model, no tokenizer in it, address in use
-        return startup_failed(log, "tokenizer", e)
+    def make(ctx: zmq.Context, security, metrics) -> TokenizerStage:
+        return TokenizerStage(load_tokenizer(args.model), sampling_fields(SamplingParams), SamplingParams,
+                              frontend=endpoints.tokenizer, engine=endpoints.engine, control=endpoints.control, ctx=ctx,
+                              max_prompt_tokens=context_length(args.model), security=security,
+                              metrics=metrics, cache_salt_per_client=args.cache_salt_per_client,
+                              max_pending_per_client=args.max_pending_per_client, max_priority=args.max_priority,
+                              max_request_rate_per_client=args.max_request_rate_per_client)
+    stage = build_stage(log, "tokenizer", args, TokenizerMetrics, make)
     log.info("model %s; clients at %s; engine at %s", args.model, endpoints.tokenizer, endpoints.engine)
     stage.run(stop)
     return 0

@@ -339,6 +339,31 @@ def startup_failed(logger: logging.Logger, role: str, error: BaseException) -> i
     return 1
 
 
+def stage_setup(parser: argparse.ArgumentParser, argv: list[str] | None,
+                role: str) -> tuple[argparse.Namespace, logging.Logger, Endpoints, threading.Event]:
+    """The start every stage's `__main__` shares: its endpoint and security flags added and every
+    flag parsed, logging as `role`, the open-files limit raised, the endpoints resolved, and the
+    stop signals caught."""
+    add_endpoint_flags(parser)
+    args = parser.parse_args(argv)
+    log = setup_logging(args.log_level, role)
+    raise_open_files_limit()
+    return args, log, resolve_endpoints(args), stop_event()
+
+
+def build_stage(log: logging.Logger, role: str, args: argparse.Namespace, metrics_cls, make):
+    """`make(ctx, security, metrics)` with the stage's zmq context, CURVE settings and metrics
+    (served on `--metrics-port` if set): the stage; one that cannot start (no such model, a bad
+    setting, an address in use) exits 1 once `startup_failed` said why."""
+    from nanovllm.metrics import stage_metrics  # prometheus_client: only once the stage is built
+    try:
+        ctx = zmq.Context.instance()
+        metrics, _ = stage_metrics(metrics_cls, args.metrics_host, args.metrics_port)
+        return make(ctx, stage_security(ctx, args), metrics)
+    except (OSError, ValueError, zmq.ZMQError) as e:
+        raise SystemExit(startup_failed(log, role, e)) from None
+
+
 class Notifier:
     """A stage's line to its service manager (systemd, or `nanovllm serve`): READY=1 once it
     serves, STATUS= lines a person reads in `systemctl status`, and WATCHDOG=1 from the loop that
