@@ -27,9 +27,10 @@ it how much of each stream it already received (`Resume`); the stream continues 
 
 This module is the loop and the wiring: the sockets, the poll loop, hello and resume timing. The
 state lives in classes that touch no socket, each in its own module, all run by the loop's one
-thread: `RequestStreams` (streams.py: the requests in flight, detokenizing, stop strings, resync
-and resume), `Delivery` (delivery.py: clients, the per-pass outbox, frames held within budgets)
-and `EngineWatch` (engine_watch.py: which engine is followed, restarts and death).
+thread: `RequestStreams` (streams.py: the requests in flight, detokenizing, stop strings),
+`Recovery` (recovery.py: resync and resume after a restart), `Delivery` (delivery.py: clients,
+the per-pass outbox, frames held within budgets) and `EngineWatch` (engine_watch.py: which engine
+is followed, restarts and death).
 """
 # [ZH-START]
 # 【模块定位】服务的最后一站，也是唯一向客户端发输出的进程。
@@ -41,7 +42,7 @@ and `EngineWatch` (engine_watch.py: which engine is followed, restarts and death
 #   引擎每 0.25 秒心跳；它说要死、连接断开、安静超过 engine_timeout_s 或换了实例 → 旧实例的请求全部报错，并通知所有客户端。
 # 重启后不丢流：向引擎要回全部在途请求（DetokHello → Resync），客户端告知已收到多少（Resume），从那里继续。
 # 本模块只是 loop 和接线：socket、poll 循环、hello 和 resume 的计时；状态都在不碰 socket 的类里，由 loop 的同一个线程运行：
-#   RequestStreams（streams.py：在途请求、反分词、stop string、resync / resume）、
+#   RequestStreams（streams.py：在途请求、反分词、stop string）、Recovery（recovery.py：重启后的 resync / resume）、
 #   Delivery（delivery.py：客户端、本轮 outbox、预算内的排队帧）、EngineWatch（engine_watch.py：跟随哪个引擎、重启与死亡）。
 # [ZH-END]
 from __future__ import annotations
@@ -63,7 +64,8 @@ from nanovllm.service.stage import (Notifier, PeerMonitor, RejectLog, bind, clie
 
 from .delivery import NO_ROOM, Delivery
 from .engine_watch import EngineEvent, EngineWatch
-from .streams import EarlyResumes, Outcome, RequestStreams
+from .recovery import Recovery
+from .streams import Outcome, RequestStreams
 
 log = logging.getLogger("detok_proc")
 
@@ -94,7 +96,7 @@ class DetokStage:
     # 把引擎消息交给 EngineWatch / RequestStreams，把它们的结果（增量、abort、EngineEvent）交给 Delivery 和引擎；
     # 回答客户端的 ping / stats / resume；放弃客户端时协调三者；hello 重发、resume 期限、超时检查的计时。
     # 【边界】请求状态、投递队列、引擎存活都不在这里，各在自己的类里（都不碰 socket）；只有这个类收发帧。
-    # 【协作者】RequestStreams、Delivery、EngineWatch、EarlyResumes；engine_proc（PULL 收输出，PUSH 向它的 control socket 发 abort / DetokHello）；
+    # 【协作者】RequestStreams、Recovery、Delivery、EngineWatch；engine_proc（PULL 收输出，PUSH 向它的 control socket 发 abort / DetokHello）；
     # 客户端 DEALER（ROUTER，同一路由 id 两条连接）；PeerMonitor 看引擎连接；DetokMetrics、Notifier。
     # [ZH-END]
     def __init__(self, tokenizer: Any, stream_endpoint: str, detok_endpoint: str, control_endpoint: str,
@@ -113,10 +115,10 @@ class DetokStage:
         self.clients_sock = client_router(self.ctx, stream_endpoint, hwm=client_hwm, security=self.security)
         self.to_engine = pipeline_push(self.ctx, control_endpoint, security=self.security)
         """The engine's control socket: it reads aborts and hellos whatever its load."""
-        self.streams = RequestStreams(tokenizer, self.metrics, resume_window_s=max(2 * client_timeout_s, 10.0))
+        self.streams = RequestStreams(tokenizer, self.metrics)
+        self.recovery = Recovery(self.streams, max(2 * client_timeout_s, 10.0), MAX_EARLY_RESUME_ROWS)
         self.delivery = Delivery(self._send_now, self.client_gone, self.metrics, max_pending_frames, max_pending_bytes)
         self.engine = EngineWatch(engine_timeout_s, self.metrics)
-        self.early_resumes = EarlyResumes(MAX_EARLY_RESUME_ROWS)
         self.state = "ready"
         self.started_at = time.monotonic()
         self.notifier = Notifier()
@@ -281,26 +283,26 @@ class DetokStage:
     def on_resync(self, msg: p.Resync) -> None:
         # [ZH-START]
         # 1. 不是给本实例的回答、已经 resync 过、或不是当前跟随的引擎发来的：忽略。
-        # 2. RequestStreams.resync 重建条目（累积输出、等待 resume）；客户端交给 Delivery 认识；需要的 abort 发给引擎。
-        # 3. 最后一帧：把 resync 完成前先到的 Resume（EarlyResumes）逐个应用——客户端还在的才应用。
+        # 2. Recovery.resync 重建条目（累积输出、等待 resume）；客户端交给 Delivery 认识；需要的 abort 发给引擎。
+        # 3. 最后一帧：把 resync 完成前先到的 Resume（Recovery.take_early）逐个应用——客户端还在的才应用。
         # [ZH-END]
         if (msg.detok_instance != self.instance_id or self.streams.resynced
                 or not self._act(self.engine.outputs(msg.instance_id))):
             return  # an answer to another detokenizer's hello, a repeat, or not from our engine
-        out = self.streams.resync(msg, time.monotonic())
+        out = self.recovery.resync(msg, time.monotonic())
         self._know(out)
         self._abort_all(out.aborts)
         if msg.last:
-            for identity, rows in self.early_resumes.take().items():
+            for identity, rows in self.recovery.take_early().items():
                 if identity in self.delivery.clients:
-                    self._deliver_now(self.streams.resume(identity, rows))
+                    self._deliver_now(self.recovery.resume(identity, rows))
 
     def on_resume(self, identity: bytes, msg: p.Resume) -> None:
         # [ZH-START]
         # 1. 同一客户端 1 秒内（RESUME_INTERVAL_S）第二个 Resume：记 "resume_flood"，回 ErrorOutput 说明，丢弃
         #    （正常客户端每遇到一个新的 detokenizer 只发一次；一个 65,536 行的 Resume 要花 0.1–0.3 秒处理）。
-        # 2. 已 resync：立刻 RequestStreams.resume，增量发给它，abort 发给引擎。
-        # 3. 还没 resync：交给 EarlyResumes 保存（每个客户端最新一份，合计最多 MAX_EARLY_RESUME_ROWS 行），
+        # 2. 已 resync：立刻 Recovery.resume，增量发给它，abort 发给引擎。
+        # 3. 还没 resync：交给 Recovery.hold 保存（每个客户端最新一份，合计最多 MAX_EARLY_RESUME_ROWS 行），
         #    被它挤掉或放不下的 Resume 各回一个 ErrorOutput；客户端断开时它那份也删掉（client_gone）。
         # [ZH-END]
         info = self.delivery.clients[identity]
@@ -310,9 +312,9 @@ class DetokStage:
             return
         info.last_resume = now
         if self.streams.resynced:
-            self._deliver_now(self.streams.resume(identity, msg.requests))
+            self._deliver_now(self.recovery.resume(identity, msg.requests))
             return
-        for refused, why in self.early_resumes.hold(identity, msg.requests):
+        for refused, why in self.recovery.hold(identity, msg.requests):
             self._refuse_resume(refused, why)
 
     def _refuse_resume(self, identity: bytes, why: str) -> None:
@@ -381,11 +383,11 @@ class DetokStage:
 
     def client_gone(self, identity: bytes, why: str) -> None:
         # [ZH-START]
-        # 1. EarlyResumes 删掉它那份；Delivery.forget 移除 ClientInfo、outbox 和排队帧；不认识的客户端直接返回。
+        # 1. Recovery 删掉它先到的 Resume；Delivery.forget 移除 ClientInfo、outbox 和排队帧；不认识的客户端直接返回。
         # 2. RequestStreams.drop_client：它的每个请求丢掉指标、移除状态、记下客户端 rid；还没结束的在引擎里 abort（释放 KV 块）。
         # 3. Delivery.remember_gone 记 (时间, 原因, 丢掉的 rid 列表)，最多 4096 个客户端，它回来时好告诉它。
         # [ZH-END]
-        self.early_resumes.drop(identity)
+        self.recovery.drop_early(identity)
         if self.delivery.forget(identity) is None:
             return
         lost, out = self.streams.drop_client(identity)
@@ -413,7 +415,7 @@ class DetokStage:
             log.warning("the detokenizer stalled for %.1fs; that time counts toward no client's silence", stalled)
             self.delivery.stalled(stalled)
             self.engine.stalled(stalled)
-            self.streams.stalled(stalled)
+            self.recovery.stalled(stalled)
         for identity in self.delivery.silent(now, self.client_timeout_s):
             self.client_gone(identity, f"no heartbeat for {self.client_timeout_s}s")
         if self.engine.overdue(now) and not self.from_engine.poll(0):  # frames waiting unread: we were busy
@@ -424,5 +426,5 @@ class DetokStage:
                 self.to_engine.send(p.DetokHello(self.instance_id).encode(), zmq.NOBLOCK)
             except zmq.Again:
                 pass  # no engine yet: the next hello goes when it is there
-        self._abort_all(self.streams.expire_resumes(now).aborts)
+        self._abort_all(self.recovery.expire(now).aborts)
         self.delivery.expire_gone(now)

@@ -4,9 +4,9 @@ A request begins here with its meta (in the engine step that starts it, ahead of
 token on the same ordered pipe), advances by one `OutputRow` a step (incremental detokenizing,
 stop strings) and ends with one terminal delta. A stop string that matches here ends the
 request in the engine too; its terminal delta is held until the engine's final row confirms the
-engine dropped it, so an id reused after it never meets the old request there. After a restart
-of this stage the engine's resync rebuilds each request, held until its client's `Resume` says
-how much of the stream it has.
+engine dropped it, so an id reused after it never meets the old request there. A request
+rebuilt from the engine's resync after a restart of this stage (recovery.py) holds its output
+here until its client's `Resume` says how much of the stream it has.
 
 No sockets and no clients' frames: each call returns an `Outcome`, the deltas for each client
 and the request ids to abort in the engine (as vLLM's OutputProcessor returns reqs_to_abort).
@@ -16,7 +16,8 @@ and the request ids to abort in the engine (as vLLM's OutputProcessor returns re
 #   请求随引擎 step 的 started 行（meta 比它的第一个 token 先到，同一条有序管道）开始，每步一个 OutputRow 推进
 #   （增量反分词、stop string），以一个终止增量结束。
 #   stop string 在这里命中也要在引擎里结束它；终止增量要等引擎的最后一行确认它已丢掉这个请求才发，
-#   这样客户端复用同一个 id 时引擎里一定没有旧请求。本 stage 重启后，引擎的 resync 重建每个请求，等客户端的 Resume 说出已收到多少。
+#   这样客户端复用同一个 id 时引擎里一定没有旧请求。本 stage 重启后由 resync 重建的请求（recovery.py）在这里累积输出，
+#   等客户端的 Resume 说出已收到多少。
 # 不碰 socket：每个调用返回 Outcome——每个客户端的增量、要在引擎里 abort 的请求 id（如 vLLM OutputProcessor 的 reqs_to_abort）。
 # [ZH-END]
 from __future__ import annotations
@@ -101,20 +102,20 @@ class Outcome:
 class RequestStreams:
     # [ZH-START]
     # 【职责】全部在途请求（requests，按客户端索引 by_client）：开始、逐行推进（反分词、stop string 等引擎确认）、
-    # 结束与遗忘、整批报错（引擎死 / 重启）、resync 重建与客户端 Resume、孤儿输出的一次性 abort。
-    # 【边界】不碰 socket、不管客户端投递和引擎存活：结果放进 Outcome 交给 loop；指标照记。
-    # 【协作者】DetokStage（把引擎行、Resume、超时交给它，按 Outcome 投递增量、发 abort）；IncrementalDetokenizer；DetokMetrics。
+    # 结束与遗忘、整批报错（引擎死 / 重启）、客户端走了时丢掉它的请求、孤儿输出的一次性 abort。
+    # 【边界】不碰 socket、不管客户端投递和引擎存活：结果放进 Outcome 交给 loop；指标照记；
+    #   resync 重建和 Resume 的应用在 Recovery（recovery.py），它用这里的 start / advance / finished / forget。
+    # 【协作者】DetokStage（把引擎 step、客户端离开、引擎事件交给它，按 Outcome 投递增量、发 abort）；Recovery；
+    #   IncrementalDetokenizer；DetokMetrics。
     # [ZH-END]
-    def __init__(self, tokenizer: Any, metrics: Any, resume_window_s: float = 10.0):
+    def __init__(self, tokenizer: Any, metrics: Any):
         self.tokenizer, self.metrics = tokenizer, metrics
-        self.resume_window_s = resume_window_s
-        """How long requests rebuilt from a resync wait for their clients' resumes."""
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[bytes, dict[str, None]] = {}
         """Engine request ids of each client's requests in flight, in the order they began."""
         self.resynced = False
-        """The engine's resync arrived: every request it holds is known here."""
-        self.resume_deadline = float("inf")
+        """The engine's resync arrived (set by `Recovery`): every request it holds is known here,
+        so outputs of any other have no owner."""
         self._aborted_orphans: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ a step
@@ -289,132 +290,6 @@ class RequestStreams:
                 self.finished(request_id, state, "error")
         return out
 
-    # ------------------------------------------------------------------ restart: resync + resume
-
-    def resync(self, msg: p.Resync, now: float) -> Outcome:
-        # [ZH-START]
-        # 1. 每个条目：已经在正常流式输出的（我们起来之后才开始的）跳过；否则 start(resumed=True)，
-        #    标 awaiting_resume，把它至今的全部输出一次喂进 advance（一次解码完，结果累积不发）。
-        # 2. 最后一帧：resynced = True，resume 期限 = now + resume_window_s；调用方随后应用 resync 前先到的 Resume。
-        # [ZH-END]
-        out = Outcome()
-        for entry in msg.entries:
-            if entry.request_id in self.requests:
-                continue  # started after we came up: already streaming normally
-            state = self.start(entry.request_id, entry.meta, msg.instance_id, out, resumed=True)
-            state.awaiting_resume = True
-            self.advance(entry.output(), out)
-        if msg.last:
-            self.resynced = True
-            self.resume_deadline = now + self.resume_window_s
-            log.info("resynced with engine %s: %d request(s) await their clients", msg.instance_id,
-                     sum(s.awaiting_resume for s in self.requests.values()))
-        return out
-
-    def resume(self, identity: bytes, rows: list[list]) -> Outcome:
-        """Continue each listed stream from what the client has; abort what it no longer wants."""
-        # [ZH-START]
-        # 1. mine = 该客户端的全部请求（按客户端 rid 索引），waiting = 其中等待 resume 的。
-        # 2. 对客户端报上的每一行 [rid, 已收 token 数, 已收字符数]（同一 rid 重复列出只处理第一次）：
-        #    a. 不在 waiting 里：若客户端已收到过 token 而我们根本没有这个请求 → 错误增量（引擎已不持有它，标 engine_dead）；跳过；
-        #    b. 在 waiting 里：清除等待标记，增量 = all_text[已收字符数:] 和 all_ids[已收 token 数:]，已结束则带上 final；
-        #       客户端报的比引擎至今报告的还多（引擎重启后续写的流：新引擎会把续写起点之前的输出随第一个新 token 再报告一次），
-        #       多出的部分记为 skip_tokens / skip_chars，advance 以后从输出里截掉，不重复发送；
-        #       释放累积缓冲；已结束就 finished。
-        # 3. 等待中但客户端没提到的请求：客户端已不要了 → drop_unclaimed（未结束就在引擎里 abort）。
-        # 4. 增量都在 Outcome 里给这个客户端，调用方作为 StreamOutput 发出（超过帧大小上限就按顺序拆成几帧）。
-        # [ZH-END]
-        out = Outcome()
-        mine = {self.requests[rid].client_request_id: rid for rid in self.by_client.get(identity, ())}
-        waiting = {client_rid: rid for client_rid, rid in mine.items() if self.requests[rid].awaiting_resume}
-        seen = set()
-        for client_rid, num_tokens, num_chars in rows:
-            if client_rid in seen:  # listed twice: answered once
-                continue
-            seen.add(client_rid)
-            request_id = waiting.pop(client_rid, None)
-            if request_id is None:
-                if num_tokens and client_rid not in mine:
-                    out.add(identity, p.error_delta(client_rid, "the engine no longer holds this request (it restarted, "
-                                                                "or the request ended too long ago)", engine_dead=True))
-                continue
-            state = self.requests[request_id]
-            state.awaiting_resume = False
-            # More than the engine has reported: a continued stream, whose engine reports the output
-            # it continues from again with its first new token. Cut that then.
-            state.skip_tokens = max(0, num_tokens - len(state.all_ids))
-            state.skip_chars = max(0, num_chars - len(state.all_text))
-            out.add(identity, {"request_id": client_rid, "text": state.all_text[num_chars:],
-                               "token_ids": p.pack_token_ids(state.all_ids[num_tokens:]), "finish_reason": None,
-                               **(state.final or {})})
-            state.all_ids, state.all_text = [], ""
-            if state.final is not None:
-                self.finished(request_id, state, state.final["finish_reason"])
-        for request_id in waiting.values():  # the client no longer waits for these
-            self.drop_unclaimed(request_id, out)
-        return out
-
-    def drop_unclaimed(self, request_id: str, out: Outcome) -> None:
-        """A request rebuilt from the resync that no client claimed: abort it if it runs, forget it."""
-        state = self.requests.get(request_id)
-        if state is not None and state.final is None:
-            out.aborts.append(request_id)
-        self.forget(request_id)
-
-    def expire_resumes(self, now: float) -> Outcome:
-        """Past the resume deadline, the requests still waiting for their clients are dropped."""
-        out = Outcome()
-        if now > self.resume_deadline:
-            self.resume_deadline = float("inf")
-            for request_id in [r for r, s in self.requests.items() if s.awaiting_resume]:
-                self.drop_unclaimed(request_id, out)
-        return out
-
-    def stalled(self, seconds: float) -> None:
-        """We were not listening for `seconds`: the clients' resumes wait unread, that much longer."""
-        self.resume_deadline += seconds
-
     def num_awaiting_resume(self) -> int:
         return sum(s.awaiting_resume for s in self.requests.values())
 
-
-class EarlyResumes:
-    # [ZH-START]
-    # 【职责】resync 完成前先到的 Resume：每个客户端保留最新一份，全体合计最多 max_rows 行。
-    # 【边界】不应用它们（resync 的最后一帧到了由 stage 交给 RequestStreams.resume）；不发送：被拒的客户端和原因作为返回值。
-    # [ZH-END]
-    def __init__(self, max_rows: int):
-        self.max_rows = max_rows
-        self.rows: dict[bytes, list[list]] = {}
-
-    def hold(self, identity: bytes, rows: list[list]) -> list[tuple[bytes, str]]:
-        """Hold the client's resume (its latest only); the resumes refused to stay within `max_rows`,
-        with why. The largest held go first, or this one if none is larger: a client resuming a
-        few streams is never crowded out by a bigger one."""
-        # [ZH-START]
-        # 1. 先去掉该客户端之前那份；合计放不下这份时，丢掉比它大的、最大的那几份（各自的客户端收到拒绝原因），
-        #    它自己最大就拒绝它自己并返回。
-        # 2. 放得下就记下；返回被拒的 (客户端, 原因) 列表，由 stage 计数并回 ErrorOutput。
-        # [ZH-END]
-        refused = []
-        self.rows.pop(identity, None)
-        held = sum(map(len, self.rows.values()))
-        while held + len(rows) > self.max_rows:
-            largest = max(self.rows, key=lambda k: len(self.rows[k]), default=None)
-            if largest is None or len(self.rows[largest]) <= len(rows):
-                refused.append((identity, f"a resume of {len(rows)} stream(s) while {held} wait for the "
-                                          f"engine's resync: over the limit of {self.max_rows}"))
-                return refused
-            held -= len(self.rows.pop(largest))
-            refused.append((largest, f"a resume of {len(rows)} stream(s) came while {held} waited for the "
-                                     f"engine's resync: the largest held resume was dropped"))
-        self.rows[identity] = rows
-        return refused
-
-    def drop(self, identity: bytes) -> None:
-        self.rows.pop(identity, None)
-
-    def take(self) -> dict[bytes, list[list]]:
-        """Every held resume, detached (applying one may find its client gone, which drops its entry)."""
-        rows, self.rows = self.rows, {}
-        return rows

@@ -54,7 +54,8 @@ CORE_MODULES: dict[str, list[str]] = {
         "run", "run_once", "_take_inbox", "_abort", "_input_loop", "_output_loop")],
     "detok_proc/server.py": [f"DetokStage.{m}" for m in (
         "run", "on_step", "_act", "_abort_in_engine", "on_client_frames", "client_gone")],
-    "detok_proc/streams.py": [f"RequestStreams.{m}" for m in ("step", "start", "advance", "fail", "resync", "resume")],
+    "detok_proc/streams.py": [f"RequestStreams.{m}" for m in ("step", "start", "advance", "fail")],
+    "detok_proc/recovery.py": [f"Recovery.{m}" for m in ("resync", "resume", "hold")],
     "detok_proc/delivery.py": [f"Delivery.{m}" for m in ("stage_delta", "send", "_queue", "flush_pending")],
     "detok_proc/engine_watch.py": [f"EngineWatch.{m}" for m in ("status", "speaks")],
     "client/nanovllm_client/sync_client.py": ["Stream.__next__", "Client.stream", "Client._io_loop"],

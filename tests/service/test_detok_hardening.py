@@ -94,7 +94,7 @@ def test_a_client_gone_before_the_resync_does_not_stop_the_others_resumes(tokeni
         staying = raw_socket(ctx, zmq.DEALER, eps.stream, staying_id)
         leaving.send(p.Resume([["gone-1", 1, 0]]).encode())  # its answer will find no socket
         staying.send(p.Resume([["v1", 2, 2]]).encode())
-        wait_for(lambda: len(stage.early_resumes.rows) == 2, timeout=60, what="both resumes held")
+        wait_for(lambda: len(stage.recovery.early) == 2, timeout=60, what="both resumes held")
         leaving.close()
         time.sleep(0.3)
         meta = {"client": staying_id, "rid": "v1"}
@@ -121,11 +121,11 @@ def test_a_huge_early_resume_cannot_crowd_out_a_small_one(tokenizer_dir, ctx):
         hog = raw_socket(ctx, zmq.DEALER, eps.stream, hog_id)
         small = raw_socket(ctx, zmq.DEALER, eps.stream, small_id)
         hog.send(p.Resume([[f"r{i}", 1, 1] for i in range(MAX_EARLY_RESUME_ROWS)]).encode())
-        wait_for(lambda: hog_id in stage.early_resumes.rows, timeout=60, what="the huge resume held")
+        wait_for(lambda: hog_id in stage.recovery.early, timeout=60, what="the huge resume held")
         small.send(p.Resume([["mine", 1, 1]]).encode())
         assert "resume refused" in reply(hog).message
-        wait_for(lambda: list(stage.early_resumes.rows) == [small_id], timeout=60, what="the small resume held")
-        assert stage.early_resumes.rows[small_id] == [["mine", 1, 1]]
+        wait_for(lambda: list(stage.recovery.early) == [small_id], timeout=60, what="the small resume held")
+        assert stage.recovery.early[small_id] == [["mine", 1, 1]]
 
 
 def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_its_requests(tokenizer_dir, ctx):

@@ -275,7 +275,7 @@ def test_resumes_held_before_the_engines_resync_are_bounded_and_dropped_with_the
         first, second, third = (raw_socket(ctx, zmq.DEALER, eps.stream, uuid.uuid4().bytes) for _ in range(3))
         for sock in (first, second):
             sock.send(resume)
-        wait_for(lambda: len(stage.early_resumes.rows) == 2, timeout=60, what="two resumes held")
+        wait_for(lambda: len(stage.recovery.early) == 2, timeout=60, what="two resumes held")
         third.send(resume)  # over the limit with the other two, and no smaller than either
         wait_for(lambda: floods() == 1, timeout=60, what="the third resume refused")
         assert "resume refused" in reply(third).message
@@ -283,9 +283,9 @@ def test_resumes_held_before_the_engines_resync_are_bounded_and_dropped_with_the
         first.send(resume)  # the same client again replaces its own: no flood
         time.sleep(0.5)
         assert floods() == 1
-        wait_for(lambda: not stage.early_resumes.rows, timeout=60, what="silent clients' resumes dropped")
+        wait_for(lambda: not stage.recovery.early, timeout=60, what="silent clients' resumes dropped")
         third.send(resume)  # their clients are gone, so is what they held
-        wait_for(lambda: len(stage.early_resumes.rows) == 1, timeout=60, what="the third client's resume held")
+        wait_for(lambda: len(stage.recovery.early) == 1, timeout=60, what="the third client's resume held")
         assert floods() == 1
 
 
