@@ -42,13 +42,12 @@ Send = Callable[[bytes, bytes], "str | None"]
 @dataclass
 class ClientInfo:
     # [ZH-START]
-    # 【职责】一个客户端的投递信息：最近一次收到它消息的时间、最近一次 Resume 的时间、是否听到过它、
+    # 【职责】一个客户端的投递信息：最近一次收到它消息的时间、是否听到过它、
     # socket 暂时放不下而按序排队的帧及其字节数。
     # 【边界】不保存请求（在途请求由 RequestStreams 按客户端索引）；队列长度受 max_pending_frames 限制。
     # 【协作者】Delivery 创建和清理；stage 的 on_client_frames 通过 Delivery.heard_from 更新 last_seen。
     # [ZH-END]
     last_seen: float
-    last_resume: float = float("-inf")
     heard: bool = False
     """Whether it has sent this detokenizer anything. One that has not (its requests came in the
     engine's steps or resync first, right after a restart) may still be reconnecting: a send that

@@ -26,14 +26,25 @@ from .streams import Outcome, RequestStreams
 
 log = logging.getLogger("detok_proc")
 
+RESUME_INTERVAL_S = 1.0
+"""A client sends one Resume per detokenizer it meets; one listing 65,536 streams costs ~0.1-0.3 s
+to apply, so more than one a second from the same client is refused as a flood."""
+MAX_EARLY_RESUME_ROWS = p.MAX_ROWS
+"""Streams held from Resume frames that arrive before the engine's resync, all clients together: one
+Resume may list up to MAX_ROWS, far more than an engine holds (its live and queued requests are
+bounded by a few thousand), so anything beyond this is a flood, not clients resuming. Over it the
+largest held Resumes go first: a client resuming a few streams is never crowded out by a bigger one."""
+Refusals = list[tuple[bytes, str]]
+"""Resumes refused: the client, and why."""
+
 
 class Recovery:
     # [ZH-START]
-    # 【职责】resync 重建（RequestStreams.resynced 在最后一帧置位）、客户端 Resume 的应用、resume 期限、resync 前先到的 Resume。
-    # 【边界】不碰 socket；请求状态本身在 RequestStreams；Resume 的频率限制（每客户端每秒一个）由 stage 按 ClientInfo 检查。
+    # 【职责】resync 重建（RequestStreams.resynced 在最后一帧置位）、客户端 Resume 的频率限制和应用、resume 期限、resync 前先到的 Resume。
+    # 【边界】不碰 socket；请求状态本身在 RequestStreams；被拒的 Resume 只作为返回值，由 stage 计数并回 ErrorOutput。
     # 【协作者】DetokStage（交给它 Resync、Resume、超时检查，按结果投递和 abort）；RequestStreams。
     # [ZH-END]
-    def __init__(self, streams: RequestStreams, resume_window_s: float, max_early_rows: int):
+    def __init__(self, streams: RequestStreams, resume_window_s: float, max_early_rows: int = MAX_EARLY_RESUME_ROWS):
         self.streams = streams
         self.resume_window_s = resume_window_s
         """How long requests rebuilt from a resync wait for their clients' resumes."""
@@ -41,6 +52,23 @@ class Recovery:
         self.max_early_rows = max_early_rows
         self.early: dict[bytes, list[list]] = {}
         """Resumes that came before the resync was complete, the latest of each client."""
+        self.last_resume: dict[bytes, float] = {}
+        """When each client's last Resume came (a client sends one per detokenizer it meets)."""
+
+    def on_resume(self, identity: bytes, rows: list[list], now: float) -> tuple[Outcome, Refusals]:
+        """A client's Resume: applied once the resync is complete, held until then, refused as a
+        flood within RESUME_INTERVAL_S of its last. What to send and abort, and the resumes refused."""
+        # [ZH-START]
+        # 1. 同一客户端 1 秒内（RESUME_INTERVAL_S）第二个 Resume：拒绝（正常客户端每遇到一个新的 detokenizer 只发一次；
+        #    一个 65,536 行的 Resume 要花 0.1–0.3 秒处理）。
+        # 2. 已 resync：立刻 resume；还没 resync：hold 保存，返回它挤掉或放不下的 Resume。
+        # [ZH-END]
+        if now - self.last_resume.get(identity, float("-inf")) < RESUME_INTERVAL_S:
+            return Outcome(), [(identity, f"a second resume within {RESUME_INTERVAL_S:.0f}s")]
+        self.last_resume[identity] = now
+        if self.streams.resynced:
+            return self.resume(identity, rows), []
+        return Outcome(), self.hold(identity, rows)
 
     def resync(self, msg: p.Resync, now: float) -> Outcome:
         # [ZH-START]
@@ -127,7 +155,7 @@ class Recovery:
 
     # ------------------------------------------------------------------ resumes before the resync
 
-    def hold(self, identity: bytes, rows: list[list]) -> list[tuple[bytes, str]]:
+    def hold(self, identity: bytes, rows: list[list]) -> Refusals:
         """Hold the client's resume (its latest only) until the resync is complete; the resumes
         refused to stay within `max_early_rows`, with why. The largest held go first, or this one
         if none is larger: a client resuming a few streams is never crowded out by a bigger one."""
@@ -151,8 +179,9 @@ class Recovery:
         self.early[identity] = rows
         return refused
 
-    def drop_early(self, identity: bytes) -> None:
+    def forget_client(self, identity: bytes) -> None:
         self.early.pop(identity, None)
+        self.last_resume.pop(identity, None)
 
     def take_early(self) -> dict[bytes, list[list]]:
         """Every held resume, detached (applying one may find its client gone, which drops its entry)."""

@@ -15,17 +15,11 @@ service's failure detector:
   its connection closes (crash, SIGKILL), it goes quiet for `engine_timeout_s` (hung) or a new
   engine instance speaks, every request of the old one ends with an error and every client is
   told, so their new requests fail fast until a heartbeat says it is back.
-A client that does not read its socket gets its frames queued here up to `max_pending_frames`,
-then its requests are aborted: memory stays bounded and nothing is dropped silently. The frames
-held for all slow clients together are bounded by bytes too (`max_pending_bytes`): over it, the
-client holding the most is given up first. zmq's own pipe to each client holds at most
-`client_hwm` frames (zmq counts frames, not bytes, so it is kept short).
+A client that does not read its socket has its frames held within frame and byte budgets, then
+its requests are aborted: memory stays bounded and nothing is dropped silently. A restarted
+detokenizer loses no stream (`DetokHello` -> `Resync`, then each client's `Resume`).
 
-A restarted detokenizer loses no stream: it asks the engine for every request it holds
-(`DetokHello` -> `Resync`, which carries each request's output so far) and each client tells
-it how much of each stream it already received (`Resume`); the stream continues from there.
-
-This module is the loop and the wiring: the sockets, the poll loop, hello and resume timing. The
+This module is the loop and the wiring: the sockets, the poll loop, hello and timeout timing. The
 state lives in classes that touch no socket, each in its own module, all run by the loop's one
 thread: `RequestStreams` (streams.py: the requests in flight, detokenizing, stop strings),
 `Recovery` (recovery.py: resync and resume after a restart), `Delivery` (delivery.py: clients,
@@ -40,8 +34,8 @@ is followed, restarts and death).
 # 它同时是服务的故障探测器：
 #   客户端每秒 ping；停止 ping 或 socket 消失（ROUTER_MANDATORY → EHOSTUNREACH）→ 在引擎里 abort 它的请求；
 #   引擎每 0.25 秒心跳；它说要死、连接断开、安静超过 engine_timeout_s 或换了实例 → 旧实例的请求全部报错，并通知所有客户端。
-# 重启后不丢流：向引擎要回全部在途请求（DetokHello → Resync），客户端告知已收到多少（Resume），从那里继续。
-# 本模块只是 loop 和接线：socket、poll 循环、hello 和 resume 的计时；状态都在不碰 socket 的类里，由 loop 的同一个线程运行：
+# 不读的客户端的帧在帧数和字节预算内排队，超过就 abort 它的请求；重启后不丢流（DetokHello → Resync，再由客户端 Resume）。
+# 本模块只是 loop 和接线：socket、poll 循环、hello 和超时的计时；状态都在不碰 socket 的类里，由 loop 的同一个线程运行：
 #   RequestStreams（streams.py：在途请求、反分词、stop string）、Recovery（recovery.py：重启后的 resync / resume）、
 #   Delivery（delivery.py：客户端、本轮 outbox、预算内的排队帧）、EngineWatch（engine_watch.py：跟随哪个引擎、重启与死亡）。
 # [ZH-END]
@@ -77,17 +71,9 @@ CLIENT_HWM = 128
 """Frames zmq holds in its pipe to one client before a send says EAGAIN and the frame is held in
 the client's `pending`, where its bytes are counted: one step a frame, so seconds of a client
 that is not reading, and little outside the byte budget."""
-RESUME_INTERVAL_S = 1.0
-"""A client sends one Resume per detokenizer it meets; one listing 65,536 streams costs ~0.1-0.3 s
-to apply, so more than one a second from the same client is refused as a flood."""
 STALL_S = 1.0
 """A pass of the loop longer than this means the stage itself was not listening (stopped,
 swapped out, starved of CPU): the time beyond it counts toward no client's silence."""
-MAX_EARLY_RESUME_ROWS = p.MAX_ROWS
-"""Streams held from Resume frames that arrive before the engine's resync, all clients together: one
-Resume may list up to MAX_ROWS, far more than an engine holds (its live and queued requests are
-bounded by a few thousand), so anything beyond this is a flood, not clients resuming. Over it the
-largest held Resumes go first: a client resuming a few streams is never crowded out by a bigger one."""
 
 
 class DetokStage:
@@ -116,7 +102,7 @@ class DetokStage:
         self.to_engine = pipeline_push(self.ctx, control_endpoint, security=self.security)
         """The engine's control socket: it reads aborts and hellos whatever its load."""
         self.streams = RequestStreams(tokenizer, self.metrics)
-        self.recovery = Recovery(self.streams, max(2 * client_timeout_s, 10.0), MAX_EARLY_RESUME_ROWS)
+        self.recovery = Recovery(self.streams, max(2 * client_timeout_s, 10.0))
         self.delivery = Delivery(self._send_now, self.client_gone, self.metrics, max_pending_frames, max_pending_bytes)
         self.engine = EngineWatch(engine_timeout_s, self.metrics)
         self.state = "ready"
@@ -298,24 +284,14 @@ class DetokStage:
                     self._deliver_now(self.recovery.resume(identity, rows))
 
     def on_resume(self, identity: bytes, msg: p.Resume) -> None:
-        # [ZH-START]
-        # 1. 同一客户端 1 秒内（RESUME_INTERVAL_S）第二个 Resume：记 "resume_flood"，回 ErrorOutput 说明，丢弃
-        #    （正常客户端每遇到一个新的 detokenizer 只发一次；一个 65,536 行的 Resume 要花 0.1–0.3 秒处理）。
-        # 2. 已 resync：立刻 Recovery.resume，增量发给它，abort 发给引擎。
-        # 3. 还没 resync：交给 Recovery.hold 保存（每个客户端最新一份，合计最多 MAX_EARLY_RESUME_ROWS 行），
-        #    被它挤掉或放不下的 Resume 各回一个 ErrorOutput；客户端断开时它那份也删掉（client_gone）。
-        # [ZH-END]
-        info = self.delivery.clients[identity]
-        now = time.monotonic()
-        if now - info.last_resume < RESUME_INTERVAL_S:
-            self._refuse_resume(identity, f"a second resume within {RESUME_INTERVAL_S:.0f}s")
+        """Apply, hold or refuse a client's Resume (`Recovery.on_resume`); each refusal is counted
+        as a "resume_flood" and answered with an ErrorOutput."""
+        if identity not in self.delivery.clients:  # given up on while told of its lost streams
             return
-        info.last_resume = now
-        if self.streams.resynced:
-            self._deliver_now(self.recovery.resume(identity, msg.requests))
-            return
-        for refused, why in self.recovery.hold(identity, msg.requests):
-            self._refuse_resume(refused, why)
+        out, refused = self.recovery.on_resume(identity, msg.requests, time.monotonic())
+        for who, why in refused:
+            self._refuse_resume(who, why)
+        self._deliver_now(out)
 
     def _refuse_resume(self, identity: bytes, why: str) -> None:
         self.rejects("resume_flood", f"from {show_client(identity)}: {why}")
@@ -383,11 +359,11 @@ class DetokStage:
 
     def client_gone(self, identity: bytes, why: str) -> None:
         # [ZH-START]
-        # 1. Recovery 删掉它先到的 Resume；Delivery.forget 移除 ClientInfo、outbox 和排队帧；不认识的客户端直接返回。
+        # 1. Recovery 忘掉它（先到的 Resume、上次 Resume 的时间）；Delivery.forget 移除 ClientInfo、outbox 和排队帧；不认识的客户端直接返回。
         # 2. RequestStreams.drop_client：它的每个请求丢掉指标、移除状态、记下客户端 rid；还没结束的在引擎里 abort（释放 KV 块）。
         # 3. Delivery.remember_gone 记 (时间, 原因, 丢掉的 rid 列表)，最多 4096 个客户端，它回来时好告诉它。
         # [ZH-END]
-        self.recovery.drop_early(identity)
+        self.recovery.forget_client(identity)
         if self.delivery.forget(identity) is None:
             return
         lost, out = self.streams.drop_client(identity)

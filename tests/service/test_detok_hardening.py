@@ -8,7 +8,7 @@ import uuid
 
 import zmq
 
-from detok_proc.server import RESUME_INTERVAL_S
+from detok_proc.recovery import RESUME_INTERVAL_S
 from nanovllm_client import Client
 from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
@@ -113,7 +113,7 @@ def test_a_huge_early_resume_cannot_crowd_out_a_small_one(tokenizer_dir, ctx):
     """The Resumes held before the engine's resync share one budget; it was first come, first
     served, so one client's 65,536-row Resume made every later client's few rows be refused, and
     their streams were dropped. Now the largest held Resume goes first, and its client is told."""
-    from detok_proc.server import MAX_EARLY_RESUME_ROWS
+    from detok_proc.recovery import MAX_EARLY_RESUME_ROWS
 
     stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=5.0)
     with running(stage):

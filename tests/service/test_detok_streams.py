@@ -162,3 +162,15 @@ def test_early_resumes_give_up_the_largest_first(recovery):
     refused = recovery.hold(b"huge", [["r", 0, 0]] * 9)
     assert [who for who, _ in refused] == [b"huge"], "nothing held is larger: it is the one refused"
     assert list(recovery.take_early()) == [b"small", b"mid"] and not recovery.early
+
+
+def test_a_second_resume_within_the_interval_is_refused_and_one_before_the_resync_is_held(recovery):
+    out, refused = recovery.on_resume(CLIENT, [["x", 1, 1]], now=50.0)
+    assert not refused and not out.deltas and recovery.early == {CLIENT: [["x", 1, 1]]}, "held for the resync"
+    out, refused = recovery.on_resume(CLIENT, [["x", 2, 2]], now=50.5)
+    assert [who for who, _ in refused] == [CLIENT] and recovery.early[CLIENT] == [["x", 1, 1]]
+    resync(recovery, [("c:x", meta(), "abc", False, None)])
+    out, refused = recovery.on_resume(CLIENT, [["x", 1, 1]], now=51.5)
+    assert not refused and [d["text"] for d in out.deltas[CLIENT]] == ["bc"]
+    recovery.forget_client(CLIENT)
+    assert CLIENT not in recovery.last_resume

@@ -258,7 +258,7 @@ def test_resumes_held_before_the_engines_resync_are_bounded_and_dropped_with_the
     streams each held 240 MB. In-process detokenizer with no engine: it never resyncs. A 5 s
     client timeout: the resumes must be seen held before their silent clients are given up on,
     which a loaded machine once delayed past a 1 s timeout."""
-    from detok_proc.server import MAX_EARLY_RESUME_ROWS
+    from detok_proc.recovery import MAX_EARLY_RESUME_ROWS
 
     stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=5.0)
     rows = MAX_EARLY_RESUME_ROWS // 2 - 1
