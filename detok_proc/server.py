@@ -232,9 +232,10 @@ class DetokStage:
         out = self.streams.step(step)
         self._know(out)
         for client, deltas in out.deltas.items():
+            known = client in self.delivery.clients
             for delta in deltas:
                 self.delivery.stage_delta(client, delta)
-                if client not in self.delivery.clients:  # given up on while staging: its requests are gone
+                if known and client not in self.delivery.clients:  # given up on while staging: its requests are gone
                     break
         self._abort_all(out.aborts)
 

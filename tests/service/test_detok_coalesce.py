@@ -165,3 +165,19 @@ def test_a_continued_stream_survives_a_detokenizer_restart(rig, reported):
     stage.delivery.flush_outbox()
     text, tokens, last = streamed(client)
     assert (text, tokens) == (TEXT[chars:], ids[client_has:]) and last["finish_reason"] == "length"
+
+
+def test_every_rejection_reaches_a_client_the_stage_has_not_heard_from(rig):
+    tok, stage, _, _ = rig
+    quiet = stage.ctx.socket(zmq.DEALER)
+    quiet_id = uuid.uuid4().bytes
+    quiet.setsockopt(zmq.ROUTING_ID, quiet_id)
+    quiet.connect(stage.clients_sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+    rejected = [[f"c:{rid}", {"client": quiet_id, "rid": rid}, f"{rid} refused"] for rid in ("a", "b")]
+    for _ in range(50):  # until its connection is up: a frame to an unknown peer is refused, not held
+        stage.on_engine_frames([p.StepOutput(ENGINE, [], rejected, []).encode()])
+        stage.delivery.flush_outbox()
+        if quiet.poll(100):
+            break
+    deltas = [d for m in receive(quiet) if isinstance(m, p.StreamOutput) for d in m.deltas]
+    assert [(d["request_id"], d["error"]) for d in deltas[:2]] == [("a", "a refused"), ("b", "b refused")]
