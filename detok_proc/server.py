@@ -118,14 +118,11 @@ class DetokStage:
         # [ZH-START]
         # 1. poller 注册引擎 PULL、客户端 ROUTER 和引擎连接的监视 socket；notifier.ready。
         # 2. 循环直到 flush_until：
-        #    a. stop 被置位：进入 draining，最多再花 1 秒把已排队的帧发给客户端（流本身活在引擎里，新的 detokenizer 会 resync）；
-        #    b. draining 且没有待发帧：退出；
-        #    c. 看门狗 tick、更新指标和 systemd 状态行；
-        #    d. 有待发帧时 poll 10 ms，否则 100 ms；
-        #    e. 引擎有帧 → _drain_engine（intake.drain 逐条交给 on_engine_frames），之后 delivery.flush_outbox；客户端有帧 → _drain_clients（on_client_frames）；
-        #    f. 监视 socket 有事件且引擎已不在连接 → EngineWatch.connection_closed（听到过它且未判死才算死），崩溃毫秒级发现；
-        #    g. 有待发帧 → delivery.flush_pending；
-        #    h. check_timeouts(now)：客户端 / 引擎超时、hello 重发、resume 期限、gone 过期。
+        #    a. stop 被置位：进入 draining，最多再花 1 秒把已排队的帧发给客户端（流活在引擎里，新的 detokenizer 会 resync）；
+        #       draining 且没有待发帧就退出；看门狗 tick、更新指标和 systemd 状态行；有待发帧时 poll 10 ms，否则 100 ms；
+        #    b. 引擎有帧 → _drain_engine（逐条 on_engine_frames），之后 delivery.flush_outbox；客户端有帧 → _drain_clients；
+        #    c. 监视 socket 有事件且引擎已不在连接 → EngineWatch.connection_closed（听到过它且未判死才算死），崩溃毫秒级发现；
+        #    d. 有待发帧 → delivery.flush_pending；check_timeouts(now)：客户端 / 引擎超时、hello 重发、resume 期限、gone 过期。
         # 3. 关闭所有 socket。
         # [ZH-END]
         poller = zmq.Poller()
@@ -240,9 +237,8 @@ class DetokStage:
         self._abort_all(out.aborts)
 
     def _know(self, out: Outcome) -> None:
-        now = time.monotonic()
         for client in out.clients:
-            self.delivery.know(client, now)
+            self.delivery.know(client, time.monotonic())
 
     def _deliver_now(self, out: Outcome) -> None:
         """Send an outcome's deltas at once (after what this pass holds for each client) and its aborts."""
@@ -309,10 +305,8 @@ class DetokStage:
         #    因不读而被放弃的客户端管道多半还是满的，发不出去的帧要进它的 pending 排队，而不是被丢掉。
         # 3. accept：不是恰好一帧、解不开、或不是 Ping / StatsReq / Resume → 已按原因计数，把返回的 ErrorOutput 发回
         #    （类型不对的还告诉它请求应发到 tokenizer 端点）。
-        # 4. Ping → 回 Pong("detokenizer", 实例 id, 引擎 alive, 状态, 运行时长, 引擎状态)；
-        #    这是本实例第一次听到这个客户端且引擎活着：再发一个 EngineStatus（EngineWatch.announcement），说出我们跟随的引擎实例——
-        #    客户端若记得的是另一个实例，就知道引擎重启过（看到旧引擎死掉的 detokenizer 可能也一起死了）；
-        #    StatsReq → 回 StatsOutput；Resume → on_resume。
+        # 4. Ping → 回 Pong；本实例第一次听到它且引擎活着：再发 EngineStatus（EngineWatch.announcement）说出跟随的引擎实例——
+        #    客户端若记得另一个实例，就知道引擎重启过（看到旧引擎死掉的 detokenizer 可能也一起死了）；StatsReq → StatsOutput；Resume → on_resume。
         # [ZH-END]
         self.metrics.frame_received()
         if claimed_id(identity, key):
@@ -375,10 +369,8 @@ class DetokStage:
 
     def check_timeouts(self, now: float) -> None:
         # [ZH-START]
-        # 0. 距上次检查超过 STALL_S（1 秒）：是我们自己没在听（进程被暂停、换出、抢不到 CPU），
-        #    多出的时间加到每个客户端的 last_seen、引擎的 last_seen 和 resume 期限上——这段时间
-        #    不算客户端或引擎静默，它们的心跳还排在 socket 里没读（刚恢复时可能还在 zmq 的 I/O 线程里，
-        #    poll 也看不到）。
+        # 0. 距上次检查超过 STALL_S（1 秒）：是我们自己没在听（进程被暂停、换出、抢不到 CPU），多出的时间加到每个客户端、
+        #    引擎的 last_seen 和 resume 期限上——不算它们静默，心跳还排在 socket 里没读（可能还在 zmq 的 I/O 线程里，poll 也看不到）。
         # 1. 客户端超过 client_timeout_s（默认 5 秒）没有任何消息 → client_gone。
         # 2. EngineWatch.overdue（听到过引擎、未判死、超过 engine_timeout_s 没有消息），且 socket 里也没有没读的帧（那是我们忙，不是它静默）
         #    → 判死（引擎挂起）。
