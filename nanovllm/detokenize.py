@@ -1,7 +1,7 @@
 """Incremental detokenization with stop strings: one request's output tokens in, text out.
 
 The one implementation behind both the offline `LLM` (nanovllm/llm.py) and the service's
-detokenizer stage (detok_proc/server.py), so the two cut text and stop at the same places.
+detokenizer stage (detok_proc/streams.py), so the two cut text and stop at the same places.
 
 Decoding keeps two offsets into the ids, as vLLM and SGLang do: new text is
 ``decode(ids[surr:])`` minus ``decode(ids[surr:read])``. The overlap keeps tokenizers that drop a
@@ -206,7 +206,7 @@ class IncrementalDetokenizer:
     # 并遵守 min_tokens 和 include_stop_str_in_output。
     # 【边界】不通知引擎停止（detok_proc 发现 stopped 后自己发 abort）；不处理 token id 的转发和
     # finish_reason / usage；一次只服务一个请求，不跨请求共享状态。
-    # 【协作者】detok_proc.DetokStage._start 为每个请求建一个，_advance 每步调 add；离线 LLM 同样使用；
+    # 【协作者】detok_proc.streams.RequestStreams.start 为每个请求建一个，advance 每步调 add；离线 LLM 同样使用；
     # tokenizer.decode 是唯一依赖的分词器接口。
     # [ZH-END]
 

@@ -56,7 +56,11 @@ CORE_MODULES: dict[str, list[str]] = {
     "engine_proc/admission.py": [f"Admission.{m}" for m in ("queue", "admit", "abort", "record")],
     "engine_proc/output.py": ["Output.loop", "StreamHold.take"],
     "detok_proc/server.py": [f"DetokStage.{m}" for m in (
-        "run", "on_step", "_advance", "_abort_in_engine", "on_client_frames", "client_gone")],
+        "run", "on_step", "_act", "_abort_in_engine", "on_client_frames", "client_gone")],
+    "detok_proc/streams.py": [f"RequestStreams.{m}" for m in ("step", "start", "advance", "fail")],
+    "detok_proc/recovery.py": [f"Recovery.{m}" for m in ("resync", "resume", "hold")],
+    "detok_proc/delivery.py": [f"Delivery.{m}" for m in ("stage_delta", "send", "_queue", "flush_pending")],
+    "detok_proc/engine_watch.py": [f"EngineWatch.{m}" for m in ("status", "speaks")],
     "client/nanovllm_client/sync_client.py": ["Stream.__next__", "Client.stream", "Client._io_loop"],
     "client/nanovllm_client/async_client.py": ["AsyncStream.__anext__", "AsyncClient.stream", "AsyncClient._send",
                                                "AsyncClient._recheck", "AsyncClient._readable"],

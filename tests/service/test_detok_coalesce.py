@@ -67,7 +67,7 @@ def test_steps_handled_in_one_pass_reach_the_client_as_one_frame(rig):
     for k in range(n):
         rows = [row(f"c:{rid}", v[k], k, k == len(v) - 1) for rid, v in ids.items() if k < len(v)]
         stage.on_engine_frames([step(rows, started if k == 0 else [])])
-    stage._flush_outbox()
+    stage.delivery.flush_outbox()
     streams = [m for m in receive(client) if isinstance(m, p.StreamOutput)]
     assert len(streams) == 1, f"{n} steps in one pass should make one frame, got {len(streams)}"
     deltas = {d["request_id"]: d for d in streams[0].deltas}
@@ -88,7 +88,7 @@ def test_a_request_id_reused_within_a_pass_keeps_its_two_streams_apart(rig):
         stage.on_engine_frames([step([row("c:r#1", token, k, k == len(first) - 1)], [["c:r#1", meta]] if k == 0 else [])])
     for k, token in enumerate(second):  # the client reused its id once the first had ended
         stage.on_engine_frames([step([row("c:r#2", token, k, k == len(second) - 1)], [["c:r#2", meta]] if k == 0 else [])])
-    stage._flush_outbox()
+    stage.delivery.flush_outbox()
     deltas = [d for m in receive(client) if isinstance(m, p.StreamOutput) for d in m.deltas]
     assert [(d["request_id"], p.unpack_token_ids(d["token_ids"]), d["finish_reason"]) for d in deltas] == [
         ("r", first, "length"), ("r", second, "length")]
@@ -100,7 +100,7 @@ def test_a_frame_sent_to_a_client_mid_pass_follows_what_the_pass_holds_for_it(ri
     ids = tok.encode("steady text", add_special_tokens=False)
     stage.on_engine_frames([step([row("c:s", ids[0], 0, False)], [["c:s", {"client": identity, "rid": "s"}]])])
     stage.on_engine_frames([p.EngineStatus(False, ENGINE, "gone").encode()])  # fails the request mid-pass
-    stage._flush_outbox()
+    stage.delivery.flush_outbox()
     deltas = [d for m in receive(client) if isinstance(m, p.StreamOutput) for d in m.deltas]
     assert [d["finish_reason"] for d in deltas] == [None, "error"]
     assert p.unpack_token_ids(deltas[0]["token_ids"]) == ids[:1] and deltas[1]["engine_dead"] is True
@@ -135,7 +135,7 @@ def test_a_continued_stream_sends_only_what_follows_what_its_client_has(rig):
     stage.on_engine_frames([step(rows[:1], [["c:x", meta]])])
     for r in rows[1:]:
         stage.on_engine_frames([step([r])])
-    stage._flush_outbox()
+    stage.delivery.flush_outbox()
     text, tokens, last = streamed(client)
     assert (text, tokens) == (TEXT[chars:], ids[have:])
     assert last["finish_reason"] == "length" and last["usage"]["completion_tokens"] == len(ids)
@@ -162,6 +162,22 @@ def test_a_continued_stream_survives_a_detokenizer_restart(rig, reported):
     stage.on_client_frames(identity, [p.Resume([["x", client_has, chars]]).encode()])
     for r in rows[reported:]:  # rows[0] holds the output again and the first new token
         stage.on_engine_frames([step([r])])
-    stage._flush_outbox()
+    stage.delivery.flush_outbox()
     text, tokens, last = streamed(client)
     assert (text, tokens) == (TEXT[chars:], ids[client_has:]) and last["finish_reason"] == "length"
+
+
+def test_every_rejection_reaches_a_client_the_stage_has_not_heard_from(rig):
+    tok, stage, _, _ = rig
+    quiet = stage.ctx.socket(zmq.DEALER)
+    quiet_id = uuid.uuid4().bytes
+    quiet.setsockopt(zmq.ROUTING_ID, quiet_id)
+    quiet.connect(stage.clients_sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+    rejected = [[f"c:{rid}", {"client": quiet_id, "rid": rid}, f"{rid} refused"] for rid in ("a", "b")]
+    for _ in range(50):  # until its connection is up: a frame to an unknown peer is refused, not held
+        stage.on_engine_frames([p.StepOutput(ENGINE, [], rejected, []).encode()])
+        stage.delivery.flush_outbox()
+        if quiet.poll(100):
+            break
+    deltas = [d for m in receive(quiet) if isinstance(m, p.StreamOutput) for d in m.deltas]
+    assert [(d["request_id"], d["error"]) for d in deltas[:2]] == [("a", "a refused"), ("b", "b refused")]

@@ -8,7 +8,7 @@ import uuid
 
 import zmq
 
-from detok_proc.server import RESUME_INTERVAL_S
+from detok_proc.recovery import RESUME_INTERVAL_S
 from nanovllm_client import Client
 from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
@@ -94,7 +94,7 @@ def test_a_client_gone_before_the_resync_does_not_stop_the_others_resumes(tokeni
         staying = raw_socket(ctx, zmq.DEALER, eps.stream, staying_id)
         leaving.send(p.Resume([["gone-1", 1, 0]]).encode())  # its answer will find no socket
         staying.send(p.Resume([["v1", 2, 2]]).encode())
-        wait_for(lambda: len(stage._early_resumes) == 2, timeout=60, what="both resumes held")
+        wait_for(lambda: len(stage.recovery.early) == 2, timeout=60, what="both resumes held")
         leaving.close()
         time.sleep(0.3)
         meta = {"client": staying_id, "rid": "v1"}
@@ -113,7 +113,7 @@ def test_a_huge_early_resume_cannot_crowd_out_a_small_one(tokenizer_dir, ctx):
     """The Resumes held before the engine's resync share one budget; it was first come, first
     served, so one client's 65,536-row Resume made every later client's few rows be refused, and
     their streams were dropped. Now the largest held Resume goes first, and its client is told."""
-    from detok_proc.server import MAX_EARLY_RESUME_ROWS
+    from detok_proc.recovery import MAX_EARLY_RESUME_ROWS
 
     stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=5.0)
     with running(stage):
@@ -121,11 +121,11 @@ def test_a_huge_early_resume_cannot_crowd_out_a_small_one(tokenizer_dir, ctx):
         hog = raw_socket(ctx, zmq.DEALER, eps.stream, hog_id)
         small = raw_socket(ctx, zmq.DEALER, eps.stream, small_id)
         hog.send(p.Resume([[f"r{i}", 1, 1] for i in range(MAX_EARLY_RESUME_ROWS)]).encode())
-        wait_for(lambda: hog_id in stage._early_resumes, timeout=60, what="the huge resume held")
+        wait_for(lambda: hog_id in stage.recovery.early, timeout=60, what="the huge resume held")
         small.send(p.Resume([["mine", 1, 1]]).encode())
         assert "resume refused" in reply(hog).message
-        wait_for(lambda: list(stage._early_resumes) == [small_id], timeout=60, what="the small resume held")
-        assert stage._early_resumes[small_id] == [["mine", 1, 1]]
+        wait_for(lambda: list(stage.recovery.early) == [small_id], timeout=60, what="the small resume held")
+        assert stage.recovery.early[small_id] == [["mine", 1, 1]]
 
 
 def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_its_requests(tokenizer_dir, ctx):
@@ -140,7 +140,7 @@ def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_it
         meta = {"client": identity, "rid": "r1"}
         engine_out.send(p.StepOutput("E1", [["c:r1", meta]], [], [["c:r1", p.pack_token_ids([65]), False, None,
                                                                    3, 1, 0, None]]).encode())
-        wait_for(lambda: stage.engine_instance == "E1", timeout=60, what="the step applied")
+        wait_for(lambda: stage.engine.instance == "E1", timeout=60, what="the step applied")
         time.sleep(0.3)  # the stage tries to send, and finds no socket for the client
         out = raw_socket(ctx, zmq.DEALER, eps.stream, identity)
         out.send(p.Ping().encode())
@@ -206,14 +206,14 @@ def test_a_connection_dropped_before_its_handshake_does_not_make_the_engine_look
     with running(stage):
         engine_out = raw_socket(ctx, zmq.PUSH, eps.detok)
         engine_out.send(p.EngineStatus(True, "E1", state="ready").encode())
-        wait_for(lambda: stage.engine_alive is True, timeout=60, what="the engine heard")
+        wait_for(lambda: stage.engine.alive is True, timeout=60, what="the engine heard")
         for greeting in (b"", b"GET / HTTP/1.0\r\n\r\n"):
             with socket.socket(socket.AF_UNIX) as stray:
                 stray.connect(eps.detok[len("ipc://"):])
                 stray.sendall(greeting)
         watch_until = time.monotonic() + 1.5  # the stage sees each disconnect within a loop turn (ms)
         while time.monotonic() < watch_until:
-            assert stage.engine_alive is True, "a stray connection's end was taken for the engine's"
+            assert stage.engine.alive is True, "a stray connection's end was taken for the engine's"
             time.sleep(0.02)
 
 
@@ -231,16 +231,16 @@ def test_a_stall_of_the_detokenizer_is_no_silence_of_the_engine(tokenizer_dir):
                        client_timeout_s=3.0, engine_timeout_s=1.5, ctx=ctx)
     try:
         now = time.monotonic()
-        stage.engine_state, stage.engine_alive, stage.engine_instance = "ready", True, "E1"
-        stage.engine_last_seen = stage._last_check = now - 8.0  # heard just before an 8 s stop
+        stage.engine.state, stage.engine.alive, stage.engine.instance = "ready", True, "E1"
+        stage.engine.last_seen = stage._last_check = now - 8.0  # heard just before an 8 s stop
         stage.check_timeouts(now)
-        assert stage.engine_alive is True, "the detokenizer's own stall was taken for the engine's silence"
+        assert stage.engine.alive is True, "the detokenizer's own stall was taken for the engine's silence"
         # Only the stall beyond STALL_S is credited: silent for STALL_S before this check, the
         # engine has engine_timeout_s - STALL_S left for its waiting heartbeats to be read.
         stage.check_timeouts(now + 0.3)
-        assert stage.engine_alive is True
+        assert stage.engine.alive is True
         stage.check_timeouts(now + 0.3 + 0.9)  # awake and listening, and still nothing
-        assert stage.engine_alive is False
+        assert stage.engine.alive is False
     finally:
         ctx.destroy(linger=0)
 

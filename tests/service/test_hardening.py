@@ -258,7 +258,7 @@ def test_resumes_held_before_the_engines_resync_are_bounded_and_dropped_with_the
     streams each held 240 MB. In-process detokenizer with no engine: it never resyncs. A 5 s
     client timeout: the resumes must be seen held before their silent clients are given up on,
     which a loaded machine once delayed past a 1 s timeout."""
-    from detok_proc.server import MAX_EARLY_RESUME_ROWS
+    from detok_proc.recovery import MAX_EARLY_RESUME_ROWS
 
     stage, eps = in_process_detok(tokenizer_dir, ctx, client_timeout_s=5.0)
     rows = MAX_EARLY_RESUME_ROWS // 2 - 1
@@ -275,7 +275,7 @@ def test_resumes_held_before_the_engines_resync_are_bounded_and_dropped_with_the
         first, second, third = (raw_socket(ctx, zmq.DEALER, eps.stream, uuid.uuid4().bytes) for _ in range(3))
         for sock in (first, second):
             sock.send(resume)
-        wait_for(lambda: len(stage._early_resumes) == 2, timeout=60, what="two resumes held")
+        wait_for(lambda: len(stage.recovery.early) == 2, timeout=60, what="two resumes held")
         third.send(resume)  # over the limit with the other two, and no smaller than either
         wait_for(lambda: floods() == 1, timeout=60, what="the third resume refused")
         assert "resume refused" in reply(third).message
@@ -283,9 +283,9 @@ def test_resumes_held_before_the_engines_resync_are_bounded_and_dropped_with_the
         first.send(resume)  # the same client again replaces its own: no flood
         time.sleep(0.5)
         assert floods() == 1
-        wait_for(lambda: not stage._early_resumes, timeout=60, what="silent clients' resumes dropped")
+        wait_for(lambda: not stage.recovery.early, timeout=60, what="silent clients' resumes dropped")
         third.send(resume)  # their clients are gone, so is what they held
-        wait_for(lambda: len(stage._early_resumes) == 1, timeout=60, what="the third client's resume held")
+        wait_for(lambda: len(stage.recovery.early) == 1, timeout=60, what="the third client's resume held")
         assert floods() == 1
 
 

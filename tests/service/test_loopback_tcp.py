@@ -94,13 +94,13 @@ def test_a_death_notice_naming_no_engine_is_refused(tokenizer_dir):
     eps = service_endpoints(f"ipc://{short_tmpdir()}")
     stage = DetokStage(AutoTokenizer.from_pretrained(tokenizer_dir), eps.stream, eps.detok, eps.control, ctx=ctx)
     try:
-        stage.engine_state, stage.engine_alive, stage.engine_instance = "ready", True, "E1"
-        stage.engine_last_seen = time.monotonic()
+        stage.engine.state, stage.engine.alive, stage.engine.instance = "ready", True, "E1"
+        stage.engine.last_seen = time.monotonic()
         for instance in ("", "E0"):
             stage.on_engine_status(p.EngineStatus(False, instance, "forged death"))
-            assert stage.engine_alive is True, f"a death notice from {instance!r} was taken for E1's"
+            assert stage.engine.alive is True, f"a death notice from {instance!r} was taken for E1's"
         assert stage.rejects.counts["foreign_engine"] == 2
         stage.on_engine_status(p.EngineStatus(False, "E1", "shut down"))
-        assert stage.engine_alive is False
+        assert stage.engine.alive is False
     finally:
         ctx.destroy(linger=0)
