@@ -1,0 +1,69 @@
+"""Two checkouts of the service side by side on one serving workload: is a change to the stages
+slower than the code before it?
+
+    python bench/serve_ab.py --before /tmp/before --after . --rounds 3
+    python bench/serve_ab.py --before /tmp/before --after . -- --concurrency 16 64   # more bench/serve.py flags
+
+Each round runs `bench/serve.py --sweep --null-model` (by default at concurrency 64, one repeat,
+no in-process side) once from each checkout, each in a fresh process with that checkout first on
+PYTHONPATH (its stages, client and engine), alternating which goes first, so load on the machine
+hits both alike. The null model keeps the model step near zero, so what is measured is the
+stages' own work. Prints each round's output tok/s at every level, the medians and their ratio
+(after / before), and one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_side(checkout: str, extra: list[str]) -> dict[int, float]:
+    """One null-model sweep from `checkout`: output tok/s per concurrency level."""
+    checkout = os.path.abspath(checkout)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "sweep.json")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([checkout, os.path.join(checkout, "client")]))
+        subprocess.run([sys.executable, os.path.join(checkout, "bench", "serve.py"), "--sweep", "--null-model",
+                        "--skip-offline", "--json", out, *extra], check=True, env=env, cwd=checkout,
+                       stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            rows = json.load(f)["null"]
+    return {row["concurrency"]: row["output_tok_s"] for row in rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", required=True, help="checkout of the code before the change")
+    parser.add_argument("--after", default=os.path.dirname(HERE), help="checkout of the change (default: this one)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("extra", nargs="*", help="more bench/serve.py flags, after --")
+    args = parser.parse_args()
+    extra = args.extra or ["--concurrency", "64", "--repeats", "1"]
+    runs: dict[str, list[dict[int, float]]] = {"before": [], "after": []}
+    for r in range(args.rounds):
+        order = ("before", "after") if r % 2 == 0 else ("after", "before")
+        for side in order:
+            runs[side].append(run_side(getattr(args, side), extra))
+            print(f"round {r + 1} {side}: " + ", ".join(f"{c}: {t:,.1f}" for c, t in runs[side][-1].items()),
+                  flush=True)
+    levels = sorted(runs["before"][0])
+    medians = {side: {c: statistics.median(run[c] for run in runs[side]) for c in levels} for side in runs}
+    print("\n| concurrency | before out tok/s (runs) | after out tok/s (runs) | after / before (medians) |")
+    print("| --- | --- | --- | --- |")
+    for c in levels:
+        cells = [f"{medians[s][c]:,.1f} ({', '.join(f'{run[c]:,.1f}' for run in runs[s])})" for s in ("before", "after")]
+        print(f"| {c} | {cells[0]} | {cells[1]} | {medians['after'][c] / medians['before'][c]:.3f} |")
+    print(json.dumps({"bench": "serve_ab", "before": os.path.abspath(args.before), "after": os.path.abspath(args.after),
+                      "runs": runs, "ratio": {c: round(medians["after"][c] / medians["before"][c], 3) for c in levels}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
