@@ -58,14 +58,13 @@ from prometheus_client import CollectorRegistry
 
 from nanovllm.metrics import EngineMetrics
 from nanovllm_client import protocol as p
-from nanovllm.service.intake import accept, drain
 from nanovllm.service.security import ServiceSecurity
 from nanovllm.service.stage import (DEFAULT_HWM, REQUEST_PIPE_HWM, Notifier, RejectLog, new_instance_id, pipeline_pull,
                                    pipeline_push)
 
-from .admission import Admission, Queued, StepMessages, _refusal
+from .admission import Admission, Queued, StepMessages
 from .client_shares import ClientShares
-from .ledger import request_bytes
+from .input import Input
 from .output import STOP, Output
 
 log = logging.getLogger("engine_proc")
@@ -73,9 +72,6 @@ log = logging.getLogger("engine_proc")
 RESYNC_CHUNK = 256
 """Requests per `Resync` frame, so one frame stays far below the frame size limit."""
 RESYNC_INTERVAL_S = 1.0
-MAX_CONTROL_BACKLOG = 65_536
-"""Control messages read and not yet applied by the step loop: over this the control socket is
-left unread for a moment (a flood of aborts during a long step cannot grow the inbox without end)."""
 SHUTDOWN_SEND_S = 2.0
 """How long a stopping engine keeps trying to push its last messages to a detokenizer that is
 not reading (or gone) before it gives up and exits."""
@@ -103,35 +99,23 @@ class EngineStage:
         self.started_at = time.monotonic()
         self.drain_timeout_s = drain_timeout_s
         self.notifier = Notifier()
-        self.make_sampling = make_sampling
         self.instance_id = new_instance_id()
         self.heartbeat_s = heartbeat_s
-        self.max_queued, self.max_queued_bytes = max_queued, max_queued_bytes
         self.ctx = ctx or zmq.Context.instance()
         self.metrics = metrics or EngineMetrics(CollectorRegistry())
         """Fed by the engine's own post-step hook (added once the engine exists) and by this stage."""
         self.metrics.set_state(self.state)
         self._last_hello = ""
-        # Not a SimpleQueue: the main loop waits on this with a timeout, and CPython's
-        # SimpleQueue.get(timeout) blocks for good once a signal handler (the stop request) runs
-        # past the deadline during the wait; an idle engine then never saw its SIGTERM.
-        self.inbox: queue.Queue = queue.Queue()
-        self._num_queued = self._queued_bytes = 0
-        """Requests put in `inbox` or `backlog` and not yet admitted, rejected or aborted, and their bytes."""
-        self._num_control = 0
-        """Control messages put in `inbox` and not yet taken by the step loop."""
-        self._queued_lock = threading.Lock()
         self._hello: str | None = None
         """The latest detokenizer that asked for a resync and has not got one yet."""
         self._next_resync_at = 0.0
         self.rejects = RejectLog(log, on_reject=self.metrics.frame_rejected)
         self.admission = Admission(max_live, max_live_bytes, ClientShares(max_live_per_client, max_queued_per_client),
-                                   self.rejects, self._dequeued)
+                                   self.rejects, lambda queued: self.input.dequeued(queued))
         """The requests: queued, live, lately finished (used by the step loop alone)."""
         self.admission.engine = engine
         self.latest_stats: dict[str, Any] = engine.stats() if engine is not None else {}
         self.num_steps = 0
-        self._stopping = threading.Event()
         self._stop = threading.Event()
         self._drain_deadline: float | None = None
         # Bind/connect here, in the main thread, before the threads start using the sockets.
@@ -139,16 +123,17 @@ class EngineStage:
         # Few frames in zmq's pipe: what waits there is outside the byte budget.
         self._in_sock = pipeline_pull(self.ctx, input_endpoint, hwm=REQUEST_PIPE_HWM, security=self.security)
         self._control_sock = pipeline_pull(self.ctx, control_endpoint, security=self.security)
-        self._poller = zmq.Poller()
-        self._poller.register(self._in_sock, zmq.POLLIN)
-        self._poller.register(self._control_sock, zmq.POLLIN)
+        self.input = Input(self._in_sock, self._control_sock, make_sampling, max_queued, max_queued_bytes,
+                           self.rejects, self.metrics)
+        """The input thread's state; it hands the step loop requests and control messages through `inbox`."""
+        self.inbox = self.input.inbox
         # Not IMMEDIATE: outputs queue (up to the HWM) while the detokenizer restarts.
         self._out_sock = pipeline_push(self.ctx, output_endpoint, hwm=out_hwm, immediate=False,
                                        security=self.security)
         self.output = Output(self._out_sock, self.instance_id, lambda: self._status(True), heartbeat_s, stream_interval)
         """The output thread's state; the step loop hands it items through `outbox`."""
         self.outbox = self.output.outbox
-        self._threads = [threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
+        self._threads = [threading.Thread(target=self.input.loop, name="engine-input", daemon=True),
                          threading.Thread(target=self.output.loop, name="engine-output", daemon=True)]
 
     # ------------------------------------------------------------------ main loop
@@ -221,7 +206,7 @@ class EngineStage:
         log.warning("drain timed out: aborting %d request(s)", len(left))
         for request_id in left:
             book.abort_notes[request_id] = why
-            self._put_control(p.AbortReq(request_id))
+            self.input.put_control(p.AbortReq(request_id))
         for _ in range(3):  # the aborts' final outputs come from the next step
             self.run_once()
         return f"engine shut down; {len(left)} request(s) aborted after the drain"
@@ -256,7 +241,7 @@ class EngineStage:
         stats = self.latest_stats = self._stage_stats()
         used = 1 - stats["num_free_blocks"] / stats["num_total_blocks"]
         self.metrics.set_live(len(book.live), book.live_bytes)
-        self.metrics.set_queued(len(book.backlog), self._queued_bytes)
+        self.metrics.set_queued(len(book.backlog), self.input.queued_bytes)
         self.notifier.status(f"{self.state}: {stats['num_running']} running, {stats['num_waiting']} waiting, "
                              f"{len(book.backlog)} queued, KV cache {used:.0%} used")
         if sent:
@@ -281,24 +266,13 @@ class EngineStage:
             if isinstance(msg, Queued):
                 self.admission.queue(msg, sent, self.state == "draining")
                 continue
-            with self._queued_lock:
-                self._num_control -= 1
+            self.input.took_control()
             if isinstance(msg, p.AbortReq):
                 self.admission.abort(msg.request_id, sent)
             elif isinstance(msg, p.DetokHello):
                 if msg.instance_id != self._hello and self._last_hello and msg.instance_id != self._last_hello:
                     self.metrics.stage_restart_seen("detokenizer")
                 self._hello = msg.instance_id
-
-    def _put_control(self, msg: p.Message) -> None:
-        with self._queued_lock:
-            self._num_control += 1
-        self.inbox.put(msg)
-
-    def _dequeued(self, queued: Queued) -> None:
-        with self._queued_lock:
-            self._num_queued -= 1
-            self._queued_bytes -= queued.nbytes
 
     def _send_resync(self, detok_instance: str) -> None:
         """Everything a new detokenizer needs. At most one per `RESYNC_INTERVAL_S`, for the latest
@@ -352,12 +326,12 @@ class EngineStage:
 
     def _shutdown(self, reason: str) -> None:
         # [ZH-START]
-        # 1. 放弃时间 = 现在 + 2 秒（SHUTDOWN_SEND_S），置 _stopping 让输入线程退出。
+        # 1. 放弃时间 = 现在 + 2 秒（SHUTDOWN_SEND_S），置 input.stopping 让输入线程退出。
         # 2. 依次放入 EngineStatus(alive=False, 原因) 和 STOP，各最多等 2 秒；放不进只记警告。
         # 3. join 两个线程（各最多 3 秒），关闭 socket，释放安全设置。
         # [ZH-END]
         self.output.give_up_at = time.monotonic() + SHUTDOWN_SEND_S
-        self._stopping.set()
+        self.input.stopping.set()
         try:
             self._emit(self._status(False, p.clip(reason)), timeout=SHUTDOWN_SEND_S)
             self._emit(STOP, timeout=SHUTDOWN_SEND_S)
@@ -370,84 +344,6 @@ class EngineStage:
         self._out_sock.close(linger=0)
         self.security.close()
 
-    # ------------------------------------------------------------------ I/O threads
-
-    def _input_loop(self) -> None:
-        # [ZH-START]
-        # 1. 直到 _stopping：反复 _receive()。
-        # 2. 任何异常只记为 "internal" 拒绝帧：一个 bug 只花掉一帧，不会杀死输入线程（进而杀死引擎）。
-        # [ZH-END]
-        while not self._stopping.is_set():
-            try:
-                self._receive()
-            except Exception:  # a bug must cost one frame, never the thread (and with it the engine)
-                self.rejects("internal", "unexpected error while receiving a frame", exc_info=True)
-
-    def _receive(self) -> None:
-        # [ZH-START]
-        # 1. 已排队未准入的请求 >= max_queued 个，或其字节额度 >= max_queued_bytes：这一轮不读 input socket，
-        #    让它填满（这条管道的 HWM 只有 64 帧），tokenizer 就会停下来挡住客户端；poll 只等 10 ms 就重看额度。
-        # 2. control socket 一直读（abort、DetokHello 很小），除非 inbox 里还有 MAX_CONTROL_BACKLOG 条没被主线程取走。
-        # 3. poll：control 可读 → _receive_control（一次最多 256 帧）；input 可读 → _receive_request（一帧）。
-        # [ZH-END]
-        full = self._num_queued >= self.max_queued or self._queued_bytes >= self.max_queued_bytes
-        self._poller.modify(self._in_sock, 0 if full else zmq.POLLIN)
-        self._poller.modify(self._control_sock, zmq.POLLIN if self._num_control < MAX_CONTROL_BACKLOG else 0)
-        events = dict(self._poller.poll(10 if full else 100))
-        if self._control_sock in events:
-            self._receive_control()
-        if self._in_sock in events:
-            self._receive_request()
-
-    def _receive_control(self) -> None:
-        """Aborts and detokenizer hellos: tiny, and read whatever the load."""
-        drain(lambda: self._control_sock.recv_multipart(zmq.NOBLOCK), self._on_control, self.rejects)
-
-    def _on_control(self, frames: list[bytes]) -> None:
-        msg = self._accept(frames, (p.AbortReq, p.DetokHello), "control")
-        if msg is not None:
-            self._put_control(msg)
-
-    def _receive_request(self) -> None:
-        # [ZH-START]
-        # 1. 收一条，经 _accept（intake.accept）只接受 TokenizedReq（abort 和 DetokHello 走 control socket），否则按原因计数后丢弃（对面只有 stage，没有回复通道）。
-        # 2. _queued：在这里（不占主线程）建好采样参数（allowed_token_ids 存成 4 字节一个的 array），
-        #    丢掉解出来的 sampling 大 list；prompt 保持打包；额度 = 帧长 + 每个 prompt token 40 字节。
-        #    在锁内把 _num_queued 加一、_queued_bytes 加上额度。
-        # 3. 放进 inbox，保持到达顺序。
-        # [ZH-END]
-        try:
-            frames = self._in_sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        msg = self._accept(frames, (p.TokenizedReq,), "input")
-        if msg is None:
-            return
-        queued = self._queued(msg, len(frames[0]))
-        with self._queued_lock:
-            self._num_queued += 1
-            self._queued_bytes += queued.nbytes
-        self.inbox.put(queued)
-
-    def _accept(self, frames: list[bytes], accepted: tuple, socket_name: str) -> Any:
-        """The message if it is one of `accepted`; otherwise None, the frame counted as rejected
-        (only stages talk to us, and they have no reply path)."""
-        self.metrics.frame_received()
-        msg = accept(frames, accepted, self.rejects, f"on the {socket_name} socket", f"the engine's {socket_name} socket")
-        return None if isinstance(msg, p.ErrorOutput) else msg
-
-    def _queued(self, req: p.TokenizedReq, frame_bytes: int) -> Queued:
-        """Build the request's sampling parameters here, off the step loop: they hold large lists
-        compactly (allowed token ids as 4-byte ints), and the decoded lists are let go."""
-        params, error = None, None
-        try:
-            params = self.make_sampling(**req.sampling)
-        except Exception as e:
-            error = _refusal(e, req.request_id)
-        req.sampling = {}
-        num_tokens = (len(req.prompt_token_ids) + len(req.output_ids)) // 4  # the output to continue from too
-        return Queued(req, params, error, request_bytes(frame_bytes, num_tokens))
-
     def _set_state(self, state: str) -> None:
         self.state = state
         self.metrics.set_state(state)
@@ -457,7 +353,7 @@ class EngineStage:
         book = self.admission
         return dict(self.engine.stats(), num_live=len(book.live), num_queued=len(book.backlog),
                     num_clients=book.shares.num_clients,
-                    live_bytes=book.live_bytes, queued_bytes=self._queued_bytes, num_steps=self.num_steps,
+                    live_bytes=book.live_bytes, queued_bytes=self.input.queued_bytes, num_steps=self.num_steps,
                     rejected_frames=sum(self.rejects.counts.values()))
 
     def _status(self, alive: bool, reason: str = "") -> p.EngineStatus:

@@ -52,7 +52,8 @@ CORE_MODULES: dict[str, list[str]] = {
     "tokenizer_proc/server.py": [f"TokenizerStage.{m}" for m in ("run", "handle", "_on_generate")],
     "tokenizer_proc/requests.py": ["RequestBuilder.build", "RequestBuilder._prompt_ids"],
     "engine_proc/server.py": [f"EngineStage.{m}" for m in (
-        "run", "run_once", "_take_inbox", "_input_loop")],
+        "run", "run_once", "_take_inbox")],
+    "engine_proc/input.py": ["Input.loop", "Input._receive", "Input._receive_request"],
     "engine_proc/admission.py": [f"Admission.{m}" for m in ("queue", "admit", "abort", "record")],
     "engine_proc/output.py": ["Output.loop", "StreamHold.take"],
     "detok_proc/server.py": [f"DetokStage.{m}" for m in (

@@ -110,4 +110,4 @@ def test_an_abort_that_overtakes_its_request_ends_it_when_it_arrives(tiny_model_
         assert started.count("c:early") == 1 and not stage.admission.early_aborts
         wait_for(lambda: not stage.admission.live, timeout=60, what="both requests gone")
         # Every charge came back, and every control message was taken.
-        assert (stage.admission.live_bytes, stage._queued_bytes, stage._num_queued, stage._num_control) == (0, 0, 0, 0)
+        assert (stage.admission.live_bytes, stage.input.queued_bytes, stage.input.num_queued, stage.input.num_control) == (0, 0, 0, 0)

@@ -581,8 +581,8 @@ def test_every_way_a_request_leaves_the_engine_returns_its_byte_charge(tiny_mode
         send("bad", {"temperature": -1})  # refused by its sampling parameters
         send("too-long", {"max_tokens": 5}, prompt=range(1, 5000))  # refused at admission: longer than the model
         send("short", {"max_tokens": 3, "ignore_eos": True})
-        read(lambda: stage._queued_bytes and len(stage.admission.backlog) == 4)
-        assert stage._queued_bytes == sum(q.nbytes for q in stage.admission.backlog.values())
+        read(lambda: stage.input.queued_bytes and len(stage.admission.backlog) == 4)
+        assert stage.input.queued_bytes == sum(q.nbytes for q in stage.admission.backlog.values())
         control = raw_socket(ctx, zmq.PUSH, eps.control)
         control.send(p.AbortReq("queued").encode())
         read(lambda: "queued" in ends)
@@ -590,7 +590,7 @@ def test_every_way_a_request_leaves_the_engine_returns_its_byte_charge(tiny_mode
         read(lambda: len(ends) == 5)
         assert ends == {"long": "abort", "queued": "abort", "bad": "rejected", "too-long": "rejected", "short": "length"}
         read(lambda: not stage.admission.live and not stage.admission.backlog)
-        assert (stage.admission.live_bytes, stage._queued_bytes, stage._num_queued) == (0, 0, 0)
+        assert (stage.admission.live_bytes, stage.input.queued_bytes, stage.input.num_queued) == (0, 0, 0)
 
 
 def test_a_request_over_the_frame_limit_once_tokenized_is_refused_by_the_tokenizer(tmp_path, tokenizer_dir, ctx):
