@@ -214,9 +214,15 @@ class ModelRunner:
             return NullModel(self.model_config.vocab_size)
         with torch.device(self.device):
             model = DecoderForCausalLM(self.model_config, self.tp).to(self.dtype)
-        load_weights(model, iter_weights(model_path))
+        load_weights(model, iter_weights(model_path, packed=self._keeps_weights_packed()))
         pack_linear_weights(model)
         return model.eval()
+
+    def _keeps_weights_packed(self) -> bool:
+        """GGUF matrices stay quantized where the packed kernels run them: one CPU rank whose
+        compiled kernels serve this model (layers/quant.py); elsewhere they load as float."""
+        return (self.device.type == "cpu" and self.config.tensor_parallel_size == 1
+                and CpuAttentionKernel.supports(self.dtype, self.model_config.head_dim) and CpuOps.load() is not None)
 
     def set_attention_kernels(self, cpu_kernel: CpuAttentionKernel | None, triton_ops: object | None) -> None:
         """Choose the attention path: the compiled CPU kernel, the Triton kernel module, or neither

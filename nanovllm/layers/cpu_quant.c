@@ -1,18 +1,20 @@
 /* Matrix products with weights kept packed (quantized) in memory, on CPU.
  *
  * Two layouts serve every packed GGUF type (layers/quant.py maps them):
- *   4-bit: codes uint8 [N, K/2], per group of 32 inputs 16 bytes, byte j holding element j (low
- *          nibble) and element j+16 (high nibble), as GGUF's Q4_0/Q4_1 blocks do;
+ *   4-bit: codes uint8 [N, K/2], per group of 32 inputs 16 bytes, byte j holding input j (low
+ *          nibble) and input j+16 (high nibble), as GGUF's Q4_0/Q4_1 blocks do;
  *          w = scale * q + min, q in 0..15.
  *   8-bit: codes int8 [N, K]; w = scale * q (+ min where mins are given); groups of 16 or 32.
  * Scales and mins are float16 [N, K / group].
  *
- * quant_matmul: y (M, N) = x (M, K) W^T. Each row of x is quantized to int8 per 32 inputs
- * (scale amax/127), as llama.cpp does, so a group's dot product is one integer dot product
- * (AVX2 maddubs, or VNNI dpbusd where the CPU has it) times the two scales, plus min * sum(x).
- * Each weight group is loaded once for up to four rows of x: this is the path for small M, where
- * the weight bytes are the cost. Large M goes through quant_dequant into a float panel and the
- * float GEMM instead (layers/quant.py picks).
+ * quant_matmul: y (M, N) = x (M, K) W^T, for small M (decode), where reading the weights is the
+ * cost. Each row of x is quantized to int16 per 32 inputs (scale amax/32767: a relative error
+ * of 2^-16 of the block's largest value, far below bf16's), so a block's dot product is two
+ * int16 multiply-adds (`madd`) on the codes widened to int16, times the scales; min terms use the
+ * exact float sums of x. int8 activations (llama.cpp's choice, one `maddubs` per block) were
+ * faster by a third here but changed the default model's greedy answers, and converting the
+ * codes to float cost three times the shuffles. Each weight block is loaded once for up to four
+ * rows of x. Large M goes through quant_dequant into a float panel and the float GEMM instead.
  * quant_dequant: rows of W as float32 or bfloat16 (`bf16`), for that panel and the embedding.
  */
 #include <math.h>
@@ -28,7 +30,8 @@
 #endif
 
 #define QK 32            /* inputs per activation block */
-#define ROWS_PER_PASS 4  /* rows of x sharing one load of a weight group */
+#define ROWS_PER_PASS 4  /* rows of x sharing one load of a weight block */
+#define MAX_GROUPS 512   /* groups per row the stack buffers hold (K up to 8192 at 16 per group) */
 
 static inline float f16_to_f32(uint16_t h) {
 #ifdef QUANT_AVX2
@@ -51,139 +54,141 @@ static inline float f16_to_f32(uint16_t h) {
 #endif
 }
 
-/* One row of x quantized per block of 32: codes, the block's scale, and scale * sum(codes) of
- * each half block (the min terms of 16- and 32-wide groups need them). */
-typedef struct {
-    int8_t *q;     /* [K] */
-    float *d;      /* [K / 32] */
-    float *hsum;   /* [K / 16] */
-} qrow;
+/* float32 copies of n float16 values (a row's scales or mins, converted once per row) */
+static inline void f16_row(const uint16_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+#ifdef QUANT_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = f16_to_f32(h[i]);
+}
 
-static void quantize_row(const void *x, int64_t K, qrow r, const int BF) {
+/* One row of x: int16 codes per block of 32 with the block's scale, and float sums per group. */
+typedef struct {
+    const int16_t *q;  /* [K] */
+    const float *d;    /* [K / 32] */
+    const float *sum;  /* [K / group] */
+} xrow;
+
+static void quantize_row(const void *x, int64_t K, int64_t group, int16_t *q, float *d, float *sum, const int BF) {
     for (int64_t b = 0; b < K / QK; b++) {
         float v[QK], amax = 0.f;
         for (int i = 0; i < QK; i++) {
             v[i] = sload(x, b * QK + i, BF);
             amax = fmaxf(amax, fabsf(v[i]));
         }
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        int s0 = 0, s1 = 0;
-        for (int i = 0; i < QK; i++) {
-            const int q = (int)nearbyintf(v[i] * id);
-            r.q[b * QK + i] = (int8_t)q;
-            if (i < QK / 2) s0 += q; else s1 += q;
-        }
-        r.d[b] = d;
-        r.hsum[2 * b] = d * (float)s0;
-        r.hsum[2 * b + 1] = d * (float)s1;
+        const float scale = amax / 32767.f, inv = scale > 0.f ? 1.f / scale : 0.f;
+        for (int i = 0; i < QK; i++) q[b * QK + i] = (int16_t)nearbyintf(v[i] * inv);
+        d[b] = scale;
+    }
+    for (int64_t g = 0; g < K / group; g++) {
+        float s = 0.f;
+        for (int64_t i = g * group; i < (g + 1) * group; i++) s += sload(x, i, BF);
+        sum[g] = s;
     }
 }
 
-/* ---- integer dot products of one 32-input block: 8 int32 lanes, lanes 0-3 the first 16 inputs */
-
+/* result[r] = W row . x row r for r < R. sc/mn: the W row's scales and mins as float32. */
+static inline __attribute__((always_inline)) void dot_rows_body(int bits, const uint8_t *codes, const float *sc,
+                                                                 const float *mn, int64_t group, int64_t K,
+                                                                 const xrow *xr, const int R, float *result) {
+    const int64_t nb = K / QK, gpb = QK / group; /* groups per block: 1 or 2 */
+    for (int r = 0; r < R; r++) {
+        float s = 0.f;
+        if (mn != NULL)
+            for (int64_t g = 0; g < K / group; g++) s += mn[g] * xr[r].sum[g];
+        result[r] = s;
+    }
 #ifdef QUANT_AVX2
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-static inline __m256i unpack_q4(const uint8_t *p) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
-}
-#endif
-
-/* acc[r] += sum over the row's groups for weight row `n` against rows x[0..R). Result per r. */
-static inline void dot_rows(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
-                            int64_t group, int64_t K, const qrow *xr, int R, float *result) {
-    const int64_t nb = K / QK, gpb = QK / group; /* groups per 32-block: 1 or 2 */
-#ifdef QUANT_AVX2
-    __m256 acc[ROWS_PER_PASS];
-    float macc[ROWS_PER_PASS];
-    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.f; }
+    /* Two accumulators per row (even and odd blocks), so the loop is not bound by one chain of
+     * dependent adds. */
+    __m256 acc[2][ROWS_PER_PASS];
+    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const float s0 = f16_to_f32(scales[b * gpb]), s1 = gpb == 2 ? f16_to_f32(scales[b * gpb + 1]) : s0;
-        const __m256 sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
-        float m0 = 0.f, m1 = 0.f;
-        if (mins != NULL) { m0 = f16_to_f32(mins[b * gpb]); m1 = gpb == 2 ? f16_to_f32(mins[b * gpb + 1]) : m0; }
-        __m256i u, w8 = _mm256_setzero_si256();
+        __m256i lo, hi; /* the block's codes as int16: inputs 0..15, 16..31 */
         if (bits == 4) {
-            u = unpack_q4(codes + b * 16);
+            const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * 16)));
+            lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+            hi = _mm256_srli_epi16(v, 4);
         } else {
-            w8 = _mm256_loadu_si256((const __m256i *)(codes + b * QK));
-            u = _mm256_sign_epi8(w8, w8);
+            lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * QK)));
+            hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * QK + 16)));
         }
+        const __m256 s0 = _mm256_broadcast_ss(sc + b * gpb), s1 = _mm256_broadcast_ss(sc + b * gpb + gpb - 1);
         for (int r = 0; r < R; r++) {
-            __m256i xs = _mm256_loadu_si256((const __m256i *)(xr[r].q + b * QK));
-            if (bits != 4) xs = _mm256_sign_epi8(xs, w8);
-            const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(u, xs));
-            acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(xr[r].d[b])), acc[r]);
-            if (mins != NULL) macc[r] += m0 * xr[r].hsum[2 * b] + m1 * xr[r].hsum[2 * b + 1];
+            const int16_t *xq = xr[r].q + b * QK;
+            const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)));
+            const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 16))));
+            const __m256 t = _mm256_fmadd_ps(p1, s1, _mm256_mul_ps(p0, s0));
+            acc[b & 1][r] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(xr[r].d + b), acc[b & 1][r]);
         }
     }
     for (int r = 0; r < R; r++) {
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        const __m256 a = _mm256_add_ps(acc[0][r], acc[1][r]);
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
         const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        result[r] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) + macc[r];
+        result[r] += _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
     }
 #else
-    for (int r = 0; r < R; r++) result[r] = 0.f;
     for (int64_t b = 0; b < nb; b++) {
         for (int half = 0; half < 2; half++) {
-            const int64_t g = (b * QK + half * 16) / group;
-            const float s = f16_to_f32(scales[g]), m = mins != NULL ? f16_to_f32(mins[g]) : 0.f;
+            const float s = sc[(b * QK + half * 16) / group];
             for (int r = 0; r < R; r++) {
-                int sum = 0;
+                int32_t sum = 0;
                 for (int i = half * 16; i < half * 16 + 16; i++) {
                     const int q = bits == 4 ? ((codes[b * 16 + (i & 15)] >> (i < 16 ? 0 : 4)) & 15)
                                             : (int)((const int8_t *)codes)[b * QK + i];
                     sum += q * xr[r].q[b * QK + i];
                 }
-                result[r] += s * xr[r].d[b] * (float)sum + m * xr[r].hsum[2 * b + half];
+                result[r] += s * xr[r].d[b] * (float)sum;
             }
         }
     }
 #endif
 }
 
+/* R as a compile-time constant in the common cases, so the accumulators stay in registers. */
+static void dot_rows(int bits, const uint8_t *codes, const float *sc, const float *mn, int64_t group, int64_t K,
+                     const xrow *xr, int R, float *result) {
+    if (R == 1) dot_rows_body(bits, codes, sc, mn, group, K, xr, 1, result);
+    else if (R == ROWS_PER_PASS) dot_rows_body(bits, codes, sc, mn, group, K, xr, ROWS_PER_PASS, result);
+    else dot_rows_body(bits, codes, sc, mn, group, K, xr, R, result);
+}
+
 /* y[m, n] = sum_k x[m, k] W[n, k] for m < M, n < N; x rows x_stride elements apart, y rows N
  * apart; x and y float32 or bfloat16 (`bf16`). Returns 0, -1 where scratch memory ran out, -2
- * for a shape the kernel does not take (K not a multiple of 32, group not 16 or 32). */
+ * for a shape the kernel does not take (K not a multiple of 32, group not 16 or 32, or more
+ * than MAX_GROUPS groups per row). */
 static int matmul_rows(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
                        int64_t N, int64_t K, const void *x, int64_t x_stride, int64_t M, void *y, const int BF) {
-    if (K % QK || (group != 16 && group != 32) || (bits == 4 && group != 32)) return -2;
-    int8_t *q = malloc((size_t)(M * K));
-    float *d = malloc(sizeof(float) * (size_t)(M * (K / QK) * 3));
-    if (q == NULL || d == NULL) { free(q); free(d); return -1; }
-#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    if (K % QK || (group != 16 && group != 32) || (bits == 4 && group != 32) || K / group > MAX_GROUPS) return -2;
+    const int64_t ng = K / group, row_floats = K / 2 + K / QK + ng; /* int16 codes, scales, sums */
+    float *scratch = malloc(sizeof(float) * (size_t)(M * row_floats));
+    if (scratch == NULL) return -1;
+    xrow *rows = malloc(sizeof(xrow) * (size_t)M);
+    if (rows == NULL) { free(scratch); return -1; }
     for (int64_t m = 0; m < M; m++) {
-        const qrow r = {q + m * K, d + m * (K / QK) * 3, d + m * (K / QK) * 3 + K / QK};
-        quantize_row(at(x, m * x_stride, BF), K, r, BF);
+        float *row = scratch + m * row_floats;
+        rows[m] = (xrow){(const int16_t *)row, row + K / 2, row + K / 2 + K / QK};
     }
-    const int64_t code_row = bits == 4 ? K / 2 : K, scale_row = K / group;
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(at(x, m * x_stride, BF), K, group, (int16_t *)rows[m].q, (float *)rows[m].d,
+                     (float *)rows[m].sum, BF);
+    const int64_t code_row = bits == 4 ? K / 2 : K;
 #pragma omp parallel for schedule(static) if (N * K * M >= 32768)
     for (int64_t n = 0; n < N; n++) {
-        const uint8_t *c = codes + n * code_row;
-        const uint16_t *s = scales + n * scale_row, *mn = mins != NULL ? mins + n * scale_row : NULL;
+        float sc[MAX_GROUPS], mn[MAX_GROUPS], out[ROWS_PER_PASS];
+        f16_row(scales + n * ng, ng, sc);
+        if (mins != NULL) f16_row(mins + n * ng, ng, mn);
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
             const int R = M - m0 < ROWS_PER_PASS ? (int)(M - m0) : ROWS_PER_PASS;
-            qrow xr[ROWS_PER_PASS];
-            float out[ROWS_PER_PASS];
-            for (int r = 0; r < R; r++) {
-                float *dr = d + (m0 + r) * (K / QK) * 3;
-                xr[r] = (qrow){q + (m0 + r) * K, dr, dr + K / QK};
-            }
-            dot_rows(bits, c, s, mn, group, K, xr, R, out);
+            dot_rows(bits, codes + n * code_row, sc, mins != NULL ? mn : NULL, group, K, rows + m0, R, out);
             for (int r = 0; r < R; r++) sstore(y, (m0 + r) * N + n, out[r], BF);
         }
     }
-    free(q);
-    free(d);
+    free(rows);
+    free(scratch);
     return 0;
 }
 
