@@ -200,18 +200,37 @@ int quant_matmul(int64_t bits, const uint8_t *codes, const uint16_t *scales, con
 
 static inline void dequant_row(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
                                int64_t group, int64_t K, void *out, const int BF) {
-    for (int64_t h = 0; h < K / 16; h++) { /* half blocks of 16 inputs: one scale each */
-        const int64_t g = h * 16 / group, b = h / 2, hi = h % 2;
-        const float s = f16_to_f32(scales[g]), m = mins != NULL ? f16_to_f32(mins[g]) : 0.f;
-        float v[16];
+    const int64_t ng = K / group, gpb = QK / group;
+    float sc[MAX_GROUPS], mn[MAX_GROUPS];
+    f16_row(scales, ng, sc);
+    if (mins != NULL) f16_row(mins, ng, mn);
+    else memset(mn, 0, sizeof(float) * (size_t)ng);
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float s0 = sc[b * gpb], s1 = sc[b * gpb + gpb - 1], m0 = mn[b * gpb], m1 = mn[b * gpb + gpb - 1];
+        float v[QK];
+#ifdef QUANT_AVX2
+        __m256i lo, hi; /* as in dot_rows_body: int16 codes of inputs 0..15, 16..31 */
         if (bits == 4) {
-            const uint8_t *c = codes + b * 16;
-            for (int j = 0; j < 16; j++) v[j] = s * (float)((c[j] >> (hi * 4)) & 15) + m;
+            const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * 16)));
+            lo = _mm256_and_si256(c, _mm256_set1_epi16(0x0f));
+            hi = _mm256_srli_epi16(c, 4);
         } else {
-            const int8_t *c = (const int8_t *)codes + h * 16;
-            for (int j = 0; j < 16; j++) v[j] = s * (float)c[j] + m;
+            lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * QK)));
+            hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * QK + 16)));
         }
-        for (int j = 0; j < 16; j++) sstore(out, h * 16 + j, v[j], BF);
+        const __m256 vs0 = _mm256_set1_ps(s0), vs1 = _mm256_set1_ps(s1), vm0 = _mm256_set1_ps(m0), vm1 = _mm256_set1_ps(m1);
+        _mm256_storeu_ps(v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo))), vs0, vm0));
+        _mm256_storeu_ps(v + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1))), vs0, vm0));
+        _mm256_storeu_ps(v + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi))), vs1, vm1));
+        _mm256_storeu_ps(v + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1))), vs1, vm1));
+#else
+        for (int j = 0; j < QK; j++) {
+            const int q = bits == 4 ? ((codes[b * 16 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15)
+                                    : (int)((const int8_t *)codes)[b * QK + j];
+            v[j] = (j < 16 ? s0 : s1) * (float)q + (j < 16 ? m0 : m1);
+        }
+#endif
+        for (int j = 0; j < QK; j += VL) vstore(out, b * QK + j, loadv(v + j), BF);
     }
 }
 
@@ -229,7 +248,7 @@ static void dequant_rows(int bits, const uint8_t *codes, const uint16_t *scales,
 /* out (n, K) = rows of W: rows[i] where `rows` is given, else first + i. */
 int quant_dequant(int64_t bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
                   int64_t K, const int64_t *rows, int64_t first, int64_t n, void *out, int64_t bf16) {
-    if (K % QK || (group != 16 && group != 32)) return -2;
+    if (K % QK || (group != 16 && group != 32) || K / group > MAX_GROUPS) return -2;
     if (bf16) dequant_rows((int)bits, codes, scales, mins, group, K, rows, first, n, out, 1);
     else dequant_rows((int)bits, codes, scales, mins, group, K, rows, first, n, out, 0);
     return 0;
