@@ -8,15 +8,15 @@ import torch
 import torch.nn.functional as F
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
-from gguf.quants import dequantize, quantize  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
 
 from nanovllm.layers.cpu_kernels import CpuOps  # noqa: E402
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear  # noqa: E402
 from nanovllm.layers.quant import MATVEC_MAX_ROWS, QuantizedWeight, quant_embedding, quant_linear  # noqa: E402
 from nanovllm.models.gguf_quant import PACKED_TYPES, to_quantized  # noqa: E402
+from tests.helpers.gguf_blocks import K_QUANTS, gguf_rows  # noqa: E402
 
-K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 ALL_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, *K_QUANTS)
 # The K-quants' scales and mins are products of two numbers, rounded to float16 in the packed
 # layout: each term is off by up to 2^-11 of itself (so up to 2^-10 of the largest weight).
@@ -29,21 +29,6 @@ def ops(kernel_threads):
     if loaded is None:
         pytest.skip("no C compiler on this machine")
     return loaded
-
-
-def gguf_rows(qtype: T, rows: int, cols: int, seed: int) -> np.ndarray:
-    """(rows, row_bytes) of a GGUF tensor: quantized by gguf where it can, else random blocks
-    with small float16 super-block scales (every bit pattern of the rest is a valid block)."""
-    rng = np.random.default_rng(seed)
-    if qtype not in K_QUANTS:
-        return quantize(rng.standard_normal((rows, cols), dtype=np.float32) * 0.1, qtype)
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows, cols // block_size * type_size), dtype=np.uint8)
-    blocks = raw.reshape(-1, type_size)
-    scale_fields = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[qtype]
-    for offset in scale_fields:
-        blocks[:, offset:offset + 2] = rng.uniform(2e-4, 1e-3, (len(blocks), 1)).astype(np.float16).view(np.uint8)
-    return raw
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
