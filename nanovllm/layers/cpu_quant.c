@@ -88,6 +88,20 @@ static void quantize_row(const void *x, int64_t K, int64_t group, int16_t *q, fl
     }
 }
 
+#ifdef QUANT_AVX2
+/* Block b's 32 codes widened to int16: inputs 0..15 in lo, 16..31 in hi. */
+static inline void codes16(int bits, const uint8_t *codes, int64_t b, __m256i *lo, __m256i *hi) {
+    if (bits == 4) {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * 16)));
+        *lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+        *hi = _mm256_srli_epi16(v, 4);
+    } else {
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * QK)));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * QK + 16)));
+    }
+}
+#endif
+
 /* result[r] = W row . x row r for r < R. sc/mn: the W row's scales and mins as float32. */
 static inline __attribute__((always_inline)) void dot_rows_body(int bits, const uint8_t *codes, const float *sc,
                                                                  const float *mn, int64_t group, int64_t K,
@@ -105,15 +119,8 @@ static inline __attribute__((always_inline)) void dot_rows_body(int bits, const 
     __m256 acc[2][ROWS_PER_PASS];
     for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i lo, hi; /* the block's codes as int16: inputs 0..15, 16..31 */
-        if (bits == 4) {
-            const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * 16)));
-            lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
-            hi = _mm256_srli_epi16(v, 4);
-        } else {
-            lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * QK)));
-            hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * QK + 16)));
-        }
+        __m256i lo, hi;
+        codes16(bits, codes, b, &lo, &hi);
         const __m256 s0 = _mm256_broadcast_ss(sc + b * gpb), s1 = _mm256_broadcast_ss(sc + b * gpb + gpb - 1);
         for (int r = 0; r < R; r++) {
             const int16_t *xq = xr[r].q + b * QK;
@@ -209,15 +216,8 @@ static inline void dequant_row(int bits, const uint8_t *codes, const uint16_t *s
         const float s0 = sc[b * gpb], s1 = sc[b * gpb + gpb - 1], m0 = mn[b * gpb], m1 = mn[b * gpb + gpb - 1];
         float v[QK];
 #ifdef QUANT_AVX2
-        __m256i lo, hi; /* as in dot_rows_body: int16 codes of inputs 0..15, 16..31 */
-        if (bits == 4) {
-            const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * 16)));
-            lo = _mm256_and_si256(c, _mm256_set1_epi16(0x0f));
-            hi = _mm256_srli_epi16(c, 4);
-        } else {
-            lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * QK)));
-            hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * QK + 16)));
-        }
+        __m256i lo, hi;
+        codes16(bits, codes, b, &lo, &hi);
         const __m256 vs0 = _mm256_set1_ps(s0), vs1 = _mm256_set1_ps(s1), vm0 = _mm256_set1_ps(m0), vm1 = _mm256_set1_ps(m1);
         _mm256_storeu_ps(v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo))), vs0, vm0));
         _mm256_storeu_ps(v + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1))), vs0, vm0));

@@ -13,3 +13,14 @@ def kernel_threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ops(kernel_threads):
+    """The compiled CPU ops (layers/cpu_kernels.py), on one thread and on two; skips without a compiler."""
+    from nanovllm.layers.cpu_kernels import CpuOps
+
+    loaded = CpuOps.load()
+    if loaded is None:
+        pytest.skip("no C compiler on this machine")
+    return loaded

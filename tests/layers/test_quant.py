@@ -11,7 +11,6 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
-from nanovllm.layers.cpu_kernels import CpuOps  # noqa: E402
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear  # noqa: E402
 from nanovllm.layers.quant import MATVEC_MAX_ROWS, QuantizedWeight, quant_embedding, quant_linear  # noqa: E402
 from nanovllm.models.gguf_quant import PACKED_TYPES, to_quantized  # noqa: E402
@@ -21,14 +20,6 @@ ALL_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, *K_QUANTS)
 # The K-quants' scales and mins are products of two numbers, rounded to float16 in the packed
 # layout: each term is off by up to 2^-11 of itself (so up to 2^-10 of the largest weight).
 CONVERSION_TOL = {t: (2.0 ** -10 if t in K_QUANTS else 0.0) for t in ALL_TYPES}
-
-
-@pytest.fixture(scope="module")
-def ops(kernel_threads):
-    loaded = CpuOps.load()
-    if loaded is None:
-        pytest.skip("no C compiler on this machine")
-    return loaded
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
