@@ -2,6 +2,8 @@
 `gguf.quants.dequantize` of the same bytes and a float matmul."""
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
+from nanovllm.layers.cpu_kernels import CpuOps  # noqa: E402
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear  # noqa: E402
 from nanovllm.layers.quant import MATVEC_MAX_ROWS, QuantizedWeight, quant_embedding, quant_linear  # noqa: E402
 from nanovllm.models.gguf_quant import PACKED_TYPES, to_quantized  # noqa: E402
@@ -110,3 +113,35 @@ def test_a_float_block_among_packed_ones_makes_the_layer_float():
     layer.weight_loader(layer.weight, up, 1)
     assert layer.quant is None
     assert torch.equal(layer.weight, torch.cat([packed.dequantize(), up]))
+
+
+@pytest.fixture(scope="module")
+def portable_ops(tmp_path_factory) -> CpuOps:
+    """The kernels built for baseline x86-64: the plain-C loops that CPUs without AVX2/F16C/FMA run."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from nanovllm.layers import cpu_kernels
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C compiler on x86-64")
+    library = str(tmp_path_factory.mktemp("portable") / "kernels.so")
+    flags = [f for f in cpu_kernels._CFLAGS if f != "-march=native"] + ["-march=x86-64"]
+    sources = [path for path in cpu_kernels._SOURCES if not path.endswith("cpu_attention.c")]  # what CpuOps calls
+    subprocess.run([compiler, *flags, "-o", library, *sources, "-lm"], check=True, capture_output=True)
+    return CpuOps(ctypes.CDLL(library))
+
+
+def test_portable_c_build_matches_the_vector_build(portable_ops):
+    native = CpuOps.load()
+    if native is None:
+        pytest.skip("no C compiler")
+    for qtype, rows in ((T.Q4_1, 3), (T.Q6_K, 1), (T.Q5_K, 4)):
+        weight = to_quantized(gguf_rows(qtype, 24, 256, seed=rows), qtype)
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(portable_ops.quant_matmul(weight, x), native.quant_matmul(weight, x), rtol=1e-5,
+                                   atol=1e-5)
+        assert torch.equal(portable_ops.quant_dequant(weight, 0, 24, torch.float32).clone(),
+                           native.quant_dequant(weight, 0, 24, torch.float32))
