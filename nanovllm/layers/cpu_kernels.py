@@ -272,8 +272,8 @@ class CpuOps:
         if x.shape[1] != k:
             raise ValueError(f"input has {x.shape[1]} features, the weight takes {k}")
         y = torch.empty((x.shape[0], n), dtype=x.dtype)
-        _check_quant(self._quant_matmul(weight.bits, *_quant_args(weight), n, k, x.data_ptr(), x.stride(0),
-                                        x.shape[0], y.data_ptr(), _is_bf16(x)), weight)
+        _check_quant(self._quant_matmul(*weight.kernel_args, n, k, x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr(),
+                                        _is_bf16(x)), weight)
         return y
 
     def quant_dequant(self, weight, first: int, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -284,8 +284,8 @@ class CpuOps:
         if self._panel.numel() < needed:
             self._panel = torch.empty(needed, dtype=torch.uint8)
         panel = self._panel[:needed].view(dtype).view(count, k)
-        _check_quant(self._quant_dequant(weight.bits, *_quant_args(weight), k, None, first, count,
-                                         panel.data_ptr(), _is_bf16(panel)), weight)
+        _check_quant(self._quant_dequant(*weight.kernel_args, k, None, first, count, panel.data_ptr(),
+                                         _is_bf16(panel)), weight)
         return panel
 
     def quant_rows(self, weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -294,15 +294,9 @@ class CpuOps:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
             raise IndexError(f"token id out of range for an embedding of {weight.shape[0]} rows")
         out = torch.empty((ids.numel(), weight.shape[1]), dtype=dtype)
-        _check_quant(self._quant_dequant(weight.bits, *_quant_args(weight), weight.shape[1], ids.data_ptr(), 0,
-                                         ids.numel(), out.data_ptr(), _is_bf16(out)), weight)
+        _check_quant(self._quant_dequant(*weight.kernel_args, weight.shape[1], ids.data_ptr(), 0, ids.numel(),
+                                         out.data_ptr(), _is_bf16(out)), weight)
         return out
-
-
-def _quant_args(weight) -> tuple:
-    """codes, scales, mins pointers and the group, as the cpu_quant.c entry points take them."""
-    mins = None if weight.mins is None else weight.mins.data_ptr()
-    return weight.codes.data_ptr(), weight.scales.data_ptr(), mins, weight.group
 
 
 def _check_quant(failed: int, weight) -> None:

@@ -18,6 +18,7 @@ correct: a reference for the tests and a fallback).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,9 +40,16 @@ class QuantizedWeight:
     scales: torch.Tensor  # float16 (N, K / group)
     mins: torch.Tensor | None  # float16 (N, K / group), or None: w = scale * q
 
-    @property
+    @functools.cached_property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], self.codes.shape[1] * (2 if self.bits == 4 else 1)
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple:
+        """bits, codes, scales, mins (pointers; the tensors never change) and the group, as the
+        cpu_quant.c entry points take them: worked out once, not at every call of a decode step."""
+        mins = None if self.mins is None else self.mins.data_ptr()
+        return self.bits, self.codes.data_ptr(), self.scales.data_ptr(), mins, self.group
 
     @property
     def nbytes(self) -> int:
