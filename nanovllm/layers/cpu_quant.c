@@ -154,6 +154,39 @@ static inline __attribute__((always_inline)) void dot_rows_body(int bits, const 
 #endif
 }
 
+#ifdef QUANT_AVX2
+/* Batch 1 (one row of x), two rows of W at a time: twice the independent work per x load. */
+static void dot_pair(int bits, const uint8_t *c0, const uint8_t *c1, const float *sc0, const float *sc1,
+                     int64_t group, int64_t K, const xrow *x, float *out0, float *out1) {
+    const int64_t nb = K / QK, gpb = QK / group;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i l0, h0, l1, h1;
+        codes16(bits, c0, b, &l0, &h0);
+        codes16(bits, c1, b, &l1, &h1);
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x->q + b * QK));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x->q + b * QK + 16));
+        const __m256 d = _mm256_broadcast_ss(x->d + b);
+        const __m256 t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h0, x1)),
+                                          _mm256_broadcast_ss(sc0 + b * gpb + gpb - 1),
+                                          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(l0, x0)),
+                                                        _mm256_broadcast_ss(sc0 + b * gpb)));
+        const __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h1, x1)),
+                                          _mm256_broadcast_ss(sc1 + b * gpb + gpb - 1),
+                                          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(l1, x0)),
+                                                        _mm256_broadcast_ss(sc1 + b * gpb)));
+        a0 = _mm256_fmadd_ps(t0, d, a0);
+        a1 = _mm256_fmadd_ps(t1, d, a1);
+    }
+    const __m128 h0 = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
+    const __m128 h1 = _mm_add_ps(_mm256_castps256_ps128(a1), _mm256_extractf128_ps(a1, 1));
+    const __m128 s01 = _mm_hadd_ps(h0, h1);  /* h0 pairs, h1 pairs */
+    const __m128 s = _mm_hadd_ps(s01, s01);
+    *out0 += _mm_cvtss_f32(s);
+    *out1 += _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+}
+#endif
+
 /* R as a compile-time constant in the common cases, so the accumulators stay in registers. */
 static void dot_rows(int bits, const uint8_t *codes, const float *sc, const float *mn, int64_t group, int64_t K,
                      const xrow *xr, int R, float *result) {
@@ -183,6 +216,28 @@ static int matmul_rows(int bits, const uint8_t *codes, const uint16_t *scales, c
         quantize_row(at(x, m * x_stride, BF), K, group, (int16_t *)rows[m].q, (float *)rows[m].d,
                      (float *)rows[m].sum, BF);
     const int64_t code_row = bits == 4 ? K / 2 : K;
+#ifdef QUANT_AVX2
+    if (M == 1 && bits == 4 && N % 2 == 0) { /* measured: 1.5x for 4-bit codes, slower for 8-bit */
+#pragma omp parallel for schedule(static) if (N * K >= 32768)
+        for (int64_t n = 0; n < N; n += 2) {
+            float sc0[MAX_GROUPS], sc1[MAX_GROUPS], mn[MAX_GROUPS], out[2] = {0.f, 0.f};
+            f16_row(scales + n * ng, ng, sc0);
+            f16_row(scales + (n + 1) * ng, ng, sc1);
+            for (int i = 0; i < 2; i++)
+                if (mins != NULL) {
+                    f16_row(mins + (n + i) * ng, ng, mn);
+                    for (int64_t g = 0; g < ng; g++) out[i] += mn[g] * rows[0].sum[g];
+                }
+            dot_pair(bits, codes + n * code_row, codes + (n + 1) * code_row, sc0, sc1, group, K, rows, &out[0],
+                     &out[1]);
+            sstore(y, n, out[0], BF);
+            sstore(y, n + 1, out[1], BF);
+        }
+        free(rows);
+        free(scratch);
+        return 0;
+    }
+#endif
 #pragma omp parallel for schedule(static) if (N * K * M >= 32768)
     for (int64_t n = 0; n < N; n++) {
         float sc[MAX_GROUPS], mn[MAX_GROUPS], out[ROWS_PER_PASS];
