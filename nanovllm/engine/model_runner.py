@@ -50,6 +50,7 @@ from nanovllm.engine.tp_workers import WorkerProcesses
 from nanovllm.layers.attention import PagedAttention
 from nanovllm.layers.cpu_gemm import pack_linear_weights, packs
 from nanovllm.layers.cpu_kernels import CpuAttentionKernel, CpuOps, auto_cpu_dtype
+from nanovllm.layers.quant import quantize_model_int8
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.loader import iter_weights, load_weights
@@ -214,7 +215,13 @@ class ModelRunner:
             return NullModel(self.model_config.vocab_size)
         with torch.device(self.device):
             model = DecoderForCausalLM(self.model_config, self.tp).to(self.dtype)
-        load_weights(model, iter_weights(model_path, packed=self._keeps_weights_packed()))
+        packed = self._keeps_weights_packed()
+        load_weights(model, iter_weights(model_path, packed=packed))
+        if self.config.quantization == "int8":
+            if not packed:
+                raise ValueError("quantization='int8' runs on the packed CPU kernels: it needs device cpu, "
+                                 "tensor_parallel_size 1, dtype float32 or bfloat16 and a C compiler")
+            quantize_model_int8(model)
         pack_linear_weights(model)
         return model.eval()
 

@@ -79,11 +79,15 @@ class _ParallelLinear(nn.Module):
         self._load_float(param, tensor, *shard)
 
     def _keep_packed(self) -> None:
-        quant = QuantizedWeight.cat_rows([self._quant_parts[i] for i in range(self.num_shards)])
+        self.keep_packed(QuantizedWeight.cat_rows([self._quant_parts[i] for i in range(self.num_shards)]))
+        self._quant_parts = {}
+
+    def keep_packed(self, quant: QuantizedWeight) -> None:
+        """Hold `quant` instead of the float weight, which is freed."""
         if quant.shape != tuple(self.weight.shape):
             raise ValueError(f"has shape {quant.shape}, expected {tuple(self.weight.shape)}")
-        self.quant, self._quant_parts = quant, {}
-        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)  # frees the float copy
+        self.quant = quant
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def _load_float(self, param: nn.Parameter, tensor: torch.Tensor, *shard: int) -> None:
         raise NotImplementedError

@@ -85,6 +85,17 @@ class QuantizedWeight:
         return QuantizedWeight(8, group, self.int_codes().contiguous(), scales, mins)
 
     @staticmethod
+    def from_float(weight: torch.Tensor, group: int = 32) -> QuantizedWeight:
+        """Weight-only int8 with a float16 scale per `group` inputs (amax / 127, round to nearest):
+        `quantization="int8"` for float checkpoints, on the same kernels as GGUF's Q8_0."""
+        rows, cols = weight.shape
+        blocks = weight.detach().float().reshape(rows, cols // group, group)
+        scales = (blocks.abs().amax(dim=-1) / 127).half()  # (N, K / group)
+        inverse = torch.where(scales > 0, 1 / scales.float(), torch.zeros(()))
+        codes = torch.round(blocks * inverse.unsqueeze(-1)).clamp(-127, 127).to(torch.int8).reshape(rows, cols)
+        return QuantizedWeight(8, group, codes, scales, None)
+
+    @staticmethod
     def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Row blocks stacked into one weight (q|k|v, gate|up); mixed layouts meet in the 8-bit one."""
         if len({(p.bits, p.group, p.mins is None) for p in parts}) > 1:
@@ -124,3 +135,20 @@ def quant_embedding(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dty
     if ops is None or dtype not in (torch.float32, torch.bfloat16):
         return weight.rows(ids).dequantize(dtype)
     return ops.quant_rows(weight, ids, dtype)
+
+
+def quantize_model_int8(model: torch.nn.Module) -> int:
+    """Replace every float matrix that a packed kernel can take (linear layers, the embedding and
+    LM head; inputs a multiple of 32) by its int8 form; returns how many. Tied weights stay tied."""
+    done: dict[int, QuantizedWeight] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "keep_packed") or module.quant is not None or weight is None or weight.dim() != 2:
+            continue
+        if weight.shape[1] % 32 or weight.numel() == 0:
+            continue
+        key = id(weight)
+        if key not in done:
+            done[key] = QuantizedWeight.from_float(weight)
+        module.keep_packed(done[key])
+    return len(done)
