@@ -7,7 +7,8 @@ random prompt tokens each, `--gen-len` generated tokens each, EOS ignored. llama
 through `LLMEngine.step()`, prefill rate = prompt tokens / time of the steps that prefilled, decode
 rate = tokens / time of the steps that only decoded. Beside them, the physical limit at one
 stream: the weight bytes a decode step reads (every matrix once, as stored in memory) over the
-memory read bandwidth measured in this run (a multi-threaded sum over 512 MB).
+memory read bandwidth measured in this run (a multi-threaded sum over 512 MB). `--dequantized`
+adds this engine with the weights dequantized to float at load (the path before packed weights).
 
 llama.cpp is a peer, never a dependency: build it with `bash ../shared/peers/build_llamacpp.sh`
 (or pass `--llama-bin DIR`); without it only this engine runs. Prints one JSON line, then a table.
@@ -72,6 +73,10 @@ def engine_worker(args: argparse.Namespace) -> dict:
     from nanovllm.sampling_params import SamplingParams
 
     streams = args.streams[0]
+    if args.dequantized:
+        from nanovllm.engine.model_runner import ModelRunner
+
+        ModelRunner._keeps_weights_packed = lambda self: False
     blocks = streams * (-(-(args.prompt_len + args.gen_len) // 16) + 1) + 16
     engine = LLMEngine(Config(model=args.model, num_threads=args.threads, dtype=args.dtype, num_kvcache_blocks=blocks,
                               max_num_seqs=max(streams, 1)))
@@ -96,7 +101,7 @@ def engine_worker(args: argparse.Namespace) -> dict:
     run(min(streams, 2), 16, 4)  # warm-up: kernels built, buffers sized
     prefill_s, prefill_tokens, decode_s, decode_tokens = run(streams, args.prompt_len, args.gen_len)
     engine.runner.close()
-    return {"engine": "nanovllm", "streams": streams, "prefill_tok_s": prefill_tokens / prefill_s,
+    return {"engine": "float" if args.dequantized else "nanovllm", "streams": streams, "prefill_tok_s": prefill_tokens / prefill_s,
             "decode_tok_s": decode_tokens / decode_s, "dtype": str(engine.runner.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads()}
 
@@ -111,10 +116,10 @@ def llama_cpp_run(args: argparse.Namespace, model_path: str, streams: int) -> di
     return {"engine": "llama.cpp", "streams": streams, "prefill_tok_s": row["speed_pp"], "decode_tok_s": row["speed_tg"]}
 
 
-def engine_run(args: argparse.Namespace, streams: int) -> dict:
+def engine_run(args: argparse.Namespace, streams: int, dequantized: bool = False) -> dict:
     cmd = [sys.executable, "-m", "bench.gguf_peer", "--worker", "--model", args.model, "--streams", str(streams),
            "--threads", str(args.threads), "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
-           "--dtype", args.dtype]
+           "--dtype", args.dtype] + (["--dequantized"] if dequantized else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -134,7 +139,8 @@ def cpu_model() -> str:
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Median per (engine, streams) over the repeats."""
-    keys = sorted({(r["engine"], r["streams"]) for r in rows}, key=lambda k: (k[1], k[0] != "nanovllm"))
+    order = {"nanovllm": 0, "float": 1, "llama.cpp": 2}
+    keys = sorted({(r["engine"], r["streams"]) for r in rows}, key=lambda k: (k[1], order[k[0]]))
     table = []
     for engine, streams in keys:
         runs = [r for r in rows if (r["engine"], r["streams"]) == (engine, streams)]
@@ -157,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--llama-bin", default=DEFAULT_LLAMA_BIN, help="folder with llama-batched-bench")
+    ap.add_argument("--dequantized", action="store_true", help="also run this engine on float weights, as before")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -176,6 +183,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     for _ in range(args.repeats):
         for streams in args.streams:
             rows.append(engine_run(args, streams))
+            if args.dequantized:
+                rows.append(engine_run(args, streams, dequantized=True))
             if have_llama:
                 rows.append(llama_cpp_run(args, model_path, streams))
     table = summarize(rows)
