@@ -12,9 +12,9 @@
  * of 2^-16 of the block's largest value, far below bf16's), so a block's dot product is two
  * int16 multiply-adds (`madd`) on the codes widened to int16, times the scales; min terms use the
  * exact float sums of x. int8 activations (llama.cpp's choice, one `maddubs` per block) were
- * faster by a third here but changed the default model's greedy answers, and converting the
+ * about a fifth faster here but changed the default model's greedy answers, and converting the
  * codes to float cost three times the shuffles. Each weight block is loaded once for up to four
- * rows of x. Large M goes through quant_dequant into a float panel and the float GEMM instead.
+ * rows of x; at one row, 4-bit weights go two W rows at a time (`dot_pair`). Large M goes through quant_dequant into a float panel and the float GEMM instead.
  * quant_dequant: rows of W as float32 or bfloat16 (`bf16`), for that panel and the embedding.
  */
 #include <math.h>

@@ -10,11 +10,12 @@ the loader keeps packed (models/gguf_quant.py maps them), so two kernel families
   16), Q5_K (codes 0..31 with a min).
 
 `quant_linear` picks the kernel per call: up to `MATVEC_MAX_ROWS` rows of x (decode at small
-batch) go to `quant_matmul` of cpu_quant.c, which quantizes x to int8 per 32 inputs and reads
-each weight group once for four rows; more rows (prefill chunks, many streams) dequantize the
+batch) go to `quant_matmul` of cpu_quant.c, which takes x as int16 per 32 inputs and reads
+each weight group once for up to four rows; more rows (prefill chunks, many streams) dequantize the
 weight tile by tile into a float panel for the float GEMM, where the weight bytes no longer
 matter and the GEMM's arithmetic does. Without the compiled kernels torch dequantizes (slow,
-correct: a reference for the tests and a fallback).
+correct: a reference for the tests and a fallback). `quantize_model_int8` puts a float
+checkpoint's matrices into the 8-bit layout (`quantization="int8"`).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 MATVEC_MAX_ROWS = 8
-"""Rows of x up to which the int8 matrix-vector kernel beats dequantize-then-GEMM (bench/quant_kernels.py)."""
+"""Rows of x up to which the matrix-vector kernel beats dequantize-then-GEMM (measured: docs/architecture.md)."""
 PANEL_BYTES = 8 << 20
 """Largest float panel one dequantized weight tile fills: it stays in the last-level cache."""
 
