@@ -57,6 +57,10 @@ class Config:
     """"auto" (on CPU bfloat16 where it has AMX-BF16 or AVX512-BF16, float32 elsewhere, or what the
     environment variable NANOVLLM_AUTO_DTYPE says; on CUDA the checkpoint's dtype, bfloat16 for
     float32 checkpoints), "float32", "float16" or "bfloat16"."""
+    quantization: str | None = None
+    """"int8": weight-only int8 with a scale per 32 inputs, quantized at load, for float (HF)
+    checkpoints on one CPU rank; the packed kernels of layers/quant.py run it. GGUF files keep
+    their own quantization either way (on CPU); this converts what they hold as float."""
     device: str = "auto"
     num_threads: int | None = None
     """Torch intra-op threads on CPU; defaults to the cores this process may use."""
@@ -89,5 +93,7 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, float16, bfloat16; got {self.dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be one of auto, cpu, cuda; got {self.device!r}")

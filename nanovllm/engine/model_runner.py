@@ -50,6 +50,7 @@ from nanovllm.engine.tp_workers import WorkerProcesses
 from nanovllm.layers.attention import PagedAttention
 from nanovllm.layers.cpu_gemm import pack_linear_weights, packs
 from nanovllm.layers.cpu_kernels import CpuAttentionKernel, CpuOps, auto_cpu_dtype
+from nanovllm.layers.quant import quantize_model_int8
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.loader import iter_weights, load_weights
@@ -214,9 +215,21 @@ class ModelRunner:
             return NullModel(self.model_config.vocab_size)
         with torch.device(self.device):
             model = DecoderForCausalLM(self.model_config, self.tp).to(self.dtype)
-        load_weights(model, iter_weights(model_path))
+        packed = self._keeps_weights_packed()
+        load_weights(model, iter_weights(model_path, packed=packed))
+        if self.config.quantization == "int8":
+            if not packed:
+                raise ValueError("quantization='int8' runs on the packed CPU kernels: it needs device cpu, "
+                                 "tensor_parallel_size 1, dtype float32 or bfloat16 and a C compiler")
+            quantize_model_int8(model)
         pack_linear_weights(model)
         return model.eval()
+
+    def _keeps_weights_packed(self) -> bool:
+        """GGUF matrices stay quantized where the packed kernels run them: one CPU rank whose
+        compiled kernels serve this model (layers/quant.py); elsewhere they load as float."""
+        return (self.device.type == "cpu" and self.config.tensor_parallel_size == 1
+                and CpuAttentionKernel.supports(self.dtype, self.model_config.head_dim) and CpuOps.load() is not None)
 
     def set_attention_kernels(self, cpu_kernel: CpuAttentionKernel | None, triton_ops: object | None) -> None:
         """Choose the attention path: the compiled CPU kernel, the Triton kernel module, or neither

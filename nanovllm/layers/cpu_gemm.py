@@ -67,7 +67,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     """Give every module with a `packed_weight` slot a packed copy of its weight; returns how many."""
     count = 0
     for module in model.modules():
-        if hasattr(module, "packed_weight") and can_pack(module.weight):
+        if hasattr(module, "packed_weight") and getattr(module, "quant", None) is None and can_pack(module.weight):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), _PACKING_BATCH_HINT)
             count += 1
     return count

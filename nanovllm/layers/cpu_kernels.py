@@ -4,6 +4,7 @@
   first gather every sequence's blocks into a padded copy.
 - `cpu_ops.c`: the decoder's elementwise work fused per row (RMSNorm with the residual add; q/k
   norm, rotary embedding and the KV-cache store; SiLU-and-multiply).
+- `cpu_quant.c`: matrix products and row lookups on weights kept packed (layers/quant.py).
 
 Every kernel serves float32 and bfloat16 tensors from one source: the body is written once
 against the helpers of `cpu_simd.h` and compiled for each element type (the `bf16` argument), and
@@ -29,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_HERE, name) for name in ("cpu_attention.c", "cpu_ops.c")]
+_SOURCES = [os.path.join(_HERE, name) for name in ("cpu_attention.c", "cpu_ops.c", "cpu_quant.c")]
 _HEADERS = [os.path.join(_HERE, "cpu_simd.h")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 
@@ -218,6 +219,14 @@ class CpuOps:
         self._silu_mul.argtypes = [_P, _P, _I, _I, _I]
         for fn in (self._rms_norm, self._qk_norm_rope_store, self._silu_mul):
             fn.restype = None
+        self._quant_matmul = lib.quant_matmul
+        self._quant_matmul.argtypes = [_I, _P, _P, _P, _I, _I, _I, _P, _I, _I, _P, _I]
+        self._quant_dequant = lib.quant_dequant
+        self._quant_dequant.argtypes = [_I, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I]
+        for fn in (self._quant_matmul, self._quant_dequant):
+            fn.restype = ctypes.c_int
+        self._panel = torch.empty(0)
+        """Scratch for dequantized weight tiles, reused so large-batch steps allocate nothing."""
 
     @classmethod
     def load(cls) -> "CpuOps | None":
@@ -255,3 +264,44 @@ class CpuOps:
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _is_bf16(gate_up))
         return out
+
+    def quant_matmul(self, weight, x: torch.Tensor) -> torch.Tensor:
+        """x (M, K) @ W^T -> (M, N) for a `QuantizedWeight` (layers/quant.py), x taken to int16
+        per 32 inputs (cpu_quant.c)."""
+        n, k = weight.shape
+        if x.shape[1] != k:
+            raise ValueError(f"input has {x.shape[1]} features, the weight takes {k}")
+        y = torch.empty((x.shape[0], n), dtype=x.dtype)
+        _check_quant(self._quant_matmul(*weight.kernel_args, n, k, x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr(),
+                                        _is_bf16(x)), weight)
+        return y
+
+    def quant_dequant(self, weight, first: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [first, first + count) of W as a (count, K) float panel. The panel is scratch
+        memory, overwritten by the next call: use it before asking for another."""
+        k = weight.shape[1]
+        needed = count * k * torch.tensor([], dtype=dtype).element_size()
+        if self._panel.numel() < needed:
+            self._panel = torch.empty(needed, dtype=torch.uint8)
+        panel = self._panel[:needed].view(dtype).view(count, k)
+        _check_quant(self._quant_dequant(*weight.kernel_args, k, None, first, count, panel.data_ptr(),
+                                         _is_bf16(panel)), weight)
+        return panel
+
+    def quant_rows(self, weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of W as a new (T, K) tensor of `dtype`: the packed embedding lookup."""
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
+            raise IndexError(f"token id out of range for an embedding of {weight.shape[0]} rows")
+        out = torch.empty((ids.numel(), weight.shape[1]), dtype=dtype)
+        _check_quant(self._quant_dequant(*weight.kernel_args, weight.shape[1], ids.data_ptr(), 0, ids.numel(),
+                                         out.data_ptr(), _is_bf16(out)), weight)
+        return out
+
+
+def _check_quant(failed: int, weight) -> None:
+    if failed == -2:
+        raise ValueError(f"packed weight of shape {weight.shape} with {weight.group} inputs per scale: "
+                         "the kernels take a multiple of 32 inputs and groups of 16 or 32")
+    if failed:
+        raise MemoryError("packed matmul could not allocate its scratch buffer")

@@ -3,13 +3,16 @@
 The model code only knows HF names and layouts, so this module is the one place that speaks GGUF:
 it turns llama.cpp metadata into an HF-style `config.json` dict, renames tensors to HF names,
 dequantizes them to float32 in HF's [out_features, in_features] shape, and undoes llama.cpp's
-rotary permutation of the Llama Q/K projections. Weights are yielded one tensor at a time from
+rotary permutation of the Llama Q/K projections. With `packed=True` (the CPU engine with its
+compiled kernels) matrices of the types models/gguf_quant.py maps stay quantized instead, as
+`QuantizedWeight`s in the same HF shape and row order. Weights are yielded one tensor at a time from
 the memory-mapped file, so loading never holds a second full copy of the model. The config is
 read by a small header parser instead of `GGUFReader`, which is ~50x slower on metadata.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import mmap
 import os
 import re
@@ -23,6 +26,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
+
+from nanovllm.layers.quant import QuantizedWeight
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -59,6 +64,8 @@ _SCALAR_FORMATS = {
 }
 _MIN_HEADER_BYTES = 24  # magic, version, tensor count, metadata count
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+logger = logging.getLogger(__name__)
 
 
 def _check_exists(path: str) -> None:
@@ -256,8 +263,9 @@ def _to_float32_tensor(data: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor in HF shape) for every tensor, dequantized one at a time.
+def iter_gguf_weights(path: str, packed: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(HF name, float32 tensor in HF shape) for every tensor, dequantized one at a time; with
+    `packed`, matrices of a packed type come as `QuantizedWeight`s instead.
 
     The file and its architecture are checked on the call, not on the first `next()`.
     """
@@ -272,18 +280,51 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     header = _read_header(path)
     # Map every name up front so an unknown tensor fails before anything is copied into a model.
     hf_names = {gguf_name: _hf_tensor_name(gguf_name) for gguf_name in header.tensors}
-    return _dequantized_tensors(path, header, hf_names, rotary_heads)
+    if packed:
+        _log_unpacked_types(header)
+    return _dequantized_tensors(path, header, hf_names, rotary_heads, packed)
+
+
+def _keeps_packed(info: _TensorInfo) -> bool:
+    from nanovllm.models.gguf_quant import PACKED_TYPES
+
+    return info.tensor_type in PACKED_TYPES and len(info.shape) == 2 and info.shape[0] % 32 == 0
+
+
+def _log_unpacked_types(header: _GGUFHeader) -> None:
+    """One line per quantized type that loads as float for want of a packed kernel."""
+    unpacked: dict[str, int] = {}
+    for info in header.tensors.values():
+        if info.tensor_type not in _FLOAT_TYPES and not _keeps_packed(info):
+            name = GGMLQuantizationType(info.tensor_type).name
+            unpacked[name] = unpacked.get(name, 0) + 1
+    for name, count in sorted(unpacked.items()):
+        logger.info("GGUF type %s (%d tensors) has no packed kernel: dequantized to float at load", name, count)
 
 
 def _dequantized_tensors(
-    path: str, header: _GGUFHeader, hf_names: dict[str, str], rotary_heads: dict[str, int]
-) -> Iterator[tuple[str, torch.Tensor]]:
+    path: str, header: _GGUFHeader, hf_names: dict[str, str], rotary_heads: dict[str, int], packed: bool
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     # Tensor bytes are read straight from a memory map at the offsets the header gives; this
     # skips GGUFReader's ~6 s of per-field numpy views on every engine start.
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
         for gguf_name, info in header.tensors.items():
             part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
-            yield hf_names[gguf_name], _load_tensor(buffer, header.data_start + info.offset, info, rotary_heads.get(part))
+            start, heads = header.data_start + info.offset, rotary_heads.get(part)
+            if packed and _keeps_packed(info):
+                yield hf_names[gguf_name], _load_packed(buffer, start, info, heads)
+            else:
+                yield hf_names[gguf_name], _load_tensor(buffer, start, info, heads)
+
+
+def _load_packed(buffer: mmap.mmap, start: int, info: _TensorInfo, rotary_heads: int | None) -> QuantizedWeight:
+    """A packed matrix in HF layout: the rotary permutation moves whole rows, so it applies as is."""
+    from nanovllm.models.gguf_quant import to_quantized
+
+    weight = to_quantized(_raw_rows(buffer, start, info), info.tensor_type)
+    if rotary_heads is not None:
+        weight = weight.rows(torch.from_numpy(_unpermute_rotary(np.arange(weight.shape[0]), rotary_heads).copy()))
+    return weight
 
 
 def _load_tensor(buffer: mmap.mmap, start: int, info: _TensorInfo, rotary_heads: int | None) -> torch.Tensor:
@@ -299,15 +340,19 @@ def _load_tensor(buffer: mmap.mmap, start: int, info: _TensorInfo, rotary_heads:
 
 def _dequantize(buffer: mmap.mmap, start: int, info: _TensorInfo) -> np.ndarray:
     """One tensor as a float array in numpy order (GGUF's shape reversed)."""
+    weight = dequantize(_raw_rows(buffer, start, info), GGMLQuantizationType(info.tensor_type))
+    return weight.reshape(tuple(reversed(info.shape)))
+
+
+def _raw_rows(buffer: mmap.mmap, start: int, info: _TensorInfo) -> np.ndarray:
+    """The tensor's bytes as (rows, row_bytes) uint8, a view of the memory map."""
     block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.tensor_type)]
     row_elements = info.shape[0]
     if row_elements % block_size:
         raise ValueError(f"GGUF tensor row of {row_elements} elements is not a whole number of blocks")
     num_rows = int(np.prod(info.shape[1:], dtype=np.int64))
     row_bytes = row_elements // block_size * type_size
-    raw = np.frombuffer(buffer, dtype=np.uint8, count=num_rows * row_bytes, offset=start)
-    weight = dequantize(raw.reshape(num_rows, row_bytes), GGMLQuantizationType(info.tensor_type))
-    return weight.reshape(tuple(reversed(info.shape)))
+    return np.frombuffer(buffer, dtype=np.uint8, count=num_rows * row_bytes, offset=start).reshape(num_rows, row_bytes)
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -48,10 +48,11 @@ def read_hf_config(path: str) -> dict:
         return json.load(f)
 
 
-def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: str, packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors; with `packed`, GGUF matrices of a packed type come as `QuantizedWeight`s."""
     if is_gguf(path):
         from nanovllm.models.gguf_loader import iter_gguf_weights
-        yield from iter_gguf_weights(path)
+        yield from iter_gguf_weights(path, packed)
         return
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -91,5 +92,8 @@ def load_weights(model: DecoderForCausalLM, weights: Iterator[tuple[str, torch.T
         unloaded.discard(target)
     if model.config.tie_word_embeddings:
         unloaded.discard("lm_head.weight")
+        embedding = model.model.embed_tokens
+        if embedding.quant is not None:  # the LM head shares the packed weight, not the freed float one
+            model.lm_head.quant, model.lm_head.weight = embedding.quant, embedding.weight
     if unloaded:
         raise ValueError(f"checkpoint is missing weights: {sorted(unloaded)[:8]}")

@@ -13,3 +13,26 @@ def kernel_threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(threads)
+
+
+def _compiled_or_skip(kernels):
+    loaded = kernels.load()
+    if loaded is None:
+        pytest.skip("no C compiler on this machine")
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def ops(kernel_threads):
+    """The compiled CPU ops (layers/cpu_kernels.py), on one thread and on two; skips without a compiler."""
+    from nanovllm.layers.cpu_kernels import CpuOps
+
+    return _compiled_or_skip(CpuOps)
+
+
+@pytest.fixture(scope="module")
+def kernel(kernel_threads):
+    """The compiled CPU attention kernel, on one thread and on two; skips without a compiler."""
+    from nanovllm.layers.cpu_kernels import CpuAttentionKernel
+
+    return _compiled_or_skip(CpuAttentionKernel)

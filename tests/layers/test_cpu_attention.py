@@ -8,14 +8,6 @@ from nanovllm.kernels import reference
 from nanovllm.layers.cpu_kernels import CpuAttentionKernel
 
 
-@pytest.fixture(scope="module")
-def kernel(kernel_threads):
-    k = CpuAttentionKernel.load()
-    if k is None:
-        pytest.skip("no C compiler on this machine")
-    return k
-
-
 def paged_cache(num_blocks=40, block_size=4, kv_heads=2, head_dim=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)

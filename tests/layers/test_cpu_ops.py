@@ -5,17 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.cpu_kernels import CpuOps
 from nanovllm.layers.rotary import RotaryEmbedding
 from nanovllm.models.decoder import RMSNorm
-
-
-@pytest.fixture(scope="module")
-def ops(kernel_threads):
-    loaded = CpuOps.load()
-    if loaded is None:
-        pytest.skip("no C compiler on this machine")
-    return loaded
 
 
 def torch_norm(dim: int, seed: int) -> RMSNorm:

@@ -1,0 +1,209 @@
+"""This engine against llama.cpp on one GGUF file: prefill and decode tok/s at 1, 8 and 64 streams.
+
+Each measurement runs in a fresh process, the two engines alternating (engine, llama.cpp, engine,
+...), with the same file, thread count, prompt and output lengths: S streams of `--prompt-len`
+random prompt tokens each, `--gen-len` generated tokens each, EOS ignored. llama.cpp runs as its
+`llama-batched-bench` (`-npp P -ntg G -npl S`, its prefill and decode rates); this engine runs
+through `LLMEngine.step()`, prefill rate = prompt tokens / time of the steps that prefilled, decode
+rate = tokens / time of the steps that only decoded. Beside them, the physical limit at one
+stream: the weight bytes a decode step reads (every matrix once, as stored in memory) over the
+memory read bandwidth measured in this run (a multi-threaded sum over 512 MB). `--dequantized`
+adds this engine with the weights dequantized to float at load (the path before packed weights).
+
+llama.cpp is a peer, never a dependency: build it with `bash ../shared/peers/build_llamacpp.sh`
+(or pass `--llama-bin DIR`); without it only this engine runs. Prints one JSON line, then a table.
+
+    python -m bench.gguf_peer                          # the default model, 2 threads, streams 1,8,64
+    python -m bench.gguf_peer --streams 1 --repeats 3 --gen-len 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+DEFAULT_LLAMA_BIN = os.path.expanduser("~/.cache/nanovllm-peers/llama.cpp/build/bin")
+
+
+def memory_bandwidth_gbs(threads: int) -> float:
+    """Best of five multi-threaded sums over 512 MB of float32: read bandwidth in GB/s."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(128 << 20)
+    data.sum()
+    best = min(_timed(data.sum) for _ in range(5))
+    return data.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def decode_weight_bytes(model: str) -> int:
+    """Bytes of every matrix a decode step reads (the embedding's one row aside), as loaded."""
+    from nanovllm.models.gguf_loader import iter_gguf_weights
+    from nanovllm.models.loader import resolve_model_path
+
+    total = 0
+    for name, weight in iter_gguf_weights(resolve_model_path(model), packed=True):
+        tied_head = name == "model.embed_tokens.weight"  # the LM head reads it whole (tied or not, once)
+        if getattr(weight, "bits", None) is not None:
+            total += weight.nbytes
+        elif weight.dim() == 2 or tied_head:
+            total += weight.numel() * weight.element_size()
+    return total
+
+
+def engine_worker(args: argparse.Namespace) -> dict:
+    """One measurement of this engine (run in a fresh process by `main`)."""
+    import random
+
+    import torch
+
+    from nanovllm.config import Config
+    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.sampling_params import SamplingParams
+
+    streams = args.streams[0]
+    if args.dequantized:
+        from nanovllm.engine.model_runner import ModelRunner
+
+        ModelRunner._keeps_weights_packed = lambda self: False
+    blocks = streams * (-(-(args.prompt_len + args.gen_len) // 16) + 1) + 16
+    engine = LLMEngine(Config(model=args.model, num_threads=args.threads, dtype=args.dtype, num_kvcache_blocks=blocks,
+                              max_num_seqs=max(streams, 1)))
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(0)
+
+    def run(n: int, prompt_len: int, gen_len: int) -> tuple[float, int, float, int]:
+        params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
+        for i in range(n):
+            engine.add_request(f"{time.perf_counter_ns()}-{i}", [rng.randrange(2, vocab) for _ in range(prompt_len)], params)
+        prefill_s = decode_s = 0.0
+        prefill_tokens = decode_tokens = 0
+        while engine.has_unfinished_requests():
+            elapsed = _timed(engine.step)
+            last = engine.last_step
+            if last.num_prefill_tokens:
+                prefill_s, prefill_tokens = prefill_s + elapsed, prefill_tokens + last.num_prefill_tokens
+            else:
+                decode_s, decode_tokens = decode_s + elapsed, decode_tokens + last.num_decode_tokens
+        return prefill_s, prefill_tokens, decode_s, decode_tokens
+
+    run(min(streams, 2), 16, 4)  # warm-up: kernels built, buffers sized
+    prefill_s, prefill_tokens, decode_s, decode_tokens = run(streams, args.prompt_len, args.gen_len)
+    engine.runner.close()
+    return {"engine": "float" if args.dequantized else "nanovllm", "streams": streams, "prefill_tok_s": prefill_tokens / prefill_s,
+            "decode_tok_s": decode_tokens / decode_s, "dtype": str(engine.runner.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads()}
+
+
+def llama_cpp_run(args: argparse.Namespace, model_path: str, streams: int) -> dict:
+    ctx = streams * (args.prompt_len + args.gen_len) + 64
+    cmd = [os.path.join(args.llama_bin, "llama-batched-bench"), "-m", model_path, "-c", str(ctx), "-b", "2048",
+           "-ub", "512", "-npp", str(args.prompt_len), "-ntg", str(args.gen_len), "-npl", str(streams),
+           "-t", str(args.threads), "--output-format", "jsonl"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    row = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    return {"engine": "llama.cpp", "streams": streams, "prefill_tok_s": row["speed_pp"], "decode_tok_s": row["speed_tg"]}
+
+
+def engine_run(args: argparse.Namespace, streams: int, dequantized: bool = False) -> dict:
+    cmd = [sys.executable, "-m", "bench.gguf_peer", "--worker", "--model", args.model, "--streams", str(streams),
+           "--threads", str(args.threads), "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
+           "--dtype", args.dtype] + (["--dequantized"] if dequantized else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return platform.processor()
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
+    return f"{name} ({', '.join(isa)})"
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Median per (engine, streams) over the repeats."""
+    order = {"nanovllm": 0, "float": 1, "llama.cpp": 2}
+    keys = sorted({(r["engine"], r["streams"]) for r in rows}, key=lambda k: (k[1], order[k[0]]))
+    table = []
+    for engine, streams in keys:
+        runs = [r for r in rows if (r["engine"], r["streams"]) == (engine, streams)]
+        decode = statistics.median(r["decode_tok_s"] for r in runs)
+        table.append({"engine": engine, "streams": streams, "runs": len(runs),
+                      "prefill_tok_s": round(statistics.median(r["prefill_tok_s"] for r in runs), 1),
+                      "decode_tok_s": round(decode, 1),
+                      "decode_ms_per_token": round(1e3 / decode, 2) if streams == 1 else None,
+                      "decode_tok_s_all": [round(r["decode_tok_s"], 1) for r in runs]})
+    return table
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", help="'default' or a .gguf file")
+    ap.add_argument("--streams", default=[1, 8, 64], type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--llama-bin", default=DEFAULT_LLAMA_BIN, help="folder with llama-batched-bench")
+    ap.add_argument("--dequantized", action="store_true", help="also run this engine on float weights, as before")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(engine_worker(args)))
+        return None
+
+    from nanovllm.models.loader import resolve_model_path
+
+    model_path = resolve_model_path(args.model)
+    have_llama = os.path.isfile(os.path.join(args.llama_bin, "llama-batched-bench"))
+    if not have_llama:
+        print(f"llama-batched-bench not in {args.llama_bin}: measuring this engine only "
+              "(bash ../shared/peers/build_llamacpp.sh builds it)", file=sys.stderr)
+    bandwidth = memory_bandwidth_gbs(args.threads)
+    weight_bytes = decode_weight_bytes(args.model)
+    rows = []
+    for _ in range(args.repeats):
+        for streams in args.streams:
+            rows.append(engine_run(args, streams))
+            if args.dequantized:
+                rows.append(engine_run(args, streams, dequantized=True))
+            if have_llama:
+                rows.append(llama_cpp_run(args, model_path, streams))
+    table = summarize(rows)
+    limit = bandwidth * 1e9 / weight_bytes
+    result = {"bench": "gguf_peer", "model": os.path.basename(model_path), "cpu": cpu_model(), "threads": args.threads,
+              "load_average": os.getloadavg()[0],  # other work on the machine skews both engines
+              "prompt_len": args.prompt_len, "gen_len": args.gen_len, "memory_read_gb_s": round(bandwidth, 1),
+              "decode_weight_mb": round(weight_bytes / 1e6, 1), "one_stream_limit_tok_s": round(limit, 1),
+              "rows": table}
+    print(json.dumps(result))
+    print(f"\n{result['cpu']}, {args.threads} threads; memory read {bandwidth:.1f} GB/s; a decode step reads "
+          f"{weight_bytes / 1e6:.1f} MB of weights -> at most {limit:.0f} tok/s ({1e3 / limit:.2f} ms) at one stream")
+    print(f"{'engine':<10}{'streams':>8}{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/token':>10}  decode runs")
+    for r in table:
+        ms = f"{r['decode_ms_per_token']:.2f}" if r["decode_ms_per_token"] else "-"
+        print(f"{r['engine']:<10}{r['streams']:>8}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}{ms:>10}  "
+              f"{r['decode_tok_s_all']}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

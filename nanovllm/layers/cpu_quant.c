@@ -1,0 +1,310 @@
+/* Matrix products with weights kept packed (quantized) in memory, on CPU.
+ *
+ * Two layouts serve every packed GGUF type (layers/quant.py maps them):
+ *   4-bit: codes uint8 [N, K/2], per group of 32 inputs 16 bytes, byte j holding input j (low
+ *          nibble) and input j+16 (high nibble), as GGUF's Q4_0/Q4_1 blocks do;
+ *          w = scale * q + min, q in 0..15.
+ *   8-bit: codes int8 [N, K]; w = scale * q (+ min where mins are given); groups of 16 or 32.
+ * Scales and mins are float16 [N, K / group].
+ *
+ * quant_matmul: y (M, N) = x (M, K) W^T, for small M (decode), where reading the weights is the
+ * cost. Each row of x is quantized to int16 per 32 inputs (scale amax/32767: a relative error
+ * of 2^-16 of the block's largest value, far below bf16's), so a block's dot product is two
+ * int16 multiply-adds (`madd`) on the codes widened to int16, times the scales; min terms use the
+ * exact float sums of x. int8 activations (llama.cpp's choice, one `maddubs` per block) were
+ * about a fifth faster here but changed the default model's greedy answers, and converting the
+ * codes to float cost three times the shuffles. Each weight block is loaded once for up to four
+ * rows of x; at one row, 4-bit weights go two W rows at a time (`dot_pair`). Large M goes through quant_dequant into a float panel and the float GEMM instead.
+ * quant_dequant: rows of W as float32 or bfloat16 (`bf16`), for that panel and the embedding.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_simd.h"
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define QUANT_AVX2 1
+#endif
+
+#define QK 32            /* inputs per activation block */
+#define ROWS_PER_PASS 4  /* rows of x sharing one load of a weight block */
+#define MAX_GROUPS 512   /* groups per row the stack buffers hold (K up to 8192 at 16 per group) */
+
+static inline float f16_to_f32(uint16_t h) {
+#ifdef QUANT_AVX2
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        float f = ldexpf((float)mant, -24);
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* float32 copies of n float16 values (a row's scales or mins, converted once per row) */
+static inline void f16_row(const uint16_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+#ifdef QUANT_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = f16_to_f32(h[i]);
+}
+
+/* One row of x: int16 codes per block of 32 with the block's scale, and float sums per group. */
+typedef struct {
+    const int16_t *q;  /* [K] */
+    const float *d;    /* [K / 32] */
+    const float *sum;  /* [K / group] */
+} xrow;
+
+static void quantize_row(const void *x, int64_t K, int64_t group, int16_t *q, float *d, float *sum, const int BF) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        float v[QK], amax = 0.f;
+        for (int i = 0; i < QK; i++) {
+            v[i] = sload(x, b * QK + i, BF);
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
+        const float scale = amax / 32767.f, inv = scale > 0.f ? 1.f / scale : 0.f;
+        for (int i = 0; i < QK; i++) q[b * QK + i] = (int16_t)nearbyintf(v[i] * inv);
+        d[b] = scale;
+    }
+    for (int64_t g = 0; g < K / group; g++) {
+        float s = 0.f;
+        for (int64_t i = g * group; i < (g + 1) * group; i++) s += sload(x, i, BF);
+        sum[g] = s;
+    }
+}
+
+#ifdef QUANT_AVX2
+/* Block b's 32 codes widened to int16: inputs 0..15 in lo, 16..31 in hi. */
+static inline void codes16(int bits, const uint8_t *codes, int64_t b, __m256i *lo, __m256i *hi) {
+    if (bits == 4) {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * 16)));
+        *lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+        *hi = _mm256_srli_epi16(v, 4);
+    } else {
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * QK)));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + b * QK + 16)));
+    }
+}
+#endif
+
+/* result[r] = W row . x row r for r < R. sc/mn: the W row's scales and mins as float32. */
+static inline __attribute__((always_inline)) void dot_rows_body(int bits, const uint8_t *codes, const float *sc,
+                                                                 const float *mn, int64_t group, int64_t K,
+                                                                 const xrow *xr, const int R, float *result) {
+    const int64_t nb = K / QK, gpb = QK / group; /* groups per block: 1 or 2 */
+    for (int r = 0; r < R; r++) {
+        float s = 0.f;
+        if (mn != NULL)
+            for (int64_t g = 0; g < K / group; g++) s += mn[g] * xr[r].sum[g];
+        result[r] = s;
+    }
+#ifdef QUANT_AVX2
+    /* Two accumulators per row (even and odd blocks), so the loop is not bound by one chain of
+     * dependent adds. */
+    __m256 acc[2][ROWS_PER_PASS];
+    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i lo, hi;
+        codes16(bits, codes, b, &lo, &hi);
+        const __m256 s0 = _mm256_broadcast_ss(sc + b * gpb), s1 = _mm256_broadcast_ss(sc + b * gpb + gpb - 1);
+        for (int r = 0; r < R; r++) {
+            const int16_t *xq = xr[r].q + b * QK;
+            const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)));
+            const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 16))));
+            const __m256 t = _mm256_fmadd_ps(p1, s1, _mm256_mul_ps(p0, s0));
+            acc[b & 1][r] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(xr[r].d + b), acc[b & 1][r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256 a = _mm256_add_ps(acc[0][r], acc[1][r]);
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        result[r] += _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+    }
+#else
+    for (int64_t b = 0; b < nb; b++) {
+        for (int half = 0; half < 2; half++) {
+            const float s = sc[(b * QK + half * 16) / group];
+            for (int r = 0; r < R; r++) {
+                int32_t sum = 0;
+                for (int i = half * 16; i < half * 16 + 16; i++) {
+                    const int q = bits == 4 ? ((codes[b * 16 + (i & 15)] >> (i < 16 ? 0 : 4)) & 15)
+                                            : (int)((const int8_t *)codes)[b * QK + i];
+                    sum += q * xr[r].q[b * QK + i];
+                }
+                result[r] += s * xr[r].d[b] * (float)sum;
+            }
+        }
+    }
+#endif
+}
+
+#ifdef QUANT_AVX2
+/* Batch 1 (one row of x), two rows of W at a time: twice the independent work per x load. */
+static void dot_pair(int bits, const uint8_t *c0, const uint8_t *c1, const float *sc0, const float *sc1,
+                     int64_t group, int64_t K, const xrow *x, float *out0, float *out1) {
+    const int64_t nb = K / QK, gpb = QK / group;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i l0, h0, l1, h1;
+        codes16(bits, c0, b, &l0, &h0);
+        codes16(bits, c1, b, &l1, &h1);
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x->q + b * QK));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x->q + b * QK + 16));
+        const __m256 d = _mm256_broadcast_ss(x->d + b);
+        const __m256 t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h0, x1)),
+                                          _mm256_broadcast_ss(sc0 + b * gpb + gpb - 1),
+                                          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(l0, x0)),
+                                                        _mm256_broadcast_ss(sc0 + b * gpb)));
+        const __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h1, x1)),
+                                          _mm256_broadcast_ss(sc1 + b * gpb + gpb - 1),
+                                          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(l1, x0)),
+                                                        _mm256_broadcast_ss(sc1 + b * gpb)));
+        a0 = _mm256_fmadd_ps(t0, d, a0);
+        a1 = _mm256_fmadd_ps(t1, d, a1);
+    }
+    const __m128 h0 = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
+    const __m128 h1 = _mm_add_ps(_mm256_castps256_ps128(a1), _mm256_extractf128_ps(a1, 1));
+    const __m128 s01 = _mm_hadd_ps(h0, h1);  /* h0 pairs, h1 pairs */
+    const __m128 s = _mm_hadd_ps(s01, s01);
+    *out0 += _mm_cvtss_f32(s);
+    *out1 += _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+}
+#endif
+
+/* R as a compile-time constant in the common cases, so the accumulators stay in registers. */
+static void dot_rows(int bits, const uint8_t *codes, const float *sc, const float *mn, int64_t group, int64_t K,
+                     const xrow *xr, int R, float *result) {
+    if (R == 1) dot_rows_body(bits, codes, sc, mn, group, K, xr, 1, result);
+    else if (R == ROWS_PER_PASS) dot_rows_body(bits, codes, sc, mn, group, K, xr, ROWS_PER_PASS, result);
+    else dot_rows_body(bits, codes, sc, mn, group, K, xr, R, result);
+}
+
+/* y[m, n] = sum_k x[m, k] W[n, k] for m < M, n < N; x rows x_stride elements apart, y rows N
+ * apart; x and y float32 or bfloat16 (`bf16`). Returns 0, -1 where scratch memory ran out, -2
+ * for a shape the kernel does not take (K not a multiple of 32, group not 16 or 32, or more
+ * than MAX_GROUPS groups per row). */
+static int matmul_rows(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
+                       int64_t N, int64_t K, const void *x, int64_t x_stride, int64_t M, void *y, const int BF) {
+    if (K % QK || (group != 16 && group != 32) || (bits == 4 && group != 32) || K / group > MAX_GROUPS) return -2;
+    const int64_t ng = K / group, row_floats = K / 2 + K / QK + ng; /* int16 codes, scales, sums */
+    float *scratch = malloc(sizeof(float) * (size_t)(M * row_floats));
+    if (scratch == NULL) return -1;
+    xrow *rows = malloc(sizeof(xrow) * (size_t)M);
+    if (rows == NULL) { free(scratch); return -1; }
+    for (int64_t m = 0; m < M; m++) {
+        float *row = scratch + m * row_floats;
+        rows[m] = (xrow){(const int16_t *)row, row + K / 2, row + K / 2 + K / QK};
+    }
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(at(x, m * x_stride, BF), K, group, (int16_t *)rows[m].q, (float *)rows[m].d,
+                     (float *)rows[m].sum, BF);
+    const int64_t code_row = bits == 4 ? K / 2 : K;
+#ifdef QUANT_AVX2
+    if (M == 1 && bits == 4 && N % 2 == 0) { /* measured: 1.5x for 4-bit codes, slower for 8-bit */
+#pragma omp parallel for schedule(static) if (N * K >= 32768)
+        for (int64_t n = 0; n < N; n += 2) {
+            float sc0[MAX_GROUPS], sc1[MAX_GROUPS], mn[MAX_GROUPS], out[2] = {0.f, 0.f};
+            f16_row(scales + n * ng, ng, sc0);
+            f16_row(scales + (n + 1) * ng, ng, sc1);
+            for (int i = 0; i < 2; i++)
+                if (mins != NULL) {
+                    f16_row(mins + (n + i) * ng, ng, mn);
+                    for (int64_t g = 0; g < ng; g++) out[i] += mn[g] * rows[0].sum[g];
+                }
+            dot_pair(bits, codes + n * code_row, codes + (n + 1) * code_row, sc0, sc1, group, K, rows, &out[0],
+                     &out[1]);
+            sstore(y, n, out[0], BF);
+            sstore(y, n + 1, out[1], BF);
+        }
+        free(rows);
+        free(scratch);
+        return 0;
+    }
+#endif
+#pragma omp parallel for schedule(static) if (N * K * M >= 32768)
+    for (int64_t n = 0; n < N; n++) {
+        float sc[MAX_GROUPS], mn[MAX_GROUPS], out[ROWS_PER_PASS];
+        f16_row(scales + n * ng, ng, sc);
+        if (mins != NULL) f16_row(mins + n * ng, ng, mn);
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
+            const int R = M - m0 < ROWS_PER_PASS ? (int)(M - m0) : ROWS_PER_PASS;
+            dot_rows(bits, codes + n * code_row, sc, mins != NULL ? mn : NULL, group, K, rows + m0, R, out);
+            for (int r = 0; r < R; r++) sstore(y, (m0 + r) * N + n, out[r], BF);
+        }
+    }
+    free(rows);
+    free(scratch);
+    return 0;
+}
+
+int quant_matmul(int64_t bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
+                 int64_t N, int64_t K, const void *x, int64_t x_stride, int64_t M, void *y, int64_t bf16) {
+    return bf16 ? matmul_rows((int)bits, codes, scales, mins, group, N, K, x, x_stride, M, y, 1)
+                : matmul_rows((int)bits, codes, scales, mins, group, N, K, x, x_stride, M, y, 0);
+}
+
+static inline void dequant_row(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
+                               int64_t group, int64_t K, void *out, const int BF) {
+    const int64_t ng = K / group, gpb = QK / group;
+    float sc[MAX_GROUPS], mn[MAX_GROUPS];
+    f16_row(scales, ng, sc);
+    if (mins != NULL) f16_row(mins, ng, mn);
+    else memset(mn, 0, sizeof(float) * (size_t)ng);
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float s0 = sc[b * gpb], s1 = sc[b * gpb + gpb - 1], m0 = mn[b * gpb], m1 = mn[b * gpb + gpb - 1];
+        float v[QK];
+#ifdef QUANT_AVX2
+        __m256i lo, hi;
+        codes16(bits, codes, b, &lo, &hi);
+        const __m256 vs0 = _mm256_set1_ps(s0), vs1 = _mm256_set1_ps(s1), vm0 = _mm256_set1_ps(m0), vm1 = _mm256_set1_ps(m1);
+        _mm256_storeu_ps(v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo))), vs0, vm0));
+        _mm256_storeu_ps(v + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1))), vs0, vm0));
+        _mm256_storeu_ps(v + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi))), vs1, vm1));
+        _mm256_storeu_ps(v + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1))), vs1, vm1));
+#else
+        for (int j = 0; j < QK; j++) {
+            const int q = bits == 4 ? ((codes[b * 16 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15)
+                                    : (int)((const int8_t *)codes)[b * QK + j];
+            v[j] = (j < 16 ? s0 : s1) * (float)q + (j < 16 ? m0 : m1);
+        }
+#endif
+        for (int j = 0; j < QK; j += VL) vstore(out, b * QK + j, loadv(v + j), BF);
+    }
+}
+
+static void dequant_rows(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
+                         int64_t K, const int64_t *rows, int64_t first, int64_t n, void *out, const int BF) {
+    const int64_t code_row = bits == 4 ? K / 2 : K, scale_row = K / group;
+#pragma omp parallel for schedule(static) if (n * K >= 65536)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t row = rows != NULL ? rows[i] : first + i;
+        dequant_row(bits, codes + row * code_row, scales + row * scale_row,
+                    mins != NULL ? mins + row * scale_row : NULL, group, K, at(out, i * K, BF), BF);
+    }
+}
+
+/* out (n, K) = rows of W: rows[i] where `rows` is given, else first + i. */
+int quant_dequant(int64_t bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
+                  int64_t K, const int64_t *rows, int64_t first, int64_t n, void *out, int64_t bf16) {
+    if (K % QK || (group != 16 && group != 32) || K / group > MAX_GROUPS) return -2;
+    if (bf16) dequant_rows((int)bits, codes, scales, mins, group, K, rows, first, n, out, 1);
+    else dequant_rows((int)bits, codes, scales, mins, group, K, rows, first, n, out, 0);
+    return 0;
+}

@@ -1,0 +1,147 @@
+"""Packed GGUF weights (layers/quant.py, layers/cpu_quant.c, models/gguf_quant.py) against
+`gguf.quants.dequantize` of the same bytes and a float matmul."""
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
+
+from nanovllm.layers.cpu_kernels import CpuOps  # noqa: E402
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear  # noqa: E402
+from nanovllm.layers.quant import MATVEC_MAX_ROWS, QuantizedWeight, quant_embedding, quant_linear  # noqa: E402
+from nanovllm.models.gguf_quant import PACKED_TYPES, to_quantized  # noqa: E402
+from tests.helpers.gguf_blocks import K_QUANTS, gguf_rows  # noqa: E402
+
+ALL_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, *K_QUANTS)
+# The K-quants' scales and mins are products of two numbers, rounded to float16 in the packed
+# layout: each term is off by up to 2^-11 of itself (so up to 2^-10 of the largest weight).
+CONVERSION_TOL = {t: (2.0 ** -10 if t in K_QUANTS else 0.0) for t in ALL_TYPES}
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_conversion_equals_gguf_dequantize(qtype):
+    raw = gguf_rows(qtype, 12, 512, seed=int(qtype))
+    packed = to_quantized(raw, qtype)
+    reference = torch.from_numpy(dequantize(raw, qtype))
+    assert packed.shape == tuple(reference.shape)
+    atol = CONVERSION_TOL[qtype] * reference.abs().max().item()
+    torch.testing.assert_close(packed.dequantize(), reference, rtol=0, atol=atol)
+    assert qtype in PACKED_TYPES
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, MATVEC_MAX_ROWS, 21])  # 21: the dequantized-panel path
+def test_packed_matmul_matches_float_matmul_of_dequantized_weights(ops, qtype, rows):
+    raw = gguf_rows(qtype, 40, 256, seed=rows)
+    weight = to_quantized(raw, qtype)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    reference = x @ torch.from_numpy(dequantize(raw, qtype)).T
+    # int16 activations and float16 K-quant scales: relative ~1e-5 and 2^-12 of the output scale
+    tol = 2e-3 if qtype in K_QUANTS else 2e-4
+    torch.testing.assert_close(quant_linear(x, weight, None, ops), reference, rtol=0, atol=tol * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_bf16_packed_matmul_matches_fp32_up_to_bf16_rounding(ops, rows):
+    weight = to_quantized(gguf_rows(T.Q4_1, 64, 256, seed=5), T.Q4_1)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    bias = torch.randn(64).bfloat16()
+    got = quant_linear(x, weight, bias, ops)
+    assert got.dtype == torch.bfloat16
+    reference = x.float() @ weight.dequantize().T + bias.float()
+    torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
+
+
+def test_large_output_is_computed_in_panels(ops, monkeypatch):
+    import nanovllm.layers.quant as quant
+
+    monkeypatch.setattr(quant, "PANEL_BYTES", 64 * 256 * 4)  # 64 rows a panel: 300 rows take five
+    weight = to_quantized(gguf_rows(T.Q8_0, 300, 256, seed=7), T.Q8_0)
+    x = torch.randn(MATVEC_MAX_ROWS + 1, 256)
+    torch.testing.assert_close(quant_linear(x, weight, None, ops), x @ weight.dequantize().T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows_are_the_dequantized_rows(ops, dtype):
+    weight = to_quantized(gguf_rows(T.Q8_0, 50, 128, seed=1), T.Q8_0)
+    ids = torch.tensor([7, 0, 49, 7])
+    expected = weight.dequantize(dtype)[ids]
+    assert torch.equal(quant_embedding(ids, weight, dtype, ops), expected)
+    assert torch.equal(quant_embedding(ids, weight, dtype, None), expected)  # the torch fallback
+    with pytest.raises(IndexError):
+        ops.quant_rows(weight, torch.tensor([50]), dtype)
+
+
+def test_torch_fallback_without_kernels_matches():
+    weight = to_quantized(gguf_rows(T.Q4_K, 8, 256, seed=2), T.Q4_K)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(quant_linear(x, weight, None, None), x @ weight.dequantize().T)
+
+
+def test_row_blocks_of_different_types_stack_losslessly():
+    """A Q4_K_M file mixes Q4_K and Q6_K inside one merged q|k|v weight."""
+    parts = [to_quantized(gguf_rows(t, 4 * (i + 1), 256, seed=i), t) for i, t in enumerate((T.Q4_K, T.Q6_K, T.Q4_0))]
+    stacked = QuantizedWeight.cat_rows(parts)
+    assert (stacked.bits, stacked.group) == (8, 16)
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_merged_linear_keeps_packed_blocks_and_frees_its_float_weight(ops):
+    layer = QKVParallelLinear(256, head_dim=32, num_heads=2, num_kv_heads=1)
+    blocks = [to_quantized(gguf_rows(t, rows, 256, seed=rows), t) for t, rows in ((T.Q4_1, 64), (T.Q4_1, 32), (T.Q8_0, 32))]
+    for shard_id in (2, 0, 1):  # any order
+        layer.weight_loader(layer.weight, blocks[shard_id], shard_id)
+    assert layer.quant is not None and layer.weight.numel() == 0
+    layer.cpu_ops = ops
+    x = torch.randn(2, 256)
+    expected = x @ torch.cat([b.dequantize() for b in blocks]).T
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=2e-4 * expected.abs().max().item())
+
+
+def test_a_float_block_among_packed_ones_makes_the_layer_float():
+    layer = MergedColumnParallelLinear(256, [32, 32])
+    packed = to_quantized(gguf_rows(T.Q4_0, 32, 256, seed=3), T.Q4_0)
+    up = torch.randn(32, 256)
+    layer.weight_loader(layer.weight, packed, 0)
+    layer.weight_loader(layer.weight, up, 1)
+    assert layer.quant is None
+    assert torch.equal(layer.weight, torch.cat([packed.dequantize(), up]))
+
+
+@pytest.fixture(scope="module")
+def portable_ops(tmp_path_factory) -> CpuOps:
+    """The kernels built for baseline x86-64: the plain-C loops that CPUs without AVX2/F16C/FMA run."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from nanovllm.layers import cpu_kernels
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C compiler on x86-64")
+    library = str(tmp_path_factory.mktemp("portable") / "kernels.so")
+    flags = [f for f in cpu_kernels._CFLAGS if f != "-march=native"] + ["-march=x86-64"]
+    sources = [path for path in cpu_kernels._SOURCES if not path.endswith("cpu_attention.c")]  # what CpuOps calls
+    subprocess.run([compiler, *flags, "-o", library, *sources, "-lm"], check=True, capture_output=True)
+    return CpuOps(ctypes.CDLL(library))
+
+
+def test_portable_c_build_matches_the_vector_build(portable_ops):
+    native = CpuOps.load()
+    if native is None:
+        pytest.skip("no C compiler")
+    for qtype, rows in ((T.Q4_1, 3), (T.Q6_K, 1), (T.Q5_K, 4)):
+        weight = to_quantized(gguf_rows(qtype, 24, 256, seed=rows), qtype)
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(portable_ops.quant_matmul(weight, x), native.quant_matmul(weight, x), rtol=1e-5,
+                                   atol=1e-5)
+        assert torch.equal(portable_ops.quant_dequant(weight, 0, 24, torch.float32).clone(),
+                           native.quant_dequant(weight, 0, 24, torch.float32))
