@@ -38,7 +38,7 @@ def test_one_clients_burst_of_resumes_does_not_make_the_engine_look_dead(tiny_mo
             hog.send(p.Ping().encode())  # answered once the stage has handled all 60 (in order)
             finishes = [[d.finish_reason for d in victim][-1] for victim in victims]
             assert finishes == ["length"] * 3
-            assert client.server_stats()["engine_alive"] is True
+            assert client.server_stats(timeout=120)["engine_alive"] is True  # a limit that only catches a hang
             refused, deadline = 0, time.monotonic() + 120
             while True:
                 assert hog.poll(max(0.0, deadline - time.monotonic()) * 1000), "the hog's ping got no answer"
@@ -49,7 +49,7 @@ def test_one_clients_burst_of_resumes_does_not_make_the_engine_look_dead(tiny_mo
             handled_s = time.monotonic() - sent
             # At most one resume a second was applied, however long each took on this machine.
             assert 1 <= 60 - refused <= handled_s / RESUME_INTERVAL_S + 1, (refused, handled_s)
-            assert client.server_stats()["detok"]["rejected_frames"].get("resume_flood", 0) == refused
+            assert client.server_stats(timeout=120)["detok"]["rejected_frames"].get("resume_flood", 0) == refused
         procs.assert_running()
     finally:
         ctx.destroy(linger=0)
@@ -64,7 +64,9 @@ def test_a_stream_the_engine_admitted_while_the_detokenizer_was_down_survives_it
     from yet may be reconnecting: its frames are held, and the client timeout decides."""
     procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc")
     try:
-        with Client(procs.url, timeout=90, connect_timeout=60) as client:
+        # stage_timeout only catches a hang: a detokenizer started on a loaded machine took over
+        # the default 30 s to answer (its imports and tokenizer), and the client gave the stream up.
+        with Client(procs.url, timeout=180, connect_timeout=60, stage_timeout=120) as client:
             for _ in range(2):
                 before = client.stream("def f():", max_tokens=2000, ignore_eos=True)
                 next(before)
