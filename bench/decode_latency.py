@@ -44,12 +44,33 @@ def time_decode_steps(engine: LLMEngine, batch: int, prompt_len: int, output_len
     return times
 
 
+def profile_steps(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int) -> None:
+    """The steps of one run at the first batch size under cProfile: where a step's host time goes
+    (`{args.profile}.{mode}.txt`: the top functions by own time and by cumulative time)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    time_decode_steps(engine, args.batch_sizes[0], args.prompt_len, args.output_len, vocab)
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumtime").print_stats(30)
+    with open(f"{args.profile}.{mode}.txt", "w") as f:
+        f.write(out.getvalue())
+
+
 def run_mode(path: str, mode: str, args: argparse.Namespace, vocab: int) -> list[dict]:
     engine = LLMEngine(Config(model=path, device=args.device, dtype=args.dtype, enforce_eager=mode == "eager",
                               max_num_seqs=max(args.batch_sizes), num_kvcache_blocks=args.num_kv_blocks))
     if mode == "graph" and engine.runner.graphs is None:
         raise SystemExit("mode 'graph' needs CUDA (graphs are captured only there)")
     time_decode_steps(engine, 2, 16, 8, vocab)  # warm-up
+    if args.profile:
+        profile_steps(engine, mode, args, vocab)
     rows = []
     for batch in args.batch_sizes:
         times = time_decode_steps(engine, batch, args.prompt_len, args.output_len, vocab)
@@ -76,6 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench-models"))
+    ap.add_argument("--profile", metavar="PREFIX", help="also profile one run at the first batch size per mode "
+                    "(cProfile, steps only) into PREFIX.<mode>.txt")
     args = ap.parse_args(argv)
 
     path = make_bench_model(args.shape, args.model_dir)
