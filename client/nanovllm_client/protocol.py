@@ -383,19 +383,13 @@ class OutputRow(NamedTuple):
         check_opt_str("output error", self.error, MAX_ERROR_LEN)
 
 
-class ResyncEntry(NamedTuple):
-    """A request the engine holds or finished lately (`Resync.entries`): its meta and its whole
-    output so far, as an `OutputRow` would carry it."""
-    request_id: str
-    meta: dict[str, Any]
-    token_ids: bytes
-    """Every output token id so far, packed."""
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    error: str | None
+_RESYNC_FIELDS = [("request_id", str), ("meta", dict[str, Any]), *list(OutputRow.__annotations__.items())[1:]]
+
+
+class ResyncEntry(NamedTuple("ResyncEntry", _RESYNC_FIELDS)):
+    """A request the engine holds or finished lately (`Resync.entries`): its id, its meta, then
+    the fields of an `OutputRow` (token_ids: every output token id so far, packed)."""
+    __slots__ = ()
 
     def output(self) -> OutputRow:
         return OutputRow(self.request_id, *self[2:])
