@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from nanovllm_client import Client
+from nanovllm_client import Client, NanovllmError
 from tests.service.chaos_client import MAX_TOKENS, PROMPTS
 from tests.service.conftest import EXACT_ARGS, START_TIMEOUT, TINY_ENGINE_ARGS
 from tests.service.harness import REPO, short_tmpdir, wait_for
@@ -68,6 +68,14 @@ def kill_stage(runtime_dir: str, stage: str) -> float:
     return killed_at
 
 
+def requests_in_flight(client: Client) -> bool:
+    """Whether the engine holds requests now; False while the stats cannot be had (a stage restarting)."""
+    try:
+        return client.server_stats(timeout=10)["engine"].get("num_live", 0) > 0
+    except NanovllmError:
+        return False
+
+
 def test_chaos_loses_no_request(served, tmp_path):
     proc, runtime_dir = served
     url = f"ipc://{runtime_dir}"
@@ -82,9 +90,14 @@ def test_chaos_loses_no_request(served, tmp_path):
     time.sleep(2.0)
     clients[3].send_signal(signal.SIGKILL)  # a client that vanishes mid-stream
     killed_at = {}
-    for at, stage in KILLS:
-        time.sleep(max(0.0, at - (time.monotonic() - started)))
-        killed_at[stage] = kill_stage(runtime_dir, stage)
+    with Client(url, connect_timeout=START_TIMEOUT) as watcher:
+        for at, stage in KILLS:
+            time.sleep(max(0.0, at - (time.monotonic() - started)))
+            # The kill must land on requests in flight: on a loaded machine the stage killed before
+            # may still be restarting at the scheduled time, and the clients waiting on it.
+            wait_for(lambda: requests_in_flight(watcher), timeout=120, interval=0.2,
+                     what=f"requests in flight before {stage} is killed")
+            killed_at[stage] = kill_stage(runtime_dir, stage)
     engine_killed_at = killed_at["engine_proc"]
     for c in clients[:3]:
         assert c.wait(timeout=CLIENT_SECONDS + 150) == 0
