@@ -407,7 +407,7 @@ def typed_rows(name: str, rows: Any, row_type: type) -> list:
     typed = []
     for row in rows:
         check(isinstance(row, (list, tuple)) and len(row) == width, f"each {name} row must have {width} items")
-        typed.append(row_type(*row))
+        typed.append(tuple.__new__(row_type, row))  # its width checked above; skips NamedTuple's slower __new__
         typed[-1].check()
     return typed
 
