@@ -194,10 +194,11 @@ class EngineStage:
         self._set_state("draining")
         deadline = self._start_drain_clock()
         book = self.admission
-        log.info("draining %d request(s) for up to %.0fs", len(book.in_flight()), self.drain_timeout_s)
-        self.notifier.stopping(f"draining {len(book.in_flight())} request(s)")
+        held = len(book.live) + len(book.backlog)
+        log.info("draining %d request(s) for up to %.0fs", held, self.drain_timeout_s)
+        self.notifier.stopping(f"draining {held} request(s)")
         self._emit(self._status(True, "draining"))
-        while book.in_flight() and time.monotonic() < deadline:
+        while (book.live or book.backlog) and time.monotonic() < deadline:  # no list built per step
             self.run_once()
         left = book.in_flight()
         if not left:
