@@ -9,7 +9,10 @@ no in-process side) once from each checkout, each in a fresh process with that c
 PYTHONPATH (its stages, client and engine), alternating which goes first, so load on the machine
 hits both alike. The null model keeps the model step near zero, so what is measured is the
 stages' own work. Prints each round's output tok/s at every level, the medians and their ratio
-(after / before), and one JSON line.
+(after / before); then each stage's CPU time per 1,000 output tokens (medians over the rounds,
+from the best run of each side): on a shared machine wall-clock throughput swings with the
+neighbours' load, while the CPU a stage burns per token barely moves, so that table is the one
+to read when the machine is not quiet. One JSON line last.
 """
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_side(checkout: str, extra: list[str]) -> dict[int, float]:
-    """One null-model sweep from `checkout`: output tok/s per concurrency level."""
+def run_side(checkout: str, extra: list[str]) -> dict[int, dict]:
+    """One null-model sweep from `checkout`: per concurrency level, output tok/s and each process's
+    CPU ms per 1,000 output tokens."""
     checkout = os.path.abspath(checkout)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "sweep.json")
@@ -35,7 +39,9 @@ def run_side(checkout: str, extra: list[str]) -> dict[int, float]:
                        stdout=subprocess.DEVNULL)
         with open(out) as f:
             rows = json.load(f)["null"]
-    return {row["concurrency"]: row["output_tok_s"] for row in rows}
+    return {row["concurrency"]: {"tok_s": row["output_tok_s"],
+                                 "cpu_ms_per_1k": {k: 1e6 * v / row["output_tokens"] for k, v in row["cpu_s"].items()}}
+            for row in rows}
 
 
 def main() -> int:
@@ -46,22 +52,32 @@ def main() -> int:
     parser.add_argument("extra", nargs="*", help="more bench/serve.py flags, after --")
     args = parser.parse_args()
     extra = args.extra or ["--concurrency", "64", "--repeats", "1"]
-    runs: dict[str, list[dict[int, float]]] = {"before": [], "after": []}
+    runs: dict[str, list[dict[int, dict]]] = {"before": [], "after": []}
     for r in range(args.rounds):
         order = ("before", "after") if r % 2 == 0 else ("after", "before")
         for side in order:
             runs[side].append(run_side(getattr(args, side), extra))
-            print(f"round {r + 1} {side}: " + ", ".join(f"{c}: {t:,.1f}" for c, t in runs[side][-1].items()),
+            print(f"round {r + 1} {side}: " + ", ".join(f"{c}: {t['tok_s']:,.1f}" for c, t in runs[side][-1].items()),
                   flush=True)
     levels = sorted(runs["before"][0])
-    medians = {side: {c: statistics.median(run[c] for run in runs[side]) for c in levels} for side in runs}
+    tok_s = {side: [{c: run[c]["tok_s"] for c in levels} for run in runs[side]] for side in runs}
+    medians = {side: {c: statistics.median(run[c] for run in tok_s[side]) for c in levels} for side in runs}
     print("\n| concurrency | before out tok/s (runs) | after out tok/s (runs) | after / before (medians) |")
     print("| --- | --- | --- | --- |")
     for c in levels:
-        cells = [f"{medians[s][c]:,.1f} ({', '.join(f'{run[c]:,.1f}' for run in runs[s])})" for s in ("before", "after")]
+        cells = [f"{medians[s][c]:,.1f} ({', '.join(f'{run[c]:,.1f}' for run in tok_s[s])})" for s in ("before", "after")]
         print(f"| {c} | {cells[0]} | {cells[1]} | {medians['after'][c] / medians['before'][c]:.3f} |")
+    cpu = {side: {c: {k: statistics.median(run[c]["cpu_ms_per_1k"][k] for run in runs[side])
+                      for k in runs[side][0][c]["cpu_ms_per_1k"]} for c in levels} for side in runs}
+    print("\n| concurrency | process | before CPU ms / 1k out tokens | after | after / before |")
+    print("| --- | --- | --- | --- | --- |")
+    for c in levels:
+        for k, b in cpu["before"][c].items():
+            a = cpu["after"][c].get(k, float("nan"))
+            print(f"| {c} | {k} | {b:.1f} | {a:.1f} | {a / b if b else float('nan'):.3f} |")
     print(json.dumps({"bench": "serve_ab", "before": os.path.abspath(args.before), "after": os.path.abspath(args.after),
-                      "runs": runs, "ratio": {c: round(medians["after"][c] / medians["before"][c], 3) for c in levels}}))
+                      "runs": runs, "ratio": {c: round(medians["after"][c] / medians["before"][c], 3) for c in levels},
+                      "cpu_ms_per_1k": cpu}))
     return 0
 
 
