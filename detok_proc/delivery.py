@@ -72,7 +72,7 @@ class Delivery:
         """Bytes of the frames held in every client's `pending`."""
         self.gone: collections.OrderedDict[bytes, tuple[float, str, list[str]]] = collections.OrderedDict()
         """Clients given up on: when, why, and the request ids they were told nothing about yet."""
-        self._outbox: dict[bytes, dict[str, dict[str, Any]]] = {}
+        self._outbox: dict[bytes, dict[str, p.DeltaRow]] = {}
         """Deltas from the engine frames of the current pass, per client and client request id,
         sent by `flush_outbox` as one frame per client: when the stage is behind, k steps waiting
         for it cost a client one frame with k tokens, not k frames."""
@@ -124,28 +124,26 @@ class Delivery:
 
     # ------------------------------------------------------------------ sending
 
-    def stage_delta(self, client: bytes, delta: dict[str, Any]) -> None:
+    def stage_delta(self, client: bytes, delta: p.DeltaRow) -> None:
         """Hold `delta` for this pass's frame to `client`, merged into the request's earlier one."""
         # [ZH-START]
         # 1. 该客户端这一轮还没有这个请求的增量：直接记下。
         # 2. 已有且那个已是终止增量（客户端刚好复用了同一个 rid）：先把该客户端的积累发出，再记下。
-        # 3. 否则合并：文本、打包的 token 直接拼接（顺序不变），终止字段（finish_reason、usage、error、engine_dead）取新的。
+        # 3. 否则合并（DeltaRow 不可变，用 _replace 换成新行）：文本、打包的 token 直接拼接（顺序不变），
+        #    终止字段（finish_reason、usage、error）取新的，engine_dead 任一为真即真。
         # 4. 一个客户端积累超过 MAX_ROWS 个增量就立即发出，帧永远合法。
         # [ZH-END]
         box = self._outbox.setdefault(client, {})
-        prior = box.get(delta["request_id"])
-        if prior is not None and prior.get("finish_reason") is not None:
+        prior = box.get(delta.request_id)
+        if prior is not None and prior.finish_reason is not None:
             self.flush_client(client)
             box = self._outbox.setdefault(client, {})
             prior = None
         if prior is None:
-            box[delta["request_id"]] = delta
-        else:
-            prior["text"] = prior.get("text", "") + delta.get("text", "")
-            prior["token_ids"] = prior.get("token_ids", b"") + delta.get("token_ids", b"")
-            for key in ("finish_reason", "usage", "error", "engine_dead"):
-                if key in delta:
-                    prior[key] = delta[key]
+            box[delta.request_id] = delta
+        else:  # a prior delta of a pass is never terminal (flushed above): the later one's ending fields win
+            box[delta.request_id] = delta._replace(text=prior.text + delta.text, token_ids=prior.token_ids + delta.token_ids,
+                                                   engine_dead=prior.engine_dead or delta.engine_dead)
         if len(box) >= p.MAX_ROWS:
             self.flush_client(client)
 
@@ -171,7 +169,7 @@ class Delivery:
             self.flush_client(identity)
         self._send_frame(identity, frame)
 
-    def send_deltas(self, identity: bytes, deltas: list[dict]) -> None:
+    def send_deltas(self, identity: bytes, deltas: list[p.DeltaRow]) -> None:
         """Deltas to one client, as few StreamOutput frames as the frame limit allows, in order."""
         for _, frame in p.frames_within(p.StreamOutput, deltas):
             self.send(identity, frame)

@@ -50,12 +50,12 @@ class Recovery:
         """How long requests rebuilt from a resync wait for their clients' resumes."""
         self.deadline = float("inf")
         self.max_early_rows = max_early_rows
-        self.early: dict[bytes, list[list]] = {}
+        self.early: dict[bytes, list[p.ResumeRow]] = {}
         """Resumes that came before the resync was complete, the latest of each client."""
         self.last_resume: dict[bytes, float] = {}
         """When each client's last Resume came (a client sends one per detokenizer it meets)."""
 
-    def on_resume(self, identity: bytes, rows: list[list], now: float) -> tuple[Outcome, Refusals]:
+    def on_resume(self, identity: bytes, rows: list[p.ResumeRow], now: float) -> tuple[Outcome, Refusals]:
         """A client's Resume: applied once the resync is complete, held until then, refused as a
         flood within RESUME_INTERVAL_S of its last. What to send and abort, and the resumes refused."""
         # [ZH-START]
@@ -90,7 +90,7 @@ class Recovery:
                      streams.num_awaiting_resume())
         return out
 
-    def resume(self, identity: bytes, rows: list[list]) -> Outcome:
+    def resume(self, identity: bytes, rows: list[p.ResumeRow]) -> Outcome:
         """Continue each listed stream from what the client has; abort what it no longer wants."""
         # [ZH-START]
         # 1. mine = 该客户端的全部请求（按客户端 rid 索引），waiting = 其中等待 resume 的。
@@ -107,7 +107,7 @@ class Recovery:
         mine = {streams.requests[rid].client_request_id: rid for rid in streams.by_client.get(identity, ())}
         waiting = {client_rid: rid for client_rid, rid in mine.items() if streams.requests[rid].awaiting_resume}
         seen = set()
-        for client_rid, num_tokens, num_chars in rows:
+        for client_rid, num_tokens, num_chars in rows:  # ResumeRow: request_id, num_tokens, num_chars
             if client_rid in seen:  # listed twice: answered once
                 continue
             seen.add(client_rid)
@@ -123,12 +123,12 @@ class Recovery:
             # it continues from again with its first new token. Cut that then.
             state.skip_tokens = max(0, num_tokens - len(state.all_ids))
             state.skip_chars = max(0, num_chars - len(state.all_text))
-            out.add(identity, {"request_id": client_rid, "text": state.all_text[num_chars:],
-                               "token_ids": p.pack_token_ids(state.all_ids[num_tokens:]), "finish_reason": None,
-                               **(state.final or {})})
+            text, token_ids = state.all_text[num_chars:], p.pack_token_ids(state.all_ids[num_tokens:])
+            out.add(identity, state.final.delta(client_rid, text, token_ids) if state.final is not None
+                    else p.DeltaRow(client_rid, text, token_ids))
             state.all_ids, state.all_text = [], ""
             if state.final is not None:
-                streams.finished(request_id, state, state.final["finish_reason"])
+                streams.finished(request_id, state, state.final.finish_reason)
         for request_id in waiting.values():  # the client no longer waits for these
             self._drop_unclaimed(request_id, out)
         return out
@@ -155,7 +155,7 @@ class Recovery:
 
     # ------------------------------------------------------------------ resumes before the resync
 
-    def hold(self, identity: bytes, rows: list[list]) -> Refusals:
+    def hold(self, identity: bytes, rows: list[p.ResumeRow]) -> Refusals:
         """Hold the client's resume (its latest only) until the resync is complete; the resumes
         refused to stay within `max_early_rows`, with why. The largest held go first, or this one
         if none is larger: a client resuming a few streams is never crowded out by a bigger one."""
@@ -183,7 +183,7 @@ class Recovery:
         self.early.pop(identity, None)
         self.last_resume.pop(identity, None)
 
-    def take_early(self) -> dict[bytes, list[list]]:
+    def take_early(self) -> dict[bytes, list[p.ResumeRow]]:
         """Every held resume, detached (applying one may find its client gone, which drops its entry)."""
         early, self.early = self.early, {}
         return early

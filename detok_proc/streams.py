@@ -26,7 +26,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from nanovllm.detokenize import IncrementalDetokenizer
 from nanovllm_client import protocol as p
@@ -39,10 +39,20 @@ RESEND_ABORT_S = 1.0
 the last may have found no room."""
 
 
-def _terminal(reason: str, num_prompt: int, num_output: int, num_cached: int) -> dict[str, Any]:
+def _terminal(reason: str, num_prompt: int, num_output: int, num_cached: int) -> Final:
     """A terminal delta's fields: why the request ended, and its usage."""
-    return {"finish_reason": reason,
-            "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_output, "cached_tokens": num_cached}}
+    return Final(reason, p.Usage(num_prompt, num_output, num_cached))
+
+
+class Final(NamedTuple):
+    """The fields of a request's terminal delta."""
+    finish_reason: str
+    usage: p.Usage | None = None
+    error: str | None = None
+
+    def delta(self, client_request_id: str, text: str = "", token_ids: bytes = b"") -> p.DeltaRow:
+        """The terminal delta, with the last text and tokens."""
+        return p.DeltaRow(client_request_id, text, token_ids, self.finish_reason, self.error, self.usage)
 
 
 @dataclass
@@ -63,12 +73,12 @@ class RequestState:
     all_ids: list[int] = field(default_factory=list)
     all_text: str = ""
     """While awaiting resume: every output token and every character released so far."""
-    final: dict[str, Any] | None = None
+    final: Final | None = None
     """While awaiting resume: the terminal fields, once the engine finished it."""
     num_prompt: int = 0
     num_output: int = 0
     """Token counts from its latest output (for the metrics of a request that ends here)."""
-    stopped: dict[str, Any] | None = None
+    stopped: Final | None = None
     """Its stop string matched here: the terminal fields ("stop", usage at the match), held until
     the engine's final row says it dropped the request. Only then does the client hear the end,
     so an id reused after the terminal delta never meets the old request in the engine."""
@@ -88,14 +98,14 @@ class Outcome:
     # 【职责】RequestStreams 一次调用的结果：每个客户端按序的增量、要在引擎里 abort 的请求 id、新出现请求的客户端。
     # 【边界】只是数据；由 DetokStage 投递（step 的进 outbox 合并，其余立即发出）和发送 abort。
     # [ZH-END]
-    deltas: dict[bytes, list[dict[str, Any]]] = field(default_factory=dict)
+    deltas: dict[bytes, list[p.DeltaRow]] = field(default_factory=dict)
     """Deltas per client, in order."""
     aborts: list[str] = field(default_factory=list)
     """Engine request ids to abort in the engine."""
     clients: list[bytes] = field(default_factory=list)
     """Clients whose requests began here: the loop knows them from now (their silence is timed)."""
 
-    def add(self, client: bytes, delta: dict[str, Any]) -> None:
+    def add(self, client: bytes, delta: p.DeltaRow) -> None:
         self.deltas.setdefault(client, []).append(delta)
 
 
@@ -123,14 +133,14 @@ class RequestStreams:
     def step(self, step: p.StepOutput) -> Outcome:
         # [ZH-START]
         # 1. started 行：为每个新请求 start，建好反分词器，客户端记进 Outcome.clients。
-        # 2. rejected 行：按 meta 里的 client / rid 生成错误增量（引擎拒绝的请求从这里告诉客户端）。
+        # 2. rejected 行：按 meta.client / meta.client_request_id 生成错误增量（引擎拒绝的请求从这里告诉客户端）。
         # 3. outputs 行：逐行 advance，得到的增量按客户端放进 Outcome；整步的反分词耗时记一次指标。
         # [ZH-END]
         out = Outcome()
         for row in step.started:
             self.start(row.request_id, row.meta, step.instance_id, out)
         for row in step.rejected:
-            out.add(row.meta["client"], p.error_delta(row.meta["rid"], row.error))
+            out.add(row.meta.client, p.error_delta(row.meta.client_request_id, row.error))
         started = time.perf_counter()
         for row in step.outputs:
             state, delta = self.advance(row, out)
@@ -140,27 +150,27 @@ class RequestStreams:
             self.metrics.detokenize_seconds(time.perf_counter() - started)
         return out
 
-    def start(self, request_id: str, meta: dict[str, Any], engine: str, out: Outcome,
+    def start(self, request_id: str, meta: p.RequestMeta, engine: str, out: Outcome,
               resumed: bool = False) -> RequestState:
         # [ZH-START]
-        # 1. 用 meta 建 IncrementalDetokenizer：tail（prompt 最后几个 token）、skip、stop、include_stop、min_tokens。
-        # 2. 建 RequestState(客户端身份, 客户端 rid, 反分词器, 引擎实例) 记进 requests 和 by_client；续写的流（meta.have = [token 数, 字符数]，
+        # 1. 用 RequestMeta 建 IncrementalDetokenizer：prompt_tail（prompt 最后几个 token）、skip_special_tokens、stop、include_stop、min_tokens。
+        # 2. 建 RequestState(客户端身份, 客户端 rid, 反分词器, 引擎实例) 记进 requests 和 by_client；续写的流（meta.have_tokens / have_chars，
         #    客户端已有的输出）记为 skip_tokens / skip_chars：引擎会随第一个新 token 把它们再报告一次，advance 截掉。
         # 3. 指标记录开始时间（resync 重建的额外记下恢复时间）；客户端记进 out.clients。
         # [ZH-END]
         detok = IncrementalDetokenizer(
-            self.tokenizer, prompt_tail=p.unpack_token_ids(meta.get("tail", b"")),
-            skip_special_tokens=meta.get("skip", True), stop=meta.get("stop", []),
-            include_stop_str_in_output=meta.get("include_stop", False), min_tokens=meta.get("min_tokens", 0))
-        client = meta["client"]
-        state = self.requests[request_id] = RequestState(client, meta["rid"], detok, engine)
-        state.skip_tokens, state.skip_chars = meta.get("have", (0, 0))
-        self.metrics.request_started(request_id, meta.get("t", time.time()), resumed_at=time.time() if resumed else None)
+            self.tokenizer, prompt_tail=p.unpack_token_ids(meta.prompt_tail),
+            skip_special_tokens=meta.skip_special_tokens, stop=meta.stop,
+            include_stop_str_in_output=meta.include_stop, min_tokens=meta.min_tokens)
+        client = meta.client
+        state = self.requests[request_id] = RequestState(client, meta.client_request_id, detok, engine)
+        state.skip_tokens, state.skip_chars = meta.have_tokens, meta.have_chars
+        self.metrics.request_started(request_id, meta.arrival or time.time(), resumed_at=time.time() if resumed else None)
         self.by_client.setdefault(client, {})[request_id] = None
         out.clients.append(client)
         return state
 
-    def advance(self, row: p.OutputRow, out: Outcome) -> tuple[RequestState | None, dict[str, Any] | None]:
+    def advance(self, row: p.OutputRow, out: Outcome) -> tuple[RequestState | None, p.DeltaRow | None]:
         """The delta `row` makes for its client, with the request's state (None, None: nothing to
         send; it is held, or it is not ours). Aborts it needs go in `out`."""
         # [ZH-START]
@@ -172,12 +182,12 @@ class RequestStreams:
         #    这一行的文本照常发出，但终止增量要等引擎的最后一行（它确认已丢掉这个请求）到了才发——
         #    这样客户端收到终止增量后复用同一个 id，引擎里一定已经没有旧请求。
         #    已 stopped 的请求：引擎之后的非最后行不发送（超过 1 秒就再 abort 一次，防止上次没送到）；最后一行到了才结束。
-        # 5. 已结束：final = state.stopped，或 {finish_reason, usage{prompt_tokens, completion_tokens, cached_tokens}}，
+        # 5. 已结束：final = state.stopped，或 Final(finish_reason, Usage(prompt_tokens, completion_tokens, cached_tokens))，
         #    有错误（或 reason 为 error）加 error。
         # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，返回 (state, None)。
         # 7. 有 skip_tokens / skip_chars（resume 时客户端已有、引擎将再报告的续写前缀）：先从 token 和文本开头截掉，
         #    截完什么都不剩且没结束就返回 (state, None)。
-        # 8. 否则组装增量 {request_id, text, token_ids（原样打包）, finish_reason: None}，合入 final；
+        # 8. 否则组装增量 DeltaRow(客户端 rid, text, token_ids（原样打包）)，已结束就由 final.delta 带上终止字段；
         #    已结束就 finished（计指标、遗忘该请求）；返回 (state, 增量)，调用方按 state.client 路由。
         # [ZH-END]
         request_id, packed_ids, finished, finish_reason, num_prompt, num_output, num_cached, error = row
@@ -206,7 +216,7 @@ class RequestStreams:
         elif finished:
             final = _terminal(finish_reason, num_prompt, num_output, num_cached)
             if error or finish_reason == "error":  # an abort may say why too (a drain that ran out)
-                final["error"] = error or "the request failed in the engine"
+                final = final._replace(error=error or "the request failed in the engine")
         if state.awaiting_resume:  # hold everything until the client says what it has
             state.all_ids.extend(token_ids)
             state.all_text += text
@@ -219,13 +229,12 @@ class RequestStreams:
             packed_ids = p.pack_token_ids(token_ids)
             if not (token_ids or text or final):
                 return state, None
-        delta = {"request_id": state.client_request_id, "text": text, "token_ids": packed_ids, "finish_reason": None}
         if token_ids:
             self.metrics.tokens_streamed(request_id, len(token_ids), time.time())
-        if final is not None:
-            delta.update(final)
-            self.finished(request_id, state, final["finish_reason"])
-        return state, delta
+        if final is None:
+            return state, p.DeltaRow(state.client_request_id, text, packed_ids)
+        self.finished(request_id, state, final.finish_reason)
+        return state, final.delta(state.client_request_id, text, packed_ids)
 
     def _abort_stopped(self, request_id: str, state: RequestState, out: Outcome) -> None:
         state.abort_sent_at = time.monotonic()
@@ -282,8 +291,7 @@ class RequestStreams:
             if spare is not None and state.engine == spare:
                 continue
             if state.stopped is not None and not state.awaiting_resume:  # its text is complete: it ended by its stop
-                out.add(state.client, {"request_id": state.client_request_id, "text": "", "token_ids": b"",
-                                       **state.stopped})
+                out.add(state.client, state.stopped.delta(state.client_request_id))
                 self.finished(request_id, state, "stop")
             else:
                 out.add(state.client, p.error_delta(state.client_request_id, why, engine_dead=True))

@@ -271,14 +271,14 @@ class Admission:
         if out.finished:
             del self.live[out.request_id]
             self.live_bytes -= live.nbytes
-            self.shares.ended(live.meta.get("client", b""))
+            self.shares.ended(live.meta.client)
             self.finished.add(p.ResyncEntry(out.request_id, live.meta, p.pack_token_ids(live.tokens), True,
                                             out.finish_reason, *live.counts, _error(out)))
 
 
 def _client(req: p.TokenizedReq) -> bytes:
     """The client a request came from: the routing identity its tokenizer stamped into its meta."""
-    return req.meta.get("client", b"")
+    return req.meta.client
 
 
 def _error(out: RequestOutput) -> str | None:

@@ -40,7 +40,7 @@ def entry_bytes(entry: ResyncEntry) -> int:
     """What a finished entry holds: its packed output ids and its meta's stop strings (up to
     4 bytes a character), plus a fixed allowance for the rest."""
     meta = entry.meta
-    return 512 + len(entry.token_ids) + 4 * sum(len(s) for s in meta.get("stop", ())) + len(meta.get("tail", b""))
+    return 512 + len(entry.token_ids) + 4 * sum(len(s) for s in meta.stop) + len(meta.prompt_tail)
 
 
 class FinishedRing:

@@ -69,8 +69,9 @@ class RequestBuilder:
         # 5. 开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(客户端 CURVE 公钥，没有则路由 id，
         #    客户端自己给的盐)，前缀缓存只在同一客户端（同一把钥匙）内共享。
         #    ids = _prompt_ids(req)。
-        # 6. meta = {client 身份, rid, stop, skip, include_stop, min_tokens, tail = prompt 最后 8 个 token（打包）, t = 时间}，
-        #    引擎原样转给 detokenizer，用来建 IncrementalDetokenizer 和路由输出。
+        # 6. meta = RequestMeta(client 身份, 客户端 rid, stop, skip_special_tokens, prompt_tail = prompt 最后 8 个 token（打包）,
+        #    arrival = 时间, min_tokens, include_stop, have_tokens / have_chars = 续写时客户端已有的 token 数和字符数)，
+        #    线上是按位置的数组；引擎原样转给 detokenizer，用来建 IncrementalDetokenizer 和路由输出。
         # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend, output_ids = 续写时客户端已收到的输出 token)，先用引擎自己的 validate 检查一遍，
         #    再编码、检查帧长：引擎会丢掉的帧（它无法回答客户端：min_tokens 超过 2**31；超过 16 MiB 的帧，
         #    引擎的 socket 会连同连接一起丢掉）在这里就拒绝，并说明原因；通过则返回编码好的帧。
@@ -101,11 +102,9 @@ class RequestBuilder:
         if self.cache_salt_per_client:
             sampling["cache_salt"] = client_cache_salt(key or identity.hex(), sampling.get("cache_salt"))
         ids = self._prompt_ids(req)
-        meta = {"client": identity, "rid": req.request_id, "stop": stop, "skip": skip,
-                "include_stop": include_stop, "min_tokens": sampling.get("min_tokens", 0),
-                "tail": p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]), "t": time.time()}
-        if req.output_token_ids:  # a continued stream: what its client has already
-            meta["have"] = [len(req.output_token_ids) // 4, req.output_chars]
+        have = (len(req.output_token_ids) // 4, req.output_chars) if req.output_token_ids else (0, 0)
+        meta = p.RequestMeta(identity, req.request_id, stop, skip, p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]),
+                             time.time(), sampling.get("min_tokens", 0), include_stop, *have)
         out = p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta,
                              priority=req.priority, resend=req.resend, output_ids=req.output_token_ids or b"")
         try:  # the engine's own checks: a frame it would drop (it cannot answer the client) is refused here

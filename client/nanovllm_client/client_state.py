@@ -211,7 +211,7 @@ class ClientState:
             log.warning("dropping an undecodable frame from the service: %s", e)
             return Reaction()
         if isinstance(msg, p.StreamOutput):
-            tracked = (self._track(self._delta(d), bool(d.get("unsent"))) for d in msg.deltas)
+            tracked = (self._track(self._delta(d), d.unsent) for d in msg.deltas)
             reaction = Reaction([d for d in tracked if d is not None])
             self._unpark(reaction)  # one refused for want of an engine while a new one is known up
             return reaction
@@ -265,7 +265,7 @@ class ClientState:
             return reaction
         self.last_pong, self.detok_responsive = time.monotonic(), True
         if self.detok_instance is not None and msg.instance_id != self.detok_instance and self.inflight:
-            rows = [[wire_id, f.tokens, f.chars] for wire_id, f in self.inflight.items()]
+            rows = [p.ResumeRow(wire_id, f.tokens, f.chars) for wire_id, f in self.inflight.items()]
             log.info("detokenizer restarted: resuming %d stream(s)", len(rows))
             reaction.to_detok = [p.Resume(rows).encode()]
         self.detok_instance, self.engine_state = msg.instance_id, msg.engine_state
@@ -386,9 +386,10 @@ class ClientState:
         return delta
 
     @staticmethod
-    def _delta(d: dict[str, Any]) -> Delta:
-        return Delta(d["request_id"], d.get("text", ""), p.unpack_token_ids(d.get("token_ids", b"")),
-                     d.get("finish_reason"), d.get("usage"), d.get("error"), bool(d.get("engine_dead", False)))
+    def _delta(d: p.DeltaRow) -> Delta:
+        usage = None if d.usage is None else d.usage._asdict()
+        return Delta(d.request_id, d.text, p.unpack_token_ids(d.token_ids), d.finish_reason, usage, d.error,
+                     d.engine_dead)
 
 
 def merge(deltas: list[Delta], request_id: str) -> Result:

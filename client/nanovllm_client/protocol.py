@@ -7,7 +7,9 @@ msgpack's size limits and a nesting limit applied before anything looks at it), 
 typed message whose every field is checked (`checks.py`), or raises `ProtocolError` with a
 sentence saying what was wrong, which the stage sends back to the sender as data. Stage-to-stage
 messages are checked as strictly as client ones: over tcp anyone who reaches a port can send them.
-Token ids travel packed (little-endian uint32 bytes).
+Token ids travel packed (little-endian uint32 bytes). Rows inside a message (a step's outputs,
+a resync's entries, a stream's deltas, a request's meta, a resume's requests) are NamedTuples:
+positional arrays on the wire, named in code, read and checked in one place (`typed_rows`).
 
 Flow (see docs/service.md): client --GenerateReq/AbortReq/Ping--> tokenizer --TokenizedReq-->
 engine (input) --StepOutput/EngineStatus/Resync--> detokenizer --StreamOutput/EngineStatus/
@@ -28,7 +30,9 @@ from .checks import (ProtocolError, check, check_bool, check_bytes, check_depth,
 
 __all__ = ["ProtocolError", "PROTOCOL_VERSION", "decode", "pack_token_ids", "unpack_token_ids", "error_delta"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: a request's meta, a stream's deltas and a resume's requests are positional rows
+(`RequestMeta`, `DeltaRow`, `ResumeRow`), where version 1 sent maps and bare lists."""
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 """Largest frame any stage accepts (ZMQ_MAXMSGSIZE on every receiving socket)."""
 MAX_ID_LEN = 256
@@ -259,44 +263,65 @@ class StatsReq(Message):
 @_message("resume")
 @dataclass
 class Resume(Message):
-    """Client -> a restarted detokenizer: the requests it still waits for, as [request_id,
-    token ids received, characters received], so their streams continue where they broke off."""
-    requests: list[list[Any]]
+    """Client -> a restarted detokenizer: the requests it still waits for (`ResumeRow`), so their
+    streams continue where they broke off."""
+    requests: list[ResumeRow]
 
     def validate(self) -> None:
-        check_list("requests", self.requests, MAX_ROWS)
-        for row in self.requests:
-            check(isinstance(row, list) and len(row) == 3, "each resume row must be [request_id, tokens, characters]")
-            check_str("request_id", row[0], MAX_ID_LEN)
-            check_int("tokens received", row[1], 0, 2**31)
-            check_int("characters received", row[2], 0, 2**31)
+        self.requests = typed_rows("requests", self.requests, ResumeRow)
+
+
+class ResumeRow(NamedTuple):
+    """A request a client still waits for (`Resume.requests`) and how much of it it has."""
+    request_id: str
+    num_tokens: int
+    num_chars: int
+
+    def check(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check_int("tokens received", self.num_tokens, 0, 2**31)
+        check_int("characters received", self.num_chars, 0, 2**31)
 
 
 # ---------------------------------------------------------------- request meta (tokenizer -> detok)
 
-META_FIELDS = frozenset({"client", "rid", "stop", "skip", "tail", "t", "min_tokens", "include_stop", "have"})
-"""What the detokenizer needs of a request, passed through the engine untouched:
-client routing id, client request id, stop strings, skip_special_tokens, prompt tail (packed),
-arrival time, min_tokens (before which no stop string ends the text), include the stop string,
-and for a continued stream [tokens, characters] the client has (the engine reports that output
-again with its first new token; the detokenizer sends only what follows)."""
+class RequestMeta(NamedTuple):
+    """What the detokenizer needs of a request, made by the tokenizer and passed through the
+    engine untouched (`TokenizedReq.meta`, and the engine's started, rejected and resync rows)."""
+    client: bytes
+    """The client's routing id: where the request's deltas go."""
+    client_request_id: str
+    stop: list[str] = []
+    skip_special_tokens: bool = True
+    prompt_tail: bytes = b""
+    """The prompt's last token ids (packed, at most MAX_PROMPT_TAIL): left context for decoding."""
+    arrival: float = 0.0
+    """When the tokenizer received it (epoch seconds)."""
+    min_tokens: int = 0
+    """Before this many output tokens no stop string ends the text."""
+    include_stop: bool = False
+    """The matched stop string stays in the output."""
+    have_tokens: int = 0
+    have_chars: int = 0
+    """A continued stream: the output tokens and characters its client has already. The engine
+    reports that output again with its first new token; the detokenizer sends only what follows."""
+
+    def check(self) -> None:
+        check_bytes("meta.client", self.client, 255)
+        check_str("meta.client_request_id", self.client_request_id, MAX_ID_LEN)
+        check_strings("meta.stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_LEN)
+        check_bool("meta.skip_special_tokens", self.skip_special_tokens)
+        check_packed("meta.prompt_tail", self.prompt_tail, MAX_PROMPT_TAIL)
+        check_number("meta.arrival", self.arrival)
+        check_int("meta.min_tokens", self.min_tokens, 0, 2**31)
+        check_bool("meta.include_stop", self.include_stop)
+        check_int("meta.have_tokens", self.have_tokens, 0, 2**31)
+        check_int("meta.have_chars", self.have_chars, 0, 2**31)
 
 
-def check_meta(meta: Any) -> None:
-    check_map("meta", meta, len(META_FIELDS))
-    check_fields("meta", meta, META_FIELDS, frozenset({"client", "rid"}))
-    check_bytes("meta.client", meta["client"], 255)
-    check_str("meta.rid", meta["rid"], MAX_ID_LEN)
-    check_strings("meta.stop", meta.get("stop", []), MAX_STOP_STRINGS, MAX_STOP_LEN)
-    check_bool("meta.skip", meta.get("skip", True))
-    check_packed("meta.tail", meta.get("tail", b""), MAX_PROMPT_TAIL)
-    check_number("meta.t", meta.get("t", 0.0))
-    check_int("meta.min_tokens", meta.get("min_tokens", 0), 0, 2**31)
-    check_bool("meta.include_stop", meta.get("include_stop", False))
-    have = meta.get("have", [0, 0])
-    check(isinstance(have, list) and len(have) == 2, "meta.have must be [tokens, characters]")
-    check_int("meta.have tokens", have[0], 0, 2**31)
-    check_int("meta.have characters", have[1], 0, 2**31)
+def typed_meta(meta: Any) -> RequestMeta:
+    """A decoded meta -> `RequestMeta`, checked; `ProtocolError` naming the problem."""
+    return typed_row("meta", meta, RequestMeta)
 
 
 # ---------------------------------------------------------------- tokenizer -> engine
@@ -308,8 +333,7 @@ class TokenizedReq(Message):
     """Service-wide id: '<client id hex>:<client request id>'."""
     prompt_token_ids: bytes
     sampling: dict[str, Any]
-    meta: dict[str, Any]
-    """See `META_FIELDS`."""
+    meta: RequestMeta
     priority: int = 0
     resend: bool = False
     output_ids: bytes = b""
@@ -320,7 +344,7 @@ class TokenizedReq(Message):
         check_packed("prompt_token_ids", self.prompt_token_ids, MAX_FRAME_BYTES // 4)
         check_packed("output_ids", self.output_ids, MAX_FRAME_BYTES // 4)
         check_map("sampling", self.sampling, MAX_SAMPLING_FIELDS)
-        check_meta(self.meta)
+        self.meta = typed_meta(self.meta)
         check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
         check_bool("resend", self.resend)
 
@@ -342,22 +366,20 @@ class DetokHello(Message):
 class StartedRow(NamedTuple):
     """A request the engine accepted (`StepOutput.started`), before its first output."""
     request_id: str
-    meta: dict[str, Any]
+    meta: RequestMeta
 
     def check(self) -> None:
         check_str("started request_id", self.request_id, MAX_ENGINE_ID_LEN)
-        check_meta(self.meta)
 
 
 class RejectedRow(NamedTuple):
     """A request the engine refused (`StepOutput.rejected`), and why."""
     request_id: str
-    meta: dict[str, Any]
+    meta: RequestMeta
     error: str
 
     def check(self) -> None:
         check_str("rejected request_id", self.request_id, MAX_ENGINE_ID_LEN)
-        check_meta(self.meta)
         check_str("rejection text", self.error, MAX_ERROR_LEN)
 
 
@@ -383,7 +405,7 @@ class OutputRow(NamedTuple):
         check_opt_str("output error", self.error, MAX_ERROR_LEN)
 
 
-_RESYNC_FIELDS = [("request_id", str), ("meta", dict[str, Any]), *list(OutputRow.__annotations__.items())[1:]]
+_RESYNC_FIELDS = [("request_id", str), ("meta", RequestMeta), *list(OutputRow.__annotations__.items())[1:]]
 
 
 class ResyncEntry(NamedTuple("ResyncEntry", _RESYNC_FIELDS)):
@@ -396,20 +418,33 @@ class ResyncEntry(NamedTuple("ResyncEntry", _RESYNC_FIELDS)):
 
     def check(self) -> None:
         self.output().check()
-        check_meta(self.meta)
 
 
-def typed_rows(name: str, rows: Any, row_type: type) -> list:
-    """A decoded list of rows -> `row_type` rows (NamedTuples: positional on the wire, named in
-    code), each checked; `ProtocolError` naming the first problem. The one place rows are read."""
-    check_list(name, rows, MAX_ROWS)
+def typed_row(name: str, row: Any, row_type: type, tolerant: bool = False) -> Any:
+    """One decoded row -> a `row_type` (a NamedTuple: positional on the wire, named in code),
+    checked, the rows nested in it (`_NESTED`: a meta, a usage) read the same way; `ProtocolError`
+    naming the problem. `tolerant`: a longer row (a newer service's added fields) is cut to the
+    known ones. The one place rows are read."""
     width = len(row_type._fields)
-    typed = []
-    for row in rows:
-        check(isinstance(row, (list, tuple)) and len(row) == width, f"each {name} row must have {width} items")
-        typed.append(tuple.__new__(row_type, row))  # its width checked above; skips NamedTuple's slower __new__
-        typed[-1].check()
+    if not (isinstance(row, (list, tuple)) and (len(row) == width or tolerant and len(row) > width)):
+        raise ProtocolError(f"each {name} row must have {width} items ({', '.join(row_type._fields)})")
+    if len(row) > width:
+        row = row[:width]
+    nested = _NESTED.get(row_type)
+    if nested:
+        row = list(row)
+        for i, inner, optional in nested:
+            if row[i] is not None or not optional:
+                row[i] = typed_row(row_type._fields[i], row[i], inner)
+    typed = tuple.__new__(row_type, row)  # its width checked above; skips NamedTuple's slower __new__
+    typed.check()
     return typed
+
+
+def typed_rows(name: str, rows: Any, row_type: type, tolerant: bool = False) -> list:
+    """A decoded list of rows -> checked `row_type` rows (`typed_row`)."""
+    check_list(name, rows, MAX_ROWS)
+    return [typed_row(name, row, row_type, tolerant) for row in rows]
 
 
 def _check_finish_reason(reason: Any) -> None:
@@ -485,38 +520,55 @@ class EngineStatus(Message):
 
 # ---------------------------------------------------------------- stages -> client
 
-DELTA_FIELDS = frozenset({"request_id", "text", "token_ids", "finish_reason", "error", "usage", "engine_dead",
-                          "unsent"})
+class Usage(NamedTuple):
+    """A finished request's token counts (on its terminal delta)."""
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def check(self) -> None:
+        for name, count in zip(self._fields, self):
+            check_int(f"usage {name}", count, 0, 2**31)
+
+
+class DeltaRow(NamedTuple):
+    """What one request of a client streamed since its last delta (`StreamOutput.deltas`)."""
+    request_id: str
+    """The client's request id."""
+    text: str = ""
+    token_ids: bytes = b""
+    """Packed (`pack_token_ids`)."""
+    finish_reason: str | None = None
+    """None while streaming; one of FINISH_REASONS on the terminal delta."""
+    error: str | None = None
+    """Why, with finish_reason "error" (or an abort that says why)."""
+    usage: Usage | None = None
+    """On the terminal delta."""
+    engine_dead: bool = False
+    unsent: bool = False
+    """With engine_dead: the tokenizer had no engine to pass the request to, so it reached none
+    and may be sent again as it is."""
+
+    def check(self) -> None:
+        check_str("delta request_id", self.request_id, MAX_ENGINE_ID_LEN)
+        check_str("delta text", self.text, MAX_FRAME_BYTES, empty=True)
+        check_packed("delta token_ids", self.token_ids, MAX_FRAME_BYTES // 4)
+        _check_finish_reason(self.finish_reason)
+        check_opt_str("delta error", self.error, MAX_ERROR_LEN)
+        check_bool("delta engine_dead", self.engine_dead)
+        check_bool("delta unsent", self.unsent)
 
 
 @_message("stream")
 @dataclass
 class StreamOutput(Message):
-    """Deltas for one client's requests. Each delta is a map: request_id, text, token_ids (packed),
-    finish_reason (None while streaming; "stop"/"length"/"abort"/"error" on the terminal delta),
-    error (text, with finish_reason "error"), usage (on the terminal delta), engine_dead, and unsent
-    (with engine_dead: the tokenizer had no engine to pass the request to, so it reached none and
-    may be sent again as it is)."""
+    """Deltas for one client's requests (`DeltaRow`); longer rows from a newer service are cut to
+    the fields this version knows."""
     TOLERANT = True
-    deltas: list[dict[str, Any]]
+    deltas: list[DeltaRow]
 
     def validate(self) -> None:
-        check_list("deltas", self.deltas, MAX_ROWS)
-        for i, d in enumerate(self.deltas):
-            check(isinstance(d, dict), "each delta must be a map, got {}", d)
-            if not d.keys() <= DELTA_FIELDS:  # fields a newer service added: dropped, like the message's own
-                d = self.deltas[i] = {k: v for k, v in d.items() if k in DELTA_FIELDS}
-            check_map("delta", d, len(DELTA_FIELDS))
-            check_fields("a delta", d, DELTA_FIELDS, frozenset({"request_id"}))
-            check_str("delta request_id", d["request_id"], MAX_ENGINE_ID_LEN)
-            check_str("delta text", d.get("text", ""), MAX_FRAME_BYTES, empty=True)
-            check_packed("delta token_ids", d.get("token_ids", b""), MAX_FRAME_BYTES // 4)
-            _check_finish_reason(d.get("finish_reason"))
-            check_opt_str("delta error", d.get("error"), MAX_ERROR_LEN)
-            if d.get("usage") is not None:
-                check_map("delta usage", d["usage"], 16)
-            check_bool("delta engine_dead", d.get("engine_dead", False))
-            check_bool("delta unsent", d.get("unsent", False))
+        self.deltas = typed_rows("deltas", self.deltas, DeltaRow, tolerant=True)
 
 
 @_message("error")
@@ -566,7 +618,12 @@ class StatsOutput(Message):
         _check_stats(self.stats)
 
 
-def error_delta(request_id: str, message: str, **extra: Any) -> dict[str, Any]:
+def error_delta(request_id: str, message: str, engine_dead: bool = False, unsent: bool = False) -> DeltaRow:
     """The terminal delta of a request that failed."""
-    return {"request_id": request_id, "text": "", "token_ids": b"", "finish_reason": "error",
-            "error": clip(message), "usage": None, **extra}
+    return DeltaRow(request_id, "", b"", "error", clip(message), None, engine_dead, unsent)
+
+
+_NESTED: dict[type, tuple[tuple[int, type, bool], ...]] = {
+    StartedRow: ((1, RequestMeta, False),), RejectedRow: ((1, RequestMeta, False),),
+    ResyncEntry: ((1, RequestMeta, False),), DeltaRow: ((5, Usage, True),)}
+"""Rows inside rows: (position, row type, may be null)."""

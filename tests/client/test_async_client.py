@@ -25,7 +25,7 @@ def fake_detokenizer(endpoint: str, report, flood: int = FLOOD) -> None:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.bind(endpoint)
-    delta = p.StreamOutput([{"request_id": "nobody#1", "text": "x", "token_ids": p.pack_token_ids([7])}]).encode()
+    delta = p.StreamOutput([p.DeltaRow("nobody#1", "x", p.pack_token_ids([7]))]).encode()
     pings: list[float] = []
     flood_started, left, client, stats_for = None, flood, None, []
     while not report.poll():

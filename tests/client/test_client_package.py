@@ -65,8 +65,7 @@ def state_with(*wire_ids: str, engine_restart_wait_s: float = 60.0) -> ClientSta
 
 
 def answer(state: ClientState, *wire_ids: str, text: str = "xy", ids: tuple = (1, 2)) -> None:
-    state.handle(p.StreamOutput([{"request_id": w, "text": text, "token_ids": p.pack_token_ids(list(ids))}
-                                 for w in wire_ids]).encode())
+    state.handle(p.StreamOutput([p.DeltaRow(w, text, p.pack_token_ids(list(ids))) for w in wire_ids]).encode())
 
 
 def failures(deltas) -> list[tuple]:
@@ -201,11 +200,11 @@ def test_an_engine_restart_seen_only_as_a_new_instance_continues_every_request()
 def test_a_restarted_detokenizer_is_asked_to_resume_each_stream_where_it_broke_off():
     state = state_with("a", "b")
     state.handle(p.Pong("detokenizer", "d1", True).encode())
-    state.handle(p.StreamOutput([{"request_id": "a", "text": "héllo", "token_ids": p.pack_token_ids([5, 6, 7])}]).encode())
+    state.handle(p.StreamOutput([p.DeltaRow("a", "héllo", p.pack_token_ids([5, 6, 7]))]).encode())
     reaction = state.handle(p.Pong("detokenizer", "d2", True).encode())
     assert reaction.deltas == []  # nothing fails
     (resume,) = reaction.to_detok
-    assert p.decode(resume).requests == [["a", 3, 5], ["b", 0, 0]]
+    assert p.decode(resume).requests == [p.ResumeRow("a", 3, 5), p.ResumeRow("b", 0, 0)]
 
 
 def test_a_detokenizer_that_just_started_does_not_count_as_a_dead_engine():
@@ -218,7 +217,7 @@ def test_a_detokenizer_that_just_started_does_not_count_as_a_dead_engine():
 def test_a_restarted_tokenizer_gets_the_unanswered_requests_again():
     state = state_with("a", "b")
     state.handle(p.Pong("tokenizer", "t1", True).encode())
-    state.handle(p.StreamOutput([{"request_id": "a", "text": "x", "token_ids": p.pack_token_ids([1])}]).encode())
+    state.handle(p.StreamOutput([p.DeltaRow("a", "x", p.pack_token_ids([1]))]).encode())
     assert state.handle(p.Pong("tokenizer", "t1", True).encode()).to_tokenizer == []  # same instance
     assert list(sent_again(state.handle(p.Pong("tokenizer", "t2", True).encode()).to_tokenizer)) == ["b"]
 

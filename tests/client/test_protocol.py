@@ -16,8 +16,7 @@ def test_packed_token_ids_round_trip(ids):
     assert p.unpack_token_ids(packed) == ids
 
 
-META = {"client": b"\x01\x02", "rid": "r", "stop": ["x"], "skip": True, "tail": p.pack_token_ids([1]), "t": 1.5,
-        "min_tokens": 0, "include_stop": False}
+META = p.RequestMeta(b"\x01\x02", "r", ["x"], True, p.pack_token_ids([1]), 1.5, 0, False, 0, 0)
 
 
 STEP = p.StepOutput("e1", [p.StartedRow("a", META)], [p.RejectedRow("b", META, "no")],
@@ -49,7 +48,7 @@ def test_every_message_type_round_trips():
         p.AbortReq("r"), p.Ping(), p.StatsReq(),
         p.TokenizedReq("c:r", p.pack_token_ids([1, 2]), {"temperature": 0}, META, priority=3, resend=True),
         STEP, RESYNC,
-        p.DetokHello("d1"), p.Resume([["r#1", 3, 9]]),
+        p.DetokHello("d1"), p.Resume([p.ResumeRow("r#1", 3, 9)]),
         p.EngineStatus(True, "abc", "", {"num_running": 1}),
         p.StreamOutput([p.error_delta("r", "boom")]), p.ErrorOutput("bad", "r"), p.Pong("detokenizer", "i", True),
         p.StatsOutput({"a": 1}),
@@ -137,11 +136,11 @@ HOSTILE = {
     "trailing bytes": msgpack.packb([p.PROTOCOL_VERSION, "ping", {}]) + b"\x00",
     "too large": b"\xc4" + b"x" * 10,
     "meta is empty": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, {}).encode(),
-    "meta not a map": msgpack.packb([p.PROTOCOL_VERSION, "tokenized", {"request_id": "c:r", "prompt_token_ids": b"\0" * 4,
+    "meta not a row": msgpack.packb([p.PROTOCOL_VERSION, "tokenized", {"request_id": "c:r", "prompt_token_ids": b"\0" * 4,
                                                                         "sampling": {}, "meta": [1]}]),
-    "meta client is str": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, {"client": "x", "rid": "r"}).encode(),
-    "meta stop is int": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, {"client": b"x", "rid": "r", "stop": 5}).encode(),
-    "meta tail of 3 bytes": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, {"client": b"x", "rid": "r", "tail": b"abc"}).encode(),
+    "meta client is str": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, p.RequestMeta("x", "r")).encode(),
+    "meta stop is int": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, p.RequestMeta(b"x", "r", stop=5)).encode(),
+    "meta tail of 3 bytes": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, p.RequestMeta(b"x", "r", prompt_tail=b"abc")).encode(),
     "step row too short": p.StepOutput("e", [], [], [["a", b"", True]]).encode(),
     "step reason unknown": p.StepOutput("e", [], [], [["a", b"", True, "exploded", 1, 1, 0, None]]).encode(),
     "step started without meta": p.StepOutput("e", [["a", {}]], [], []).encode(),
@@ -192,15 +191,15 @@ def test_what_the_service_sends_a_client_may_carry_fields_the_client_does_not_kn
 
     pong = p.decode(frame("pong", {"role": "detokenizer", "instance_id": "d1", "engine_alive": True, "later": [1]}))
     assert (pong.instance_id, pong.engine_alive) == ("d1", True)
-    delta = {"request_id": "r", "text": "hi", "finish_reason": None, "logprobs": [[1, -0.5]]}
+    delta = [*p.DeltaRow("r", "hi"), [[1, -0.5]]]  # a field a newer service appended to the row
     (got,) = p.decode(frame("stream", {"deltas": [delta], "later": 1})).deltas
-    assert got == {"request_id": "r", "text": "hi", "finish_reason": None}
+    assert got == p.DeltaRow("r", "hi") and got.text == "hi"
     assert p.decode(frame("engine_status", {"alive": True, "later": 1})).alive is True
     with pytest.raises(p.ProtocolError, match="unknown field"):
         p.decode(frame("generate", {"request_id": "r", "prompt": "x", "later": 1}))
     with pytest.raises(p.ProtocolError, match="unknown field"):
         p.decode(frame("tokenized", {"request_id": "c:r", "prompt_token_ids": b"", "sampling": {},
-                                     "meta": {"client": b"c", "rid": "r"}, "later": 1}))
+                                     "meta": p.RequestMeta(b"c", "r"), "later": 1}))
     with pytest.raises(p.ProtocolError, match="missing field"):  # dropping fields never makes a required one optional
         p.decode(frame("pong", {"instance_id": "d1", "later": 1}))
 
@@ -236,8 +235,7 @@ def test_a_check_that_passes_never_builds_its_message(monkeypatch):
     shown: list = []
     for module in (checks, p):
         monkeypatch.setattr(module, "show", lambda v, real=checks.show: shown.append(v) or real(v))
-    frame = p.StreamOutput([{"request_id": f"c:{i}", "text": "x", "token_ids": p.pack_token_ids([i])}
-                            for i in range(16)]).encode()
+    frame = p.StreamOutput([p.DeltaRow(f"c:{i}", "x", p.pack_token_ids([i])) for i in range(16)]).encode()
     assert len(p.decode(frame).deltas) == 16 and shown == []
-    with pytest.raises(ProtocolError, match="each delta must be a map, got 7"):
+    with pytest.raises(ProtocolError, match=r"each deltas row must have 8 items \(request_id, text, "):
         p.decode(p.StreamOutput([7]).encode())

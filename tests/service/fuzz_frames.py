@@ -19,9 +19,9 @@ VOCAB = 2048
 """The tiny test model's vocabulary: extreme token ids straddle it."""
 
 
-def _meta(rng: random.Random) -> dict[str, Any]:
-    return {"client": rng.randbytes(16), "rid": f"fz{rng.randrange(10**6)}", "stop": [], "skip": True,
-            "tail": p.pack_token_ids([rng.randrange(VOCAB)]), "t": 0.0}
+def _meta(rng: random.Random) -> p.RequestMeta:
+    return p.RequestMeta(rng.randbytes(16), f"fz{rng.randrange(10**6)}", [], True,
+                         p.pack_token_ids([rng.randrange(VOCAB)]), 0.0)
 
 
 def random_value(rng: random.Random, depth: int = 0) -> Any:

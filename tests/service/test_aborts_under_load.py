@@ -96,7 +96,7 @@ def test_an_abort_that_overtakes_its_request_ends_it_when_it_arrives(tiny_model_
         requests = raw_socket(ctx, zmq.PUSH, eps.engine)
         for rid in ("c:early", "c:other"):
             requests.send(p.TokenizedReq(rid, p.pack_token_ids([1, 2, 3]), {"max_tokens": 4, "ignore_eos": True},
-                                         {"client": b"c", "rid": rid}).encode())
+                                         p.RequestMeta(b"c", rid)).encode())
         ends: dict[str, tuple] = {}
         started: list[str] = []
         deadline = time.monotonic() + 30

@@ -35,8 +35,8 @@ def ask(sock: zmq.Socket, *frames: bytes) -> p.Message:
 def error_text(msg: p.Message) -> str:
     if isinstance(msg, p.ErrorOutput):
         return msg.message
-    assert isinstance(msg, p.StreamOutput) and msg.deltas[0]["finish_reason"] == "error"
-    return msg.deltas[0]["error"]
+    assert isinstance(msg, p.StreamOutput) and msg.deltas[0].finish_reason == "error"
+    return msg.deltas[0].error
 
 
 def generate_frame(version=PROTOCOL_VERSION, type_name="generate", **body) -> bytes:

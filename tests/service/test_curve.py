@@ -114,7 +114,7 @@ def test_stage_sockets_refuse_frames_without_the_service_key(curve_service, keys
     ctx = zmq.Context()
     try:
         for endpoint, frame in ((eps.engine, p.TokenizedReq("x:y", p.pack_token_ids([1, 2]), {"max_tokens": 3},
-                                                             {"client": b"x", "rid": "y"}).encode()),
+                                                             p.RequestMeta(b"x", "y")).encode()),
                                 (eps.detok, p.EngineStatus(False, "forged", "forged death").encode()),
                                 (eps.control, p.Ping().encode())):  # a wrong type: counted, had it arrived
             push = ctx.socket(zmq.PUSH)
@@ -211,7 +211,7 @@ def test_another_key_cannot_take_over_a_clients_routing_id(curve_service, keys):
         received = len(deltas)
         while len(deltas) < received + 3:  # her stream goes on, not aborted
             deltas += _more_deltas(out, "alice's stream")
-        assert deltas[-1].get("finish_reason") is None, deltas[-1]
+        assert deltas[-1].finish_reason is None, deltas[-1]
         out.close()  # she is gone from the detokenizer too, her stream still running
         bob_out, refused = _until_answered(lambda: _dealer(ctx, eps.stream, keys["bob"], alice_id),
                                            p.Ping().encode(), "bob's ping")

@@ -72,7 +72,7 @@ def feed_engine_steps(tok, stage, engine_out, identity, small_client: bytes | No
     none of them. With `small_client`, its request "s1" rides along with one token a step."""
     ids = tok.encode("def f(x):\n    return x * 2  # 中文🚀\n" * 800, add_special_tokens=False)
     ids = (ids * 20)[:TOKENS_PER_STEP * NUM_STEPS]
-    meta = {"client": identity, "rid": "r1", "stop": [], "skip": True, "tail": b""}
+    meta = p.RequestMeta(identity, "r1")
     frames = [p.EngineStatus(True, "fake-engine").encode()]
     for k in range(NUM_STEPS):
         chunk = ids[k * TOKENS_PER_STEP:(k + 1) * TOKENS_PER_STEP]
@@ -81,7 +81,7 @@ def feed_engine_steps(tok, stage, engine_out, identity, small_client: bytes | No
         started = [["c:r1", meta]] if k == 0 else []
         if small_client is not None:
             rows.append(["c:s1", p.pack_token_ids(ids[k:k + 1]), last, "length" if last else None, 5, k + 1, 0, None])
-            started += [["c:s1", dict(meta, client=small_client, rid="s1")]] if k == 0 else []
+            started += [["c:s1", meta._replace(client=small_client, client_request_id="s1")]] if k == 0 else []
         frames.append(p.StepOutput("fake-engine", started, [], rows).encode())
     for frame in frames:
         seen = frames_received(stage)
@@ -120,8 +120,8 @@ def test_a_client_that_stops_reading_still_gets_every_character_in_order(rig):
         if isinstance(msg, p.EngineStatus):  # the "engine alive" broadcast
             continue
         for delta in msg.deltas:
-            text.append(delta["text"])
-            terminals += delta["finish_reason"] is not None
+            text.append(delta.text)
+            terminals += delta.finish_reason is not None
     assert "".join(text) == tok.decode(ids)
     assert not client.poll(500), "nothing may follow the terminal delta"
     wait_for(lambda: stage.stats()["detok"]["num_requests"] == 0 and stage.stats()["detok"]["num_pending_frames"] == 0,
@@ -168,8 +168,8 @@ def test_the_output_held_for_slow_clients_is_bounded_by_bytes(rig):
     while True:
         assert client.poll(10_000)
         msg = p.decode(client.recv())
-        if isinstance(msg, p.StreamOutput) and msg.deltas[0]["finish_reason"] == "error":
-            assert "MiB of output unread" in msg.deltas[0]["error"]
+        if isinstance(msg, p.StreamOutput) and msg.deltas[0].finish_reason == "error":
+            assert "MiB of output unread" in msg.deltas[0].error
             break
 
 
@@ -193,9 +193,9 @@ def test_over_the_byte_budget_the_client_holding_the_most_goes_first(rig):
     while engine_in.poll(max(1, int((later - time.monotonic()) * 1000))):  # hellos repeat: no resync here
         assert not isinstance(p.decode(engine_in.recv()), p.AbortReq), "only the client holding the most goes"
     deltas = []
-    while not deltas or deltas[-1]["finish_reason"] is None:
+    while not deltas or deltas[-1].finish_reason is None:
         assert small.poll(10_000), "the small stream stalled"
         msg = p.decode(small.recv())
-        deltas += [d for d in getattr(msg, "deltas", []) if d["request_id"] == "s1"]
-    assert deltas[-1]["finish_reason"] == "length"
-    assert "".join(d["text"] for d in deltas) == tok.decode(ids[:NUM_STEPS])
+        deltas += [d for d in getattr(msg, "deltas", []) if d.request_id == "s1"]
+    assert deltas[-1].finish_reason == "length"
+    assert "".join(d.text for d in deltas) == tok.decode(ids[:NUM_STEPS])

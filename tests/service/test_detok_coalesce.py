@@ -62,7 +62,7 @@ def test_steps_handled_in_one_pass_reach_the_client_as_one_frame(rig):
     tok, stage, client, identity = rig
     texts = {"a": "def café(): return '你好' 😀 # naïve", "b": "Hello there, world! 🚀🎉 done."}
     ids = {rid: tok.encode(text, add_special_tokens=False) for rid, text in texts.items()}
-    started = [[f"c:{rid}", {"client": identity, "rid": rid}] for rid in ids]
+    started = [[f"c:{rid}", p.RequestMeta(identity, rid)] for rid in ids]
     n = max(len(v) for v in ids.values())
     for k in range(n):
         rows = [row(f"c:{rid}", v[k], k, k == len(v) - 1) for rid, v in ids.items() if k < len(v)]
@@ -70,40 +70,40 @@ def test_steps_handled_in_one_pass_reach_the_client_as_one_frame(rig):
     stage.delivery.flush_outbox()
     streams = [m for m in receive(client) if isinstance(m, p.StreamOutput)]
     assert len(streams) == 1, f"{n} steps in one pass should make one frame, got {len(streams)}"
-    deltas = {d["request_id"]: d for d in streams[0].deltas}
+    deltas = {d.request_id: d for d in streams[0].deltas}
     assert set(deltas) == set(ids)
     for rid, d in deltas.items():
-        assert p.unpack_token_ids(d["token_ids"]) == ids[rid]
-        assert d["text"] == tok.decode(ids[rid]) == texts[rid]
-        assert d["finish_reason"] == "length"
-        assert d["usage"]["completion_tokens"] == len(ids[rid])
+        assert p.unpack_token_ids(d.token_ids) == ids[rid]
+        assert d.text == tok.decode(ids[rid]) == texts[rid]
+        assert d.finish_reason == "length"
+        assert d.usage.completion_tokens == len(ids[rid])
     assert stage.stats()["detok"]["num_requests"] == 0
 
 
 def test_a_request_id_reused_within_a_pass_keeps_its_two_streams_apart(rig):
     tok, stage, client, identity = rig
     first, second = tok.encode("one two", add_special_tokens=False), tok.encode("three", add_special_tokens=False)
-    meta = {"client": identity, "rid": "r"}
+    meta = p.RequestMeta(identity, "r")
     for k, token in enumerate(first):
         stage.on_engine_frames([step([row("c:r#1", token, k, k == len(first) - 1)], [["c:r#1", meta]] if k == 0 else [])])
     for k, token in enumerate(second):  # the client reused its id once the first had ended
         stage.on_engine_frames([step([row("c:r#2", token, k, k == len(second) - 1)], [["c:r#2", meta]] if k == 0 else [])])
     stage.delivery.flush_outbox()
     deltas = [d for m in receive(client) if isinstance(m, p.StreamOutput) for d in m.deltas]
-    assert [(d["request_id"], p.unpack_token_ids(d["token_ids"]), d["finish_reason"]) for d in deltas] == [
+    assert [(d.request_id, p.unpack_token_ids(d.token_ids), d.finish_reason) for d in deltas] == [
         ("r", first, "length"), ("r", second, "length")]
-    assert [d["text"] for d in deltas] == [tok.decode(first), tok.decode(second)]
+    assert [d.text for d in deltas] == [tok.decode(first), tok.decode(second)]
 
 
 def test_a_frame_sent_to_a_client_mid_pass_follows_what_the_pass_holds_for_it(rig):
     tok, stage, client, identity = rig
     ids = tok.encode("steady text", add_special_tokens=False)
-    stage.on_engine_frames([step([row("c:s", ids[0], 0, False)], [["c:s", {"client": identity, "rid": "s"}]])])
+    stage.on_engine_frames([step([row("c:s", ids[0], 0, False)], [["c:s", p.RequestMeta(identity, "s")]])])
     stage.on_engine_frames([p.EngineStatus(False, ENGINE, "gone").encode()])  # fails the request mid-pass
     stage.delivery.flush_outbox()
     deltas = [d for m in receive(client) if isinstance(m, p.StreamOutput) for d in m.deltas]
-    assert [d["finish_reason"] for d in deltas] == [None, "error"]
-    assert p.unpack_token_ids(deltas[0]["token_ids"]) == ids[:1] and deltas[1]["engine_dead"] is True
+    assert [d.finish_reason for d in deltas] == [None, "error"]
+    assert p.unpack_token_ids(deltas[0].token_ids) == ids[:1] and deltas[1].engine_dead is True
 
 
 TEXT = "Hello there, world! 🚀🎉 done."
@@ -121,16 +121,16 @@ def continued_rows(ids: list[int], have: int) -> list[list]:
 
 def streamed(client) -> tuple[str, list[int], dict]:
     deltas = [d for m in receive(client) if isinstance(m, p.StreamOutput) for d in m.deltas]
-    return "".join(d["text"] for d in deltas), [t for d in deltas for t in p.unpack_token_ids(d["token_ids"])], deltas[-1]
+    return "".join(d.text for d in deltas), [t for d in deltas for t in p.unpack_token_ids(d.token_ids)], deltas[-1]
 
 
 def test_a_continued_stream_sends_only_what_follows_what_its_client_has(rig):
-    """A client continuing a stream after an engine restart says what it has (`meta.have`); the
+    """A client continuing a stream after an engine restart says what it has (`meta.have_tokens`, `meta.have_chars`); the
     engine reports that output again with its first new token, and the client gets the rest."""
     tok, stage, client, identity = rig
     ids = tok.encode(TEXT, add_special_tokens=False)
     have, chars = 5, len(tok.decode(ids[:5]))
-    meta = {"client": identity, "rid": "x", "have": [have, chars]}
+    meta = p.RequestMeta(identity, "x", have_tokens=have, have_chars=chars)
     rows = continued_rows(ids, have)
     stage.on_engine_frames([step(rows[:1], [["c:x", meta]])])
     for r in rows[1:]:
@@ -138,7 +138,7 @@ def test_a_continued_stream_sends_only_what_follows_what_its_client_has(rig):
     stage.delivery.flush_outbox()
     text, tokens, last = streamed(client)
     assert (text, tokens) == (TEXT[chars:], ids[have:])
-    assert last["finish_reason"] == "length" and last["usage"]["completion_tokens"] == len(ids)
+    assert last.finish_reason == "length" and last.usage.completion_tokens == len(ids)
 
 
 @pytest.mark.parametrize("reported", [0, 2], ids=["before-its-first-row", "after-two-new-tokens"])
@@ -147,11 +147,11 @@ def test_a_continued_stream_survives_a_detokenizer_restart(rig, reported):
     for it, the engine's resync has no output for it and the client's resume says it has more:
     the engine's first row then reports that output again, and only what follows reaches the
     client. After it, the resync holds the output again plus the new tokens, and nothing more
-    may be cut (the request's `meta.have` no longer applies)."""
+    may be cut (the request's `meta.have_tokens` no longer applies)."""
     tok, stage, client, identity = rig
     ids = tok.encode(TEXT, add_special_tokens=False)
     have = 5
-    meta = {"client": identity, "rid": "x", "have": [have, len(tok.decode(ids[:have]))]}
+    meta = p.RequestMeta(identity, "x", have_tokens=have, have_chars=len(tok.decode(ids[:have])))
     rows = continued_rows(ids, have)
     output = ids[:have + reported] if reported else []
     client_has = have + reported  # it received every reported token before the restart
@@ -164,7 +164,7 @@ def test_a_continued_stream_survives_a_detokenizer_restart(rig, reported):
         stage.on_engine_frames([step([r])])
     stage.delivery.flush_outbox()
     text, tokens, last = streamed(client)
-    assert (text, tokens) == (TEXT[chars:], ids[client_has:]) and last["finish_reason"] == "length"
+    assert (text, tokens) == (TEXT[chars:], ids[client_has:]) and last.finish_reason == "length"
 
 
 def test_every_rejection_reaches_a_client_the_stage_has_not_heard_from(rig):
@@ -173,11 +173,11 @@ def test_every_rejection_reaches_a_client_the_stage_has_not_heard_from(rig):
     quiet_id = uuid.uuid4().bytes
     quiet.setsockopt(zmq.ROUTING_ID, quiet_id)
     quiet.connect(stage.clients_sock.getsockopt(zmq.LAST_ENDPOINT).decode())
-    rejected = [[f"c:{rid}", {"client": quiet_id, "rid": rid}, f"{rid} refused"] for rid in ("a", "b")]
+    rejected = [[f"c:{rid}", p.RequestMeta(quiet_id, rid), f"{rid} refused"] for rid in ("a", "b")]
     for _ in range(50):  # until its connection is up: a frame to an unknown peer is refused, not held
         stage.on_engine_frames([p.StepOutput(ENGINE, [], rejected, []).encode()])
         stage.delivery.flush_outbox()
         if quiet.poll(100):
             break
     deltas = [d for m in receive(quiet) if isinstance(m, p.StreamOutput) for d in m.deltas]
-    assert [(d["request_id"], d["error"]) for d in deltas[:2]] == [("a", "a refused"), ("b", "b refused")]
+    assert [(d.request_id, d.error) for d in deltas[:2]] == [("a", "a refused"), ("b", "b refused")]

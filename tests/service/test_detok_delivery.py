@@ -44,7 +44,7 @@ def rig():
 
 
 def delta(rid: str, text: str, reason: str | None = None) -> dict:
-    return {"request_id": rid, "text": text, "token_ids": p.pack_token_ids([ord(c) for c in text]), "finish_reason": reason}
+    return p.DeltaRow(rid, text, p.pack_token_ids([ord(c) for c in text]), reason)
 
 
 def deltas_sent(router: FakeRouter, identity: bytes) -> list[dict]:
@@ -61,8 +61,8 @@ def test_a_pass_merges_each_requests_deltas_into_one_frame(rig):
     delivery.flush_outbox()
     assert len(router.sent) == 1
     sent = deltas_sent(router, A)
-    assert [(d["request_id"], d["text"], d["finish_reason"]) for d in sent] == [("x", "hello", None), ("y", "!", "length")]
-    assert p.unpack_token_ids(sent[0]["token_ids"]) == [ord(c) for c in "hello"]
+    assert [(d.request_id, d.text, d.finish_reason) for d in sent] == [("x", "hello", None), ("y", "!", "length")]
+    assert p.unpack_token_ids(sent[0].token_ids) == [ord(c) for c in "hello"]
 
 
 def test_an_id_reused_after_its_end_starts_a_new_delta_and_a_frame_sent_now_follows_the_pass(rig):
@@ -71,7 +71,7 @@ def test_an_id_reused_after_its_end_starts_a_new_delta_and_a_frame_sent_now_foll
     delivery.stage_delta(A, delta("r", "two"))  # the first frame goes: the two streams stay apart
     delivery.send(A, p.Pong("detokenizer", "D1", True, "ready", 1.0, "ready").encode())
     assert [type(p.decode(f)).__name__ for _, f in router.sent] == ["StreamOutput", "StreamOutput", "Pong"]
-    assert [(d["text"], d["finish_reason"]) for d in deltas_sent(router, A)] == [("one", "length"), ("two", None)]
+    assert [(d.text, d.finish_reason) for d in deltas_sent(router, A)] == [("one", "length"), ("two", None)]
 
 
 def test_a_client_that_does_not_read_is_given_up_after_max_pending_frames(rig):

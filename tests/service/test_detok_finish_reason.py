@@ -20,14 +20,14 @@ def test_a_stop_string_completed_by_the_last_row_ends_with_stop(rig):
     tok, stage, client, identity = rig
     ids = tok.encode(TEXT, add_special_tokens=False)
     stop = tok.decode(ids[-1:])  # completes only with the engine's final token (max_tokens reached)
-    meta = {"client": identity, "rid": "x", "stop": [stop]}
+    meta = p.RequestMeta(identity, "x", [stop])
     rows = rows_of(ids, "length")
     stage.on_engine_frames([step(rows[:1], [["c:x", meta]])])
     for r in rows[1:]:
         stage.on_engine_frames([step([r])])
     stage.delivery.flush_outbox()
     text, _, last = streamed(client)
-    assert last["finish_reason"] == "stop", last
+    assert last.finish_reason == "stop", last
     assert text == tok.decode(ids[:-1]) and stop not in text
     assert not stage.streams.requests
 
@@ -38,12 +38,12 @@ def test_a_resynced_request_the_engine_ended_on_a_stop_abort_ends_with_stop(rig)
     tok, stage, client, identity = rig
     ids = tok.encode(TEXT, add_special_tokens=False)
     stop = tok.decode(ids[2:3])
-    meta = {"client": identity, "rid": "x", "stop": [stop]}
+    meta = p.RequestMeta(identity, "x", [stop])
     entry = ["c:x", meta, p.pack_token_ids(ids[:3]), True, "abort", 3, 3, 0, None]
     stage.on_engine_frames([p.Resync(ENGINE, stage.instance_id, [entry], True).encode()])
     stage.on_client_frames(identity, [p.Resume([["x", 1, len(tok.decode(ids[:1]))]]).encode()])
     stage.delivery.flush_outbox()
     text, tokens, last = streamed(client)
-    assert last["finish_reason"] == "stop", last
+    assert last.finish_reason == "stop", last
     assert tok.decode(ids[:1]) + text == tok.decode(ids[:2])
     assert not stage.streams.requests

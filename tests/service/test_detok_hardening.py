@@ -99,7 +99,7 @@ def test_a_client_gone_before_the_resync_does_not_stop_the_others_resumes(tokeni
         wait_for(lambda: len(stage.recovery.early) == 2, timeout=60, what="both resumes held")
         leaving.close()
         time.sleep(0.3)
-        meta = {"client": staying_id, "rid": "v1"}
+        meta = p.RequestMeta(staying_id, "v1")
         entry = ["c:v1", meta, p.pack_token_ids([65, 66, 67]), True, "length", 3, 3, 0, None]
         engine_out.send(p.Resync("E1", stage.instance_id, [entry], True).encode())
         while True:
@@ -107,7 +107,7 @@ def test_a_client_gone_before_the_resync_does_not_stop_the_others_resumes(tokeni
             if isinstance(msg, p.StreamOutput):
                 break
         (delta,) = msg.deltas
-        assert (delta["request_id"], delta["finish_reason"]) == ("v1", "length")
+        assert (delta.request_id, delta.finish_reason) == ("v1", "length")
         assert stage.rejects.counts.get("internal", 0) == 0
 
 
@@ -127,7 +127,7 @@ def test_a_huge_early_resume_cannot_crowd_out_a_small_one(tokenizer_dir, ctx):
         small.send(p.Resume([["mine", 1, 1]]).encode())
         assert "resume refused" in reply(hog).message
         wait_for(lambda: list(stage.recovery.early) == [small_id], timeout=60, what="the small resume held")
-        assert stage.recovery.early[small_id] == [["mine", 1, 1]]
+        assert stage.recovery.early[small_id] == [p.ResumeRow("mine", 1, 1)]
 
 
 def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_its_requests(tokenizer_dir, ctx):
@@ -139,7 +139,7 @@ def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_it
     with running(stage):
         engine_out = raw_socket(ctx, zmq.PUSH, eps.detok)
         identity = uuid.uuid4().bytes
-        meta = {"client": identity, "rid": "r1"}
+        meta = p.RequestMeta(identity, "r1")
         engine_out.send(p.StepOutput("E1", [["c:r1", meta]], [], [["c:r1", p.pack_token_ids([65]), False, None,
                                                                    3, 1, 0, None]]).encode())
         wait_for(lambda: stage.engine.instance == "E1", timeout=60, what="the step applied")
@@ -152,8 +152,8 @@ def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_it
         while finish is None:
             msg = reply(out)
             for delta in msg.deltas if isinstance(msg, p.StreamOutput) else []:
-                got += delta["token_ids"]
-                finish = delta["finish_reason"]
+                got += delta.token_ids
+                finish = delta.finish_reason
         assert (p.unpack_token_ids(got), finish) == ([65, 66], "length")
         aborts = []
         while engine_in.poll(100):

@@ -88,7 +88,7 @@ def test_deeply_nested_frames_get_an_error_and_no_stage_dies(service, client, ct
     eps = service_endpoints(service.url)
     pids = {name: service.pid(name) for name in STAGES}
     frames = [b"\x93" + NESTED + msgpack.packb("generate") + msgpack.packb({}),
-              b"\x93\x01" + NESTED + msgpack.packb({})]
+              b"\x93" + msgpack.packb(p.PROTOCOL_VERSION) + NESTED + msgpack.packb({})]
     for endpoint in (eps.tokenizer, eps.stream):
         sock = raw_socket(ctx, zmq.DEALER, endpoint, uuid.uuid4().bytes)
         for frame in frames:
@@ -151,9 +151,9 @@ def run_raw(service, ctx, sampling: dict) -> dict:
         for sock in ready:
             msg = p.decode(sock.recv())
             for d in getattr(msg, "deltas", []):
-                text += d["text"]
-                if d["finish_reason"] is not None:
-                    return dict(d, text=text)
+                text += d.text
+                if d.finish_reason is not None:
+                    return d._replace(text=text)
 
 
 def test_a_min_tokens_the_engine_would_refuse_is_refused_by_the_tokenizer_with_a_reason(service, ctx):
@@ -161,21 +161,21 @@ def test_a_min_tokens_the_engine_would_refuse_is_refused_by_the_tokenizer_with_a
     engine's check of the meta it travels in: the engine dropped the frame, which has no way back
     to the client, and the request was never answered."""
     done = run_raw(service, ctx, {"max_tokens": 2**33, "min_tokens": 2**31 + 5})
-    assert done["finish_reason"] == "error" and "meta.min_tokens" in done["error"], done
+    assert done.finish_reason == "error" and "meta.min_tokens" in done.error, done
     service.assert_running()
 
 
 def test_stop_strings_inside_sampling_are_checked_like_the_others(service, client, ctx):
     """sampling.stop = 5 once killed the tokenizer; a string there was split into one-character
     stop strings, and stop strings there skipped the limits `stop` has."""
-    assert "sampling.stop must be a string or a list of strings" in run_raw(service, ctx, {"stop": 5})["error"]
-    assert "at most 64" in run_raw(service, ctx, {"stop": [f"s{i}" for i in range(65)]})["error"]
-    assert "at most 1024 characters" in run_raw(service, ctx, {"stop": ["x" * 1025]})["error"]
+    assert "sampling.stop must be a string or a list of strings" in run_raw(service, ctx, {"stop": 5}).error
+    assert "at most 64" in run_raw(service, ctx, {"stop": [f"s{i}" for i in range(65)]}).error
+    assert "at most 1024 characters" in run_raw(service, ctx, {"stop": ["x" * 1025]}).error
     # One string is one stop string: first character + NUL never matches, so the text runs on.
     plain = run_raw(service, ctx, {"max_tokens": 40, "ignore_eos": True, "temperature": 0})
     stopped = run_raw(service, ctx, {"max_tokens": 40, "ignore_eos": True, "temperature": 0,
-                                     "stop": plain["text"][0] + "\x00"})
-    assert stopped["text"] == plain["text"] and stopped["finish_reason"] == "length"
+                                     "stop": plain.text[0] + "\x00"})
+    assert stopped.text == plain.text and stopped.finish_reason == "length"
     assert client.generate("x", max_tokens=2, ignore_eos=True).finish_reason == "length"
     service.assert_running()
 
@@ -185,8 +185,9 @@ def test_malformed_stage_frames_are_dropped_and_counted(service, client, ctx):
     tail once killed the engine or the detokenizer; step rows were not checked at all."""
     eps = service_endpoints(service.url)
     ids = p.pack_token_ids([1, 2, 3])
-    good_meta = {"client": b"x", "rid": "r"}
-    bad_metas = [{}, [1], {"client": "x", "rid": "r"}, dict(good_meta, stop=5), dict(good_meta, tail=b"abc")]
+    good_meta = p.RequestMeta(b"x", "r")
+    bad_metas = [{}, [1], {"client": b"x", "client_request_id": "r"}, p.RequestMeta("x", "r"),
+                 good_meta._replace(stop=5), good_meta._replace(prompt_tail=b"abc")]
     before = client.server_stats()
     engine = raw_socket(ctx, zmq.PUSH, eps.engine)
     for meta in bad_metas:
@@ -232,7 +233,7 @@ def test_a_client_the_detokenizer_gave_up_on_is_told_when_it_returns(tokenizer_d
         out = raw_socket(ctx, zmq.DEALER, eps.stream, identity)
         out.send(p.Ping().encode())
         assert isinstance(reply(out), p.Pong)
-        meta = {"client": identity, "rid": "lost"}
+        meta = p.RequestMeta(identity, "lost")
         row = ["c:lost", p.pack_token_ids([65, 66]), False, None, 3, 2, 0, None]
         engine_out.send(p.StepOutput("engine-1", [["c:lost", meta]], [], [row]).encode())
         assert isinstance(reply(out), p.EngineStatus)  # the stage now follows engine-1
@@ -247,8 +248,8 @@ def test_a_client_the_detokenizer_gave_up_on_is_told_when_it_returns(tokenizer_d
         told = reply(out)
         assert isinstance(told, p.StreamOutput)
         (delta,) = told.deltas
-        assert (delta["request_id"], delta["finish_reason"]) == ("lost", "error")
-        assert "gave up on this client" in delta["error"] and "no heartbeat" in delta["error"]
+        assert (delta.request_id, delta.finish_reason) == ("lost", "error")
+        assert "gave up on this client" in delta.error and "no heartbeat" in delta.error
         assert isinstance(reply(out), p.Pong)  # and it is served as a new client
 
 
@@ -375,7 +376,7 @@ def test_the_engine_stops_promptly_when_its_detokenizer_is_gone(tiny_model_dir, 
     tok = raw_socket(ctx, zmq.PUSH, eps.engine)
     for i in range(4):
         tok.send(p.TokenizedReq(f"c:{i}", p.pack_token_ids([1, 2, 3]), {"max_tokens": 900, "ignore_eos": True},
-                                {"client": b"c", "rid": str(i)}).encode())
+                                p.RequestMeta(b"c", str(i))).encode())
     wait_for(stage.outbox.full, timeout=60, what="the output queue to fill")
     stopped_at = time.monotonic()
     stop.set()
@@ -454,10 +455,10 @@ def test_an_id_reused_right_after_a_stop_string_ended_its_stream_gets_its_own_an
                     out.send(p.Ping().encode())  # stay a live client
                     continue
                 for d in getattr(p.decode(out.recv()), "deltas", []):
-                    if d["request_id"] == rid:
-                        text += d["text"]
-                        if d["finish_reason"] is not None:
-                            return text, d["finish_reason"]
+                    if d.request_id == rid:
+                        text += d.text
+                        if d.finish_reason is not None:
+                            return text, d.finish_reason
             return text, None
 
         for j in range(8):
@@ -542,7 +543,7 @@ def test_recently_finished_requests_are_bounded_by_bytes_as_well_as_count():
     from engine_proc.ledger import FinishedRing, entry_bytes
 
     def entry(rid: str) -> p.ResyncEntry:
-        meta = {"client": b"c", "rid": rid, "stop": ["s" * 1024] * 64}
+        meta = p.RequestMeta(b"c", rid, ["s" * 1024] * 64)
         return p.ResyncEntry(rid, meta, p.pack_token_ids(range(1000)), True, "length", 3, 1000, 0, None)
     one = entry_bytes(entry("x"))
     assert one > 64 * 1024 * 4 + 4000
@@ -573,7 +574,7 @@ def test_every_way_a_request_leaves_the_engine_returns_its_byte_charge(tiny_mode
         push = raw_socket(ctx, zmq.PUSH, eps.engine)
 
         def send(rid: str, sampling: dict, prompt=(1, 2, 3)) -> None:
-            push.send(p.TokenizedReq(rid, p.pack_token_ids(list(prompt)), sampling, {"client": b"c", "rid": rid}).encode())
+            push.send(p.TokenizedReq(rid, p.pack_token_ids(list(prompt)), sampling, p.RequestMeta(b"c", rid)).encode())
         send("long", {"max_tokens": 500, "ignore_eos": True})
         read(lambda: stage.admission.live_bytes > 0)
         send("queued", {"max_tokens": 5, "allowed_token_ids": list(range(100))})
@@ -610,10 +611,10 @@ def test_a_request_over_the_frame_limit_once_tokenized_is_refused_by_the_tokeniz
         while time.monotonic() < deadline:
             msg = reply(tok, timeout_ms=60_000)
             deltas = msg.deltas if isinstance(msg, p.StreamOutput) else []
-            if any(d["request_id"] == "big" for d in deltas):
+            if any(d.request_id == "big" for d in deltas):
                 break
         (delta,) = deltas
-        assert delta["finish_reason"] == "error" and "frame limit" in delta["error"], delta
+        assert delta.finish_reason == "error" and "frame limit" in delta.error, delta
         with Client(procs.url, timeout=60) as client:
             assert client.generate("def f():", max_tokens=3, ignore_eos=True).finish_reason == "length"
         procs.assert_running()
@@ -648,9 +649,9 @@ def test_a_busy_engine_is_not_reported_dead(tmp_path, tokenizer_dir, ctx):
                 out.send(p.Ping().encode())  # stay alive for the detokenizer
                 if tok.poll(1000):
                     msg = p.decode(tok.recv())
-                    failed = next((d for d in getattr(msg, "deltas", []) if d["finish_reason"] == "error"), None)
+                    failed = next((d for d in getattr(msg, "deltas", []) if d.finish_reason == "error"), None)
             assert failed is not None, "no request was refused"
-            assert "overloaded" in failed["error"] and not failed.get("engine_dead"), failed
+            assert "overloaded" in failed.error and not failed.engine_dead, failed
             assert client.server_stats()["engine_alive"] is True
             long.cancel()
         procs.assert_running()

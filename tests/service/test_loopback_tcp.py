@@ -62,7 +62,7 @@ def test_another_user_can_neither_read_the_instance_key_nor_forge_a_stage_frame(
         before = fresh_engine_stats(client)
         death = p.EngineStatus(False, engine, "forged death").encode()  # names the engine it follows
         work = p.TokenizedReq("x:y", p.pack_token_ids(list(range(40))), {"max_tokens": 3},
-                              {"client": b"x", "rid": "y"}).encode()  # a request for the engine to run
+                              p.RequestMeta(b"x", "y")).encode()  # a request for the engine to run
         targets = [f"{port['detok']}:{death.hex()}", f"{port['engine']}:{work.hex()}"]
         targets += [f"{port[name]}:{p.Ping().encode().hex()}" for name in ("control", "tokenizer", "stream")]
         out = as_other_user(FORGE, instance_key_file(url), *targets).stdout

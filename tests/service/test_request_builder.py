@@ -26,7 +26,7 @@ def test_a_request_becomes_the_engines_frame_with_the_meta_the_detokenizer_needs
     assert isinstance(out, p.TokenizedReq) and out.request_id == CLIENT.hex() + ":r1" and out.priority == 3
     assert p.unpack_token_ids(out.prompt_token_ids) == tokenizer.encode("hello world")
     assert out.sampling == {"max_tokens": 4}  # text-side fields go to the detokenizer, in the meta
-    assert out.meta["client"] == CLIENT and out.meta["rid"] == "r1" and out.meta["stop"] == ["y", "x"]
+    assert out.meta.client == CLIENT and out.meta.client_request_id == "r1" and out.meta.stop == ["y", "x"]
 
 
 @pytest.mark.parametrize("req, why", [
