@@ -205,7 +205,7 @@ class Admission:
                 self.engine.add_request(req.request_id, p.unpack_token_ids(req.prompt_token_ids), queued.params,
                                         priority=req.priority, output_prefix=p.unpack_token_ids(req.output_ids))
             except Exception as e:  # refused (ValueError/TypeError) or failed: either way this request's own
-                error = _refusal(e, req.request_id)
+                error = refusal(e, req.request_id)
         if error is not None:
             sent.rejected.append(p.RejectedRow(req.request_id, req.meta, error))
             n = queued.num_prompt_tokens
@@ -273,7 +273,7 @@ class Admission:
             self.live_bytes -= live.nbytes
             self.shares.ended(live.meta.client)
             self.finished.add(p.ResyncEntry(out.request_id, live.meta, p.pack_token_ids(live.tokens), True,
-                                            out.finish_reason, *live.counts, _error(out)))
+                                            out.finish_reason, *live.counts, error_text(out)))
 
 
 def _client(req: p.TokenizedReq) -> bytes:
@@ -281,11 +281,12 @@ def _client(req: p.TokenizedReq) -> bytes:
     return req.meta.client
 
 
-def _error(out: RequestOutput) -> str | None:
+def error_text(out: RequestOutput) -> str | None:
+    """A finished output's error, cut to what the wire carries."""
     return p.clip(out.error) if out.error else None
 
 
-def _refusal(e: Exception, request_id: str) -> str:
+def refusal(e: Exception, request_id: str) -> str:
     """Why a request was refused: ValueError / TypeError are the request's own fault (its
     parameters, its size); anything else is a failure, logged with its traceback."""
     if isinstance(e, (ValueError, TypeError)):

@@ -23,7 +23,7 @@ from nanovllm.service.intake import accept, drain
 from nanovllm.service.stage import RejectLog
 from nanovllm_client import protocol as p
 
-from .admission import Queued, _refusal
+from .admission import Queued, refusal
 from .ledger import request_bytes
 
 MAX_CONTROL_BACKLOG = 65_536
@@ -135,7 +135,7 @@ class Input:
         try:
             params = self.make_sampling(**req.sampling)
         except Exception as e:
-            error = _refusal(e, req.request_id)
+            error = refusal(e, req.request_id)
         req.sampling = {}
         num_tokens = (len(req.prompt_token_ids) + len(req.output_ids)) // 4  # the output to continue from too
         return Queued(req, params, error, request_bytes(frame_bytes, num_tokens))

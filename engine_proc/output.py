@@ -20,7 +20,7 @@ import zmq
 from nanovllm.engine.llm_engine import RequestOutput
 from nanovllm_client import protocol as p
 
-from .admission import StepMessages, _error
+from .admission import StepMessages, error_text
 
 STOP = object()
 """Put last in the outbox: send what is held, then end the thread."""
@@ -188,7 +188,7 @@ class Output:
         #    （一步开始了很多带长 stop 字符串的请求）就用 frames_within 按顺序拆成几帧，started 仍在前。
         # [ZH-END]
         rows = [p.OutputRow(o.request_id, p.pack_token_ids(o.new_token_ids), o.finished, o.finish_reason,
-                            o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, _error(o)) for o in step.outputs]
+                            o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, error_text(o)) for o in step.outputs]
         tagged = [(0, r) for r in step.started] + [(1, r) for r in step.rejected] + [(2, r) for r in rows]
 
         def make(part: list) -> p.StepOutput:

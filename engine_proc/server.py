@@ -93,8 +93,6 @@ class EngineStage:
                  out_hwm: int = DEFAULT_HWM, ctx: zmq.Context | None = None,
                  security: ServiceSecurity | None = None, metrics: EngineMetrics | None = None,
                  stream_interval: int = 1, max_live_per_client: int = 0, max_queued_per_client: int = 0):
-        self.engine = engine
-        """None until `run` loads it: meanwhile the stage answers, and says it is loading."""
         self.state = "ready" if engine is not None else "loading"
         self.started_at = time.monotonic()
         self.drain_timeout_s = drain_timeout_s
@@ -112,7 +110,8 @@ class EngineStage:
         self.rejects = RejectLog(log, on_reject=self.metrics.frame_rejected)
         self.admission = Admission(max_live, max_live_bytes, ClientShares(max_live_per_client, max_queued_per_client),
                                    self.rejects, lambda queued: self.input.dequeued(queued))
-        """The requests: queued, live, lately finished (used by the step loop alone)."""
+        """The requests: queued, live, lately finished, and the engine that runs them (used by the
+        step loop alone)."""
         self.admission.engine = engine
         self.latest_stats: dict[str, Any] = engine.stats() if engine is not None else {}
         self.num_steps = 0
@@ -138,6 +137,12 @@ class EngineStage:
 
     # ------------------------------------------------------------------ main loop
 
+    @property
+    def engine(self) -> Any | None:
+        """The LLMEngine, held by `Admission`; None until `run` loads it: meanwhile the stage
+        answers, and says it is loading."""
+        return self.admission.engine
+
     def run(self, stop: threading.Event, load_engine=None) -> int:
         """Serve until `stop` is set, then drain; `load_engine()` builds the engine first if the
         stage was made without one (heartbeats say "loading" meanwhile). Returns the exit code."""
@@ -154,12 +159,11 @@ class EngineStage:
             t.start()
         if self.engine is None:
             try:
-                self.engine = load_engine()
+                self.admission.engine = load_engine()
             except Exception as e:  # no such model, bad config: say so to everyone, exit non-zero
                 log.error("the engine cannot start: %s", e)
                 self._shutdown(f"cannot start: {type(e).__name__}: {e}")
                 return 1
-        self.admission.engine = self.engine
         self.latest_stats = self._stage_stats()  # the same keys as every heartbeat's, from the first
         self.engine.add_post_step_hook(self.metrics)
         self._set_state("ready")
