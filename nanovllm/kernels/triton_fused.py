@@ -70,20 +70,19 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, width, BLOCK: 
 def _qk_norm_rope_store_kernel(
     qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, positions_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     stride_qkv, eps,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     """Grid (T, H + KVH): one program per (token, q or k head); a k head's program also moves v."""
     # Heads 0..H-1 are q, H..H+KVH-1 are k; each head is two halves for "rotate half".
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     is_k = head >= NUM_HEADS
-    half: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, BLOCK_HALF)
-    mask = offs < half
+    mask = offs < HALF
     base = qkv_ptr + token * stride_qkv + head * HEAD_DIM  # k heads follow the q heads directly
     x1 = tl.load(base + offs, mask=mask, other=0.0)
-    x2 = tl.load(base + half + offs, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
     dtype = x1.dtype
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
@@ -93,26 +92,26 @@ def _qk_norm_rope_store_kernel(
         else:
             weight_ptr = q_weight_ptr
         w1 = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(weight_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
         x1f = ((x1f * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2f = ((x2f * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     position = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cos_ptr + position * half + offs, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + position * half + offs, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + position * HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + position * HALF + offs, mask=mask, other=0.0).to(tl.float32)
     y1 = (x1f * cos - x2f * sin).to(dtype)
     y2 = (x2f * cos + x1f * sin).to(dtype)
     tl.store(base + offs, y1, mask=mask)
-    tl.store(base + half + offs, y2, mask=mask)
+    tl.store(base + HALF + offs, y2, mask=mask)
     if is_k:
         slot = tl.load(slots_ptr + token).to(tl.int64)
         if slot >= 0:  # -1: a padded row of a CUDA graph
             kv_head = head - NUM_HEADS
             cache = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
             tl.store(k_cache_ptr + cache + offs, y1, mask=mask)
-            tl.store(k_cache_ptr + cache + half + offs, y2, mask=mask)
+            tl.store(k_cache_ptr + cache + HALF + offs, y2, mask=mask)
             v_base = base + NUM_KV_HEADS * HEAD_DIM  # this head's v follows all the k heads
             tl.store(v_cache_ptr + cache + offs, tl.load(v_base + offs, mask=mask), mask=mask)
-            tl.store(v_cache_ptr + cache + half + offs, tl.load(v_base + half + offs, mask=mask), mask=mask)
+            tl.store(v_cache_ptr + cache + HALF + offs, tl.load(v_base + HALF + offs, mask=mask), mask=mask)
 
 
 def _check_rows(name: str, x: torch.Tensor) -> None:
@@ -185,7 +184,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
     _qk_norm_rope_store_kernel[(tokens, num_heads + num_kv_heads)](
         qkv, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos_cache, sin_cache, positions,
         k_cache, v_cache, slots, qkv.stride(0), eps,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, HAS_NORM=has_norm,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=1,
     )
 
