@@ -8,6 +8,9 @@ in): at B = 1 that is the inter-token latency a single user sees. Prints a JSON 
 
     python -m bench.decode_latency --shape qwen3-0.6b             # on a GPU
     python -m bench.decode_latency --shape tiny --modes eager --batch-sizes 1,8
+
+`--timeline PREFIX` also records, per mode and batch size, a kernel-level timeline of decode-only
+steps under torch.profiler (bench/decode_timeline.py) into PREFIX.<mode>.b<batch>.{json,txt}.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import time
 
 import torch
 
+from bench.decode_timeline import record_timeline, write_timeline
 from bench.models import make_bench_model
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
@@ -71,6 +75,11 @@ def run_mode(path: str, mode: str, args: argparse.Namespace, vocab: int) -> list
     time_decode_steps(engine, 2, 16, 8, vocab)  # warm-up
     if args.profile:
         profile_steps(engine, mode, args, vocab)
+    if args.timeline:
+        for batch in args.batch_sizes:
+            timeline = record_timeline(engine, batch, args.timeline_steps, args.prompt_len, vocab)
+            print(json.dumps({"timeline": write_timeline(args.timeline, mode, batch, timeline),
+                              **{k: v for k, v in timeline.items() if k not in ("kernels", "classes")}}))
     rows = []
     for batch in args.batch_sizes:
         times = time_decode_steps(engine, batch, args.prompt_len, args.output_len, vocab)
@@ -99,6 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench-models"))
     ap.add_argument("--profile", metavar="PREFIX", help="also profile one run at the first batch size per mode "
                     "(cProfile, steps only) into PREFIX.<mode>.txt")
+    ap.add_argument("--timeline", metavar="PREFIX", help="also record a kernel timeline of decode-only steps "
+                    "per mode and batch size (torch.profiler) into PREFIX.<mode>.b<batch>.{json,txt}")
+    ap.add_argument("--timeline-steps", type=int, default=50, help="decode-only steps per timeline")
     args = ap.parse_args(argv)
 
     path = make_bench_model(args.shape, args.model_dir)

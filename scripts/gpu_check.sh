@@ -8,6 +8,9 @@
 #   offline.json         nano-vllm's published workload: 256 requests, input and output lengths
 #                        uniform in 100-1024, ignore_eos (greedy here; nano-vllm samples at T=0.6)
 #   decode_latency.json  batch-1 inter-token latency and decode step time, CUDA graphs vs eager
+#   timeline.tar.gz      kernel-level timelines (torch.profiler) of graphed decode steps at batch 1
+#                        and 64, with the fused Triton ops (fused.*) and without (torch.*,
+#                        NANOVLLM_TRITON_FUSED=0): per step kernels, GPU time, busy time, wall time
 #   summary.json         each step's exit status and the headline numbers
 #
 # Needs: Python with torch (CUDA), triton, transformers, safetensors, msgpack, xxhash, pytest.
@@ -84,12 +87,23 @@ step decode_latency 120 "$PYTHON" -m bench.decode_latency --shape qwen3-0.6b --m
 STATUS[decode_latency]=${PIPESTATUS[0]}
 json_line "$WORK/decode.out" > "$OUT/decode_latency.json"
 
+# The same engine with and without the fused Triton ops, side by side: what a graphed step launches.
+mkdir -p "$WORK/timeline"
+for variant in fused torch; do
+  fused=1; [ "$variant" = torch ] && fused=0
+  NANOVLLM_TRITON_FUSED=$fused step "timeline_$variant" 180 "$PYTHON" -m bench.decode_latency --shape qwen3-0.6b \
+    --model-dir "$MODELS" --modes graph --batch-sizes 1,64 --prompt-len 128 --output-len 256 \
+    --timeline "$WORK/timeline/$variant" --timeline-steps 50 | tee "$WORK/timeline/$variant.out"
+  STATUS[timeline_$variant]=${PIPESTATUS[0]}
+done
+tar -czf "$OUT/timeline.tar.gz" -C "$WORK" timeline
+
 STATUS_JSON="{"
 for name in "${!STATUS[@]}"; do STATUS_JSON+="\"$name\": ${STATUS[$name]}, "; done
 STATUS_JSON="${STATUS_JSON%, }}"
-"$PYTHON" - "$OUT" "$STATUS_JSON" <<'EOF'
-import json, os, sys
-out, status = sys.argv[1], json.loads(sys.argv[2])
+"$PYTHON" - "$OUT" "$STATUS_JSON" "$WORK/timeline" <<'EOF'
+import glob, json, os, sys
+out, status, timeline_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 
 def load(name):
     try:
@@ -108,6 +122,12 @@ if decode:
     rows = {(r["mode"], r["batch"]): r for r in decode["rows"]}
     summary["batch1_itl_ms"] = {mode: rows[(mode, 1)]["median_step_ms"] for mode in ("graph", "eager") if (mode, 1) in rows}
     summary["graph_speedup_over_eager"] = decode.get("graph_speedup")
+timelines = {}
+for path in sorted(glob.glob(os.path.join(timeline_dir, "*.json"))):
+    t = json.load(open(path))
+    timelines[os.path.basename(path)[:-5]] = {k: t[k] for k in (
+        "kernels_per_step", "kernel_us_per_step", "busy_us_per_step", "wall_ms_per_step")}
+summary["decode_timelines"] = timelines
 print(json.dumps(summary, indent=1))
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 EOF

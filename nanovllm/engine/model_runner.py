@@ -173,7 +173,8 @@ class ModelRunner:
         # 4. 在目标设备上构建 DecoderForCausalLM 并转成 dtype → load_weights 逐张量流式加载
         #    → pack_linear_weights（CPU 上给 oneDNN 预打包权重）→ eval()。
         # 5. 收集模型里所有 PagedAttention 层。
-        # 6. 选注意力路径：CUDA 上才 import triton_attention 模块并交给各层（CPU 上从不导入 triton）；
+        # 6. 选注意力路径：CUDA 上才 import triton_attention 模块并交给各层（CPU 上从不导入 triton），
+        #    同时给各模块融合 Triton 算子 gpu_ops（kernels/triton_fused.py；NANOVLLM_TRITON_FUSED=0 时不给，走 torch 算子）；
         #    CPU 上 dtype 为 fp32/bf16 且 head_dim <= 256 时加载 CpuAttentionKernel 和融合算子 CpuOps，
         #    否则（或无编译器、NANOVLLM_CPU_KERNELS=0 时 load() 返回 None）走 torch 算子。
         # 7. num_blocks = _num_kv_blocks()，再 _allocate_kv_cache() 分配真正的 cache。
@@ -199,6 +200,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             # Imported only on CUDA: triton is not needed (and not always installed) on CPU.
             self.set_attention_kernels(None, importlib.import_module("nanovllm.kernels.triton_attention"))
+            if os.environ.get("NANOVLLM_TRITON_FUSED", "1") != "0":
+                self.set_gpu_ops(importlib.import_module("nanovllm.kernels.triton_fused").TritonFusedOps())
         else:
             # The kernel only where it serves this model: the step metadata follows the same choice.
             supported = CpuAttentionKernel.supports(self.dtype, self.model_config.head_dim)
@@ -246,6 +249,13 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "cpu_ops"):
                 module.cpu_ops = ops
+
+    def set_gpu_ops(self, ops: object | None) -> None:
+        """The fused Triton ops (kernels/triton_fused.py) for the decoder's modules, or None for torch
+        ops; set before the CUDA graphs are captured, which record whichever path runs then."""
+        for module in self.model.modules():
+            if hasattr(module, "gpu_ops"):
+                module.gpu_ops = ops
 
     def close(self) -> None:
         """Stop tensor-parallel workers and leave the process group; idempotent (also runs at exit)."""
@@ -406,6 +416,8 @@ class ModelRunner:
         #    eager 前向得到 hidden (T, C)。
         # 3. 没有 sample_rows → 返回 None（纯 prefill 分块的步）。
         # 4. hidden[sample_rows] → (B, C) → compute_logits → rank 0 上 (B, V) float32，其他 rank 为 None。
+        #    sample_rows 恰为 0..T-1（纯 decode 步的常态）时直接用 hidden，不建索引；否则索引从 pinned 内存
+        #    异步上传——同步的 torch.tensor(..., device=cuda) 会让 host 在这里干等整个前向（图重放）跑完。
         # [ZH-END]
         if self.triton_ops is not None:
             input_ids, positions, meta = build_gpu_batch(step, self.block_size, self.device)
@@ -417,5 +429,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)  # (T, C)
         if not step.sample_rows:
             return None
-        rows = torch.tensor(step.sample_rows, device=self.device)
+        if len(step.sample_rows) == hidden.shape[0] and step.sample_rows == list(range(hidden.shape[0])):
+            return self.model.compute_logits(hidden)  # every row samples, in order (decode-only steps)
+        pin = self.device.type == "cuda"  # an asynchronous copy: no wait here for the forward to finish
+        rows = torch.tensor(step.sample_rows, pin_memory=pin).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows])

@@ -110,9 +110,9 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 kv_stored: bool = False) -> torch.Tensor:
-        """`kv_stored`: the new K/V rows are already in the cache (the fused CPU op wrote them)."""
+        """`kv_stored`: the new K/V rows are already in the cache (a fused op wrote them)."""
         # [ZH-START]
-        # 1. 有 triton_ops（CUDA）→ 直接走 _forward_triton。
+        # 1. 有 triton_ops（CUDA）→ 直接走 _forward_triton（kv_stored 一并传入）。
         # 2. 把 cache 摊平成 k_flat / v_flat：(num_blocks * block_size, KVH, D)，一行一个 slot。
         # 3. 若 kv_stored 为 False：index_copy_ 把新 k / v (T, KVH, D) 写到 slot_mapping 指定的行；
         #    融合 CPU 算子已经写过时（kv_stored=True）跳过。
@@ -127,7 +127,7 @@ class PagedAttention(nn.Module):
         # 7. 返回 out (T, H, D)。
         # [ZH-END]
         if self.triton_ops is not None:
-            return self._forward_triton(q, k, v, meta)
+            return self._forward_triton(q, k, v, meta, kv_stored)
         k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)  # (slots, KVH, D)
         v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         if not kv_stored:
@@ -151,9 +151,11 @@ class PagedAttention(nn.Module):
                 out[rows] = self._attend(q[rows], k_flat[span.context_slots], v_flat[span.context_slots], span.mask)
         return out
 
-    def _forward_triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward_triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                        kv_stored: bool) -> torch.Tensor:
         # [ZH-START]
         # 1. store_kvcache：新 K/V 按 slot_mapping 写入 cache；slot = -1 的行（CUDA graph 填充行）不写。
+        #    kv_stored 为 True（融合 Triton 算子 qk_norm_rope_store 已写过）时跳过。
         # 2. num_decode == T（纯 decode 步，以及所有 CUDA graph 重放）：一次 paged_decode_attention 覆盖全部行，返回。
         # 3. 否则对 q[num_decode:] 做一次 varlen 的 paged_prefill_attention：cu_seqlens / context_lens / 块表都是 int32，
         #    max_seqlen_q 用 host 上已知的 gpu_max_prefill_len，避免设备到主机同步；结果 (T - B, H, D)。
@@ -161,7 +163,8 @@ class PagedAttention(nn.Module):
         #    按批内行序 cat([decode, prefill])。
         # [ZH-END]
         ops, num_decode = self.triton_ops, meta.num_decode
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if not kv_stored:
+            ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if num_decode == q.shape[0]:  # decode-only steps (and every CUDA graph)
             return ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
                                               meta.decode_context_lens, self.scale)

@@ -10,7 +10,9 @@ MLP rows and vocabulary (layers/linear.py, layers/embedding.py); one rank is the
 
 On CPU (float32 or bfloat16) the model runner gives the modules `cpu_ops` (layers/cpu_kernels.py): RMSNorm
 with its residual add, q/k norm + rotary + the KV-cache store, and SiLU-and-multiply then run as
-one compiled pass each instead of chains of torch ops. Elsewhere (`cpu_ops` None) torch does it.
+one compiled pass each instead of chains of torch ops. On CUDA it gives them `gpu_ops`
+(kernels/triton_fused.py), the same three ops as Triton kernels with the same signatures. Where
+neither is set (or neither takes the tensor) torch does it.
 """
 from __future__ import annotations
 
@@ -27,16 +29,27 @@ from nanovllm.layers.rotary import RotaryEmbedding, StepRope
 from nanovllm.models.model_config import ModelConfig
 
 
+def fused_ops(module: nn.Module, x: torch.Tensor):
+    """The fused ops `module` should run on `x`: the compiled CPU ops, the Triton ones, or None (torch)."""
+    if module.cpu_ops is not None and CpuOps.supports(x):
+        return module.cpu_ops
+    if module.gpu_ops is not None and module.gpu_ops.supports(x):
+        return module.gpu_ops
+    return None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.cpu_ops: CpuOps | None = None
+        self.gpu_ops = None  # kernels/triton_fused.TritonFusedOps on CUDA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_ops is not None and CpuOps.supports(x):
-            return self.cpu_ops.rms_norm(x, self.weight, self.eps)
+        ops = fused_ops(self, x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -44,8 +57,9 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused `residual += x; return norm(residual), residual`."""
-        if self.cpu_ops is not None and CpuOps.supports(x) and residual.is_contiguous():
-            return self.cpu_ops.rms_norm(x, self.weight, self.eps, residual=residual), residual  # in place
+        ops = fused_ops(self, x)
+        if ops is not None and residual.is_contiguous():
+            return ops.rms_norm(x, self.weight, self.eps, residual=residual), residual  # in place
         residual = residual + x
         return self.forward(residual), residual
 
@@ -65,12 +79,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim)
         self.cpu_ops: CpuOps | None = None
+        self.gpu_ops = None
 
     def forward(self, x: torch.Tensor, rope: StepRope, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
-        fused = rope.cos is None  # the model chose the fused CPU ops for this step
+        fused = rope.cos is None  # the model chose the fused ops for this step
         if fused:  # norm and rotate q/k in place, store K/V into the cache
-            self.cpu_ops.qk_norm_rope_store(
+            fused_ops(self, qkv).qk_norm_rope_store(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                 None if self.q_norm is None else self.q_norm.weight, None if self.k_norm is None else self.k_norm.weight,
                 self.q_norm.eps if self.q_norm is not None else 0.0, rope.cos_cache, rope.sin_cache, rope.positions,
@@ -93,11 +108,13 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False, tp=tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, tp=tp)
         self.cpu_ops: CpuOps | None = None
+        self.gpu_ops = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 I / tp)
-        if self.cpu_ops is not None and CpuOps.supports(gate_up) and gate_up.is_contiguous():
-            return self.down_proj(self.cpu_ops.silu_mul(gate_up))
+        ops = fused_ops(self, gate_up)
+        if ops is not None and gate_up.is_contiguous():
+            return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)  # 2 x (T, I / tp)
         return self.down_proj(F.silu(gate) * up)
 
@@ -128,10 +145,11 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.cpu_ops: CpuOps | None = None
+        self.gpu_ops = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, C)
-        rope = self.rotary.for_step(positions, per_token=self.cpu_ops is None or not CpuOps.supports(hidden))
+        rope = self.rotary.for_step(positions, per_token=fused_ops(self, hidden) is None)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, meta)

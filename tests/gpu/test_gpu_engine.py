@@ -1,5 +1,6 @@
 """The CUDA path through the whole engine: Triton attention equals the CPU path, CUDA graphs equal
-eager decode, the KV budget follows gpu_memory_utilization. Skipped without CUDA.
+eager decode, the fused Triton decoder ops equal torch's, the KV budget follows
+gpu_memory_utilization. Skipped without CUDA.
 
 fp32 throughout the equality tests (the Triton dots run in IEEE fp32, cuBLAS without TF32 by
 default), on tiny models whose peaked logits keep greedy choices far from ties.
@@ -59,6 +60,22 @@ def test_bf16_with_graphs_generates(tiny_model_dir):
     outs = token_ids(llm, random_prompts([4, 19, 60], vocab=2048, seed=4))
     assert all(len(o) == GREEDY.max_tokens for o in outs)
     assert llm.engine.runner.graphs.num_replays > 0
+
+
+def test_fused_triton_ops_match_the_torch_ops_with_graphs(tiny_model_dir, monkeypatch):
+    # Greedy tokens agree with the unfused CUDA path through prefill (eager) and graphed decode
+    # with padded buckets (fp32: the kernels' sums run in another order than torch's).
+    config = dict(block_size=8, num_kvcache_blocks=256, max_num_seqs=6, dtype="float32")
+    prompts = random_prompts([4, 19, 60, 7, 33], vocab=2048, seed=7)
+    fused = LLM(tiny_model_dir, device="cuda", **config)
+    model = fused.engine.runner.model.model
+    assert model.norm.gpu_ops is not None and model.layers[0].mlp.gpu_ops is not None
+    got = token_ids(fused, prompts)
+    monkeypatch.setenv("NANOVLLM_TRITON_FUSED", "0")
+    plain = LLM(tiny_model_dir, device="cuda", **config)
+    assert plain.engine.runner.model.model.norm.gpu_ops is None
+    assert got == token_ids(plain, prompts)
+    assert fused.engine.runner.graphs.num_replays > 0
 
 
 def test_kv_budget_follows_gpu_memory_utilization(tiny_model_dir):

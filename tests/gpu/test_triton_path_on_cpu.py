@@ -2,8 +2,10 @@
 varlen metadata (build_gpu_batch) and the CUDA-graph input padding, against the CPU path.
 
 A GPU runs the real thing (test_gpu_engine.py); this keeps the metadata and the padding honest
-in CI. The graph replay is swapped for an eager call on the graph's own input buffers, so the
-padded rows (slot -1, context length 0) go through the kernels exactly as a replay sends them.
+in CI, with the decoder's elementwise work in torch ops or in the fused Triton kernels
+(kernels/triton_fused.py) as the CUDA runner runs it. The graph replay is swapped for an eager
+call on the graph's own input buffers, so the padded rows (slot -1, context length 0) go through
+the kernels exactly as a replay sends them.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ pytest.importorskip("triton")
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.cuda_graphs import DecodeGraphs  # noqa: E402
-from nanovllm.kernels import triton_attention  # noqa: E402
+from nanovllm.kernels import triton_attention, triton_fused  # noqa: E402
 from tests.engine.conftest import random_prompts  # noqa: E402
 
 
@@ -34,7 +36,8 @@ class EagerReplay(DecodeGraphs):
         self.hidden[:batch] = self.model(self.input_ids[:batch], self.positions[:batch], self._metadata(batch))
 
 
-def test_triton_path_with_padded_decode_batches_matches_the_cpu_path(tiny_model_dir):
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-elementwise", "triton-fused"])
+def test_triton_path_with_padded_decode_batches_matches_the_cpu_path(tiny_model_dir, fused):
     # Prefix hits and a 16-token step budget: chunks continue after cached blocks, mixed with
     # decode rows; max_num_seqs 6 gives buckets 1, 2, 4, 6, so 5 running sequences pad to 6.
     shared = random_prompts([13], vocab=2048, seed=1)[0]
@@ -46,6 +49,8 @@ def test_triton_path_with_padded_decode_batches_matches_the_cpu_path(tiny_model_
     llm = LLM(tiny_model_dir, **config)
     runner = llm.engine.runner
     runner.set_attention_kernels(None, triton_attention)
+    if fused:  # norms, q/k norm + rotary + cache store, SiLU-and-multiply as the CUDA runner sets them
+        runner.set_gpu_ops(triton_fused.TritonFusedOps())
     runner.graphs = EagerReplay(runner.model, 6, runner.max_blocks_per_seq, runner.model_config.hidden_size,
                                 runner.dtype, runner.device)
     got = llm.generate(prompts, params, use_tqdm=False)
