@@ -45,6 +45,12 @@ def _terminal(reason: str, num_prompt: int, num_output: int, num_cached: int) ->
 
 
 class Final(NamedTuple):
+    # [ZH-START]
+    # 【职责】一个请求的终止字段：finish_reason、usage（prompt / 输出 / 命中缓存的 token 数）、错误文本；
+    # delta() 把它们和最后一段文本、token 拼成一行终止 DeltaRow。
+    # 【边界】不可变的值，不做 I/O；出错或 resync 等待期间，由调用方决定何时把它发出去。
+    # 【协作者】finished()/error 路径创建；RequestStreams.advance 与 fail 用它结束一条流。
+    # [ZH-END]
     """The fields of a request's terminal delta."""
     finish_reason: str
     usage: p.Usage | None = None
