@@ -32,9 +32,8 @@ def main(argv: list[str] | None = None) -> int:
                           client_timeout_s=args.client_timeout_s, engine_timeout_s=args.engine_timeout_s,
                           max_pending_frames=args.max_pending_frames, max_pending_bytes=args.max_pending_mib << 20,
                           ctx=ctx, security=security, metrics=metrics)
-    stage = build_stage(log, "detokenizer", args, DetokMetrics, make)
-    log.info("model %s; clients at %s; engine outputs at %s", args.model, endpoints.stream, endpoints.detok)
-    stage.run(stop)
+    log.info("starting: model %s; clients at %s; engine outputs at %s", args.model, endpoints.stream, endpoints.detok)
+    build_stage(log, "detokenizer", args, DetokMetrics, make).run(stop)
     return 0
 
 

@@ -52,8 +52,9 @@ from prometheus_client import CollectorRegistry
 from nanovllm.metrics import DetokMetrics
 from nanovllm_client import protocol as p
 from nanovllm.service.intake import accept, drain
+from nanovllm.service.notify import Flush, Notifier
 from nanovllm.service.security import ServiceSecurity, claimed_id, show_client
-from nanovllm.service.stage import (Notifier, PeerMonitor, RejectLog, bind, client_router, new_instance_id, pipeline_pull,
+from nanovllm.service.stage import (PeerMonitor, RejectLog, bind, client_router, new_instance_id, pipeline_pull,
                                    pipeline_push, recv_from_client)
 
 from .delivery import NO_ROOM, Delivery
@@ -105,9 +106,9 @@ class DetokStage:
         self.recovery = Recovery(self.streams, max(2 * client_timeout_s, 10.0))
         self.delivery = Delivery(self._send_now, self.client_gone, self.metrics, max_pending_frames, max_pending_bytes)
         self.engine = EngineWatch(engine_timeout_s, self.metrics)
-        self.state = "ready"
         self.started_at = time.monotonic()
         self.notifier = Notifier()
+        self.flush = Flush(self.notifier, "flushing queued output to clients")
         self._next_hello = 0.0
         self._last_check = time.monotonic()
         self.rejects = RejectLog(log, on_reject=self.metrics.frame_rejected)
@@ -117,9 +118,9 @@ class DetokStage:
     def run(self, stop) -> None:
         # [ZH-START]
         # 1. poller 注册引擎 PULL、客户端 ROUTER 和引擎连接的监视 socket；notifier.ready。
-        # 2. 循环直到 flush_until：
-        #    a. stop 被置位：进入 draining，最多再花 1 秒把已排队的帧发给客户端（流活在引擎里，新的 detokenizer 会 resync）；
-        #       draining 且没有待发帧就退出；看门狗 tick、更新指标和 systemd 状态行；有待发帧时 poll 10 ms，否则 100 ms；
+        # 2. 循环，直到 flush.serving 返回 False：
+        #    a. stop 被置位后 flush 进入 draining，最多再花 1 秒把已排队的帧发给客户端（流活在引擎里，新的 detokenizer 会 resync）；
+        #       没有待发帧就退出；看门狗 tick、更新指标和 systemd 状态行；有待发帧时 poll 10 ms，否则 100 ms；
         #    b. 引擎有帧 → _drain_engine（逐条 on_engine_frames），之后 delivery.flush_outbox；客户端有帧 → _drain_clients；
         #    c. 监视 socket 有事件且引擎已不在连接 → EngineWatch.connection_closed（听到过它且未判死才算死），崩溃毫秒级发现；
         #    d. 有待发帧 → delivery.flush_pending；check_timeouts(now)：客户端 / 引擎超时、hello 重发、resume 期限、gone 过期。
@@ -131,15 +132,9 @@ class DetokStage:
         poller.register(self.engine_peers.socket, zmq.POLLIN)
         log.info("detokenizer stage %s serving", self.instance_id)
         self.notifier.ready(f"detokenizer {self.instance_id} serving")
-        flush_until = float("inf")
-        while time.monotonic() < flush_until:
-            if stop.is_set() and self.state != "draining":
-                # Stopping: the streams live on in the engine (a new detokenizer resyncs them); hand
-                # the clients what is already queued for them, for a second at most, then go.
-                self.state, flush_until = "draining", time.monotonic() + 1.0
-                self.notifier.stopping("flushing queued output to clients")
-            if self.state == "draining" and not self.delivery.has_pending():
-                break
+        # Stopping: the streams live on in the engine (a new detokenizer resyncs them); hand the
+        # clients what is already queued for them, for a second at most, then go.
+        while self.flush.serving(stop, self.delivery.has_pending()):
             self.notifier.tick()
             self.metrics.set_live_clients(len(self.delivery.clients))
             self.notifier.status(f"{len(self.streams.requests)} stream(s), {len(self.delivery.clients)} client(s), "
@@ -325,7 +320,7 @@ class DetokStage:
         if isinstance(msg, p.ErrorOutput):
             self.delivery.send(identity, msg.encode())
         elif isinstance(msg, p.Ping):
-            self.delivery.send(identity, p.Pong("detokenizer", self.instance_id, self.engine.alive, self.state,
+            self.delivery.send(identity, p.Pong("detokenizer", self.instance_id, self.engine.alive, self.flush.state,
                                                 time.monotonic() - self.started_at, self.engine.state).encode())
             announcement = self.engine.announcement() if first else None
             if announcement is not None:  # which engine we follow: a client that knew another one knows it restarted

@@ -58,8 +58,9 @@ from prometheus_client import CollectorRegistry
 
 from nanovllm.metrics import EngineMetrics
 from nanovllm_client import protocol as p
+from nanovllm.service.notify import Notifier
 from nanovllm.service.security import ServiceSecurity
-from nanovllm.service.stage import (DEFAULT_HWM, REQUEST_PIPE_HWM, Notifier, RejectLog, new_instance_id, pipeline_pull,
+from nanovllm.service.stage import (DEFAULT_HWM, REQUEST_PIPE_HWM, RejectLog, new_instance_id, pipeline_pull,
                                    pipeline_push)
 
 from .admission import Admission, Queued, StepMessages

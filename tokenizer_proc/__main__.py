@@ -39,9 +39,8 @@ def main(argv: list[str] | None = None) -> int:
                               metrics=metrics, cache_salt_per_client=args.cache_salt_per_client,
                               max_pending_per_client=args.max_pending_per_client, max_priority=args.max_priority,
                               max_request_rate_per_client=args.max_request_rate_per_client)
-    stage = build_stage(log, "tokenizer", args, TokenizerMetrics, make)
-    log.info("model %s; clients at %s; engine at %s", args.model, endpoints.tokenizer, endpoints.engine)
-    stage.run(stop)
+    log.info("starting: model %s; clients at %s; engine at %s", args.model, endpoints.tokenizer, endpoints.engine)
+    build_stage(log, "tokenizer", args, TokenizerMetrics, make).run(stop)
     return 0
 
 

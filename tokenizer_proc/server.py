@@ -39,8 +39,9 @@ from prometheus_client import CollectorRegistry
 from nanovllm.metrics import TokenizerMetrics
 from nanovllm_client import protocol as p
 from nanovllm.service.intake import accept, drain
+from nanovllm.service.notify import Flush, Notifier
 from nanovllm.service.security import ServiceSecurity, claimed_id, show_client
-from nanovllm.service.stage import (REQUEST_PIPE_HWM, Notifier, PeerMonitor, RejectLog, client_router, new_instance_id,
+from nanovllm.service.stage import (REQUEST_PIPE_HWM, PeerMonitor, RejectLog, client_router, new_instance_id,
                                    pipeline_push, recv_from_client)
 
 from .rate_limit import RateLimit
@@ -116,19 +117,18 @@ class TokenizerStage:
         self._clients_seen: dict[bytes, float] = {}
         """Client identity -> when it last sent anything (the live-clients gauge)."""
         self._next_prune = 0.0
-        self.state = "ready"
         self.started_at = time.monotonic()
         self.notifier = Notifier()
+        self.flush = Flush(self.notifier, "passing accepted requests on to the engine")
 
     # ------------------------------------------------------------------ loop
 
     def run(self, stop) -> None:
         # [ZH-START]
         # 1. poller 注册客户端 ROUTER（POLLIN）和引擎 PUSH（先不关心事件）；notifier.ready 报告已在服务。
-        # 2. 循环直到 flush_until：
-        #    a. stop 被置位且还没在 draining：进入 draining，flush_until = 现在 + 1 秒（新请求回 DRAINING 错误，
-        #       已接收的继续推给引擎，最多一秒）；
-        #    b. draining 且 pending 已空：退出；
+        # 2. 循环，直到 flush.serving 返回 False：
+        #    a. stop 被置位后 flush 进入 draining（新请求回 DRAINING 错误，已接收的继续推给引擎，最多一秒）；
+        #    b. draining 且 pending 已空，或一秒已过：退出；
         #    c. notifier.tick（看门狗）、每秒刷新一次存活客户端数；
         #    d. pending 非空时等引擎 PUSH 可写；客户端 ROUTER 始终可读（ping、abort 从不被挡住；pending 满时新请求被拒绝）；
         #    e. poll 100 ms → _flush_pending() 尽量把积压推给引擎 → 客户端可读就 _drain_frontend()。
@@ -139,15 +139,9 @@ class TokenizerStage:
         poller.register(self.to_engine, 0)
         log.info("tokenizer stage %s serving", self.instance_id)
         self.notifier.ready(f"tokenizer {self.instance_id} serving")
-        flush_until = float("inf")
-        while time.monotonic() < flush_until:
-            if stop.is_set() and self.state != "draining":
-                # Stopping: new requests get a "draining" error; what was accepted goes on to the
-                # engine for a second at most (the tokenizer holds nothing else).
-                self.state, flush_until = "draining", time.monotonic() + 1.0
-                self.notifier.stopping("passing accepted requests on to the engine")
-            if self.state == "draining" and not self.pending:
-                break
+        # Stopping: new requests get a "draining" error; what was accepted goes on to the engine
+        # for a second at most (the tokenizer holds nothing else).
+        while self.flush.serving(stop, bool(self.pending)):
             self.notifier.tick()
             self._count_clients()
             poller.modify(self.to_engine, zmq.POLLOUT if self.pending else 0)
@@ -231,7 +225,7 @@ class TokenizerStage:
         elif isinstance(msg, p.AbortReq):
             self._send_abort(engine_request_id(identity, msg.request_id))
         else:
-            self._reply(identity, p.Pong("tokenizer", self.instance_id, self.engine_peers.connected, self.state,
+            self._reply(identity, p.Pong("tokenizer", self.instance_id, self.engine_peers.connected, self.flush.state,
                                          time.monotonic() - self.started_at))
 
     def _on_generate(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> None:
@@ -243,7 +237,7 @@ class TokenizerStage:
         # 2. requests.build()（RequestBuilder）：RequestRejected → 回它的文本；其他异常（分词器或模板意外失败）→ 记 "internal"，回 "could not tokenize"。
         # 3. 记录分词耗时，_forward 把 TokenizedReq 帧排队推给引擎。
         # [ZH-END]
-        if self.state == "draining":
+        if self.flush.state == "draining":
             self._refuse(identity, req, DRAINING)
             return
         if self._holding_full():  # refused before tokenizing: an overloaded stage spends nothing on it

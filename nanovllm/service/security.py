@@ -25,7 +25,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from nanovllm_client.security import (CLIENT_KEY_ENV, INSECURE_TCP_ENV, KEY_TAG_BYTES, MAX_KEY_FILE_BYTES,
-                                      MAX_PRIORITY_FIELD, PUBLIC_SUFFIX, SECRET_SUFFIX, SERVER_KEY_ENV, CurveKeys,
+                                      MAX_PRIORITY_FIELD, PUBLIC_SUFFIX, SERVER_KEY_ENV, CurveKeys,
                                       KeyFileError, check_unused, client_socket_security, exposure,
                                       generate_keypair, key_tag, load_keypair, load_public_key)
 

@@ -12,9 +12,7 @@ import faulthandler
 import logging
 import os
 import signal
-import socket
 import threading
-import time
 import uuid
 
 import zmq
@@ -25,6 +23,7 @@ from nanovllm_client.protocol import MAX_FRAME_BYTES
 from nanovllm_client.security import ensure_instance_key, exposure
 from nanovllm_client.throttle import ThrottledWarnings
 
+from .notify import sd_notify
 from .security import ServiceSecurity
 
 DEFAULT_HWM = 10_000
@@ -307,30 +306,6 @@ class RejectLog:
         self._warnings.warn(reason, "rejected a frame (%s): %s", reason, detail, exc_info=exc_info)
 
 
-def sd_notify(message: str) -> bool:
-    """Send a state line ("READY=1", "STATUS=...", "WATCHDOG=1", "STOPPING=1") to the service
-    manager named by $NOTIFY_SOCKET (systemd, or `nanovllm serve`); a no-op without one.
-
-    The protocol is one datagram on a unix socket (an abstract one when the name starts with
-    "@"), so no libsystemd is needed. It never waits: a manager that is not reading (its queue
-    holds 10 datagrams by default) costs this one line, which the next status or watchdog ping
-    replaces, instead of hanging the loop that sends it.
-    """
-    path = os.environ.get("NOTIFY_SOCKET")
-    if not path:
-        return False
-    if path.startswith("@"):
-        path = "\0" + path[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.connect(path)
-            sock.send(message.encode(), socket.MSG_DONTWAIT)
-    except OSError as e:  # the manager went away, or its queue is full: nothing to wait for
-        logging.getLogger("nanovllm.notify").debug("sd_notify(%r) failed: %s", message, e)
-        return False
-    return True
-
-
 def startup_failed(logger: logging.Logger, role: str, error: BaseException) -> int:
     """A stage that cannot start (bad model path, bad config) says why in one line and exits 1;
     `nanovllm serve` then stops instead of restarting it forever."""
@@ -362,43 +337,3 @@ def build_stage(log: logging.Logger, role: str, args: argparse.Namespace, metric
         return make(ctx, stage_security(ctx, args), metrics)
     except (OSError, ValueError, zmq.ZMQError) as e:
         raise SystemExit(startup_failed(log, role, e)) from None
-
-
-class Notifier:
-    """A stage's line to its service manager (systemd, or `nanovllm serve`): READY=1 once it
-    serves, STATUS= lines a person reads in `systemctl status`, and WATCHDOG=1 from the loop that
-    does the work, so a hung loop gets the stage killed and restarted. `tick()` and `status()`
-    are rate-limited, so a hot loop may call them on every iteration."""
-
-    STATUS_INTERVAL_S = 2.0
-
-    def __init__(self) -> None:
-        usec = os.environ.get("WATCHDOG_USEC")
-        pid = os.environ.get("WATCHDOG_PID")
-        mine = usec is not None and usec.isdigit() and (pid is None or pid == str(os.getpid()))
-        self.watchdog_interval_s = int(usec) / 1e6 / 3 if mine else None
-        """Ping three times per watchdog period (systemd's advice: at least twice)."""
-        self._next_watchdog = 0.0
-        self._next_status = 0.0
-        self._last_status = ""
-
-    def ready(self, status: str) -> None:
-        self._last_status = status
-        sd_notify(f"READY=1\nSTATUS={status}")
-
-    def stopping(self, status: str) -> None:
-        sd_notify(f"STOPPING=1\nSTATUS={status}")
-
-    def tick(self) -> None:
-        if self.watchdog_interval_s is None:
-            return
-        now = time.monotonic()
-        if now >= self._next_watchdog:
-            self._next_watchdog = now + self.watchdog_interval_s
-            sd_notify("WATCHDOG=1")
-
-    def status(self, text: str) -> None:
-        now = time.monotonic()
-        if text != self._last_status and now >= self._next_status:
-            self._next_status, self._last_status = now + self.STATUS_INTERVAL_S, text
-            sd_notify(f"STATUS={text}")

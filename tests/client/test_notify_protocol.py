@@ -6,7 +6,7 @@ import socket
 import threading
 import uuid
 
-from nanovllm.service.stage import sd_notify
+from nanovllm.service.notify import sd_notify
 
 
 def test_a_manager_that_does_not_read_never_blocks_the_stage(monkeypatch):
