@@ -38,3 +38,29 @@ def test_start_page_carries_the_readme_commands_verbatim():
     assert len(blocks) == 2
     for block in blocks:
         assert block in start
+
+
+def _walkthrough():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("zh_walkthrough", ROOT / "scripts" / "zh_walkthrough.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_walkthrough_check_passes_on_the_tree():
+    assert _walkthrough().main(["--check"]) == 0
+
+
+def test_walkthrough_naming_a_missing_function_fails(tmp_path):
+    wt = _walkthrough()
+    doc = tmp_path / "w.md"
+    doc.write_text("`nanovllm/engine/scheduler.py::Scheduler.schedule` 与 "
+                   "`nanovllm/engine/scheduler.py::Scheduler.no_such_step`\n", encoding="utf-8")
+    assert wt.main(["--write", str(doc)]) == 1
+    doc.write_text("`nanovllm/engine/scheduler.py::Scheduler.schedule`\n", encoding="utf-8")
+    assert wt.main(["--check", str(doc)]) == 1  # no index yet: out of date
+    assert wt.main(["--write", str(doc)]) == 0
+    assert wt.main(["--check", str(doc)]) == 0
+    doc.write_text(doc.read_text(encoding="utf-8").replace("#L", "#L9", 1), encoding="utf-8")
+    assert wt.main(["--check", str(doc)]) == 1  # a stale line number
