@@ -64,3 +64,38 @@ def test_walkthrough_naming_a_missing_function_fails(tmp_path):
     assert wt.main(["--check", str(doc)]) == 0
     doc.write_text(doc.read_text(encoding="utf-8").replace("#L", "#L9", 1), encoding="utf-8")
     assert wt.main(["--check", str(doc)]) == 1  # a stale line number
+
+
+KNOB = re.compile(r"--[a-z][\w-]*|NANOVLLM_\w+|\b[a-z]+(?:_[a-z0-9]+)+\b")
+TRANSLATED = ["tuning.md"]
+
+
+def knobs(text: str) -> set[str]:
+    """Flags, environment variables and snake_case names the page quotes in backticks."""
+    return {k for span in re.findall(r"`([^`\n]+)`", text) for k in KNOB.findall(span)}
+
+
+def headings(text: str) -> list[set[str]]:
+    """Each `## ` heading as the set of names it quotes."""
+    return [set(re.findall(r"`([^`]+)`", h)) for h in re.findall(r"^## (.*)$", text, re.M)]
+
+
+def drift(english: str, chinese: str) -> list[str]:
+    problems = [f"{k} missing" for k in sorted(knobs(english) - knobs(chinese))]
+    if headings(english) != headings(chinese):
+        problems.append(f"sections differ: {headings(english)} vs {headings(chinese)}")
+    return problems
+
+
+def test_translations_keep_every_knob_and_section():
+    for name in TRANSLATED:
+        english = (ROOT / "docs" / name).read_text(encoding="utf-8")
+        chinese = (ZH / name).read_text(encoding="utf-8")
+        assert drift(english, chinese) == [], name
+
+
+def test_drift_is_detected():
+    english = "## `a_knob`\nset `--max-num-seqs` or `NANOVLLM_X`\n## Other\n"
+    assert drift(english, "## `a_knob`\n`--max-num-seqs` `NANOVLLM_X`\n## 其他\n") == []
+    assert drift(english, "## `a_knob`\n`--max-num-seqs`\n## 其他\n") == ["NANOVLLM_X missing"]
+    assert drift(english, "## `a_knob`\n`--max-num-seqs` `NANOVLLM_X`\n") != []
