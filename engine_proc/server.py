@@ -32,6 +32,13 @@ outgrow the budgets; a prompt stays packed (4 bytes a token) until its request i
 # 【模块定位】服务的中间站：把 LLMEngine.step() 包成一个独立进程。
 #   客户端 → tokenizer_proc ─PUSH→【engine_proc：准入、调度循环、模型一步】─PUSH→ detok_proc → 客户端
 #   两个 PULL：input 只收 tokenizer 的请求；control 收 tokenizer 与 detok_proc 推来的 abort 和 DetokHello
+# 整个服务的 socket（──▶ 数据方向；═══▶ 中止 / 控制路径，引擎再忙也读）：
+#   客户端 DEALER(请求) ──GenerateReq / AbortReq──▶ ROUTER 分词进程
+#   分词进程 PUSH ──TokenizedReq──▶ PULL input   引擎进程
+#   分词进程 PUSH ═══AbortReq═════▶ PULL control 引擎进程（客户端的取消）
+#   引擎进程 PUSH ──StepOutput / EngineStatus 心跳──▶ PULL 反分词进程
+#   反分词进程 PUSH ═══AbortReq（停止串命中、客户端消失）/ DetokHello═══▶ PULL control 引擎进程
+#   反分词进程 ROUTER ──StreamOutput──▶ DEALER(流) 客户端；客户端 ping 也走这条连接反方向
 # 三个线程，让 socket I/O 与 msgpack 编解码和模型计算重叠（torch 计算时释放 GIL）：
 #   输入线程：收帧、解码、检查、建采样参数 → inbox（保持到达顺序）；未准入的请求（inbox 与 backlog 里的合计）
 #     满 max_queued 个或 max_queued_bytes 字节时
