@@ -1,10 +1,11 @@
 """Keep docs/zh/walkthrough.md pointing at code that exists.
 
 The page names code as `path::Qualified.name` (a Python class or function, or a C function).
-`--check` fails when a named file or name is gone, or when the page's line index (the section
-after INDEX_MARK) is not what `--write` would write now; `--write` regenerates that index.
+`--check` fails when a named file or name is gone; a line index (the section after INDEX_MARK)
+that is no longer what `--write` would write is a warning, or a failure with `--strict` (line
+numbers move with every edit elsewhere in a file, names should not). `--write` regenerates it.
 
-    python scripts/zh_walkthrough.py --check [DOC]
+    python scripts/zh_walkthrough.py --check [--strict] [DOC]
     python scripts/zh_walkthrough.py --write [DOC]
 """
 from __future__ import annotations
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true")
     mode.add_argument("--write", action="store_true")
+    parser.add_argument("--strict", action="store_true", help="with --check: an out-of-date line index fails")
     parser.add_argument("doc", nargs="?", type=Path, default=DOC)
     args = parser.parse_args(argv)
     text = args.doc.read_text(encoding="utf-8")
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if new != text:
         print(f"{args.doc}: line index out of date; run python scripts/zh_walkthrough.py --write", file=sys.stderr)
-        return 1
+        if args.strict:
+            return 1
     print(f"{args.doc}: {len(references(text.split(INDEX_MARK)[0]))} references, all present")
     return 0
 

@@ -59,11 +59,12 @@ def test_walkthrough_naming_a_missing_function_fails(tmp_path):
                    "`nanovllm/engine/scheduler.py::Scheduler.no_such_step`\n", encoding="utf-8")
     assert wt.main(["--write", str(doc)]) == 1
     doc.write_text("`nanovllm/engine/scheduler.py::Scheduler.schedule`\n", encoding="utf-8")
-    assert wt.main(["--check", str(doc)]) == 1  # no index yet: out of date
+    assert wt.main(["--check", "--strict", str(doc)]) == 1  # no index yet: out of date
+    assert wt.main(["--check", str(doc)]) == 0  # ... which alone only warns
     assert wt.main(["--write", str(doc)]) == 0
     assert wt.main(["--check", str(doc)]) == 0
     doc.write_text(doc.read_text(encoding="utf-8").replace("#L", "#L9", 1), encoding="utf-8")
-    assert wt.main(["--check", str(doc)]) == 1  # a stale line number
+    assert wt.main(["--check", "--strict", str(doc)]) == 1  # a stale line number
 
 
 KNOB = re.compile(r"--[a-z][\w-]*|NANOVLLM_\w+|\b[a-z]+(?:_[a-z0-9]+)+\b")
