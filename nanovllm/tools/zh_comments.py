@@ -65,6 +65,7 @@ CORE_MODULES: dict[str, list[str]] = {
     "detok_proc/delivery.py": [f"Delivery.{m}" for m in ("stage_delta", "send", "_queue", "flush_pending")],
     "detok_proc/engine_watch.py": [f"EngineWatch.{m}" for m in ("status", "speaks")],
     "client/nanovllm_client/sync_client.py": ["Stream.__next__", "Client.stream", "Client._io_loop"],
+    "client/nanovllm_client/client_state.py": ["ClientState.handle", "ClientState._unpark"],
     "client/nanovllm_client/async_client.py": ["AsyncStream.__anext__", "AsyncClient.stream", "AsyncClient._send",
                                                "AsyncClient._recheck", "AsyncClient._readable"],
 }
