@@ -39,6 +39,7 @@ CORE_MODULES: dict[str, list[str]] = {
     "nanovllm/engine/policy.py": ["FCFSPolicy.key", "PriorityPolicy.key", "make_policy"],
     "nanovllm/engine/model_runner.py": [f"ModelRunner.{m}" for m in (
         "_num_kv_blocks", "_allocate_kv_cache", "_measure_gpu_kv_blocks", "run", "_execute")],
+    "nanovllm/engine/cuda_graphs.py": ["DecodeGraphs._capture", "DecodeGraphs.run"],
     "nanovllm/engine/step_input.py": ["StepInput.from_scheduled", "build_cpu_batch", "build_gpu_batch"],
     "nanovllm/engine/llm_engine.py": [f"LLMEngine.{m}" for m in ("__init__", "add_request", "abort", "step", "_output")],
     "nanovllm/layers/attention.py": [f"PagedAttention.{m}" for m in ("forward", "_forward_triton", "_decode", "_attend")],
