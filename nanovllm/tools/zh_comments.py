@@ -42,6 +42,7 @@ CORE_MODULES: dict[str, list[str]] = {
     "nanovllm/engine/cuda_graphs.py": ["DecodeGraphs._capture", "DecodeGraphs.run"],
     "nanovllm/engine/step_input.py": ["StepInput.from_scheduled", "build_cpu_batch", "build_gpu_batch"],
     "nanovllm/engine/llm_engine.py": [f"LLMEngine.{m}" for m in ("__init__", "add_request", "abort", "step", "_output")],
+    "nanovllm/models/decoder.py": ["Attention.forward"],
     "nanovllm/layers/attention.py": [f"PagedAttention.{m}" for m in ("forward", "_forward_triton", "_decode", "_attend")],
     "nanovllm/layers/sampler.py": ["Sampler.__call__", "Sampler._constrain", "Sampler._choose", "sample_rows",
                                    "apply_penalties_", "filter_candidates"],
