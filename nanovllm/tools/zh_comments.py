@@ -49,6 +49,7 @@ CORE_MODULES: dict[str, list[str]] = {
     "nanovllm/layers/logits_processors.py": ["build_logits_processors", "BannedTokenSequences.__call__",
                                              "WordMatcher.advance", "WordMatcher.blocked", "BannedWords.__call__"],
     "nanovllm/layers/cpu_attention.c": ["paged_attention_rows", "attend_row", "paged_attention_chunk", "chunk_tile"],
+    "nanovllm/layers/cpu_ops.c": ["qk_norm_rope_store_rows"],
     "nanovllm/kernels/triton_attention.py": ["_decode_kernel", "_prefill_kernel", "paged_decode_attention",
                                              "paged_prefill_attention"],
     "nanovllm/detokenize.py": ["_StopMatcher.scan", "IncrementalDetokenizer.add", "IncrementalDetokenizer._decode_next",
