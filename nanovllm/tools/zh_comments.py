@@ -36,7 +36,7 @@ CORE_MODULES: dict[str, list[str]] = {
         "finish", "_drop_dead_if_most", "schedule", "_schedule_running", "_schedule_waiting", "_preempt",
         "postprocess", "_finish_reason")],
     "nanovllm/engine/sequence.py": ["Sequence.__init__"],
-    "nanovllm/engine/policy.py": ["FCFSPolicy.key", "PriorityPolicy.key", "make_policy"],
+    "nanovllm/engine/policy.py": ["PriorityPolicy.key", "make_policy"],
     "nanovllm/engine/model_runner.py": [f"ModelRunner.{m}" for m in (
         "_num_kv_blocks", "_allocate_kv_cache", "_measure_gpu_kv_blocks", "run", "_execute")],
     "nanovllm/engine/cuda_graphs.py": ["DecodeGraphs._capture", "DecodeGraphs.run"],
