@@ -30,7 +30,8 @@ is followed, restarts and death).
 # 【模块定位】服务的最后一站，也是唯一向客户端发输出的进程。
 #   客户端 → tokenizer_proc → engine_proc ─PUSH→【detok_proc】─ROUTER→ 客户端 DEALER
 #   反方向只有一条：detok_proc ─PUSH→ engine_proc 的 control socket（abort：stop 命中 / 客户端消失；DetokHello），引擎再忙也读它
-# 每个引擎 step 变成文本增量（nanovllm.detokenize），每步每个客户端合成一个 StreamOutput，按客户端路由 id 发出。
+# 把引擎每一步的输出变成文本增量（nanovllm.detokenize）。每读空一次引擎 socket，每个客户端合成一个
+# StreamOutput：跟得上时就是一步；落后时是这期间积下的几步，同一请求的几步合并成一个增量。按客户端路由 id 发出。
 # 它同时是服务的故障探测器：
 #   客户端每秒 ping；停止 ping 或 socket 消失（ROUTER_MANDATORY → EHOSTUNREACH）→ 在引擎里 abort 它的请求；
 #   引擎每 0.25 秒心跳；它说要死、连接断开、安静超过 engine_timeout_s 或换了实例 → 旧实例的请求全部报错，并通知所有客户端。
@@ -124,7 +125,7 @@ class DetokStage:
         #    b. 引擎有帧 → _drain_engine（逐条 on_engine_frames），之后 delivery.flush_outbox；客户端有帧 → _drain_clients；
         #    c. 监视 socket 有事件且引擎已不在连接 → EngineWatch.connection_closed（听到过它且未判死才算死），崩溃毫秒级发现；
         #    d. 有待发帧 → delivery.flush_pending；check_timeouts(now)：客户端 / 引擎超时、hello 重发、resume 期限、gone 过期。
-        # 3. 关闭所有 socket。
+        # 3. 退出前再 flush_outbox 一次，把最后一轮的增量发出去；关闭所有 socket，再关 security（CURVE 认证）。
         # [ZH-END]
         poller = zmq.Poller()
         poller.register(self.from_engine, zmq.POLLIN)

@@ -131,7 +131,7 @@ class Admission:
         # 3. 这个客户端排队的已达 --max-queued-per-client：若它在引擎里的还没到 --max-live-per-client
         #    （一批请求同时到，还没来得及准入），先 admit 再数一次；仍满 → 拒绝并说出限额。
         #    否则放进 backlog（OrderedDict，保持到达顺序）。
-        # 4. 它的 abort 已经先到（early_aborts 里，且不超过 EARLY_ABORT_S）：立即 abort——在同一条消息里开始并结束。
+        # 4. 它的 abort 已经先到（early_aborts 里，且不超过 EARLY_ABORT_S）：立即 abort：请求刚加入就结束，开始和结束在同一条输出里发出。
         # [ZH-END]
         req = queued.req
         rid = req.request_id
@@ -225,7 +225,7 @@ class Admission:
         #    也不在 live、不在 FinishedRing：请求还没到（abort 走 control socket 超过了它），_remember_early_abort 记下。
         # 2. 在 backlog（从未准入）：移出、计数和字节额度退回；记进 live 并加入 started，再合成一个
         #    RequestOutput(finished=True, reason="abort", prompt 长度) 放进 sent.outputs 并 record——
-        #    它在同一条消息里开始并结束，客户端立刻得到终止增量，abort 不必等准入。
+        #    开始和结束在同一条输出里发出，客户端立刻得到终止增量，abort 不必等准入。
         # [ZH-END]
         queued = self.backlog.pop(request_id, None)
         if queued is None:

@@ -67,7 +67,7 @@ class Input:
     def loop(self) -> None:
         # [ZH-START]
         # 1. 直到 stopping：反复 _receive()。
-        # 2. 任何异常只记为 "internal" 拒绝帧：一个 bug 只花掉一帧，不会杀死输入线程（进而杀死引擎）。
+        # 2. 任何异常只记为 "internal" 拒绝帧：出了 bug 也只损失这一帧，输入线程（连带整个引擎）不会因此挂掉。
         # [ZH-END]
         while not self.stopping.is_set():
             try:

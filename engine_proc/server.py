@@ -32,15 +32,24 @@ outgrow the budgets; a prompt stays packed (4 bytes a token) until its request i
 # 【模块定位】服务的中间站：把 LLMEngine.step() 包成一个独立进程。
 #   客户端 → tokenizer_proc ─PUSH→【engine_proc：准入、调度循环、模型一步】─PUSH→ detok_proc → 客户端
 #   两个 PULL：input 只收 tokenizer 的请求；control 收 tokenizer 与 detok_proc 推来的 abort 和 DetokHello
+# 整个服务的 socket（──▶ 数据方向；═══▶ 中止 / 控制路径，引擎再忙也读）：
+#   客户端 DEALER(请求) ──GenerateReq / AbortReq──▶ ROUTER 分词进程
+#   分词进程 PUSH ──TokenizedReq──▶ PULL input   引擎进程
+#   分词进程 PUSH ═══AbortReq═════▶ PULL control 引擎进程（客户端的取消）
+#   引擎进程 PUSH ──StepOutput / EngineStatus 心跳──▶ PULL 反分词进程
+#   反分词进程 PUSH ═══AbortReq（停止串命中、客户端消失）/ DetokHello═══▶ PULL control 引擎进程
+#   反分词进程 ROUTER ──StreamOutput──▶ DEALER(流) 客户端；客户端 ping 也走这条连接反方向
 # 三个线程，让 socket I/O 与 msgpack 编解码和模型计算重叠（torch 计算时释放 GIL）：
-#   输入线程：收帧、解码、检查、建采样参数 → inbox（保持到达顺序）；backlog 满 max_queued 个或 max_queued_bytes 字节时
+#   输入线程：收帧、解码、检查、建采样参数 → inbox（保持到达顺序）；未准入的请求（inbox 与 backlog 里的合计）
+#     满 max_queued 个或 max_queued_bytes 字节时
 #     停止读 input socket，但 control 一直读：abort 不会排在塞满队列的请求后面。代价是 abort 可能比它的请求先到，
 #     所以引擎没见过的 id 的 abort 记 EARLY_ABORT_S 秒，请求一到就立即结束它；
 #   主线程：应用请求与 abort，跑一步，把原始输出交给 outbox；
 #   输出线程：每步编码一个 StepOutput 推出去；空闲时每 heartbeat_s 发 EngineStatus 心跳，退出前最后发 alive=False。
 # 每个已接受的请求都记账（meta + 已输出 token），结束后再保留一分钟（FinishedRing），
 # 重启的 detokenizer 发 DetokHello 就能拿回全部（Resync），客户端的流得以继续。
-# 内存按字节也有上限：每个请求记一笔额度 = 帧长 + 每个 prompt token 40 字节（ledger.request_bytes），
+# 内存按字节也有上限：每个请求记一笔额度 = 帧长 + 每个 token 40 字节（ledger.request_bytes）；token 数是
+# prompt 加上 output_ids——续传的请求（Resume）带着已输出的 token，这部分也计入，
 # 排队的不超过 max_queued_bytes、准入的不超过 max_live_bytes；prompt 在准入前一直保持打包（4 字节一个）。
 # [ZH-END]
 from __future__ import annotations
@@ -80,8 +89,8 @@ not reading (or gone) before it gives up and exits."""
 
 class EngineStage:
     # [ZH-START]
-    # 【职责】引擎进程的外壳：sockets 与三个线程的接线——输入线程收帧、建采样参数进 inbox（backlog 满 max_queued 个或
-    # max_queued_bytes 字节就停止读输入）；主线程把 inbox 交给 Admission（准入、abort、记账），跑一步，把 StepMessages
+    # 【职责】引擎进程的外壳：sockets 与三个线程的接线——输入线程收帧、建采样参数进 inbox（inbox 与 backlog 里
+    # 未准入的请求满 max_queued 个或 max_queued_bytes 字节就停止读输入）；主线程把 inbox 交给 Admission（准入、abort、记账），跑一步，把 StepMessages
     # 交给输出线程（Output）；DetokHello 的 resync 节奏；心跳里的统计；draining 与关停。
     # 【边界】请求记账在 Admission、编码与发送在 Output，这里只接线；不分词也不反分词；不直接回复客户端
     # （没有回复通道，拒绝理由作为 RejectedRow 随 step 发给 detokenizer）；只有主线程碰 engine 对象。

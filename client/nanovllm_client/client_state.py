@@ -20,6 +20,17 @@ Each stream travels under its own wire id ('<request id>#<n>'), so a request id 
 as soon as the earlier stream is done or cancelled: late outputs of the old one never reach the
 new one.
 """
+# [ZH-START]
+# 【模块定位】客户端的协议逻辑，不做任何 I/O；同步 Client 和 AsyncClient 共用它。
+#   客户端 API ──请求帧──▶ 分词进程；反分词进程 ──StreamOutput / Pong / EngineStatus──▶ ClientState.handle ──▶ 各流的 Delta
+# 重发与续传都在这里（两个客户端的注释说"见 client_state"，指的就是本模块）：
+#   - 引擎挂了：在途请求不算失败，先停放（parked）；新引擎实例起来后（最多等 engine_restart_wait_s），
+#     带着已收到的输出 token 和字符数重发，新引擎从那里接着算，流从断开处继续；
+#   - 分词进程重启（Pong 里换了实例 id）：还没收到回答的请求全部标成重发再发一次，收过第一份的引擎会忽略；
+#   - 反分词进程重启：用 Resume 告诉它每个流已经收到多少 token 和字符；
+#   - 反分词进程沉默超过 stage_timeout：在途请求以明确的错误结束。
+# 每个流用自己的线上 id（'<request id>#<n>'），旧流的迟到输出不会串到复用同一 request id 的新流上。
+# [ZH-END]
 from __future__ import annotations
 
 import itertools
@@ -53,6 +64,9 @@ _wire_serial = itertools.count()
 @dataclass
 class Delta:
     """One piece of a streamed answer."""
+    # [ZH-START]
+    # 流式回答的一段：新文本、新 token；带 finish_reason 的那一段是终止消息。
+    # [ZH-END]
     request_id: str
     text: str
     token_ids: list[int]
@@ -71,6 +85,9 @@ class Delta:
 @dataclass
 class Result:
     """A whole answer (`generate`)."""
+    # [ZH-START]
+    # generate 返回的整段回答：把一个流的所有增量拼起来。
+    # [ZH-END]
     request_id: str
     text: str
     token_ids: list[int] = field(default_factory=list)
@@ -111,6 +128,10 @@ def wire_request(req: p.GenerateReq) -> tuple[str, bytes, bytes]:
 
 @dataclass
 class InFlight:
+    # [ZH-START]
+    # 一个在途请求的续传进度：原始请求帧，以及已收到的 token 数、字符数；
+    # answered 表示已收到回答（分词进程重启时，只重发还没回答的请求）；resends 记重发次数。
+    # [ZH-END]
     resend_frame: bytes
     tokens: int = 0
     chars: int = 0
@@ -137,6 +158,10 @@ class InFlight:
 class Parked:
     """A request whose engine died: sent again to the next engine instance, continued from the
     output it had received."""
+    # [ZH-START]
+    # 停放的请求：等下一个引擎实例。engine 是停放时所属的实例（没到过引擎时为 None），
+    # dead_seen 表示已听到该实例的死讯；frame() 生成带已收输出的续传帧。
+    # [ZH-END]
     progress: InFlight
     engine: str | None
     """The engine instance it was sent to (the one that died), if known; None for one that
@@ -155,6 +180,9 @@ class Parked:
 @dataclass
 class Reaction:
     """What one incoming frame (or a heartbeat) means for the client."""
+    # [ZH-START]
+    # 处理一帧（或一次心跳）的结果：要交给各流的 Delta、要发给分词进程的帧（to_tokenizer），以及统计。
+    # [ZH-END]
     deltas: list[Delta] = field(default_factory=list)
     """To route to their streams (by wire id)."""
     stats: dict[str, Any] | None = None
@@ -166,6 +194,12 @@ class ClientState:
     """Health of the service as this client sees it, the requests in flight, and frame -> deltas.
 
     Used from one thread (the sync client's I/O thread, or the event loop)."""
+    # [ZH-START]
+    # 【职责】客户端眼中的服务状态：引擎是否活着、各进程的实例 id、反分词进程是否在回 ping；
+    # 在途请求 inflight（线上 id → 已收到的输出，用来续传）和停放的请求 parked（等下一个引擎实例）。
+    # 【边界】不碰 socket：handle 把一帧变成 Reaction（要交给各流的 Delta、要发给分词进程的帧），由调用方发送。
+    # 只在一个线程里用（同步客户端的 I/O 线程，或 asyncio 事件循环），所以不加锁。
+    # [ZH-END]
 
     def __init__(self, detok_timeout: float = 3.0, stage_timeout: float = 30.0,
                  engine_restart_wait_s: float = 60.0) -> None:
@@ -205,6 +239,15 @@ class ClientState:
         self.parked.pop(wire_id, None)
 
     def handle(self, frame: bytes) -> Reaction:
+        # [ZH-START]
+        # 按消息类型分派，返回 Reaction，不做 I/O：
+        # 1. 解不开的帧：记警告后丢弃。
+        # 2. StreamOutput：每行变成 Delta 并更新续传进度（_track）；随后 _unpark，把停放的请求发给新引擎。
+        # 3. ErrorOutput：带 request_id 的结束那个流，不带的只记日志。
+        # 4. Pong：_on_pong（反分词进程在回应；分词进程换了实例就重发没回答的请求）。
+        # 5. EngineStatus：记下引擎状态和实例，更新"引擎是否活着"（loading 时记为未知），再 _unpark。
+        # 6. StatsOutput：把统计交给调用方。
+        # [ZH-END]
         try:
             msg = p.decode(frame)
         except ProtocolError as e:
@@ -318,6 +361,17 @@ class ClientState:
         instance: after its death was announced they fail (it lived on, and the detokenizer dropped
         them); before (the detokenizer fails a dead engine's requests just before it says so), they
         wait for that announcement and the next instance."""
+        # [ZH-START]
+        # 1. 引擎不是确知活着，或没有停放的请求 → 什么都不做。
+        # 2. 对每个停放的请求：
+        #    a. 停放时属于别的实例（或根本没到过引擎）：
+        #       - 没到过引擎（unsent）：等满 engine_restart_wait_s 就报错，否则直接重新发出；
+        #       - 已重发 MAX_ENGINE_RESENDS 次：报错——它可能就是把引擎搞挂的那个请求；
+        #       - 否则 resends 加一，带着已收到的输出重新发出（_resume_in_flight）。
+        #    b. 停放时就属于当前实例、且已听到它的死讯：这个实例其实还活着，反分词进程已丢掉这些请求，只能报错。
+        #    c. 属于当前实例但还没听到死讯：继续等（反分词进程先让请求失败，稍后才宣布引擎死亡）。
+        # 3. 有请求重新发出时记一条 INFO 日志。
+        # [ZH-END]
         if self.engine_alive is not True or not self.parked:
             return
         for wire_id, parked in list(self.parked.items()):
@@ -412,6 +466,10 @@ class ClientBase:
     (also $NANOVLLM_INSECURE_TCP=1).
     `engine_restart_wait_s`: how long a request whose engine died waits for a new engine, which
     then continues it from the output received (0: it fails with the engine, `EngineDeadError`)."""
+    # [ZH-START]
+    # 同步 Client 和 AsyncClient 共用的部分：服务地址、各种上限、两个 socket 上的客户端身份、
+    # CURVE 密钥，以及一个 ClientState。I/O 由子类各自实现。
+    # [ZH-END]
 
     def __init__(self, url: str | None, timeout: float | None, connect_timeout: float,
                  heartbeat_interval: float, hwm: int, stage_timeout: float = 30.0,

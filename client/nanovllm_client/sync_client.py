@@ -284,12 +284,13 @@ class Client(ClientBase):
         #    接收命令的 PULL；backlog 为两个 DEALER 各暂存一队对方暂时收不下的帧（I/O 线程从不阻塞在发送上，
         #    否则一个不再读的 stage 会卡住所有流和心跳）。
         # 2. 循环：
-        #    a. 到了 ping 时间：先把下次 ping 定在 0.1 秒后（这一段出错也不会空转）；
-        #       ClientState.check_detok()（detokenizer 沉默太久就让在途流失败）并分发结果；
-        #       未就绪就清掉 _ready；对两个 stage 各 NOBLOCK 发 Ping（发不出说明该 stage 不在，跳过；
-        #       不先看 POLLOUT：握手失败的连接会在看和发之间丢掉管道，send 照样抛 Again）；
-        #       已就绪则下次 ping 在单调时钟上 heartbeat_interval（默认 1 秒）的下一个整数倍（_ping_wait：
-        #       同一台机器上的客户端同时 ping，stage 一次唤醒就处理完），否则仍是 0.1 秒后（尽快完成握手）；
+        #    a. 到了 ping 时间：
+        #       - 先把下次 ping 定在 0.1 秒后，这一段即使出错，循环也不会空转；
+        #       - ClientState.check_detok()：反分词进程沉默太久就让在途的流失败，结果分发给各流；未就绪就清掉 _ready；
+        #       - 给两个进程各发一个 NOBLOCK 的 Ping，发不出就说明对方不在，跳过。这里不先查 POLLOUT：
+        #         握手失败的连接可能在"查"和"发"之间丢掉管道，send 照样会抛 Again；
+        #       - 已就绪时，下次 ping 定在单调时钟上 heartbeat_interval（默认 1 秒）的下一个整数倍（_ping_wait），
+        #         同一台机器上的客户端会同时 ping，进程醒一次就能处理完；未就绪则仍是 0.1 秒后，尽快完成握手；
         #    b. 哪个 DEALER 有积压，才关心它的可写事件；
         #    c. poll 到下次 ping 为止；
         #    d. 有命令 → _drain_commands；收到 _STOP 就跳出循环；

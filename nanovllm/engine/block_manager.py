@@ -22,6 +22,14 @@ copy and returns the other block at once, so no duplicate stays resident. A requ
 #   - free_block_ids：OrderedDict 当 O(1) 的 LRU 用，最早释放的块最先被拿走；
 #   - hash_to_block_id：链式 xxh64 哈希 → 块号，也就是前缀缓存的索引。
 # 一块装 block_size 个 token，n 个 token 需要 blocks_for(n) = ceil(n / block_size) 块。
+# 块表 → 物理块 → 槽位（block_size = 8，20 个 token 的序列；块号为举例）：
+#   seq.block_table  逻辑块 0    逻辑块 1    逻辑块 2
+#                       │           │           │
+#                       ▼           ▼           ▼
+#   物理块号            3           5           6         （kv_cache[layer][block_id] 的下标）
+#   token 位置 p       0–7         8–15        16–19
+#   槽位 slot         24–31       40–47       48–51      slot = block_table[p // 8] × 8 + p % 8
+# 槽位是 KV 写入的位置（step_input 生成 slot_mapping）；注意力按块表找回同一批槽位来读。
 # [ZH-END]
 from __future__ import annotations
 

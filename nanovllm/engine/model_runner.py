@@ -178,8 +178,8 @@ class ModelRunner:
         #    CPU 上 dtype 为 fp32/bf16 且 head_dim <= 256 时加载 CpuAttentionKernel 和融合算子 CpuOps，
         #    否则（或无编译器、NANOVLLM_CPU_KERNELS=0 时 load() 返回 None）走 torch 算子。
         # 7. num_blocks = _num_kv_blocks()，再 _allocate_kv_cache() 分配真正的 cache。
-        # 8. CUDA 且非 enforce_eager：DecodeGraphs 捕获 decode CUDA graph（batch 桶 1,2,4,8,16,32,... 直到
-        #    max_num_seqs），块表缓冲宽 max_blocks_per_seq。
+        # 8. CUDA 且非 enforce_eager：DecodeGraphs 捕获 decode CUDA 图（档位 1、2、4、8，之后每 16 一档，
+        #    最后一档固定是 max_num_seqs，见 cuda_graphs.graph_batch_sizes），块表缓冲宽 max_blocks_per_seq。
         # [ZH-END]
         config, size = self.config, self.config.tensor_parallel_size
         if self.device.type == "cuda":
@@ -411,9 +411,8 @@ class ModelRunner:
         #    和 int32 元数据（pinned 内存异步上传）。
         #    只有 decode 行、有 graphs 且 graphs.can_run(num_decode, 块表宽度)（能落进某个 batch 桶、
         #    块表不比捕获时宽）时重放 CUDA graph，否则 eager 调 model。
-        # 2. CPU 路径：build_cpu_batch（cpu_kernel 为 None 时，以及交给 SDPA 的长 prefill 分块，额外生成
-        #    torch 注意力需要的 mask / slot 列表），
-        #    eager 前向得到 hidden (T, C)。
+        # 2. CPU 路径：build_cpu_batch；每个 prefill 分块都交给编译好的分块内核，只有 cpu_kernel 为 None
+        #    （走 torch 注意力）时才额外生成 mask 和 slot 列表。eager 前向得到 hidden (T, C)。
         # 3. 没有 sample_rows → 返回 None（纯 prefill 分块的步）。
         # 4. hidden[sample_rows] → (B, C) → compute_logits → rank 0 上 (B, V) float32，其他 rank 为 None。
         #    sample_rows 恰为 0..T-1（纯 decode 步的常态）时直接用 hidden，不建索引；否则索引从 pinned 内存

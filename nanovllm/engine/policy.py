@@ -47,16 +47,13 @@ class SchedulerPolicy(ABC):
 
 class FCFSPolicy(SchedulerPolicy):
     # [ZH-START]
-    # 先来先服务（默认）：按到达序号排序，抢占时踢掉最晚到达的 running 序列。
+    # 先来先服务（默认）：key 就是 (seq.arrival,)——add_request 时递增分配的到达序号，越小越早到。
+    # Scheduler 的 waiting 堆条目是 (key, 插入序号, seq)，running 按 key 升序排；抢占从 running 末尾
+    # pop，所以被踢掉的总是最晚到达的序列。
     # [ZH-END]
     name = "fcfs"
 
     def key(self, seq: Sequence) -> tuple:
-        # [ZH-START]
-        # 1. 取 seq.arrival：add_request 时递增分配的整数，越小越早到。
-        # 2. 包成一元组返回；Scheduler 的 waiting 堆条目是 (key, 插入序号, seq)，running 按 key 升序排，
-        #    抢占从 running 末尾 pop，即最晚到达者。
-        # [ZH-END]
         return (seq.arrival,)
 
 

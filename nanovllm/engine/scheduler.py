@@ -193,15 +193,18 @@ class Scheduler:
 
     def _make_room(self, budget: int) -> bool:
         """If the running sequences cannot all grow this step, preempt (the policy's last first)
-        until they can with `preempt_blocks` to spare: one preemption frees a share of the cache
-        at once, instead of one sequence per step while the cache stays full. Returns whether it
-        preempted; `_schedule_running` then finds room for every sequence left. O(running)."""
+        until they can with `preempt_blocks` to spare or only the policy's first is left (it is
+        never preempted for the margin, so the margin is not guaranteed): one preemption frees a
+        share of the cache at once, instead of one sequence per step while the cache stays full.
+        Returns whether it preempted; `_schedule_running` then finds room for every sequence left
+        (a lone sequence always fits). O(running)."""
         # [ZH-START]
         # 1. 按 _schedule_running 的顺序和预算，算出每个 running 序列本步要补的块数 needs，求和 short。
         # 2. short <= 空闲块数 → 不用抢占，返回 False。
         # 3. 否则从 running 末尾（policy 排最后的）逐个 _preempt，直到 short + preempt_blocks <= 空闲块数；
         #    被抢占的序列若在 needs 里，short 减去它那份。policy 排第一的序列不为留余量而被抢占。
-        # 4. 返回 True：剩下的序列本步都装得下，步后仍至少空着 preempt_blocks 块（滞回，不会每步抢一个）。
+        # 4. 返回 True：剩下的序列本步都装得下。通常步后还空着 preempt_blocks 块（滞回，不会每步抢一个）；
+        #    但只剩一个序列时循环就停了，这份余量不保证。
         # [ZH-END]
         needs = []
         for seq in self.running:  # what `_schedule_running` will take, in the same order

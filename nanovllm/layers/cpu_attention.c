@@ -297,12 +297,13 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
                          int64_t BS, float scale, int64_t bf16) {
     // [ZH-START]
     // 入口（Python 侧 CpuAttentionKernel.__call__ 经 ctypes 调用）：
-    // 1. head_dim 超过 256 返回 -2（标量路径的临时缓冲按这个上限设计）。
+    // 1. head_dim 超过 256 返回 -2：这是和 Python 侧的约定（head_dim <= 256 才加载本内核），
+    //    不是缓冲区的上限——临时区按 H、D 现算现分配（第 2 步）。
     // 2. 每个 OpenMP 线程 malloc 一块临时区：qf、acc（各 H*D 个 float）、
     //    分数行 s（H * BSP，BSP 是块大小向上取整到向量宽度 VL）、m 和 l（各 H 个）；失败返回 -1。
     // 3. 各行用 schedule(dynamic, 1) 分给线程（各行上下文长短不一）：
     //    第 r 行读 block_tables 的第 row_table[r] 行，上下文长度 L = row_ctx[r]；
-    //    L == 0（CUDA graph 填充行、空行）输出全零。
+    //    L == 0 时输出全零。这只是防御：CUDA 图不会走到 CPU 内核，CPU 上每行的上下文至少 1 个 token。
     // 4. 按 head_dim 选编译期特化的版本（64、128，其余走运行时长度），
     //    再按 bf16 标志选元素类型，调用 attend_row。
     // [ZH-END]

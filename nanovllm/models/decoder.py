@@ -14,6 +14,14 @@ one compiled pass each instead of chains of torch ops. On CUDA it gives them `gp
 (kernels/triton_fused.py), the same three ops as Triton kernels with the same signatures. Where
 neither is set (or neither takes the tensor) torch does it.
 """
+# [ZH-START]
+# 【模块定位】模型本身：一个 decoder-only transformer，Qwen3 / Llama / Qwen2 只差 ModelConfig 里的几个开关。
+# 在一步里的位置：ModelRunner.run ──input_ids、positions、AttentionMetadata──▶ DecoderForCausalLM
+#   ──▶ 每层 Attention.forward ──▶ PagedAttention（分页注意力就在这里被调用）──▶ hidden ──▶ compute_logits
+# 投影是打包的（q|k|v、gate|up），每层两个大 GEMM 代替五个小的；加载器把 HF 的分开张量拼进打包的行。
+# CPU 上 cpu_ops、CUDA 上 gpu_ops 提供三个融合算子（RMSNorm + 残差、q/k norm + 旋转 + 写 KV、SiLU 乘），
+# 都没有时退回 torch 算子。
+# [ZH-END]
 from __future__ import annotations
 
 import torch
@@ -39,6 +47,9 @@ def fused_ops(module: nn.Module, x: torch.Tensor):
 
 
 class RMSNorm(nn.Module):
+    # [ZH-START]
+    # RMSNorm；add_and_norm 把上一层的残差加法和归一化合成一步（有融合算子时是一次编译过的遍历）。
+    # [ZH-END]
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -65,6 +76,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # [ZH-START]
+    # 【职责】一层的自注意力：qkv 投影 → q/k norm（Qwen3）→ 旋转位置编码 → 写 KV、分页注意力 → o_proj。
+    # K/V 不在这里保存：PagedAttention 持有这一层的 k_cache / v_cache，按 meta.slot_mapping 写、按块表读。
+    # [ZH-END]
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
@@ -82,6 +97,14 @@ class Attention(nn.Module):
         self.gpu_ops = None
 
     def forward(self, x: torch.Tensor, rope: StepRope, meta: AttentionMetadata) -> torch.Tensor:
+        # [ZH-START]
+        # 1. qkv_proj 一次算出 (T, q_size + 2 × kv_size)。
+        # 2. 本步用融合算子（rope.cos 为 None）时：qk_norm_rope_store 原地做 q/k norm 和旋转，
+        #    并把 K/V 写进 cache 的 slot_mapping 槽位（CPU 上就是 cpu_ops.c 里的写入）。
+        # 3. 切成 q (T, H, D)、k / v (T, KVH, D)；不用融合算子时在这里用 torch 做 norm 和旋转。
+        # 4. self.attn(...)：PagedAttention 写 KV（融合路径已写过则 kv_stored=True 跳过）并读块表做注意力。
+        # 5. o_proj 投回 (T, C)。
+        # [ZH-END]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
         fused = rope.cos is None  # the model chose the fused ops for this step
         if fused:  # norm and rotate q/k in place, store K/V into the cache
@@ -103,6 +126,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    # [ZH-START]
+    # 前馈层：gate|up 打包成一个 GEMM，SiLU(gate) × up 之后 down_proj。
+    # [ZH-END]
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False, tp=tp)
@@ -120,6 +146,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # [ZH-START]
+    # 一层 = RMSNorm → 注意力 → RMSNorm → MLP；残差单独传递，在下一次 norm 里才加上（省一次读写）。
+    # [ZH-END]
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -138,6 +167,9 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    # [ZH-START]
+    # 词嵌入 → 所有层 → 最后的 norm；旋转位置编码每步只按 positions 算一次，各层共用。
+    # [ZH-END]
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
@@ -158,6 +190,10 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
+    # [ZH-START]
+    # 对外的模型：DecoderModel 加 lm_head；packed_modules 告诉加载器 HF 的哪个张量拼进哪个打包参数的第几块。
+    # compute_logits 只在张量并行的 rank 0 上返回 (B, V) 的 float logits。
+    # [ZH-END]
     # HF tensor name fragment -> (packed parameter fragment, row block index)
     packed_modules = {
         "q_proj": ("qkv_proj", 0),

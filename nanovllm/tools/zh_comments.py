@@ -7,6 +7,7 @@ code can follow upstream and an English-only tree is one `strip` away (docs/arch
     python -m nanovllm.tools.zh_comments strip SRC --out DEST  English-only copy of a tree
     python -m nanovllm.tools.zh_comments strip FILE            one stripped file on stdout
     python -m nanovllm.tools.zh_comments stats [PATH]          levels present in each core module
+    python -m nanovllm.tools.zh_comments stale [PATH]          blocks older than their code (warns)
 
 Level 1 is a file header (column 0, before the first statement), level 2 a block in a class
 body, level 3 a block in a function body (for C: inside a function). PATH defaults to the
@@ -21,6 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanovllm.tools.zh_stale import history_note, stale
 from nanovllm.tools.zh_blocks import (COMMENT_PREFIX, Block, Problem, c_scopes, classify, find_blocks, python_scopes,
                                       strip_text)
 
@@ -34,17 +36,20 @@ CORE_MODULES: dict[str, list[str]] = {
         "finish", "_drop_dead_if_most", "schedule", "_schedule_running", "_schedule_waiting", "_preempt",
         "postprocess", "_finish_reason")],
     "nanovllm/engine/sequence.py": ["Sequence.__init__"],
-    "nanovllm/engine/policy.py": ["FCFSPolicy.key", "PriorityPolicy.key", "make_policy"],
+    "nanovllm/engine/policy.py": ["PriorityPolicy.key", "make_policy"],
     "nanovllm/engine/model_runner.py": [f"ModelRunner.{m}" for m in (
         "_num_kv_blocks", "_allocate_kv_cache", "_measure_gpu_kv_blocks", "run", "_execute")],
+    "nanovllm/engine/cuda_graphs.py": ["DecodeGraphs._capture", "DecodeGraphs.run"],
     "nanovllm/engine/step_input.py": ["StepInput.from_scheduled", "build_cpu_batch", "build_gpu_batch"],
     "nanovllm/engine/llm_engine.py": [f"LLMEngine.{m}" for m in ("__init__", "add_request", "abort", "step", "_output")],
+    "nanovllm/models/decoder.py": ["Attention.forward"],
     "nanovllm/layers/attention.py": [f"PagedAttention.{m}" for m in ("forward", "_forward_triton", "_decode", "_attend")],
     "nanovllm/layers/sampler.py": ["Sampler.__call__", "Sampler._constrain", "Sampler._choose", "sample_rows",
                                    "apply_penalties_", "filter_candidates"],
     "nanovllm/layers/logits_processors.py": ["build_logits_processors", "BannedTokenSequences.__call__",
                                              "WordMatcher.advance", "WordMatcher.blocked", "BannedWords.__call__"],
     "nanovllm/layers/cpu_attention.c": ["paged_attention_rows", "attend_row", "paged_attention_chunk", "chunk_tile"],
+    "nanovllm/layers/cpu_ops.c": ["qk_norm_rope_store_rows"],
     "nanovllm/kernels/triton_attention.py": ["_decode_kernel", "_prefill_kernel", "paged_decode_attention",
                                              "paged_prefill_attention"],
     "nanovllm/detokenize.py": ["_StopMatcher.scan", "IncrementalDetokenizer.add", "IncrementalDetokenizer._decode_next",
@@ -63,6 +68,7 @@ CORE_MODULES: dict[str, list[str]] = {
     "detok_proc/delivery.py": [f"Delivery.{m}" for m in ("stage_delta", "send", "_queue", "flush_pending")],
     "detok_proc/engine_watch.py": [f"EngineWatch.{m}" for m in ("status", "speaks")],
     "client/nanovllm_client/sync_client.py": ["Stream.__next__", "Client.stream", "Client._io_loop"],
+    "client/nanovllm_client/client_state.py": ["ClientState.handle", "ClientState._unpark"],
     "client/nanovllm_client/async_client.py": ["AsyncStream.__anext__", "AsyncClient.stream", "AsyncClient._send",
                                                "AsyncClient._recheck", "AsyncClient._readable"],
 }
@@ -227,12 +233,16 @@ def main(argv: list[str] | None = None) -> int:
     strip.add_argument("--out", type=Path)
     sub.add_parser("stats", help="annotation levels present in each core module").add_argument(
         "path", nargs="?", type=Path, default=REPO_ROOT)
+    sub.add_parser("stale", help="function blocks whose code changed in a later commit (warning only)").add_argument(
+        "path", nargs="?", type=Path, default=REPO_ROOT)
     args = parser.parse_args(argv)
     if not args.path.exists():
         parser.error(f"{args.path} does not exist")
     if args.command == "check":
         problems, summary = check(args.path)
         return _report(problems, f"zh_comments check: {summary}, no problems")
+    if args.command == "stale":
+        return _report_stale(args.path)
     if args.command == "stats":
         print(stats_table(args.path))
         return 0
@@ -246,6 +256,21 @@ def main(argv: list[str] | None = None) -> int:
     if not problems:
         (args.out.write_text(text, encoding="utf-8") if args.out else sys.stdout.write(text))
     return _report(problems, None)
+
+
+def _report_stale(target: Path) -> int:
+    """Print the stale blocks under `target` as warnings; always 0 (it informs, it never fails)."""
+    root = target if target.is_dir() else target.parent
+    note = history_note(root)
+    if note:
+        print(f"zh_comments stale: skipped ({note})")
+        return 0
+    files = [target] if target.is_file() else source_files(target)
+    found = stale(root, files)
+    for s in found:
+        print(f"warning: {s}")
+    print(f"zh_comments stale: {len(found)} block(s) older than the code they annotate")
+    return 0
 
 
 def _report(problems: list[Problem], ok: str | None) -> int:
