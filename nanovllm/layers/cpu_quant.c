@@ -14,7 +14,7 @@
  * exact float sums of x. int8 activations (llama.cpp's choice, one `maddubs` per block) were
  * about a fifth faster here but changed the default model's greedy answers, and converting the
  * codes to float cost three times the shuffles. Each weight block is loaded once for up to four
- * rows of x; at one row, 4-bit weights go two W rows at a time (`dot_pair`: a block's halves
+ * rows of x; at one row, 4-bit weights go four W rows at a time (`dot_rows4`: a block's halves
  * share a scale, so they sum in int32, with one `vpdpwssd` where the CPU has AVX-VNNI or
  * AVX512-VNNI) and, with AVX-512, 8-bit ones too (`dot_pair512`: a block per 512-bit register;
  * the LM head). The instruction set is the build's (-march=native, one library per CPU: see
