@@ -14,7 +14,12 @@
  * exact float sums of x. int8 activations (llama.cpp's choice, one `maddubs` per block) were
  * about a fifth faster here but changed the default model's greedy answers, and converting the
  * codes to float cost three times the shuffles. Each weight block is loaded once for up to four
- * rows of x; at one row, 4-bit weights go two W rows at a time (`dot_pair`). Large M goes through quant_dequant into a float panel and the float GEMM instead.
+ * rows of x; at one row, 4-bit weights go four W rows at a time (`dot_rows4`: a block's halves
+ * share a scale, so they sum in int32, with one `vpdpwssd` where the CPU has AVX-VNNI or
+ * AVX512-VNNI) and, with AVX-512, 8-bit ones too (`dot_pair512`: a block per 512-bit register;
+ * the LM head). The instruction set is the build's (-march=native, one library per CPU: see
+ * cpu_kernels.py), so the choice is made per CPU; tests build the baseline and AVX2 variants too.
+ * Large M goes through quant_dequant into a float panel and the float GEMM instead.
  * quant_dequant: rows of W as float32 or bfloat16 (`bf16`), for that panel and the embedding.
  */
 #include <math.h>
@@ -27,6 +32,9 @@
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define QUANT_AVX512 1 /* batch 1: one 32-input block per 512-bit register */
+#endif
 #endif
 
 #define QK 32            /* inputs per activation block */
@@ -155,35 +163,77 @@ static inline __attribute__((always_inline)) void dot_rows_body(int bits, const 
 }
 
 #ifdef QUANT_AVX2
-/* Batch 1 (one row of x), two rows of W at a time: twice the independent work per x load. */
-static void dot_pair(int bits, const uint8_t *c0, const uint8_t *c1, const float *sc0, const float *sc1,
-                     int64_t group, int64_t K, const xrow *x, float *out0, float *out1) {
-    const int64_t nb = K / QK, gpb = QK / group;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+/* lo . x0 + hi . x1 as 8 int32 sums: one `vpdpwssd` on top of a `madd` where the CPU has VNNI. */
+static inline __m256i dot16(__m256i lo, __m256i hi, __m256i x0, __m256i x1) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(lo, x0), hi, x1);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(_mm256_madd_epi16(lo, x0), hi, x1);
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+#endif
+}
+
+/* Batch 1 (one row of x), P rows of 4-bit W at a time (codes `code_row` bytes apart): P times the
+ * independent work per x load. 4-bit codes have one scale per 32-input block (group 32), so a
+ * block's two halves sum in int32 (no overflow: |15 * 32767| * 32 < 2^31) and one float
+ * conversion and one FMA per block remain. sc: the P rows' scales, MAX_GROUPS apart. */
+static inline __attribute__((always_inline)) void dot_rows4(const uint8_t *codes, int64_t code_row,
+                                                            const float *sc, int64_t K, const xrow *x, float *out,
+                                                            const int P) {
+    const int64_t nb = K / QK;
+    __m256 acc[4];
+    for (int p = 0; p < P; p++) acc[p] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i l0, h0, l1, h1;
-        codes16(bits, c0, b, &l0, &h0);
-        codes16(bits, c1, b, &l1, &h1);
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x->q + b * QK));
         const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x->q + b * QK + 16));
-        const __m256 d = _mm256_broadcast_ss(x->d + b);
-        const __m256 t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h0, x1)),
-                                          _mm256_broadcast_ss(sc0 + b * gpb + gpb - 1),
-                                          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(l0, x0)),
-                                                        _mm256_broadcast_ss(sc0 + b * gpb)));
-        const __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h1, x1)),
-                                          _mm256_broadcast_ss(sc1 + b * gpb + gpb - 1),
-                                          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(l1, x0)),
-                                                        _mm256_broadcast_ss(sc1 + b * gpb)));
-        a0 = _mm256_fmadd_ps(t0, d, a0);
-        a1 = _mm256_fmadd_ps(t1, d, a1);
+        const float d = x->d[b];
+        for (int p = 0; p < P; p++) {
+            __m256i lo, hi;
+            _mm_prefetch((const char *)(codes + p * code_row + b * 16 + 256), _MM_HINT_T0);
+            codes16(4, codes + p * code_row, b, &lo, &hi);
+            acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(lo, hi, x0, x1)),
+                                     _mm256_set1_ps(sc[p * MAX_GROUPS + b] * d), acc[p]);
+        }
     }
-    const __m128 h0 = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
-    const __m128 h1 = _mm_add_ps(_mm256_castps256_ps128(a1), _mm256_extractf128_ps(a1, 1));
-    const __m128 s01 = _mm_hadd_ps(h0, h1);  /* h0 pairs, h1 pairs */
-    const __m128 s = _mm_hadd_ps(s01, s01);
-    *out0 += _mm_cvtss_f32(s);
-    *out1 += _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+    for (int p = 0; p < P; p++) {
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[p]), _mm256_extractf128_ps(acc[p], 1));
+        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        out[p] += _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+    }
+}
+#endif
+
+#ifdef QUANT_AVX512
+/* Block b's 32 codes as 32 int16 lanes in input order. */
+static inline __m512i codes512(int bits, const uint8_t *codes, int64_t b) {
+    if (bits == 8) return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(codes + b * QK)));
+    /* the 16 bytes twice: low nibbles give inputs 0..15, high nibbles inputs 16..31 */
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(codes + b * 16))));
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi16(0x0f));
+}
+
+/* Block b's scales: lanes 0..7 (inputs 0..15) and 8..15 (inputs 16..31), groups of 32 or 16. */
+static inline __m512 scales512(const float *sc, int64_t b, int64_t gpb) {
+    return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(sc[b * gpb]), _mm512_set1_ps(sc[b * gpb + gpb - 1]));
+}
+
+/* Batch 1, two rows of W per load of x: each block's int16 dot products in one `madd`. */
+static void dot_pair512(int bits, const uint8_t *c0, const uint8_t *c1, const float *sc0, const float *sc1,
+                        int64_t group, int64_t K, const xrow *x, float *out0, float *out1) {
+    const int64_t nb = K / QK, gpb = QK / group;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512i xv = _mm512_loadu_si512((const void *)(x->q + b * QK));
+        const __m512 d = _mm512_set1_ps(x->d[b]);
+        const __m512 p0 = _mm512_cvtepi32_ps(_mm512_madd_epi16(codes512(bits, c0, b), xv));
+        const __m512 p1 = _mm512_cvtepi32_ps(_mm512_madd_epi16(codes512(bits, c1, b), xv));
+        a0 = _mm512_fmadd_ps(_mm512_mul_ps(p0, scales512(sc0, b, gpb)), d, a0);
+        a1 = _mm512_fmadd_ps(_mm512_mul_ps(p1, scales512(sc1, b, gpb)), d, a1);
+    }
+    *out0 += _mm512_reduce_add_ps(a0);
+    *out1 += _mm512_reduce_add_ps(a1);
 }
 #endif
 
@@ -217,21 +267,32 @@ static int matmul_rows(int bits, const uint8_t *codes, const uint16_t *scales, c
                      (float *)rows[m].sum, BF);
     const int64_t code_row = bits == 4 ? K / 2 : K;
 #ifdef QUANT_AVX2
-    if (M == 1 && bits == 4 && N % 2 == 0) { /* measured: 1.5x for 4-bit codes, slower for 8-bit */
+#ifdef QUANT_AVX512
+    const int pair8 = 1; /* measured: 512-bit pairs ~1.2x for 8-bit codes (LM head), slower for 4-bit */
+#else
+    const int pair8 = 0;
+#endif
+    const int P = bits == 4 && N % 4 == 0 ? 4 : 2; /* W rows per x load */
+    if (M == 1 && (bits == 4 || pair8) && N % 2 == 0) { /* measured: 1.5x for 4-bit codes, slower for 8-bit */
 #pragma omp parallel for schedule(static) if (N * K >= 32768)
-        for (int64_t n = 0; n < N; n += 2) {
-            float sc0[MAX_GROUPS], sc1[MAX_GROUPS], mn[MAX_GROUPS], out[2] = {0.f, 0.f};
-            f16_row(scales + n * ng, ng, sc0);
-            f16_row(scales + (n + 1) * ng, ng, sc1);
-            for (int i = 0; i < 2; i++)
+        for (int64_t n = 0; n < N; n += P) {
+            float sc[4][MAX_GROUPS], mn[MAX_GROUPS], out[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int i = 0; i < P; i++) {
+                f16_row(scales + (n + i) * ng, ng, sc[i]);
                 if (mins != NULL) {
                     f16_row(mins + (n + i) * ng, ng, mn);
                     for (int64_t g = 0; g < ng; g++) out[i] += mn[g] * rows[0].sum[g];
                 }
-            dot_pair(bits, codes + n * code_row, codes + (n + 1) * code_row, sc0, sc1, group, K, rows, &out[0],
-                     &out[1]);
-            sstore(y, n, out[0], BF);
-            sstore(y, n + 1, out[1], BF);
+            }
+#ifdef QUANT_AVX512
+            if (bits == 8)
+                dot_pair512(bits, codes + n * code_row, codes + (n + 1) * code_row, sc[0], sc[1], group, K, rows,
+                            &out[0], &out[1]);
+            else
+#endif
+            if (P == 4) dot_rows4(codes + n * code_row, code_row, sc[0], K, rows, out, 4);
+            else dot_rows4(codes + n * code_row, code_row, sc[0], K, rows, out, 2);
+            for (int i = 0; i < P; i++) sstore(y, n + i, out[i], BF);
         }
         free(rows);
         free(scratch);

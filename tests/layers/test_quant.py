@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import platform
 
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
@@ -115,33 +113,48 @@ def test_a_float_block_among_packed_ones_makes_the_layer_float():
     assert torch.equal(layer.weight, torch.cat([packed.dequantize(), up]))
 
 
-@pytest.fixture(scope="module")
-def portable_ops(tmp_path_factory) -> CpuOps:
-    """The kernels built for baseline x86-64: the plain-C loops that CPUs without AVX2/F16C/FMA run."""
+# Each build of the kernels a CPU may get (-march): the plain-C loops of baseline x86-64, the AVX2
+# path of CPUs without AVX-512 or VNNI, and this CPU's own (with AVX-512 and VNNI where it has them).
+BUILDS = {"x86-64": None, "haswell": "avx2", "native": None}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def built_ops(request, tmp_path_factory) -> CpuOps:
     import ctypes
     import shutil
     import subprocess
 
     from nanovllm.layers import cpu_kernels
 
+    if request.param == "native":
+        return CpuOps.load() or pytest.skip("no C compiler")
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("needs a C compiler on x86-64")
-    library = str(tmp_path_factory.mktemp("portable") / "kernels.so")
-    flags = [f for f in cpu_kernels._CFLAGS if f != "-march=native"] + ["-march=x86-64"]
+    needs = BUILDS[request.param]
+    if needs is not None and needs not in cpu_kernels.cpu_flags():
+        pytest.skip(f"this CPU cannot run a {request.param} build")
+    library = str(tmp_path_factory.mktemp(request.param) / "kernels.so")
+    flags = [f for f in cpu_kernels._CFLAGS if f != "-march=native"] + [f"-march={request.param}"]
     sources = [path for path in cpu_kernels._SOURCES if not path.endswith("cpu_attention.c")]  # what CpuOps calls
     subprocess.run([compiler, *flags, "-o", library, *sources, "-lm"], check=True, capture_output=True)
     return CpuOps(ctypes.CDLL(library))
 
 
-def test_portable_c_build_matches_the_vector_build(portable_ops):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_build_matches_the_reference_and_the_native_build(built_ops, dtype):
+    """Batch 1 (the paired-row kernels: 4-bit, and 8-bit with AVX-512) and a few rows, 4- and
+    8-bit codes, groups of 32 and 16, with and without mins."""
     native = CpuOps.load()
-    if native is None:
-        pytest.skip("no C compiler")
-    for qtype, rows in ((T.Q4_1, 3), (T.Q6_K, 1), (T.Q5_K, 4)):
-        weight = to_quantized(gguf_rows(qtype, 24, 256, seed=rows), qtype)
-        x = torch.randn(rows, 256)
-        torch.testing.assert_close(portable_ops.quant_matmul(weight, x), native.quant_matmul(weight, x), rtol=1e-5,
-                                   atol=1e-5)
-        assert torch.equal(portable_ops.quant_dequant(weight, 0, 24, torch.float32).clone(),
-                           native.quant_dequant(weight, 0, 24, torch.float32))
+    for qtype, rows in ((T.Q4_1, 1), (T.Q4_0, 1), (T.Q8_0, 1), (T.Q6_K, 1), (T.Q4_1, 3), (T.Q6_K, 2), (T.Q5_K, 4)):
+        raw = gguf_rows(qtype, 26, 256, seed=rows)  # 26: pairs of W rows (40 above: fours)
+        weight = to_quantized(raw, qtype)
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(int(qtype))).to(dtype)
+        reference = x.float() @ torch.from_numpy(dequantize(raw, qtype)).T
+        got = built_ops.quant_matmul(weight, x).float()
+        tol = (2e-3 if qtype in K_QUANTS else 2e-4) if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got, reference, rtol=0, atol=tol * reference.abs().max().item())
+        torch.testing.assert_close(got, native.quant_matmul(weight, x).float(), rtol=1e-5 if dtype == torch.float32
+                                   else 1e-2, atol=1e-5)
+        assert torch.equal(built_ops.quant_dequant(weight, 0, 26, torch.float32).clone(),
+                           native.quant_dequant(weight, 0, 26, torch.float32))
