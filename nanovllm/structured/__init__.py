@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 MAX_FORMAT_CHARS = 64 * 1024
 """A response_format's JSON text (schema, regex or grammar included) is at most this long."""
-MAX_SCHEMA_DEPTH = 32
-"""Containers nested deeper than this in a JSON schema are refused."""
+MAX_SCHEMA_DEPTH = 64
+"""Containers (maps and lists) nested deeper than this in a response_format are refused."""
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
 TYPES = ("json_object", "json_schema", "regex", "grammar", "choice")
@@ -57,8 +57,8 @@ def check_response_format(value: Any) -> dict | None:
             raise ValueError(f"response_format is not valid JSON text: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"response_format must be a map with a 'type', got {type(value).__name__}")
-    if _depth(value, MAX_SCHEMA_DEPTH + 2) > MAX_SCHEMA_DEPTH + 2:
-        raise ValueError(f"response_format nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    if _depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"response_format nests containers deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
         text = json.dumps(value)
     except (TypeError, ValueError) as e:
