@@ -151,6 +151,9 @@ class SamplingParams:
         from nanovllm.structured import check_response_format  # torch-free, no llguidance import
 
         self.response_format = check_response_format(self.response_format)
+        _check(self.response_format is None or not self.min_tokens,
+               "min_tokens cannot be combined with response_format: the grammar decides where the output ends "
+               "(got min_tokens {})", self.min_tokens)
 
     def _validate_sampling(self) -> None:
         _check(_is_number(self.temperature) and self.temperature >= 0,
