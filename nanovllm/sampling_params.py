@@ -9,6 +9,7 @@ every step or on admission.
 """
 from __future__ import annotations
 
+import json
 import math
 from array import array
 from dataclasses import dataclass, field, fields
@@ -120,6 +121,11 @@ class SamplingParams:
     a request at the limit holds 1 MiB instead of 9."""
     logits_processors: list[Callable] = field(default_factory=list)
     """In-process only: extra `LogitsProcessor`s, applied per request after the built-in ones."""
+    response_format: dict | None = None
+    """Structured output, OpenAI's shape: {"type": "json_object"}, {"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}}}, {"type": "regex", "regex": ...},
+    {"type": "grammar", "grammar": <Lark>}, {"type": "choice", "choices": [...]}; enforced while
+    sampling (see `nanovllm.structured`). JSON text of the same is accepted (the wire carries it so)."""
     cache_salt: str | None = None
     """Prefix-cache isolation: a request with a salt shares cached prompt blocks only with requests
     that carry the same salt (and one without, only with others without). At most 256 characters
@@ -142,6 +148,12 @@ class SamplingParams:
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self.banned_words = [w if isinstance(w, str) else list(w) for w in self.banned_words]
         self.logits_processors = list(self.logits_processors)
+        from nanovllm.structured import check_response_format  # torch-free, no llguidance import
+
+        self.response_format = check_response_format(self.response_format)
+        _check(self.response_format is None or not self.min_tokens,
+               "min_tokens cannot be combined with response_format: the grammar decides where the output ends "
+               "(got min_tokens {})", self.min_tokens)
 
     def _validate_sampling(self) -> None:
         _check(_is_number(self.temperature) and self.temperature >= 0,
@@ -220,7 +232,7 @@ class SamplingParams:
     def has_constraints(self) -> bool:
         """Whether anything besides penalties changes this request's logits before sampling."""
         return bool(self.logit_bias or self.banned_words or self.allowed_token_ids is not None
-                    or self.logits_processors or self.min_tokens)
+                    or self.logits_processors or self.min_tokens or self.response_format is not None)
 
     # -- the wire ------------------------------------------------------------------------------
 
@@ -235,7 +247,9 @@ class SamplingParams:
             value = getattr(self, f.name)
             if f.name == "logits_processors" or value == default[f.name]:
                 continue
-            if f.name == "logit_bias":
+            if f.name == "response_format":  # JSON text: a schema's nesting never meets the frame's limit
+                value = json.dumps(value, separators=(",", ":"))
+            elif f.name == "logit_bias":
                 value = {str(k): v for k, v in value.items()}
             elif isinstance(value, array):
                 value = value.tolist()

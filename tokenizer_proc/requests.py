@@ -66,6 +66,7 @@ class RequestBuilder:
         # 2. stop = req.stop + sampling.stop（单个字符串或列表），两处合计受同一限制（最多 64 个、每个 1024 字符）。
         # 3. 取出 skip_special_tokens、include_stop_str_in_output：这些是文本侧字段，交给 detokenizer，不给引擎。
         # 4. 用 make_sampling(...) 试建一次 SamplingParams 做校验；ValueError / TypeError → "invalid sampling parameters"。
+        #    有 response_format：_check_format 按词表编译一次（按文本缓存），编译不过就带着原因拒绝。
         # 5. 开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(客户端 CURVE 公钥，没有则路由 id，
         #    客户端自己给的盐)，前缀缓存只在同一客户端（同一把钥匙）内共享。
         #    ids = _prompt_ids(req)。
@@ -96,9 +97,12 @@ class RequestBuilder:
         skip = sampling.pop("skip_special_tokens", req.skip_special_tokens)
         include_stop = sampling.pop("include_stop_str_in_output", False)
         try:
-            self.make_sampling(**sampling, stop=stop, skip_special_tokens=skip, include_stop_str_in_output=include_stop)
+            params = self.make_sampling(**sampling, stop=stop, skip_special_tokens=skip,
+                                        include_stop_str_in_output=include_stop)
         except (ValueError, TypeError) as e:
             raise RequestRejected(f"invalid sampling parameters: {e}") from None
+        if getattr(params, "response_format", None) is not None:
+            self._check_format(params.response_format)
         if self.cache_salt_per_client:
             sampling["cache_salt"] = client_cache_salt(key or identity.hex(), sampling.get("cache_salt"))
         ids = self._prompt_ids(req)
@@ -116,6 +120,19 @@ class RequestBuilder:
             raise RequestRejected(f"the request is {len(frame)} bytes once tokenized, over the {p.MAX_FRAME_BYTES}-byte "
                                   "frame limit: shorten the prompt or the sampling lists")
         return frame
+
+    def _check_format(self, fmt: dict) -> None:
+        """Compile a response_format against the vocabulary (cached by its text), so a bad one is
+        refused here, with the compiler's reason, before it reaches the engine."""
+        from nanovllm.structured import compile_format, ll_tokenizer
+
+        try:
+            compile_format(fmt, ll_tokenizer(self.tokenizer, len(self.tokenizer)))
+        except ValueError as e:
+            raise RequestRejected(f"invalid sampling parameters: {e}") from None
+        except Exception as e:  # llguidance cannot read this tokenizer: many kinds of errors
+            raise RequestRejected(f"response_format is not available with this model's tokenizer: "
+                                  f"{str(e)[:300]}") from None
 
     def _check_priority(self, priority: int, key: str | None) -> None:
         """RequestRejected for a priority above the service's ceiling or the client key's own."""

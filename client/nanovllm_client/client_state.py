@@ -34,6 +34,7 @@ new one.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -100,8 +101,14 @@ def build_request(prompt: Any = None, *, messages: list[dict] | None = None,
                   temperature: float | None = None, ignore_eos: bool | None = None,
                   stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
                   skip_special_tokens: bool = True, request_id: str | None = None, priority: int = 0,
-                  **sampling: Any) -> p.GenerateReq:
-    """The GenerateReq for one call. `prompt` may be text, a chat message list or token ids."""
+                  response_format: dict | str | None = None, **sampling: Any) -> p.GenerateReq:
+    """The GenerateReq for one call. `prompt` may be text, a chat message list or token ids.
+
+    `response_format` (OpenAI's shape: json_object, json_schema, regex, grammar, choice) is
+    sent as JSON text; the service enforces it while sampling."""
+    if response_format is not None:
+        sampling["response_format"] = (response_format if isinstance(response_format, str)
+                                       else json.dumps(response_format, separators=(",", ":")))
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         messages, prompt = prompt, None
     elif isinstance(prompt, list):

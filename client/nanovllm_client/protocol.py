@@ -46,6 +46,9 @@ MAX_STOP_STRINGS, MAX_STOP_LEN = 64, 1024
 """Stop strings are matched on every step in the detokenizer: bound what one request can ask."""
 MAX_CHAT_MESSAGES = 4096
 MAX_SAMPLING_FIELDS = 64
+MAX_RESPONSE_FORMAT_CHARS = 64 * 1024
+"""`sampling.response_format` travels as JSON text of at most this many characters: a schema
+nests as deep as it likes inside one string, never against the frame's nesting limit."""
 MAX_PROMPT_TAIL = 64
 """Prompt tokens a request's meta may carry as left context for detokenization."""
 MAX_ROWS = 1 << 16
@@ -107,6 +110,14 @@ def unpack_token_ids(data: bytes | list[int]) -> list[int]:
     if sys.byteorder == "big":
         ids.byteswap()
     return ids.tolist()
+
+
+def check_response_format(sampling: dict) -> None:
+    """`sampling.response_format`, where present, is JSON text within its limit (its content is
+    the tokenizer stage's to check: it compiles it against the vocabulary)."""
+    value = sampling.get("response_format")
+    if value is not None:
+        check_str("sampling.response_format", value, MAX_RESPONSE_FORMAT_CHARS)
 
 
 def check_packed(name: str, value: Any, max_tokens: int) -> None:
@@ -229,6 +240,7 @@ class GenerateReq(Message):
         if self.prompt_token_ids is not None:
             self.prompt_token_ids = unpack_token_ids(self.prompt_token_ids)
         check_map("sampling", self.sampling, MAX_SAMPLING_FIELDS)
+        check_response_format(self.sampling)
         check_strings("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_LEN)
         check_bool("skip_special_tokens", self.skip_special_tokens)
         check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
@@ -344,6 +356,7 @@ class TokenizedReq(Message):
         check_packed("prompt_token_ids", self.prompt_token_ids, MAX_FRAME_BYTES // 4)
         check_packed("output_ids", self.output_ids, MAX_FRAME_BYTES // 4)
         check_map("sampling", self.sampling, MAX_SAMPLING_FIELDS)
+        check_response_format(self.sampling)
         self.meta = typed_meta(self.meta)
         check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
         check_bool("resend", self.resend)

@@ -21,6 +21,7 @@ orders admission and preemption.
 from __future__ import annotations
 
 import json
+import importlib
 import os
 import threading
 import time
@@ -37,6 +38,7 @@ from nanovllm.engine.policy import SchedulerPolicy, make_policy
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.logits_processors import WordIndex, build_logits_processors
+from nanovllm.structured import StructuredOutput, compile_format, ll_tokenizer
 from nanovllm.layers.sampler import TokenLogprobs
 from nanovllm.layers.token_bytes import token_byte_table
 from nanovllm.models.loader import is_gguf, read_hf_config, resolve_model_path
@@ -181,7 +183,8 @@ class LLMEngine:
                 f"request needs up to {longest} tokens of KV cache but the cache holds only "
                 f"{self.block_manager.num_total_blocks * self.config.block_size}; lower max_tokens or enlarge the cache"
             )
-        processors = build_logits_processors(params, self.model_config.vocab_size, self.runner.device, self._words)
+        processors = build_logits_processors(params, self.model_config.vocab_size, self.runner.device, self._words,
+                                             self._structured)
         self.runner.sampler.add_request(request_id, params, processors, self.eos_token_ids, len(prefix))
         seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, priority)
         seq.token_ids.extend(prefix)
@@ -302,6 +305,16 @@ class LLMEngine:
             raise ValueError(f"string banned_words need the model's tokenizer, which did not load ({str(e)[:300]}); "
                              "pass banned words as token-id lists instead") from None
 
+    def _structured(self, fmt: dict) -> StructuredOutput:
+        """The matcher for a request's response_format (its grammar compiled, cached by text)."""
+        try:
+            lltok = self._words().ll_tokenizer
+        except ValueError as e:
+            raise ValueError(str(e).replace("string banned_words need", "response_format needs")) from None
+        if lltok is None:
+            raise ValueError("response_format needs llguidance's view of the tokenizer, which did not build")
+        return StructuredOutput(compile_format(fmt, lltok), lltok)
+
     # -- monitoring ----------------------------------------------------------------------------
 
     def add_post_step_hook(self, fn: PostStepHook) -> PostStepHook:
@@ -355,12 +368,23 @@ def start_word_index(model_path: str, vocab_size: int, device: torch.device) -> 
         future.set_exception(e)
         return future
 
+    try:
+        importlib.import_module("llguidance.hf")  # here, not on the thread (see above)
+    except ImportError:
+        pass
+
     def build() -> None:
         try:
-            table = token_byte_table(load(), vocab_size)
+            tokenizer = load()
+            table = token_byte_table(tokenizer, vocab_size)
             if not any(table):  # transformers builds an empty tokenizer from a folder without its files
                 raise ValueError("the tokenizer has no text tokens")
-            future.set_result(WordIndex(table, device))
+            index = WordIndex(table, device)
+            try:  # structured output's view of the vocabulary; without it only response_format fails
+                index.ll_tokenizer = ll_tokenizer(tokenizer, vocab_size)
+            except Exception:
+                index.ll_tokenizer = None
+            future.set_result(index)
         except BaseException as e:  # handed to whoever waits on the future
             future.set_exception(e)
 

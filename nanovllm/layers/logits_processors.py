@@ -105,6 +105,7 @@ class WordIndex:
     def __init__(self, table: list[bytes], device: torch.device | str = "cpu"):
         self.table = table
         self.device = device
+        self.ll_tokenizer = None  # llguidance's view of the vocabulary (structured output), set by the engine
         self._sorted = sorted(range(len(table)), key=table.__getitem__)  # token ids by their bytes
         self._sorted_bytes = [table[i] for i in self._sorted]
         self._offsets = [0]
@@ -323,7 +324,8 @@ class BannedWords:
 
 
 def build_logits_processors(params: SamplingParams, vocab_size: int, device: torch.device | str,
-                            word_index: Callable[[], WordIndex]) -> list[LogitsProcessor]:
+                            word_index: Callable[[], WordIndex],
+                            structured: Callable[[dict], LogitsProcessor] | None = None) -> list[LogitsProcessor]:
     """The request's processors (built-in first, then its own); ValueError for ids outside the vocab.
 
     `word_index` is called only when string banned words are present (it may load a tokenizer).
@@ -333,7 +335,8 @@ def build_logits_processors(params: SamplingParams, vocab_size: int, device: tor
     #    （否则 ValueError，说出第一个越界的 id），加 AllowedTokenIds——26 万个 id 也没有逐个的 Python 循环。
     # 2. banned_words 里的 token id 列表：检查后加一个 BannedTokenSequences。
     # 3. banned_words 里的字符串：此时才调用 word_index()（可能要等后台线程建好字节表），加 BannedWords。
-    # 4. 最后追加请求自己的 logits_processors；顺序即 Sampler 调用的顺序。
+    # 4. 有 response_format：由 structured() 建一个 StructuredOutput（llguidance 语法掩码）。
+    # 5. 最后追加请求自己的 logits_processors；顺序即 Sampler 调用的顺序。
     # [ZH-END]
     processors: list[LogitsProcessor] = []
     if params.allowed_token_ids is not None:
@@ -349,6 +352,10 @@ def build_logits_processors(params: SamplingParams, vocab_size: int, device: tor
     words = [w for w in params.banned_words if isinstance(w, str)]
     if words:
         processors.append(BannedWords(words, word_index()))
+    if params.response_format is not None:
+        if structured is None:
+            raise ValueError("response_format needs the model's tokenizer, which this engine has not loaded")
+        processors.append(structured(params.response_format))
     processors.extend(params.logits_processors)
     return processors
 

@@ -1,0 +1,206 @@
+"""Structured output: a request's `response_format` enforced while sampling, built on llguidance.
+
+- `check_response_format(value)`: validates OpenAI's shape (json_object, json_schema, and the
+  extensions regex, grammar (Lark), choice) with size and depth limits; ValueError naming the problem.
+- `grammar_text(fmt)`: the llguidance grammar for a checked format (cached by its JSON text).
+- `StructuredOutput`: a `LogitsProcessor` holding one request's matcher. It follows the request's
+  output tokens (consuming new ones, starting over when the output does not extend what it saw,
+  as after a preemption), fills the token bitmask and sets every disallowed logit to -inf, so
+  the mask holds with every sampling mode. When the grammar is complete only EOS stays allowed,
+  so the request finishes with `stop`.
+"""
+# [ZH-START]
+# 【模块定位】结构化输出：把请求的 response_format（json_object / json_schema / regex / grammar / choice）
+# 编译成 llguidance 语法，在采样器里逐步屏蔽不合语法的 token（作为一个 logits processor 运行）。
+# check_response_format 校验形状和大小/深度上限；grammar_text 按 JSON 文本缓存编译结果；
+# StructuredOutput 跟踪一个请求的输出 token，填 bitmask，把不允许的 logits 设为 -inf。
+# [ZH-END]
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any, Sequence
+
+MAX_FORMAT_CHARS = 64 * 1024
+"""A response_format's JSON text (schema, regex or grammar included) is at most this long."""
+MAX_SCHEMA_DEPTH = 64
+"""Containers (maps and lists) nested deeper than this in a response_format are refused."""
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+TYPES = ("json_object", "json_schema", "regex", "grammar", "choice")
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of containers, stopping (iteratively) once past `limit`."""
+    stack = [(value, 1)]
+    deepest = 0
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def check_response_format(value: Any) -> dict | None:
+    """The format as a plain dict (None for none / {"type": "text"}); ValueError naming the problem."""
+    if value is None:
+        return None
+    if isinstance(value, str):  # JSON text, as the wire carries it
+        if len(value) > MAX_FORMAT_CHARS:
+            raise ValueError(f"response_format is {len(value)} characters of JSON, at most {MAX_FORMAT_CHARS}")
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"response_format is not valid JSON text: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"response_format must be a map with a 'type', got {type(value).__name__}")
+    if _depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"response_format nests containers deeper than {MAX_SCHEMA_DEPTH} levels")
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"response_format must be JSON-serializable: {e}") from None
+    if len(text) > MAX_FORMAT_CHARS:
+        raise ValueError(f"response_format is {len(text)} characters of JSON, at most {MAX_FORMAT_CHARS}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind not in TYPES:
+        raise ValueError(f"response_format type must be one of {', '.join(('text',) + TYPES)}, got {str(kind)[:64]!r}")
+
+    def keys(*allowed: str) -> None:
+        extra = set(value) - {"type", *allowed}
+        if extra:
+            raise ValueError(f"response_format of type {kind} has unknown key(s) {sorted(map(str, extra))[:8]}")
+
+    if kind == "json_object":
+        keys()
+    elif kind == "json_schema":
+        keys("json_schema")
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+        extra = set(spec) - {"name", "schema", "strict", "description"}
+        if extra:
+            raise ValueError(f"response_format json_schema has unknown key(s) {sorted(map(str, extra))[:8]}")
+    elif kind in ("regex", "grammar"):
+        keys(kind)
+        if not isinstance(value.get(kind), str) or not value[kind]:
+            raise ValueError(f"response_format of type {kind} needs a non-empty string '{kind}'")
+    else:
+        keys("choices")
+        choices = value.get("choices")
+        if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES
+                or not all(isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_CHARS for c in choices)):
+            raise ValueError(f"response_format choice needs 'choices': 1 to {MAX_CHOICES} non-empty strings "
+                             f"of at most {MAX_CHOICE_CHARS} characters")
+    return value
+
+
+def _lark_string(s: str) -> str:
+    return json.dumps(s)  # a Lark string literal: JSON's escapes are Lark's
+
+
+@lru_cache(maxsize=256)
+def _grammar(text: str) -> str:
+    import llguidance
+
+    fmt = json.loads(text)
+    kind = fmt["type"]
+    M = llguidance.LLMatcher
+    if kind == "json_object":
+        return M.grammar_from_json_schema({"type": "object"})
+    if kind == "json_schema":
+        schema = fmt["json_schema"]["schema"]
+        return M.grammar_from_json_schema(schema if isinstance(schema, dict) else {},
+                                          defaults={"whitespace_flexible": False})
+    if kind == "regex":
+        return M.grammar_from_regex(fmt["regex"])
+    if kind == "grammar":
+        return M.grammar_from_lark(fmt["grammar"])
+    return M.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in fmt["choices"]))
+
+
+def grammar_text(fmt: dict) -> str:
+    """The llguidance grammar of a checked format, cached by the format's JSON text."""
+    try:
+        return _grammar(json.dumps(fmt))  # key order kept: a schema's property order is the output's
+    except ValueError as e:
+        raise ValueError(f"response_format does not compile: {str(e)[:500]}") from None
+
+
+@lru_cache(maxsize=4)
+def _ll_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab)
+
+
+def ll_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
+    """llguidance's view of a Hugging Face tokenizer (built once per tokenizer object)."""
+    return _ll_tokenizer(tokenizer, n_vocab)
+
+
+def compile_format(fmt: dict, lltok: Any) -> str:
+    """The grammar for `fmt`, checked against the vocabulary; ValueError naming the problem."""
+    import llguidance
+
+    grammar = grammar_text(fmt)
+    error = llguidance.LLMatcher.validate_grammar(grammar, lltok)
+    if error:
+        raise ValueError(f"response_format does not compile: {error[:500]}")
+    return grammar
+
+
+class StructuredOutput:
+    """One request's grammar, enforced on its logits (a `LogitsProcessor`)."""
+    # [ZH-START]
+    # 【职责】一个请求的语法约束：跟踪已生成 token（新 token 逐个 consume；输出不再延续已见的前缀时 reset 重来，
+    #        如抢占重算、续写），每步填 bitmask，把不允许的 token 的 logits 设为 -inf。
+    # 【边界】不编译语法（compile_format 已编译并校验）；语法完成后只剩 EOS 可选，请求以 stop 结束。
+    # 【协作者】build_logits_processors 在有 response_format 时创建；Sampler 每步调用；llguidance.LLMatcher 做匹配。
+    # [ZH-END]
+
+    def __init__(self, grammar: str, lltok: Any):
+        import llguidance
+        import llguidance.numpy as lln
+
+        self._lln = lln
+        self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"response_format does not compile: {self.matcher.get_error()[:500]}")
+        self.n_vocab = lltok.vocab_size
+        self.bitmask = lln.allocate_token_bitmask(1, self.n_vocab)
+        self.seen: list[int] = []
+
+    def _follow(self, output: Sequence[int]) -> None:
+        n = len(self.seen)
+        if len(output) < n or list(output[:n]) != self.seen:
+            self.matcher.reset()
+            self.seen = []
+            n = 0
+        for t in output[n:]:
+            if not self.matcher.consume_token(int(t)):
+                raise ValueError(f"token {int(t)} does not fit the response_format: {self.matcher.get_error()[:300]}")
+            self.seen.append(int(t))
+
+    def allowed(self, output: Sequence[int]) -> Any:
+        """A numpy bool array (n_vocab,) of the tokens the grammar allows next."""
+        import numpy as np
+
+        self._follow(output)
+        self._lln.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        bits = np.unpackbits(self.bitmask[0].view(np.uint8), bitorder="little")
+        return bits[: self.n_vocab].astype(bool)
+
+    def __call__(self, output_token_ids: Sequence[int], logits: Any) -> Any:
+        import torch
+
+        allowed = torch.from_numpy(self.allowed(output_token_ids)).to(logits.device)
+        v = min(len(allowed), logits.shape[-1])
+        blocked = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        blocked[:v] = ~allowed[:v]
+        return logits.masked_fill_(blocked, float("-inf"))

@@ -1,0 +1,94 @@
+"""response_format through the three-stage service on the real default model: sync and async
+clients, a refused bad format (the service serves on), a stream continued across an engine kill."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+
+from nanovllm_client import AsyncClient, Client
+from tests.service.conftest import start_service
+from tests.service.harness import short_tmpdir, wait_for
+
+PEOPLE = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 16},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "role": {"enum": ["admin", "user", "guest"]}},
+    "required": ["name", "age", "role"], "additionalProperties": False}
+NUMBERS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 40, "maxItems": 40}
+
+
+def fmt(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def procs():
+    procs = start_service("default", f"ipc://{short_tmpdir()}/so", engine_args=["--num-threads", "2"])
+    yield procs
+    procs.stop()
+
+
+def test_sync_and_async_clients_get_valid_json(procs):
+    prompts = [f"Describe user number {i} as JSON." for i in range(6)]
+    with Client(procs.url, timeout=120) as client:
+        streams = [client.stream(chat(p), max_tokens=48, temperature=0 if i % 2 else 0.9, seed=i,
+                                 response_format=fmt(PEOPLE)) for i, p in enumerate(prompts)]
+        results = [("".join(d.text for d in s), s) for s in streams]
+    for text, _ in results:
+        jsonschema.validate(json.loads(text), PEOPLE)
+
+    async def run() -> list:
+        async with AsyncClient(procs.url, timeout=120) as client:
+            return await asyncio.gather(
+                client.generate(chat("Pick a color."), max_tokens=8, response_format={
+                    "type": "choice", "choices": ["red", "green", "blue"]}),
+                client.generate(chat("A date?"), max_tokens=16, response_format={
+                    "type": "regex", "regex": "[0-9]{4}-[0-9]{2}-[0-9]{2}"}),  # \d would take any Unicode digit
+                client.generate(chat("Any JSON."), max_tokens=48, temperature=0, response_format=fmt(PEOPLE)))
+
+    color, date, person = asyncio.run(run())
+    assert color.text in ("red", "green", "blue") and color.finish_reason == "stop"
+    assert len(date.text) == 10 and date.text[4] == "-" and date.finish_reason == "stop"
+    jsonschema.validate(json.loads(person.text), PEOPLE)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"type": "regex", "regex": "(unclosed"}, "does not compile"),
+    ({"type": "grammar", "grammar": "start: nothing_here"}, "does not compile"),
+    ({"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "#/$defs/x"}}}, "does not compile"),
+    ({"type": "choice", "choices": []}, "choices"),
+    ({"type": "regex", "regex": "a" * 70_000}, "response_format"),
+])
+def test_a_bad_format_is_refused_and_the_service_serves_on(procs, bad, message):
+    with Client(procs.url, timeout=120) as client:
+        with pytest.raises(Exception, match=message):
+            client.generate("hi", max_tokens=4, response_format=bad)
+        deep: dict = {"type": "string"}
+        for _ in range(12):  # 25 levels of containers: past the frame's nesting limit, within ours
+            deep = {"type": "object", "properties": {"a": deep}}
+        ok = client.generate("hi", max_tokens=4, response_format=fmt(deep))
+        assert ok.text.startswith("{")
+    procs.assert_running()
+
+
+def test_a_stream_continued_across_an_engine_kill_still_follows_the_schema(procs):
+    with Client(procs.url, timeout=180) as client:
+        stream = client.stream(chat("Forty numbers."), max_tokens=200, temperature=0,
+                               response_format=fmt(NUMBERS))
+        first = next(stream)
+        assert first.finish_reason is None
+        procs.kill("engine_proc")
+        wait_for(lambda: client.engine_alive is False, timeout=60, what="engine reported dead")
+        procs.restart("engine_proc")
+        rest = list(stream)
+    text = first.text + "".join(d.text for d in rest)
+    value = json.loads(text)
+    jsonschema.validate(value, NUMBERS)
+    assert rest[-1].finish_reason == "stop"

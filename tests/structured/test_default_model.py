@@ -1,0 +1,109 @@
+"""response_format on the real default model through LLM.generate: 32 prompts with schemas
+(nested objects, arrays, enums, ranged numbers, required fields, string patterns), greedy and
+sampled in every mode, each output parsed and validated; regex, grammar and choice the same way;
+and what wins where two constraints conflict. One engine for the module, batched calls."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from nanovllm.sampling_params import SamplingParams
+
+ROLE = {"enum": ["admin", "user", "guest"]}
+NAME = {"type": "string", "minLength": 1, "maxLength": 12}
+AGE = {"type": "integer", "minimum": 18, "maximum": 99}
+SCORE = {"type": "number", "minimum": 0, "maximum": 1}
+CODE = {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}
+TAGS = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                                          "y": {"type": "integer", "minimum": -9, "maximum": 9}},
+         "required": ["x", "y"], "additionalProperties": False}
+
+
+def obj(**props) -> dict:
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+SCHEMAS = [
+    obj(name=NAME, age=AGE), obj(name=NAME, role=ROLE), obj(code=CODE, score=SCORE), obj(tags=TAGS),
+    obj(user=obj(name=NAME, age=AGE), role=ROLE), obj(point=POINT), obj(points={"type": "array", "items": POINT,
+                                                                             "maxItems": 2}),
+    obj(ok={"type": "boolean"}, code=CODE), obj(role=ROLE, tags=TAGS, age=AGE),
+    obj(owner=obj(name=NAME, address=obj(city=NAME, zip={"type": "string", "pattern": "^[0-9]{5}$"}))),
+]
+PROMPTS = ["Describe a user as JSON.", "Return a JSON record for Alice.", "Give me data about a product.",
+           "Output JSON only.", "Reply in JSON with keys name and age."]
+CASES = [(PROMPTS[i % len(PROMPTS)], SCHEMAS[i % len(SCHEMAS)]) for i in range(32)]
+
+
+def fmt(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from nanovllm import LLM
+
+    llm = LLM("default")
+    yield llm
+    llm.engine.close()
+
+
+def chat(llm, text: str) -> str:
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+
+
+SAMPLED = [dict(temperature=0.8, seed=1), dict(temperature=1.0, top_k=20, seed=2), dict(temperature=0.9, top_p=0.8),
+           dict(temperature=0.7, min_p=0.1, seed=3), dict(temperature=1.0, repetition_penalty=1.3, seed=4),
+           dict(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.5),
+           dict(temperature=0, logit_bias={90: 5.0, 216: -5.0}), dict(temperature=0)]
+
+
+def test_every_output_parses_and_validates_greedy_and_sampled(llm):
+    prompts = [chat(llm, p) for p, _ in CASES] * 2
+    params = [SamplingParams(max_tokens=96, temperature=0, response_format=fmt(s)) for _, s in CASES]
+    params += [SamplingParams(max_tokens=96, response_format=fmt(s), **SAMPLED[i % len(SAMPLED)])
+               for i, (_, s) in enumerate(CASES)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, (_, schema) in zip(outs, CASES * 2):
+        assert out["finish_reason"] == "stop", out
+        jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_regex_grammar_choice_and_json_object(llm):
+    date = r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]"
+    lark = 'start: "(" expr ")"\nexpr: NUM (OP NUM)*\nNUM: /[0-9]{1,3}/\nOP: "+" | "-" | "*"'
+    cases = [({"type": "regex", "regex": date}, lambda t: re.fullmatch(date, t)),
+             ({"type": "grammar", "grammar": lark}, lambda t: re.fullmatch(r"\(\d{1,3}([+*-]\d{1,3})*\)", t)),
+             ({"type": "choice", "choices": ["positive", "negative", "neutral"]},
+              lambda t: t in ("positive", "negative", "neutral")),
+             ({"type": "json_object"}, lambda t: isinstance(json.loads(t), dict))]
+    prompts, params, checks = [], [], []
+    for i in range(0, 8, 2):
+        for f, ok in cases:
+            prompts.append(chat(llm, f"Answer {i}: what date, sum, mood or record?"))
+            params.append(SamplingParams(max_tokens=64, response_format=f, **SAMPLED[i]))
+            checks.append(ok)
+    for out, ok, p in zip(llm.generate(prompts, params, use_tqdm=False), checks, params):
+        if p.response_format["type"] != "json_object":  # any object may run past 64 tokens
+            assert out["finish_reason"] == "stop", out
+        if out["finish_reason"] == "stop":
+            assert ok(out["text"]), out
+
+
+def test_max_tokens_first_gives_length_and_the_partial_output(llm):
+    out = llm.generate([chat(llm, "Numbers.")], SamplingParams(max_tokens=5, temperature=0, response_format=fmt(
+        {"type": "array", "items": {"type": "integer"}, "minItems": 20})), use_tqdm=False)[0]
+    assert out["finish_reason"] == "length" and out["text"].startswith("[") and len(out["token_ids"]) == 5
+
+
+def test_the_grammar_refuses_min_tokens_and_a_stop_string_wins_over_the_grammar(llm):
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with response_format"):
+        SamplingParams(min_tokens=8, response_format={"type": "choice", "choices": ["yes", "no"]})
+    stopped = llm.generate([chat(llm, "A name?")], SamplingParams(
+        max_tokens=64, temperature=0, stop=['"'], response_format=fmt(obj(name=NAME))), use_tqdm=False)[0]
+    assert stopped["text"] == "{" and stopped["finish_reason"] == "stop", stopped

@@ -1,0 +1,116 @@
+"""response_format: its checks and limits, and the matcher on the default model's vocabulary."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured import (MAX_CHOICES, MAX_FORMAT_CHARS, MAX_SCHEMA_DEPTH, StructuredOutput,
+                                 check_response_format, compile_format, ll_tokenizer)
+
+PERSON = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from nanovllm.models.tokenizer import load_tokenizer
+
+    t = load_tokenizer("default")
+    return t, ll_tokenizer(t, len(t))
+
+
+def nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+
+
+@pytest.mark.parametrize("fmt, message", [
+    ({"type": "xml"}, "type must be one of"),
+    ([1], "must be a map"),
+    ({"type": "json_schema"}, "needs {'json_schema'"),
+    ({"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}, "unknown key"),
+    ({"type": "regex", "regex": ""}, "non-empty string 'regex'"),
+    ({"type": "choice", "choices": []}, "'choices'"),
+    ({"type": "choice", "choices": ["a"] * (MAX_CHOICES + 1)}, "'choices'"),
+    ({"type": "json_object", "extra": 1}, "unknown key"),
+    (nested(MAX_SCHEMA_DEPTH // 2), "nests containers deeper than"),
+    ({"type": "regex", "regex": "a" * (MAX_FORMAT_CHARS + 1)}, "characters of JSON"),
+    ("{not json", "not valid JSON text"),
+])
+def test_bad_formats_are_refused_naming_the_problem(fmt, message):
+    with pytest.raises(ValueError, match=message):
+        check_response_format(fmt)
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(response_format=fmt)
+
+
+def test_the_wire_carries_a_schema_as_json_text_whatever_its_depth():
+    fmt = nested(20)
+    wire = SamplingParams(response_format=fmt).to_dict()
+    assert isinstance(wire["response_format"], str)
+    assert SamplingParams.from_dict(wire).response_format == fmt
+    assert SamplingParams(response_format={"type": "text"}).response_format is None
+
+
+@pytest.mark.parametrize("fmt, message", [
+    ({"type": "regex", "regex": "(unclosed"}, "does not compile"),
+    ({"type": "grammar", "grammar": "start: undefined_rule"}, "does not compile"),
+    ({"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "#/$defs/missing"}}}, "does not compile"),
+])
+def test_invalid_grammars_do_not_compile(tok, fmt, message):
+    with pytest.raises(ValueError, match=message):
+        compile_format(check_response_format(fmt), tok[1])
+
+
+def test_recursive_ref_compiles_and_stays_bounded(tok):
+    schema = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}
+    compile_format(check_response_format({"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}),
+                   tok[1])
+
+
+def greedy_walk(so: StructuredOutput, tokenizer, prefer: str, steps: int = 40) -> list[int]:
+    """Follow the mask, preferring the tokens that spell `prefer` (the mask decides what is legal)."""
+    out: list[int] = []
+    for _ in range(steps):
+        logits = torch.zeros(so.n_vocab + 7)  # a model's vocabulary may be padded past the tokenizer's
+        target = tokenizer.encode(prefer[len(tokenizer.decode(out)):] or " ", add_special_tokens=False)
+        if target:
+            logits[target[0]] = 5.0
+        so(out, logits)
+        assert torch.isinf(logits[so.n_vocab:]).all()
+        t = int(logits.argmax())
+        out.append(t)
+        if t == tokenizer.eos_token_id:
+            break
+    return out
+
+
+def test_the_mask_spells_only_what_the_schema_allows_then_eos(tok):
+    tokenizer, lltok = tok
+    so = StructuredOutput(compile_format(check_response_format(PERSON), lltok), lltok)
+    out = greedy_walk(so, tokenizer, 'I think {"name": "Bob", "age": 7}')
+    assert out[-1] == tokenizer.eos_token_id
+    value = json.loads(tokenizer.decode(out[:-1]))
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+
+
+def test_a_restarted_or_preempted_output_is_followed_from_the_start(tok):
+    tokenizer, lltok = tok
+    fmt = check_response_format({"type": "choice", "choices": ["yes", "no"]})
+    so = StructuredOutput(compile_format(fmt, lltok), lltok)
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    no = tokenizer.encode("no", add_special_tokens=False)
+    assert so.allowed(yes[:1])[yes[1]] if len(yes) > 1 else so.allowed(yes)[tokenizer.eos_token_id]
+    # Another output (a recomputed request, an engine continuing a client's stream) replaces it.
+    allowed = so.allowed(no)
+    assert allowed[tokenizer.eos_token_id] and allowed.sum() == 1
+    fresh = StructuredOutput(compile_format(fmt, lltok), lltok)
+    assert (fresh.allowed(no) == allowed).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        so.allowed(tokenizer.encode("maybe", add_special_tokens=False))
