@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import ipaddress
 import os
+import socket
 import sys
 
 from ..endpoints import default_url
@@ -32,6 +33,31 @@ def read_keys(path: str) -> tuple[str, ...]:
     if not keys:
         raise ValueError(f"{path} holds no key")
     return keys
+
+
+def _sd_notify(message: str) -> None:
+    """systemd's (or `nanovllm serve`'s) $NOTIFY_SOCKET; nothing without one."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        try:
+            s.sendto(message.encode(), path)
+        except OSError:
+            pass
+
+
+async def _notify(server) -> None:
+    """READY=1 once the port listens; then WATCHDOG=1 from the event loop that serves (a hung loop goes silent)."""
+    while not server.started:
+        await asyncio.sleep(0.05)
+    _sd_notify("READY=1")
+    usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
+    while usec > 0:
+        _sd_notify("WATCHDOG=1")
+        await asyncio.sleep(usec / 3e6)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -94,9 +120,12 @@ def main(argv: list[str] | None = None) -> int:
                                 limit_concurrency=args.max_connections, timeout_keep_alive=args.idle_timeout,
                                 timeout_graceful_shutdown=args.drain_timeout, log_level="warning",
                                 access_log=False, lifespan="off")
+        server = uvicorn.Server(config)
+        notifier = asyncio.get_running_loop().create_task(_notify(server))
         try:
-            await uvicorn.Server(config).serve()  # SIGTERM/SIGINT: stop accepting, finish what is in flight
+            await server.serve()  # SIGTERM/SIGINT: stop accepting, finish what is in flight
         finally:
+            notifier.cancel()
             await client.close()
 
     asyncio.run(serve())
