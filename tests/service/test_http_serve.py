@@ -85,6 +85,10 @@ def test_models_health_and_greedy_equal_to_the_zmq_client(front):
     status, out = _post(port, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 16,
                                                        "temperature": 0, "ignore_eos": True})
     assert status == 200 and out["choices"][0]["message"]["content"] == want.text
+    status, out = _post(port, "/v1/completions", {"model": model, "prompt": [10**9]})  # refused by a stage
+    assert status == 400 and "request failed" in out["error"]["message"], out
+    status, out = _post(port, "/v1/completions", {"model": model, "prompt": "x", "logprobs": 1})
+    assert status == 400 and out["error"]["param"] == "logprobs"
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")

@@ -68,6 +68,8 @@ def _service_error(e: Exception) -> ApiError:
         return ApiError(503, str(e), code="timeout")
     if isinstance(e, ValueError):
         return bad(str(e))
+    if isinstance(e, RequestError):  # refused by a stage: the prompt (too long, a bad template) or a value
+        return bad(f"request failed: {e}")
     return ApiError(500, f"request failed: {e}")
 
 
@@ -169,8 +171,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
                 if d.finished:
                     reason, usage = d.finish_reason, d.usage
         except Exception as e:  # noqa: BLE001
-            err = _service_error(e) if not isinstance(e, RequestError) or isinstance(e, EngineDeadError) \
-                else ApiError(500, f"request failed: {e}")
+            err = _service_error(e)
             metrics.count(route, err.status)
             return _error(err)
         finally:
@@ -243,8 +244,7 @@ async def _sse(stream: Any, call: Call, rid: str, created: int, kind: str, chat:
                     yield event([], usage, True)
         yield b"data: [DONE]\n\n"
     except (RequestError, ServiceUnavailableError, RequestTimeoutError) as e:
-        err = _service_error(e) if not isinstance(e, RequestError) or isinstance(e, EngineDeadError) \
-            else ApiError(500, f"request failed: {e}")
+        err = _service_error(e)
         finished = True
         yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
