@@ -91,6 +91,31 @@ def test_models_health_and_greedy_equal_to_the_zmq_client(front):
     assert status == 400 and out["error"]["param"] == "logprobs"
 
 
+def test_the_openai_sdk(front):
+    openai = pytest.importorskip("openai")
+    _, _, port, client, model = front
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in sdk.models.list()] == [model]
+    messages = [{"role": "user", "content": "hello"}]
+    want = client.generate(messages, max_tokens=10, temperature=0, ignore_eos=True)
+    out = sdk.chat.completions.create(model=model, messages=messages, max_completion_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == want.text and out.usage.completion_tokens == 10
+    chunks = list(sdk.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.total_tokens == out.usage.total_tokens
+    text = "".join(c.choices[0].text for c in sdk.completions.create(
+        model=model, prompt="def f():", max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert text == client.generate("def f():", max_tokens=8, temperature=0, ignore_eos=True).text
+    with pytest.raises(openai.NotFoundError):
+        sdk.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model=model, messages=messages, response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"
+
+
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
 def test_curl_streams_chat_as_sse(front):
     _, _, port, client, model = front
