@@ -193,3 +193,20 @@ def test_disconnect_aborts_and_stream_limit(front):
     status, body = _req(port, "GET", "/metrics")
     assert status == 200 and b"nanovllm_http_client_disconnects_total 4" in body
     assert b"nanovllm_http_active_requests 0" in body
+
+
+def test_cli_help_and_a_public_bind_without_keys_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "nanovllm_client.http", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "--api-key-file" in out.stdout and "--drain-timeout" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "nanovllm_client.http", "--host", "0.0.0.0", "--port", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "requires --api-key-file" in out.stderr
+    empty = tmp_path / "keys"
+    empty.write_text("# no key\n\n")
+    out = subprocess.run([sys.executable, "-m", "nanovllm_client.http", "--api-key-file", str(empty)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "holds no key" in out.stderr
