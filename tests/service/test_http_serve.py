@@ -31,9 +31,13 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def front(tiny_model_dir):
     runtime_dir, port = short_tmpdir(), _free_port()
+    keys = os.path.join(runtime_dir, "http-keys")
+    with open(os.open(keys, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(f"# the front's keys\nother-key\n{KEY}\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
     proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", tiny_model_dir, "--runtime-dir",
-                             runtime_dir, "--log-level", "INFO", "--http-port", str(port), *TINY_ENGINE_ARGS],
+                             runtime_dir, "--log-level", "INFO", "--http-port", str(port),
+                             "--http-api-key-file", keys, *TINY_ENGINE_ARGS],
                             cwd=REPO, env=env, start_new_session=True)
     try:
         with Client(f"ipc://{runtime_dir}", timeout=120, connect_timeout=START_TIMEOUT) as client:
@@ -52,25 +56,35 @@ def front(tiny_model_dir):
                     pass
 
 
-def _get(port, path):
+KEY = "sk-test-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _get(port, path, headers=AUTH):
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        conn.request("GET", path)
+        conn.request("GET", path, headers=headers)
         r = conn.getresponse()
         return r.status, r.read()
     except OSError:
         return 0, b""
 
 
-def _post(port, path, body):
+def _post(port, path, body, headers=AUTH):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json", **headers})
     r = conn.getresponse()
     return r.status, json.loads(r.read())
 
 
 def test_models_health_and_greedy_equal_to_the_zmq_client(front):
     _, _, port, client, model = front
+    assert _get(port, "/v1/models", headers={})[0] == 401
+    assert _get(port, "/v1/models", headers={"Authorization": "Bearer sk-wrong"})[0] == 401
+    status, out = _post(port, "/v1/completions", {"model": model, "prompt": "x"}, headers={})
+    assert status == 401 and out["error"]["type"] == "authentication_error"
+    status, body = _get(port, "/v1/models", headers={"Authorization": "Bearer other-key"})
+    assert status == 200
     status, body = _get(port, "/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["id"] == model
     status, body = _get(port, "/health")
@@ -94,7 +108,7 @@ def test_models_health_and_greedy_equal_to_the_zmq_client(front):
 def test_the_openai_sdk(front):
     openai = pytest.importorskip("openai")
     _, _, port, client, model = front
-    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
     assert [m.id for m in sdk.models.list()] == [model]
     messages = [{"role": "user", "content": "hello"}]
     want = client.generate(messages, max_tokens=10, temperature=0, ignore_eos=True)
@@ -122,7 +136,7 @@ def test_curl_streams_chat_as_sse(front):
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
                        "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
     out = subprocess.run(["curl", "-sS", "-N", f"http://127.0.0.1:{port}/v1/chat/completions",
-                          "-H", "Content-Type: application/json", "-d", body],
+                          "-H", "Content-Type: application/json", "-H", f"Authorization: Bearer {KEY}", "-d", body],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     events = [e.removeprefix("data: ") for e in out.split("\n\n") if e.strip()]
     assert events[-1] == "[DONE]"
@@ -138,6 +152,7 @@ def test_a_closed_connection_frees_its_kv_blocks(front):
                        "stream": True}).encode()
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Authorization: Bearer " + KEY.encode() + b"\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     assert b"200 OK" in s.recv(4096)
     wait_for(lambda: client.server_stats()["engine"].get("num_live", 0) == 1, timeout=60, what="the request running")
@@ -150,7 +165,7 @@ def test_sigterm_drains_the_streams_in_flight_then_serve_stops(front):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     conn.request("POST", "/v1/completions", body=json.dumps(
         {"model": model, "prompt": "def f():", "max_tokens": 200, "ignore_eos": True, "stream": True}),
-        headers={"Content-Type": "application/json"})
+        headers={"Content-Type": "application/json", **AUTH})
     r = conn.getresponse()
     first = r.readline()
     assert first.startswith(b"data: ")
