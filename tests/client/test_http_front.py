@@ -113,6 +113,9 @@ def test_mapping_names_and_refusals():
     with pytest.raises(ApiError) as e:
         parse_chat({"model": "m", "messages": [{"role": "tool", "content": "x"}]})
     assert e.value.param == "messages"
+    with pytest.raises(ApiError) as e:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]})
+    assert "messages[0].name" in e.value.message
 
 
 def test_models_completion_chat(front):

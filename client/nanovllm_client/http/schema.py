@@ -162,8 +162,11 @@ def parse_chat(body: Any) -> Call:
         raise bad(f"'messages' must be a non-empty list of at most {MAX_MESSAGES} messages", "messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
+        if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object with role and content", "messages")
+        extra = sorted(str(k)[:64] for k in m if k not in ("role", "content"))
+        if extra:  # name, tool_calls, ...: not rendered by the chat template here, so refused
+            raise bad(f"messages[{i}].{extra[0]} is not supported by this server", "messages")
         role, content = m.get("role"), m.get("content")
         if role not in ("system", "user", "assistant", "developer"):
             raise bad(f"messages[{i}].role must be system, user, assistant or developer", "messages")
