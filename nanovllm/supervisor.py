@@ -11,6 +11,10 @@ on its own $NOTIFY_SOCKET. A stage that exits before it was ever ready (a bad mo
 flag) is not restarted: the supervisor stops the others and exits 1, the stage's own error
 being the last thing it printed.
 
+With `--http-port`, a fourth process serves the OpenAI-compatible HTTP API (`nanovllm-http`,
+a client of the service like any other): it starts with the stages, is stopped first (it drains
+its streams while the stages still serve) and is watched and restarted like them.
+
 The watchdog is systemd's too: each stage gets $WATCHDOG_USEC and sends `WATCHDOG=1` from the
 loop that does its work. A ready stage silent for `--watchdog-s` (a deadlock, a hung step, a
 SIGSTOP) gets SIGABRT (its Python stack goes to its log: the stages enable faulthandler), then
@@ -40,6 +44,8 @@ from nanovllm_client.security import load_keypair
 from nanovllm_client.throttle import ThrottledWarnings
 
 STAGES = ("tokenizer_proc", "engine_proc", "detok_proc")
+HTTP = "http"
+"""The HTTP front's name among the supervised processes (with `--http-port`)."""
 DEFAULT_WATCHDOG_S = 60.0
 """As the engine's unit (`WatchdogSec=60`): one step may be a long prefill on a small CPU."""
 WATCHDOG_KILL_S = 5.0
@@ -82,7 +88,8 @@ def _die_with_parent() -> None:
 class Supervisor:
     def __init__(self, url: str, model: str, runtime_dir: str, engine_args: list[str], log_level: str,
                  max_backoff_s: float = 30.0, drain_timeout_s: float = 30.0, metrics_port: int = 0,
-                 stage_env: dict[str, str] | None = None, watchdog_s: float = DEFAULT_WATCHDOG_S):
+                 stage_env: dict[str, str] | None = None, watchdog_s: float = DEFAULT_WATCHDOG_S,
+                 http_args: list[str] | None = None):
         self.url, self.model, self.runtime_dir = url, model, runtime_dir
         self.watchdog_s = watchdog_s
         """A ready stage silent this long is killed and restarted; 0: no watchdog."""
@@ -94,6 +101,8 @@ class Supervisor:
         self.metrics_ports = {name: metrics_port + i if metrics_port else 0 for i, name in enumerate(STAGES)}
         self.stages = {name: StageProcess(name, [sys.executable, "-m", name] + (engine_args if name == "engine_proc" else []))
                        for name in STAGES}
+        if http_args is not None:  # the HTTP front: a client of the service, started and watched like a stage
+            self.stages[HTTP] = StageProcess(HTTP, [sys.executable, "-m", "nanovllm_client.http", *http_args])
         for stage in self.stages.values():
             stage.notify_name = f"@nanovllm-serve/{os.getpid()}/{stage.name}"
             stage.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
@@ -106,7 +115,7 @@ class Supervisor:
         """Why the service could not start, once a stage failed before it was ever ready."""
 
     def start(self, stage: StageProcess) -> None:
-        env = dict(self.env, NOTIFY_SOCKET=stage.notify_name, NANOVLLM_METRICS_PORT=str(self.metrics_ports[stage.name]))
+        env = dict(self.env, NOTIFY_SOCKET=stage.notify_name, NANOVLLM_METRICS_PORT=str(self.metrics_ports.get(stage.name, 0)))
         if self.watchdog_s:
             env["WATCHDOG_USEC"] = str(int(self.watchdog_s * 1e6))
         # Its own session: a terminal's Ctrl-C (SIGINT to the whole foreground group) reaches only
@@ -192,11 +201,12 @@ class Supervisor:
             stage.aborted_at = float("inf")  # killed: wait for it to be reaped
 
     def stop(self) -> None:
-        """Stop the stages in the order that loses nothing: the tokenizer first (no new requests),
+        """Stop the stages in the order that loses nothing: the HTTP front first (it drains its
+        streams while the stages serve), the tokenizer (no new requests),
         then the engine (it drains: requests in flight finish, for up to its drain timeout), then
         the detokenizer (it streamed the last tokens). SIGKILL for any that outstays its time."""
-        for name, grace_s in (("tokenizer_proc", 5.0), ("engine_proc", self.drain_timeout_s + 10.0), ("detok_proc", 5.0)):
-            proc = self.stages[name].proc
+        for name, grace_s in ((HTTP, self.drain_timeout_s + 10.0), ("tokenizer_proc", 5.0), ("engine_proc", self.drain_timeout_s + 10.0), ("detok_proc", 5.0)):
+            proc = self.stages[name].proc if name in self.stages else None
             if proc is None or proc.poll() is not None:
                 continue
             log.info("stopping %s (pid %d)", name, proc.pid)
@@ -291,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-timeout", type=float, default=float(os.environ.get("NANOVLLM_DRAIN_TIMEOUT", 30)),
                         help="on SIGTERM, seconds the engine lets requests in flight finish before it aborts them "
                              "(env NANOVLLM_DRAIN_TIMEOUT; default %(default)s)")
+    parser.add_argument("--http-port", type=int, default=0,
+                        help="also serve the OpenAI-compatible HTTP API on this port (nanovllm-http; needs the client's "
+                             "http extra; 0: off, the default)")
+    parser.add_argument("--http-host", default="127.0.0.1",
+                        help="address the HTTP API binds (default %(default)s); not loopback: --http-api-key-file too")
+    parser.add_argument("--http-api-key-file", default=os.environ.get("NANOVLLM_HTTP_API_KEY_FILE"),
+                        help="API keys of the HTTP API, one per line (env NANOVLLM_HTTP_API_KEY_FILE)")
     return parser
 
 
@@ -319,8 +336,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in (("NANOVLLM_CURVE_SECRET_KEY", secret_key), ("NANOVLLM_CURVE_CLIENTS", args.curve_clients)):
         if value:
             stage_env[name] = os.path.abspath(value)
+    http_args = None
+    if args.http_port:
+        http_args = ["--url", url, "--host", args.http_host, "--port", str(args.http_port), "--model", args.model,
+                     "--drain-timeout", str(args.drain_timeout)]
+        if args.http_api_key_file:
+            http_args += ["--api-key-file", os.path.abspath(args.http_api_key_file)]
     return Supervisor(url, args.model, args.runtime_dir, engine_args, args.log_level, drain_timeout_s=args.drain_timeout,
-                      metrics_port=args.metrics_port, stage_env=stage_env, watchdog_s=args.watchdog_s).run(stop)
+                      metrics_port=args.metrics_port, stage_env=stage_env, watchdog_s=args.watchdog_s,
+                      http_args=http_args).run(stop)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,255 @@
+"""The Starlette app: routes, keys, limits, SSE streaming and the front's own metrics."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import (EngineDeadError, RequestError, RequestTimeoutError, ServiceDrainingError,
+                      ServiceUnavailableError)
+from .errors import ApiError, bad
+from .schema import Call, parse_chat, parse_completion
+
+
+@dataclass
+class Settings:
+    model: str = "default"
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 4 << 20
+    max_streams: int = 256
+    health: Callable[[], Any] | None = None
+    """Blocking: returns a HealthReport (run in a thread)."""
+
+
+@dataclass
+class Metrics:
+    requests: dict[tuple[str, int], int] = field(default_factory=dict)
+    active: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    disconnects: int = 0
+
+    def count(self, route: str, status: int) -> None:
+        self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
+
+    def text(self) -> str:
+        lines = ["# TYPE nanovllm_http_requests_total counter"]
+        lines += [f'nanovllm_http_requests_total{{route="{r}",status="{s}"}} {n}'
+                  for (r, s), n in sorted(self.requests.items())]
+        lines += ["# TYPE nanovllm_http_active_requests gauge", f"nanovllm_http_active_requests {self.active}",
+                  "# TYPE nanovllm_http_prompt_tokens_total counter",
+                  f"nanovllm_http_prompt_tokens_total {self.prompt_tokens}",
+                  "# TYPE nanovllm_http_completion_tokens_total counter",
+                  f"nanovllm_http_completion_tokens_total {self.completion_tokens}",
+                  "# TYPE nanovllm_http_client_disconnects_total counter",
+                  f"nanovllm_http_client_disconnects_total {self.disconnects}"]
+        return "\n".join(lines) + "\n"
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _service_error(e: Exception) -> ApiError:
+    if isinstance(e, ServiceDrainingError):
+        return ApiError(503, f"the service is draining: {e}", code="draining")
+    if isinstance(e, (ServiceUnavailableError, EngineDeadError)):
+        return ApiError(503, f"the service is unavailable: {e}", code="unavailable")
+    if isinstance(e, RequestTimeoutError):
+        return ApiError(503, str(e), code="timeout")
+    if isinstance(e, ValueError):
+        return bad(str(e))
+    if isinstance(e, RequestError):  # refused by a stage: the prompt (too long, a bad template) or a value
+        return bad(f"request failed: {e}")
+    return ApiError(500, f"request failed: {e}")
+
+
+def _usage(u: dict | None) -> dict:
+    u = u or {}
+    prompt, completion = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if u.get("cached_tokens"):
+        out["prompt_tokens_details"] = {"cached_tokens": u["cached_tokens"]}
+    return out
+
+
+def _finish(reason: str | None) -> str | None:
+    return {"abort": "stop"}.get(reason, reason)
+
+
+def build_app(client: Any, settings: Settings) -> Starlette:
+    """`client`: a started AsyncClient (or anything with its `stream`)."""
+    metrics = Metrics()
+
+    def authorized(request: Request) -> None:
+        if not settings.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        ok = False
+        for key in settings.api_keys:  # every key compared, each in constant time
+            ok |= hmac.compare_digest(given.encode(), key.encode())
+        if not ok:
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
+
+    async def read_json(request: Request) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
+            raise ApiError(413, f"the body is larger than {settings.max_body_bytes} bytes")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > settings.max_body_bytes:
+                raise ApiError(413, f"the body is larger than {settings.max_body_bytes} bytes")
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError) as e:
+            raise bad(f"the body is not valid JSON: {str(e)[:200]}") from None
+
+    async def models(request: Request) -> Response:
+        try:
+            authorized(request)
+        except ApiError as e:
+            return _error(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": settings.model, "object": "model", "created": 0, "owned_by": "nanovllm"}]})
+
+    async def health(request: Request) -> Response:
+        if settings.health is None:
+            return JSONResponse({"status": "unknown"})
+        report = await asyncio.to_thread(settings.health)
+        body = {"status": "ok" if report.healthy else "unhealthy",
+                "stages": {r: s.state for r, s in report.stages.items()}}
+        return JSONResponse(body, status_code=200 if report.healthy else 503)
+
+    async def metrics_route(request: Request) -> Response:
+        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
+
+    async def generate(request: Request, route: str, parse: Callable[[Any], Call], chat: bool) -> Response:
+        try:
+            authorized(request)
+            call = parse(await read_json(request))
+            if call.model != settings.model:
+                raise ApiError(404, f"the model '{call.model[:128]}' does not exist; this server serves "
+                                    f"'{settings.model}'", "model", "model_not_found")
+            if metrics.active >= settings.max_streams:
+                raise ApiError(429, f"too many requests in flight (at most {settings.max_streams})")
+            metrics.active += 1
+            try:
+                stream = await client.stream(call.prompt, **call.kwargs)
+            except BaseException:
+                metrics.active -= 1
+                raise
+        except ApiError as e:
+            metrics.count(route, e.status)
+            return _error(e)
+        except Exception as e:  # noqa: BLE001 — the service's refusal, answered in OpenAI's shape
+            err = _service_error(e)
+            metrics.count(route, err.status)
+            return _error(err)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        if call.stream:
+            metrics.count(route, 200)
+            return StreamingResponse(_sse(stream, call, rid, created, kind, chat, settings.model, metrics),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text, reason, usage = [], None, None
+        try:
+            async for d in stream:
+                text.append(d.text)
+                if d.finished:
+                    reason, usage = d.finish_reason, d.usage
+        except Exception as e:  # noqa: BLE001
+            err = _service_error(e)
+            metrics.count(route, err.status)
+            return _error(err)
+        finally:
+            stream.cancel()
+            metrics.active -= 1
+        body_usage = _usage(usage)
+        metrics.prompt_tokens += body_usage["prompt_tokens"]
+        metrics.completion_tokens += body_usage["completion_tokens"]
+        out = "".join(text)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": _finish(reason),
+                   "logprobs": None} if chat else
+                  {"index": 0, "text": out, "finish_reason": _finish(reason), "logprobs": None})
+        metrics.count(route, 200)
+        return JSONResponse({"id": rid, "object": kind, "created": created, "model": settings.model,
+                             "choices": [choice], "usage": body_usage})
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completions", parse_completion, False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat", parse_chat, True)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return _error(ApiError(404, f"no such path: {request.url.path[:200]}"))
+
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        return _error(ApiError(405, f"method {request.method} not allowed on {request.url.path[:200]}"))
+
+    app = Starlette(routes=[
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+    ], exception_handlers={404: not_found, 405: not_allowed})
+    app.state.metrics = metrics
+    return app
+
+
+async def _sse(stream: Any, call: Call, rid: str, created: int, kind: str, chat: bool, model: str,
+               metrics: Metrics) -> AsyncIterator[bytes]:
+    """The SSE body; cancelled by the server when the HTTP client goes away, which aborts the request."""
+    chunk_kind = kind + ".chunk" if chat else kind
+
+    def event(choices: list, usage: dict | None = None, with_usage: bool = False) -> bytes:
+        body: dict[str, Any] = {"id": rid, "object": chunk_kind, "created": created, "model": model,
+                                "choices": choices}
+        if with_usage:
+            body["usage"] = usage
+        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+    finished = False
+    try:
+        if chat:
+            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                        None, call.include_usage)
+        async for d in stream:
+            reason = _finish(d.finish_reason) if d.finished else None
+            if d.text or reason:
+                piece = ({"index": 0, "delta": {"content": d.text} if d.text else {}, "finish_reason": reason,
+                          "logprobs": None} if chat else
+                         {"index": 0, "text": d.text, "finish_reason": reason, "logprobs": None})
+                yield event([piece], None, call.include_usage)
+            if d.finished:
+                finished = True
+                usage = _usage(d.usage)
+                metrics.prompt_tokens += usage["prompt_tokens"]
+                metrics.completion_tokens += usage["completion_tokens"]
+                if call.include_usage:
+                    yield event([], usage, True)
+        yield b"data: [DONE]\n\n"
+    except (RequestError, ServiceUnavailableError, RequestTimeoutError) as e:
+        err = _service_error(e)
+        finished = True
+        yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not finished:
+            metrics.disconnects += 1
+        stream.cancel()  # aborts the request in the engine when it did not finish (idempotent)
+        metrics.active -= 1

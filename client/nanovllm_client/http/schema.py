@@ -1,0 +1,181 @@
+"""Request bodies of /v1/completions and /v1/chat/completions mapped to the async client's call.
+
+Every field is either mapped (OpenAI's name or vLLM's extension name) or refused with a 400 naming
+it: nothing is silently ignored. The body is hostile: every value is type- and range-checked here,
+and the engine's own checks (SamplingParams) stand behind these.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import bad
+
+MAX_STOPS = 16
+MAX_STOP_LEN = 256
+MAX_LOGIT_BIAS = 1024
+MAX_MESSAGES = 4096
+
+# OpenAI's names and vLLM's extension names the engine honours, each with its check.
+_FLOAT = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
+          "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
+          "repetition_penalty": (0.01, 10.0)}
+_INT = {"top_k": (-1, 1 << 20), "min_tokens": (0, 1 << 20), "seed": (-(1 << 63), (1 << 64) - 1),
+        "priority": (-(1 << 20), 1 << 20)}
+# Accepted and without effect on the output by definition (no silent loss of meaning).
+_NOOP = {"model", "stream", "stream_options", "user", "n"}
+# Known to OpenAI or vLLM, not honoured (yet): a 400 naming them.
+# response_format: passes through once SamplingParams carries it (one entry in _PASS_THROUGH).
+_PASS_THROUGH: set[str] = set()
+_COMMON = set(_FLOAT) | set(_INT) | _NOOP | _PASS_THROUGH | {
+    "max_tokens", "stop", "ignore_eos", "logit_bias", "stop_token_ids", "skip_special_tokens",
+    "include_stop_str_in_output"}
+COMPLETION_FIELDS = _COMMON | {"prompt"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+
+
+@dataclass
+class Call:
+    """What one HTTP request asks of the service."""
+    model: str
+    stream: bool
+    include_usage: bool
+    prompt: Any
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _number(name: str, value: Any, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad(f"'{name}' must be a finite number", name)
+    if not lo <= value <= hi:
+        raise bad(f"'{name}' must be between {lo} and {hi}, got {value}", name)
+    return float(value)
+
+
+def _integer(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"'{name}' must be an integer", name)
+    if not lo <= value <= hi:
+        raise bad(f"'{name}' must be between {lo} and {hi}, got {value}", name)
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be a boolean", name)
+    return value
+
+
+def _stops(value: Any) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in stops):
+        raise bad(f"'stop' must be a string or a list of at most {MAX_STOPS} non-empty strings "
+                  f"of at most {MAX_STOP_LEN} characters", "stop")
+    return stops
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise bad(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
+            raise bad(f"'logit_bias' keys must be token ids, got {key[:32]!r}", "logit_bias")
+        out[int(key)] = _number("logit_bias", bias, -100.0, 100.0)
+    return out
+
+
+def _common(body: dict, allowed: set[str], max_len_name: str) -> tuple[str, bool, bool, dict]:
+    unknown = sorted(k for k in body if k not in allowed)
+    if unknown:
+        name = str(unknown[0])[:64]
+        raise bad(f"'{name}' is not supported by this server", name)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' is required and must be a string", "model")
+    stream = _bool("stream", body.get("stream", False))
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise bad("'stream_options' supports only include_usage", "stream_options")
+        include_usage = _bool("stream_options.include_usage", options.get("include_usage", False))
+    n = body.get("n", 1)
+    if n is not None and _integer("n", n, 1, 1) != 1:
+        raise bad("'n' must be 1", "n")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > 256):
+        raise bad("'user' must be a string of at most 256 characters", "user")
+    kw: dict[str, Any] = {}
+    for name, (lo, hi) in _FLOAT.items():
+        if body.get(name) is not None:
+            kw[name] = _number(name, body[name], lo, hi)
+    for name, (lo, hi) in _INT.items():
+        if body.get(name) is not None:
+            kw[name] = _integer(name, body[name], lo, hi)
+    for name in (max_len_name, "max_tokens"):
+        if body.get(name) is not None:
+            kw["max_tokens"] = _integer(name, body[name], 1, 1 << 20)
+            break
+    if body.get("stop") is not None:
+        kw["stop"] = _stops(body["stop"])
+    if body.get("stop_token_ids") is not None:
+        ids = body["stop_token_ids"]
+        if not isinstance(ids, list) or len(ids) > MAX_STOPS:
+            raise bad(f"'stop_token_ids' must be a list of at most {MAX_STOPS} token ids", "stop_token_ids")
+        kw["stop_token_ids"] = [_integer("stop_token_ids", i, 0, (1 << 31) - 1) for i in ids]
+    if body.get("logit_bias") is not None:
+        kw["logit_bias"] = _logit_bias(body["logit_bias"])
+    for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        if body.get(name) is not None:
+            kw[name] = _bool(name, body[name])
+    for name in _PASS_THROUGH:
+        if body.get(name) is not None:
+            kw[name] = body[name]
+    return model, stream, include_usage, kw
+
+
+def parse_completion(body: Any) -> Call:
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    model, stream, usage, kw = _common(body, COMPLETION_FIELDS, "max_tokens")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31
+                                 for t in prompt):
+            raise bad("'prompt' must be a string, or a list of token ids (one prompt per request)", "prompt")
+    elif not isinstance(prompt, str) or not prompt:
+        raise bad("'prompt' is required and must be a non-empty string", "prompt")
+    return Call(model, stream, usage, prompt, kw)
+
+
+def parse_chat(body: Any) -> Call:
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    model, stream, usage, kw = _common(body, CHAT_FIELDS, "max_completion_tokens")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
+        raise bad(f"'messages' must be a non-empty list of at most {MAX_MESSAGES} messages", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object with role and content", "messages")
+        extra = sorted(str(k)[:64] for k in m if k not in ("role", "content"))
+        if extra:  # name, tool_calls, ...: not rendered by the chat template here, so refused
+            raise bad(f"messages[{i}].{extra[0]} is not supported by this server", "messages")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user", "assistant", "developer"):
+            raise bad(f"messages[{i}].role must be system, user, assistant or developer", "messages")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(c["text"] for c in content)
+        if not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string", "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return Call(model, stream, usage, out, kw)

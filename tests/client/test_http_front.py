@@ -1,0 +1,215 @@
+"""The HTTP front (nanovllm_client.http) over a real socket, against a fake service client:
+the request mapping, OpenAI's error shapes and statuses, SSE framing, keys, limits, disconnects."""
+import asyncio
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+
+from nanovllm_client.client_state import Delta  # noqa: E402
+from nanovllm_client.errors import ServiceDrainingError  # noqa: E402
+from nanovllm_client.http.app import Settings, build_app  # noqa: E402
+from nanovllm_client.http.schema import parse_chat, parse_completion  # noqa: E402
+from nanovllm_client.http.errors import ApiError  # noqa: E402
+
+
+class FakeStream:
+    def __init__(self, words, slow):
+        self.words, self.slow, self.cancelled, self.done = words, slow, False, False
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for i, w in enumerate(self.words):
+            if self.slow:
+                await asyncio.sleep(self.slow)
+            last = i == len(self.words) - 1
+            yield Delta("r", w, [i], "length" if last else None,
+                        {"prompt_tokens": 3, "completion_tokens": len(self.words), "cached_tokens": 0} if last else None)
+        self.done = True
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeClient:
+    def __init__(self):
+        self.calls, self.streams, self.slow, self.draining = [], [], 0.0, False
+
+    async def stream(self, prompt, **kw):
+        if self.draining:
+            raise ServiceDrainingError("draining")
+        self.calls.append((prompt, kw))
+        s = FakeStream(["Hel", "lo", "!"] if not self.slow else ["x"] * 200, self.slow)
+        self.streams.append(s)
+        return s
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def front():
+    client = FakeClient()
+    port = _free_port()
+    app = build_app(client, Settings(model="m", api_keys=("k1", "secret"), max_body_bytes=10_000, max_streams=4))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    yield client, port
+    server.should_exit = True
+    t.join(10)
+
+
+def _req(port, method, path, body=None, key="secret", raw=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn.request(method, path, body=data, headers=headers)
+    r = conn.getresponse()
+    out = r.status, r.read()
+    conn.close()
+    return out
+
+
+def test_mapping_names_and_refusals():
+    call = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
+                       "temperature": 0, "top_k": 3, "min_p": 0.1, "repetition_penalty": 1.1, "seed": 7,
+                       "stop": "x", "logit_bias": {"42": -100}, "ignore_eos": True, "priority": 2,
+                       "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 1, "user": "u"})
+    assert call.prompt == [{"role": "user", "content": "hi"}]
+    assert call.kwargs == {"temperature": 0.0, "top_k": 3, "min_p": 0.1, "repetition_penalty": 1.1, "seed": 7,
+                           "max_tokens": 5, "stop": ["x"], "logit_bias": {42: -100.0}, "ignore_eos": True,
+                           "priority": 2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 1}
+    assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    for body, param in [({"model": "m", "prompt": "a", "response_format": {"type": "json_object"}}, "response_format"),
+                        ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs"),
+                        ({"model": "m", "prompt": "a", "n": 2}, "n"),
+                        ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),
+                        ({"model": "m", "prompt": "a", "temperature": float("nan")}, "temperature"),
+                        ({"model": "m", "prompt": "a", "max_tokens": True}, "max_tokens"),
+                        ({"model": "m", "prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+                        ({"model": "m", "prompt": ""}, "prompt"),
+                        ({"prompt": "a"}, "model")]:
+        with pytest.raises(ApiError) as e:
+            parse_completion(body)
+        assert e.value.status == 400 and e.value.param == param, body
+    with pytest.raises(ApiError) as e:
+        parse_chat({"model": "m", "messages": [{"role": "tool", "content": "x"}]})
+    assert e.value.param == "messages"
+    with pytest.raises(ApiError) as e:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]})
+    assert "messages[0].name" in e.value.message
+
+
+def test_models_completion_chat(front):
+    client, port = front
+    status, body = _req(port, "GET", "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "m"
+    status, body = _req(port, "POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3})
+    out = json.loads(body)
+    assert status == 200 and out["choices"][0]["text"] == "Hello!" and out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert client.calls[-1] == ("hi", {"max_tokens": 3})
+    status, body = _req(port, "POST", "/v1/chat/completions",
+                        {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and json.loads(body)["choices"][0]["message"] == {"role": "assistant", "content": "Hello!"}
+
+
+def test_streaming_sse(front):
+    _, port = front
+    status, body = _req(port, "POST", "/v1/chat/completions",
+                        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                         "stream_options": {"include_usage": True}})
+    events = [e[len("data: "):] for e in body.decode().split("\n\n") if e]
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "Hello!"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 6
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    status, body = _req(port, "POST", "/v1/completions", {"model": "m", "prompt": "x", "stream": True})
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and "usage" not in json.loads(events[0][6:])
+
+
+def test_errors_in_openai_shape(front):
+    client, port = front
+    cases = [(_req(port, "GET", "/v1/models", key=None), 401),
+             (_req(port, "GET", "/v1/models", key="wrong"), 401),
+             (_req(port, "GET", "/v1/nothing"), 404),
+             (_req(port, "POST", "/v1/completions", {"model": "other", "prompt": "a"}), 404),
+             (_req(port, "POST", "/v1/completions", raw=b"{not json"), 400),
+             (_req(port, "POST", "/v1/completions", raw=b"[1]"), 400),
+             (_req(port, "POST", "/v1/completions", {"model": "m", "prompt": "a" * 20_000}), 413),
+             (_req(port, "POST", "/v1/completions", {"model": "m", "prompt": "a", "best_of": 2}), 400)]
+    for (status, body), want in cases:
+        err = json.loads(body)["error"]
+        assert status == want and set(err) == {"message", "type", "param", "code"}, (want, body)
+    client.draining = True
+    try:
+        status, body = _req(port, "POST", "/v1/completions", {"model": "m", "prompt": "a"})
+    finally:
+        client.draining = False
+    assert status == 503 and json.loads(body)["error"]["code"] == "draining"
+
+
+def test_disconnect_aborts_and_stream_limit(front):
+    client, port = front
+    client.slow = 0.05
+    try:
+        socks = []
+        body = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
+        for _ in range(4):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert b"200 OK" in s.recv(4096)
+            socks.append(s)
+        status, out = _req(port, "POST", "/v1/completions", {"model": "m", "prompt": "a"})
+        assert status == 429 and json.loads(out)["error"]["type"] == "rate_limit_error"
+        for s in socks:
+            s.close()
+        streams = client.streams[-4:]
+        deadline = time.monotonic() + 10
+        while not all(s.cancelled for s in streams):
+            assert time.monotonic() < deadline, "a closed connection did not abort its request"
+            time.sleep(0.05)
+        assert not any(s.done for s in streams)
+    finally:
+        client.slow = 0.0
+    status, body = _req(port, "GET", "/metrics")
+    assert status == 200 and b"nanovllm_http_client_disconnects_total 4" in body
+    assert b"nanovllm_http_active_requests 0" in body
+
+
+def test_cli_help_and_a_public_bind_without_keys_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "nanovllm_client.http", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "--api-key-file" in out.stdout and "--drain-timeout" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "nanovllm_client.http", "--host", "0.0.0.0", "--port", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "requires --api-key-file" in out.stderr
+    empty = tmp_path / "keys"
+    empty.write_text("# no key\n\n")
+    out = subprocess.run([sys.executable, "-m", "nanovllm_client.http", "--api-key-file", str(empty)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "holds no key" in out.stderr

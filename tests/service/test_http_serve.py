@@ -1,0 +1,175 @@
+"""`nanovllm serve --http-port`: the HTTP front as a fourth supervised process, over real sockets,
+against the tiny model: output equal to the ZeroMQ client's, SSE through real curl, a closed
+connection frees its KV blocks, SIGTERM drains. One service for the module."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("uvicorn")
+
+from nanovllm_client import Client  # noqa: E402
+from tests.service.conftest import START_TIMEOUT, TINY_ENGINE_ARGS  # noqa: E402
+from tests.service.harness import REPO, engine_idle, short_tmpdir, wait_for  # noqa: E402
+from tests.service.test_supervisor import read_pids, stopped  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def front(tiny_model_dir):
+    runtime_dir, port = short_tmpdir(), _free_port()
+    keys = os.path.join(runtime_dir, "http-keys")
+    with open(os.open(keys, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(f"# the front's keys\nother-key\n{KEY}\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", tiny_model_dir, "--runtime-dir",
+                             runtime_dir, "--log-level", "INFO", "--http-port", str(port),
+                             "--http-api-key-file", keys, *TINY_ENGINE_ARGS],
+                            cwd=REPO, env=env, start_new_session=True)
+    try:
+        with Client(f"ipc://{runtime_dir}", timeout=120, connect_timeout=START_TIMEOUT) as client:
+            client.wait_engine(timeout=START_TIMEOUT)
+            wait_for(lambda: _get(port, "/health")[0] == 200, timeout=START_TIMEOUT, what="the HTTP front's /health")
+            yield proc, runtime_dir, port, client, tiny_model_dir
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        for pid in (read_pids(runtime_dir) or {}).values():
+            if isinstance(pid, int):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+KEY = "sk-test-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _get(port, path, headers=AUTH):
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", path, headers=headers)
+        r = conn.getresponse()
+        return r.status, r.read()
+    except OSError:
+        return 0, b""
+
+
+def _post(port, path, body, headers=AUTH):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json", **headers})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def test_models_health_and_greedy_equal_to_the_zmq_client(front):
+    _, _, port, client, model = front
+    assert _get(port, "/v1/models", headers={})[0] == 401
+    assert _get(port, "/v1/models", headers={"Authorization": "Bearer sk-wrong"})[0] == 401
+    status, out = _post(port, "/v1/completions", {"model": model, "prompt": "x"}, headers={})
+    assert status == 401 and out["error"]["type"] == "authentication_error"
+    status, body = _get(port, "/v1/models", headers={"Authorization": "Bearer other-key"})
+    assert status == 200
+    status, body = _get(port, "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == model
+    status, body = _get(port, "/health")
+    assert status == 200 and set(json.loads(body)["stages"].values()) == {"ready"}
+    want = client.generate("def f():", max_tokens=24, temperature=0, ignore_eos=True)
+    status, out = _post(port, "/v1/completions", {"model": model, "prompt": "def f():", "max_tokens": 24,
+                                                  "temperature": 0, "ignore_eos": True})
+    assert status == 200 and out["choices"][0]["text"] == want.text
+    assert out["usage"]["completion_tokens"] == 24 and out["choices"][0]["finish_reason"] == "length"
+    messages = [{"role": "user", "content": "hi"}]
+    want = client.generate(messages, max_tokens=16, temperature=0, ignore_eos=True)
+    status, out = _post(port, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 16,
+                                                       "temperature": 0, "ignore_eos": True})
+    assert status == 200 and out["choices"][0]["message"]["content"] == want.text
+    status, out = _post(port, "/v1/completions", {"model": model, "prompt": [10**9]})  # refused by a stage
+    assert status == 400 and "request failed" in out["error"]["message"], out
+    status, out = _post(port, "/v1/completions", {"model": model, "prompt": "x", "logprobs": 1})
+    assert status == 400 and out["error"]["param"] == "logprobs"
+
+
+def test_the_openai_sdk(front):
+    openai = pytest.importorskip("openai")
+    _, _, port, client, model = front
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+    assert [m.id for m in sdk.models.list()] == [model]
+    messages = [{"role": "user", "content": "hello"}]
+    want = client.generate(messages, max_tokens=10, temperature=0, ignore_eos=True)
+    out = sdk.chat.completions.create(model=model, messages=messages, max_completion_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == want.text and out.usage.completion_tokens == 10
+    chunks = list(sdk.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.total_tokens == out.usage.total_tokens
+    text = "".join(c.choices[0].text for c in sdk.completions.create(
+        model=model, prompt="def f():", max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert text == client.generate("def f():", max_tokens=8, temperature=0, ignore_eos=True).text
+    with pytest.raises(openai.NotFoundError):
+        sdk.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model=model, messages=messages, response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
+def test_curl_streams_chat_as_sse(front):
+    _, _, port, client, model = front
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+                       "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    out = subprocess.run(["curl", "-sS", "-N", f"http://127.0.0.1:{port}/v1/chat/completions",
+                          "-H", "Content-Type: application/json", "-H", f"Authorization: Bearer {KEY}", "-d", body],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    events = [e.removeprefix("data: ") for e in out.split("\n\n") if e.strip()]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    want = client.generate([{"role": "user", "content": "hi"}], max_tokens=12, temperature=0, ignore_eos=True)
+    assert text == want.text and chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_a_closed_connection_frees_its_kv_blocks(front):
+    _, _, port, client, model = front
+    body = json.dumps({"model": model, "prompt": "def f():", "max_tokens": 100_000, "ignore_eos": True,
+                       "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert b"200 OK" in s.recv(4096)
+    wait_for(lambda: client.server_stats()["engine"].get("num_live", 0) == 1, timeout=60, what="the request running")
+    s.close()
+    wait_for(lambda: engine_idle(client), timeout=60, what="the engine idle, every KV block free, after the close")
+
+
+def test_sigterm_drains_the_streams_in_flight_then_serve_stops(front):
+    proc, runtime_dir, port, client, model = front
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": model, "prompt": "def f():", "max_tokens": 200, "ignore_eos": True, "stream": True}),
+        headers={"Content-Type": "application/json", **AUTH})
+    r = conn.getresponse()
+    first = r.readline()
+    assert first.startswith(b"data: ")
+    os.killpg(proc.pid, signal.SIGTERM)  # the supervisor stops the front first: it drains
+    rest = r.read().decode()
+    assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in rest
+    assert stopped(proc, runtime_dir, timeout=90) == 0
