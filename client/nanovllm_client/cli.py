@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from .endpoints import default_url
 from .errors import NanovllmError
-from .security import CLIENT_KEY_ENV, INSECURE_TCP_ENV, SERVER_KEY_ENV, client_keys_from_env
+from .security import CLIENT_KEY_ENV, SERVER_KEY_ENV, add_client_key_flags, client_keys_from_env
 from .sync_client import Client
 
 
@@ -25,14 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connect-timeout", type=float, default=60.0,
                         help="seconds to wait for the service and its engine to be up (default %(default)s)")
     parser.add_argument("--usage", action="store_true", help="print token usage to stderr at the end")
-    parser.add_argument("--curve-client-key", default=os.environ.get(CLIENT_KEY_ENV),
-                        help=f"this client's CURVE secret key file, for a service that requires keys (env {CLIENT_KEY_ENV})")
-    parser.add_argument("--curve-server-key", default=os.environ.get(SERVER_KEY_ENV),
-                        help=f"the service's CURVE public key file (env {SERVER_KEY_ENV})")
-    parser.add_argument("--insecure-tcp", action="store_true",
-                        default=os.environ.get(INSECURE_TCP_ENV, "0").lower() in ("1", "true", "yes", "on"),
-                        help="connect to a tcp service run with --insecure-tcp: no CURVE (by default a loopback "
-                             f"service is reached with its instance key; env {INSECURE_TCP_ENV}=1)")
+    add_client_key_flags(parser)
     args = parser.parse_args(argv)
 
     if args.raw:

@@ -303,3 +303,16 @@ def instance_keys(url: str) -> tuple[CurveKeys, bytes]:
         ensure_instance_key(url)
     keys = load_keypair(path)
     return keys, keys.public
+
+
+def add_client_key_flags(parser) -> None:
+    """A client's CURVE flags (an argparse parser's --curve-client-key, --curve-server-key and
+    --insecure-tcp, each defaulting to its environment variable): one set for every client CLI."""
+    parser.add_argument("--curve-client-key", default=os.environ.get(CLIENT_KEY_ENV),
+                        help=f"this client's CURVE secret key file, for a service that requires keys (env {CLIENT_KEY_ENV})")
+    parser.add_argument("--curve-server-key", default=os.environ.get(SERVER_KEY_ENV),
+                        help=f"the service's CURVE public key file (env {SERVER_KEY_ENV})")
+    parser.add_argument("--insecure-tcp", action="store_true",
+                        default=os.environ.get(INSECURE_TCP_ENV, "0").lower() in ("1", "true", "yes", "on"),
+                        help="connect to a tcp service run with --insecure-tcp: no CURVE (by default a loopback "
+                             f"service is reached with its instance key; env {INSECURE_TCP_ENV}=1)")

@@ -14,7 +14,7 @@ import socket
 import sys
 
 from ..endpoints import default_url
-from ..security import CLIENT_KEY_ENV, INSECURE_TCP_ENV, SERVER_KEY_ENV, client_keys_from_env
+from ..security import CLIENT_KEY_ENV, SERVER_KEY_ENV, add_client_key_flags, client_keys_from_env
 
 
 def _loopback(host: str) -> bool:
@@ -79,13 +79,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds SIGTERM waits for requests in flight (default %(default)s)")
     ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
-    ap.add_argument("--curve-client-key", default=os.environ.get(CLIENT_KEY_ENV),
-                    help=f"CURVE secret key file of this client (env {CLIENT_KEY_ENV})")
-    ap.add_argument("--curve-server-key", default=os.environ.get(SERVER_KEY_ENV),
-                    help=f"the service's CURVE public key file (env {SERVER_KEY_ENV})")
-    ap.add_argument("--insecure-tcp", action="store_true",
-                    default=os.environ.get(INSECURE_TCP_ENV, "0").lower() in ("1", "true", "yes", "on"),
-                    help=f"reach a tcp service run with --insecure-tcp (env {INSECURE_TCP_ENV}=1)")
+    add_client_key_flags(ap)
     return ap
 
 
