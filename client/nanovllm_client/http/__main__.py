@@ -36,7 +36,9 @@ def read_keys(path: str) -> tuple[str, ...]:
 
 
 def _sd_notify(message: str) -> None:
-    """systemd's (or `nanovllm serve`'s) $NOTIFY_SOCKET; nothing without one."""
+    """systemd's (or `nanovllm serve`'s) $NOTIFY_SOCKET; nothing without one. Never waits (the
+    event loop sends it): a manager that is not reading costs this line. The stages' twin is
+    nanovllm.service.notify.sd_notify, which this package may not import."""
     path = os.environ.get("NOTIFY_SOCKET")
     if not path:
         return
@@ -44,7 +46,7 @@ def _sd_notify(message: str) -> None:
         path = "\0" + path[1:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
         try:
-            s.sendto(message.encode(), path)
+            s.sendto(message.encode(), socket.MSG_DONTWAIT, path)
         except OSError:
             pass
 
