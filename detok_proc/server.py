@@ -219,7 +219,9 @@ class DetokStage:
         # 1. RequestStreams.step：started 行建请求，rejected 行成错误增量，outputs 行推进成增量；返回 Outcome。
         # 2. 新请求的客户端交给 Delivery 认识（它的静默从现在起计时，发不出去的帧可以排队）。
         # 3. 增量放进 Delivery 的 outbox（stage_delta）：同一轮 drain 里同一请求的多步合并成一个增量，
-        #    这一轮处理完后 flush_outbox 给每个客户端发一个 StreamOutput；中途被放弃的客户端，剩下的增量不再放入。
+        #    这一轮处理完后 flush_outbox 给每个客户端发一个 StreamOutput。
+        #    原本认识、放入途中被放弃的客户端（它的请求已随之结束），剩下的增量不再放入；
+        #    本来就不认识的客户端（例如只有一个被拒请求的）增量照样全部放入。
         # 4. Outcome 里的 abort（stop string 命中、孤儿输出）发给引擎。
         # [ZH-END]
         out = self.streams.step(step)

@@ -289,7 +289,9 @@ class RequestStreams:
         """End every request with an error (`why`), but those held by engine instance `spare`."""
         # [ZH-START]
         # 1. 遍历所有请求（持有它的引擎实例是 spare 的除外），生成错误增量（engine_dead=True），按客户端放进 Outcome，
-        #    并 finished(..., "error")；已被 stop string 结束、只差引擎确认的请求例外：文本已完整，照 "stop" 结束。
+        #    并 finished(..., "error")。
+        #    例外：已被 stop string 结束、只差引擎确认、且不在等客户端 resume 的请求——文本已完整发出，
+        #    照 "stop" 结束（发它的 stopped 终止增量）。
         # 2. 调用方把每个客户端的增量立即发出（排在该客户端本轮已积累的增量之后）。
         # [ZH-END]
         out = Outcome()

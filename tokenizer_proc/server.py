@@ -196,7 +196,7 @@ class TokenizerStage:
         # [ZH-START]
         # 1. 调 _handle 处理一条客户端消息。
         # 2. 任何未预料的异常：记为 "internal" 拒绝（带 traceback），给这个客户端回一个 ErrorOutput；
-        #    进程继续运行——一个 bug 只花掉这一帧。
+        #    进程照常运行：处理某一帧时出的 bug，代价只是这一帧得到一个错误回复。
         # [ZH-END]
         try:
             self._handle(identity, frames, key)

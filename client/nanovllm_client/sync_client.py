@@ -134,10 +134,13 @@ class Client(ClientBase):
                  stage_timeout: float = 30.0, curve: tuple[CurveKeys, bytes] | None = None,
                  engine_restart_wait_s: float = 60.0, insecure_tcp: bool = False):
         # [ZH-START]
-        # 1. ClientBase 初始化：解析服务 URL 得到四个端点、超时、随机路由 id、ClientState、CURVE 密钥。
+        # 1. ClientBase 初始化：服务 URL 解析成五个端点（tokenizer、stream、engine、detok、control）；
+        #    CURVE 密钥取自参数、环境变量指定的密钥文件，或 loopback tcp 服务的实例密钥（insecure_tcp 时不用）；
+        #    随机路由 id（开了 CURVE 时以密钥标签开头）；超时与 ClientState。
         # 2. _ready 事件：detokenizer 回了 pong（它已认识我们的路由 id）之后才置位。
         # 3. _streams：wire id → 该流的 Queue；_stats：server_stats 的回复队列。
-        # 4. 新建 zmq.Context，绑定一个本实例唯一的 inproc 命令端点，PUSH 端由 _cmd_lock 保护。
+        # 4. 新建 zmq.Context，绑定一个本实例唯一的 inproc 命令端点，PUSH 端由 _cmd_lock 保护；
+        #    _warnings 给 I/O 线程限频告警（ThrottledWarnings），坏帧再多也不会每帧一行。
         # 5. 启动守护线程 _io_loop。
         # [ZH-END]
         super().__init__(url, timeout, connect_timeout, heartbeat_interval, hwm, stage_timeout, curve,

@@ -7,7 +7,8 @@ code can follow upstream and an English-only tree is one `strip` away (docs/arch
     python -m nanovllm.tools.zh_comments strip SRC --out DEST  English-only copy of a tree
     python -m nanovllm.tools.zh_comments strip FILE            one stripped file on stdout
     python -m nanovllm.tools.zh_comments stats [PATH]          levels present in each core module
-    python -m nanovllm.tools.zh_comments stale [PATH]          blocks older than their code (warns)
+    python -m nanovllm.tools.zh_comments stale [PATH]          blocks older than their code (warns;
+                                                               still-right ones: zh_reviewed.txt)
 
 Level 1 is a file header (column 0, before the first statement), level 2 a block in a class
 body, level 3 a block in a function body (for C: inside a function). PATH defaults to the
@@ -22,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanovllm.tools.zh_stale import history_note, stale
+from nanovllm.tools.zh_stale import REVIEWED, history_note, split_reviewed, work_tree_root
 from nanovllm.tools.zh_blocks import (COMMENT_PREFIX, Block, Problem, c_scopes, classify, find_blocks, python_scopes,
                                       strip_text)
 
@@ -260,16 +261,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report_stale(target: Path) -> int:
     """Print the stale blocks under `target` as warnings; always 0 (it informs, it never fails)."""
-    root = target if target.is_dir() else target.parent
-    note = history_note(root)
+    root = work_tree_root(target.resolve())
+    note = "not a git work tree" if root is None else history_note(root)
     if note:
         print(f"zh_comments stale: skipped ({note})")
         return 0
-    files = [target] if target.is_file() else source_files(target)
-    found = stale(root, files)
+    files = [target.resolve()] if target.is_file() else source_files(target.resolve())
+    try:
+        found, reviewed, unused = split_reviewed(root, files)
+    except ValueError as e:  # a malformed review line: say which, judge without the reviews
+        print(f"warning: {e}")
+        found, reviewed, unused = split_reviewed(root, files, [])
     for s in found:
         print(f"warning: {s}")
-    print(f"zh_comments stale: {len(found)} block(s) older than the code they annotate")
+    for r in unused:
+        print(f"note: {REVIEWED}:{r.line}: {r.path} {r.name} {r.commit} matches no stale block any more "
+              "(its block or its code changed since): the line can go")
+    print(f"zh_comments stale: {len(found)} block(s) older than the code they annotate"
+          + (f" ({len(reviewed)} more read and recorded in {REVIEWED})" if reviewed else ""))
     return 0
 
 

@@ -2,10 +2,12 @@
 
 For each function-level block (level 3) of every source file with blocks, `git blame` gives the
 commit time of each line; the block is reported when the newest line of the function's code
-(the function's lines minus the block's own) is newer than the newest line of the block. Lines
-not yet committed count as newer than any commit. It warns, never fails: a change that leaves
-the annotated behaviour alone is reported too, and an editor decides. Needs full history; in a
-shallow clone, or outside git, it says so and reports nothing.
+(the function's lines minus its blocks and blank lines) is newer than the newest line of the
+block. Lines not yet committed count as newer than any commit. It warns, never fails: a change
+that leaves the annotated behaviour alone is reported too, and an editor decides: a block that is
+out of date is edited (which makes it fresh), a block still right is listed in REVIEWED with the
+commit its code was read at, and is reported again once its code changes in another commit.
+Needs full history; in a shallow clone, or outside git, it says so and reports nothing.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanovllm.tools.zh_blocks import COMMENT_PREFIX, c_scopes, classify, find_blocks, python_scopes
+
+REVIEWED = "nanovllm/tools/zh_reviewed.txt"
+"""Blocks read against code newer than themselves and found right: `PATH FUNCTION COMMIT` per line."""
 
 
 @dataclass(frozen=True)
@@ -30,12 +35,48 @@ class Stale:
                 f"its code in {self.code_commit[:10]}")
 
 
+@dataclass(frozen=True)
+class Review:
+    path: str
+    name: str
+    commit: str  # the function's newest code commit when the block was read (a prefix of 7+ hex digits)
+    line: int  # in REVIEWED
+
+    def covers(self, s: Stale) -> bool:
+        return (s.path, s.name) == (self.path, self.name) and s.code_commit.startswith(self.commit)
+
+
+def read_reviews(text: str) -> list[Review]:
+    """The records of a REVIEWED file; `#` starts a comment. Raises ValueError on a malformed line."""
+    reviews = []
+    for n, line in enumerate(text.splitlines(), 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 3 or not 7 <= len(fields[2]) <= 40 or any(c not in "0123456789abcdef" for c in fields[2]):
+            raise ValueError(f"{REVIEWED}:{n}: expected `PATH FUNCTION COMMIT` (commit: 7 to 40 lowercase hex "
+                             f"digits), got {line.strip()!r}")
+        reviews.append(Review(fields[0], fields[1], fields[2], n))
+    return reviews
+
+
+def load_reviews(root: Path) -> list[Review]:
+    path = root / REVIEWED
+    return read_reviews(path.read_text(encoding="utf-8")) if path.is_file() else []
+
+
 def _git(root: Path, *args: str) -> str | None:
     try:
         done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=False)
     except OSError:
         return None
     return done.stdout if done.returncode == 0 else None
+
+
+def work_tree_root(path: Path) -> Path | None:
+    """The top of the git work tree holding `path` (a folder or a file), or None outside one."""
+    out = _git(path if path.is_dir() else path.parent, "rev-parse", "--show-toplevel")
+    return Path(out.strip()) if out else None
 
 
 def history_note(root: Path) -> str | None:
@@ -75,6 +116,7 @@ def stale_in_file(root: Path, rel: str) -> list[Stale]:
     if problems or not blocks:
         return []
     first, scopes = (python_scopes if path.suffix == ".py" else c_scopes)(text)
+    lines = text.splitlines()
     by_name = {s.name: s for s in scopes}
     times = None
     found = []
@@ -90,6 +132,8 @@ def stale_in_file(root: Path, rel: str) -> list[Stale]:
         own = range(block.start, block.end + 1)
         inner = [b for b in blocks if scope.first <= b.start <= scope.last]  # no block is code
         skip = {n for b in inner for n in range(b.start, b.end + 1)}
+        # Blank lines are nobody's code: the two before the next function belong to whoever added it.
+        skip |= {n for n in range(scope.first, scope.last + 1) if n - 1 < len(lines) and not lines[n - 1].strip()}
         code = [times[n - 1] for n in range(scope.first, scope.last + 1) if n not in skip and n - 1 < len(times)]
         mine = [times[n - 1] for n in own if n - 1 < len(times)]
         if code and mine and max(code)[0] > max(mine)[0]:
@@ -97,9 +141,21 @@ def stale_in_file(root: Path, rel: str) -> list[Stale]:
     return found
 
 
-def stale(root: Path, files: list[Path]) -> list[Stale]:
-    """Stale blocks among `files` (paths under `root`)."""
-    found = []
+def stale(root: Path, files: list[Path], reviews: list[Review] | None = None) -> list[Stale]:
+    """Stale blocks among `files` (paths under `root`), but those `reviews` (default: REVIEWED
+    under `root`) record as read against the code they have now."""
+    return split_reviewed(root, files, reviews)[0]
+
+
+def split_reviewed(root: Path, files: list[Path], reviews: list[Review] | None = None
+                   ) -> tuple[list[Stale], list[Review], list[Review]]:
+    """(stale blocks not reviewed, the reviews that cover one, the reviews that cover none: their
+    block or its code changed since, and the line can go)."""
+    reviews = load_reviews(root) if reviews is None else reviews
+    found, scanned = [], set()
     for path in files:
-        found += stale_in_file(root, path.relative_to(root).as_posix())
-    return found
+        scanned.add(rel := path.relative_to(root).as_posix())
+        found += stale_in_file(root, rel)
+    used = [r for r in reviews if any(r.covers(s) for s in found)]
+    unused = [r for r in reviews if r.path in scanned and r not in used]
+    return [s for s in found if not any(r.covers(s) for r in reviews)], used, unused
