@@ -100,3 +100,28 @@ def test_drift_is_detected():
     assert drift(english, "## `a_knob`\n`--max-num-seqs` `NANOVLLM_X`\n## 其他\n") == []
     assert drift(english, "## `a_knob`\n`--max-num-seqs`\n## 其他\n") == ["NANOVLLM_X missing"]
     assert drift(english, "## `a_knob`\n`--max-num-seqs` `NANOVLLM_X`\n") != []
+
+
+def test_walkthrough_numbers_are_what_the_trace_prints():
+    """The page's trace blocks and quoted numbers, against the request run for real (its own
+    process: the trace sets torch's thread count)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "zh_walkthrough.py"), "--check-trace"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "every trace block and quoted number matches" in done.stdout
+
+
+def test_walkthrough_trace_check_finds_a_wrong_number():
+    wt = _walkthrough()
+    lines = ["step1.slot_mapping = 16..23", "step1.sample_rows = []", "block_size = 8"]
+    page = ("`block_size = 8`, `step1.slot_mapping = 16..23`\n\n<!-- zh_walkthrough trace: step1 -->\n"
+            "```text\nstep1.slot_mapping = 16..23\nstep1.sample_rows = []\n```\n")
+    assert wt.check_trace(page, lines) == []
+    assert wt.fill_trace(page, lines) == page
+    quoted = page.replace("`step1.slot_mapping = 16..23`", "`step1.slot_mapping = 40..47`")
+    assert [p.split(";")[0] for p in wt.check_trace(quoted, lines)] == ["`step1.slot_mapping = 40..47` in the text"]
+    block = page.replace("sample_rows = []\n```", "sample_rows = [3]\n```")
+    assert len(wt.check_trace(block, lines)) == 1
+    assert wt.fill_trace(block, lines) == page
