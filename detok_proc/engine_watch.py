@@ -29,7 +29,8 @@ log = logging.getLogger("detok_proc")
 class EngineEvent(NamedTuple):
     """What news of the engine asks of the loop (an empty event: nothing)."""
     # [ZH-START]
-    # 【职责】引擎消息或超时带来的结果：要以什么原因结束哪些请求（fail，spare 实例的除外）、要向所有客户端广播的 EngineStatus、
+    # 【职责】引擎消息或超时带来的结果：要以什么原因结束哪些请求（fail，spare 实例的除外）、
+    # 要向所有客户端广播的 EngineStatus、
     # 或这条消息来自不跟随的实例（foreign，loop 记拒绝帧并丢弃）。空事件表示什么都不用做。
     # [ZH-END]
     fail: str = ""
@@ -94,10 +95,11 @@ class EngineWatch:
         """A live message from engine `instance_id` (`state` from its heartbeat; outputs mean it is
         at least ready): a new instance means the old one died."""
         # [ZH-START]
-        # 1. 实例 id 与跟随的不同：若之前跟随过别的实例，记一次引擎重启，事件要求旧实例的所有请求以 "engine restarted" 报错
-        #    （fail，spare = 新实例）；改为跟随新实例。
+        # 1. 实例 id 与跟随的不同：若之前跟随过别的实例，记一次引擎重启，事件要求旧实例的所有请求以 "engine restarted"
+        #    报错（fail，spare = 新实例）；改为跟随新实例。
         # 2. 没带状态（来自输出）时，有输出说明至少是 ready：沿用 ready / draining，否则设为 ready。
-        # 3. alive = loading 时为 None（加载中不算死），否则 True；(alive, state) 有变化就记日志，事件要求向所有客户端广播 EngineStatus。
+        # 3. alive = loading 时为 None（加载中不算死），否则 True；(alive, state) 有变化就记日志，
+        #    事件要求向所有客户端广播 EngineStatus。
         # [ZH-END]
         fail = ""
         if instance_id != self.instance:

@@ -11,7 +11,8 @@ resumes refused, for the loop to answer.
 """
 # [ZH-START]
 # 【模块定位】detokenizer 重启后不丢流：引擎的 resync 和客户端的 resume。
-#   新的 detokenizer 向引擎要回全部在途请求（DetokHello → Resync，带着每个请求至今的输出），在 RequestStreams 里重建、输出先累积；
+#   新的 detokenizer 向引擎要回全部在途请求（DetokHello → Resync，带着每个请求至今的输出），在 RequestStreams 里重建、
+#   输出先累积；
 #   客户端说出每条流已收到多少（Resume），流从那里继续；resume 期限内没人认领的在引擎里 abort。
 #   resync 完成前先到的 Resume 存在这里，所有客户端合计有行数上限。
 # 不碰 socket：每个调用返回 Outcome（给客户端的增量、给引擎的 abort）或被拒的 Resume，由 loop 去回答。
@@ -40,7 +41,8 @@ Refusals = list[tuple[bytes, str]]
 
 class Recovery:
     # [ZH-START]
-    # 【职责】resync 重建（RequestStreams.resynced 在最后一帧置位）、客户端 Resume 的频率限制和应用、resume 期限、resync 前先到的 Resume。
+    # 【职责】resync 重建（RequestStreams.resynced 在最后一帧置位）、客户端 Resume 的频率限制和应用、resume 期限、
+    # resync 前先到的 Resume。
     # 【边界】不碰 socket；请求状态本身在 RequestStreams；被拒的 Resume 只作为返回值，由 stage 计数并回 ErrorOutput。
     # 【协作者】DetokStage（交给它 Resync、Resume、超时检查，按结果投递和 abort）；RequestStreams。
     # [ZH-END]
@@ -74,7 +76,8 @@ class Recovery:
         # [ZH-START]
         # 1. 每个条目：已经在正常流式输出的（我们起来之后才开始的）跳过；否则 start(resumed=True)，
         #    标 awaiting_resume，把它至今的全部输出一次喂进 advance（一次解码完，结果累积不发）。
-        # 2. 最后一帧：resynced = True，resume 期限 = now + resume_window_s；调用方随后应用 take_early 取出的先到的 Resume。
+        # 2. 最后一帧：resynced = True，resume 期限 = now + resume_window_s；
+        #    调用方随后应用 take_early 取出的先到的 Resume。
         # [ZH-END]
         streams, out = self.streams, Outcome()
         for entry in msg.entries:
@@ -95,11 +98,12 @@ class Recovery:
         # [ZH-START]
         # 1. mine = 该客户端的全部请求（按客户端 rid 索引），waiting = 其中等待 resume 的。
         # 2. 对客户端报上的每一行 [rid, 已收 token 数, 已收字符数]（同一 rid 重复列出只处理第一次）：
-        #    a. 不在 waiting 里：若客户端已收到过 token 而我们根本没有这个请求 → 错误增量（引擎已不持有它，标 engine_dead）；跳过；
-        #    b. 在 waiting 里：清除等待标记，增量 = all_text[已收字符数:] 和 all_ids[已收 token 数:]，已结束则带上 final；
-        #       客户端报的比引擎至今报告的还多（引擎重启后续写的流：新引擎会把续写起点之前的输出随第一个新 token 再报告一次），
-        #       多出的部分记为 skip_tokens / skip_chars，advance 以后从输出里截掉，不重复发送；
-        #       释放累积缓冲；已结束就 finished。
+        #    a. 不在 waiting 里：若客户端已收到过 token 而我们根本没有这个请求 → 错误增量（引擎已不持有它，
+        #       标 engine_dead）；跳过；
+        #    b. 在 waiting 里：清除等待标记，增量 = all_text[已收字符数:] 和 all_ids[已收 token 数:]，
+        #       已结束则带上 final；客户端报的比引擎至今报告的还多（引擎重启后续写的流：
+        #       新引擎会把续写起点之前的输出随第一个新 token 再报告一次），多出的部分记为 skip_tokens / skip_chars，
+        #       advance 以后从输出里截掉，不重复发送；释放累积缓冲；已结束就 finished。
         # 3. 等待中但客户端没提到的请求：客户端已不要了 → _drop_unclaimed（未结束就在引擎里 abort）。
         # 4. 增量都在 Outcome 里给这个客户端，调用方作为 StreamOutput 发出（超过帧大小上限就按顺序拆成几帧）。
         # [ZH-END]

@@ -28,17 +28,21 @@ is followed, restarts and death).
 """
 # [ZH-START]
 # 【模块定位】服务的最后一站，也是唯一向客户端发输出的进程。
-#   客户端 → tokenizer_proc → engine_proc ─PUSH→【detok_proc】─ROUTER→ 客户端 DEALER
-#   反方向只有一条：detok_proc ─PUSH→ engine_proc 的 control socket（abort：stop 命中 / 客户端消失；DetokHello），引擎再忙也读它
+#   客户端 ──▶ 分词进程 ──▶ 引擎进程 ──PUSH──▶【反分词进程 detok_proc】──ROUTER──▶ 客户端 DEALER
+#   反方向只有一条：反分词进程 ──PUSH──▶ 引擎进程的 control socket
+#   （abort：stop 命中 / 客户端消失；DetokHello），引擎再忙也读它
 # 把引擎每一步的输出变成文本增量（nanovllm.detokenize）。每读空一次引擎 socket，每个客户端合成一个
 # StreamOutput：跟得上时就是一步；落后时是这期间积下的几步，同一请求的几步合并成一个增量。按客户端路由 id 发出。
 # 它同时是服务的故障探测器：
 #   客户端每秒 ping；停止 ping 或 socket 消失（ROUTER_MANDATORY → EHOSTUNREACH）→ 在引擎里 abort 它的请求；
-#   引擎每 0.25 秒心跳；它说要死、连接断开、安静超过 engine_timeout_s 或换了实例 → 旧实例的请求全部报错，并通知所有客户端。
-# 不读的客户端的帧在帧数和字节预算内排队，超过就 abort 它的请求；重启后不丢流（DetokHello → Resync，再由客户端 Resume）。
+#   引擎每 0.25 秒心跳；它说要死、连接断开、安静超过 engine_timeout_s 或换了实例 → 旧实例的请求全部报错，
+#   并通知所有客户端。
+# 不读的客户端的帧在帧数和字节预算内排队，超过就 abort 它的请求；重启后不丢流（DetokHello → Resync，
+# 再由客户端 Resume）。
 # 本模块只是 loop 和接线：socket、poll 循环、hello 和超时的计时；状态都在不碰 socket 的类里，由 loop 的同一个线程运行：
 #   RequestStreams（streams.py：在途请求、反分词、stop string）、Recovery（recovery.py：重启后的 resync / resume）、
-#   Delivery（delivery.py：客户端、本轮 outbox、预算内的排队帧）、EngineWatch（engine_watch.py：跟随哪个引擎、重启与死亡）。
+#   Delivery（delivery.py：客户端、本轮 outbox、预算内的排队帧）、EngineWatch（engine_watch.py：跟随哪个引擎、
+#   重启与死亡）。
 # [ZH-END]
 from __future__ import annotations
 
@@ -84,7 +88,8 @@ class DetokStage:
     # 把引擎消息交给 EngineWatch / RequestStreams，把它们的结果（增量、abort、EngineEvent）交给 Delivery 和引擎；
     # 回答客户端的 ping / stats / resume；放弃客户端时协调三者；hello 重发、resume 期限、超时检查的计时。
     # 【边界】请求状态、投递队列、引擎存活都不在这里，各在自己的类里（都不碰 socket）；只有这个类收发帧。
-    # 【协作者】RequestStreams、Recovery、Delivery、EngineWatch；engine_proc（PULL 收输出，PUSH 向它的 control socket 发 abort / DetokHello）；
+    # 【协作者】RequestStreams、Recovery、Delivery、EngineWatch；engine_proc（PULL 收输出，
+    # PUSH 向它的 control socket 发 abort / DetokHello）；
     # 客户端 DEALER（ROUTER，同一路由 id 两条连接）；PeerMonitor 看引擎连接；DetokMetrics、Notifier。
     # [ZH-END]
     def __init__(self, tokenizer: Any, stream_endpoint: str, detok_endpoint: str, control_endpoint: str,
@@ -120,11 +125,15 @@ class DetokStage:
         # [ZH-START]
         # 1. poller 注册引擎 PULL、客户端 ROUTER 和引擎连接的监视 socket；notifier.ready。
         # 2. 循环，直到 flush.serving 返回 False：
-        #    a. stop 被置位后 flush 进入 draining，最多再花 1 秒把已排队的帧发给客户端（流活在引擎里，新的 detokenizer 会 resync）；
-        #       没有待发帧就退出；看门狗 tick、更新指标和 systemd 状态行；有待发帧时 poll 10 ms，否则 100 ms；
-        #    b. 引擎有帧 → _drain_engine（逐条 on_engine_frames），之后 delivery.flush_outbox；客户端有帧 → _drain_clients；
-        #    c. 监视 socket 有事件且引擎已不在连接 → EngineWatch.connection_closed（听到过它且未判死才算死），崩溃毫秒级发现；
-        #    d. 有待发帧 → delivery.flush_pending；check_timeouts(now)：客户端 / 引擎超时、hello 重发、resume 期限、gone 过期。
+        #    a. stop 被置位后 flush 进入 draining，最多再花 1 秒把已排队的帧发给客户端（流活在引擎里，
+        #       新的 detokenizer 会 resync）；没有待发帧就退出；看门狗 tick、更新指标和 systemd 状态行；
+        #       有待发帧时 poll 10 ms，否则 100 ms；
+        #    b. 引擎有帧 → _drain_engine（逐条 on_engine_frames），之后 delivery.flush_outbox；
+        #       客户端有帧 → _drain_clients；
+        #    c. 监视 socket 有事件且引擎已不在连接 → EngineWatch.connection_closed（听到过它且未判死才算死），
+        #       崩溃毫秒级发现；
+        #    d. 有待发帧 → delivery.flush_pending；check_timeouts(now)：客户端 / 引擎超时、hello 重发、
+        #       resume 期限、gone 过期。
         # 3. 退出前再 flush_outbox 一次，把最后一轮的增量发出去；关闭所有 socket，再关 security（CURVE 认证）。
         # [ZH-END]
         poller = zmq.Poller()
@@ -178,9 +187,11 @@ class DetokStage:
 
     def on_engine_frames(self, frames: list[bytes]) -> None:
         # [ZH-START]
-        # 1. accept：恰好一帧、能解码、是 EngineStatus / StepOutput / Resync 之一；否则已按原因计数，丢弃（引擎没有回复通道）。
+        # 1. accept：恰好一帧、能解码、是 EngineStatus / StepOutput / Resync 之一；否则已按原因计数，
+        #    丢弃（引擎没有回复通道）。
         # 2. EngineWatch.heard（心跳超时计时）。
-        # 3. EngineStatus → on_engine_status；StepOutput → 只有来自当前跟随的引擎实例（EngineWatch.outputs）才 on_step；Resync → on_resync。
+        # 3. EngineStatus → on_engine_status；StepOutput → 只有来自当前跟随的引擎实例（EngineWatch.outputs）才 on_step；
+        #    Resync → on_resync。
         # [ZH-END]
         self.metrics.frame_received()
         msg = accept(frames, ENGINE_MESSAGES, self.rejects, "on the engine socket", "the detokenizer's engine socket")
@@ -303,8 +314,10 @@ class DetokStage:
         #    因不读而被放弃的客户端管道多半还是满的，发不出去的帧要进它的 pending 排队，而不是被丢掉。
         # 3. accept：不是恰好一帧、解不开、或不是 Ping / StatsReq / Resume → 已按原因计数，把返回的 ErrorOutput 发回
         #    （类型不对的还告诉它请求应发到 tokenizer 端点）。
-        # 4. Ping → 回 Pong；本实例第一次听到它且引擎活着：再发 EngineStatus（EngineWatch.announcement）说出跟随的引擎实例——
-        #    客户端若记得另一个实例，就知道引擎重启过（看到旧引擎死掉的 detokenizer 可能也一起死了）；StatsReq → StatsOutput；Resume → on_resume。
+        # 4. Ping → 回 Pong；本实例第一次听到它且引擎活着：再发 EngineStatus（EngineWatch.announcement）
+        #    说出跟随的引擎实例——客户端若记得另一个实例，
+        #    就知道引擎重启过（看到旧引擎死掉的 detokenizer 可能也一起死了）；StatsReq → StatsOutput；
+        #    Resume → on_resume。
         # [ZH-END]
         self.metrics.frame_received()
         if claimed_id(identity, key):
@@ -352,8 +365,10 @@ class DetokStage:
 
     def client_gone(self, identity: bytes, why: str) -> None:
         # [ZH-START]
-        # 1. Recovery 忘掉它（先到的 Resume、上次 Resume 的时间）；Delivery.forget 移除 ClientInfo、outbox 和排队帧；不认识的客户端直接返回。
-        # 2. RequestStreams.drop_client：它的每个请求丢掉指标、移除状态、记下客户端 rid；还没结束的在引擎里 abort（释放 KV 块）。
+        # 1. Recovery 忘掉它（先到的 Resume、上次 Resume 的时间）；Delivery.forget 移除 ClientInfo、outbox 和排队帧；
+        #    不认识的客户端直接返回。
+        # 2. RequestStreams.drop_client：它的每个请求丢掉指标、移除状态、记下客户端 rid；
+        #    还没结束的在引擎里 abort（释放 KV 块）。
         # 3. Delivery.remember_gone 记 (时间, 原因, 丢掉的 rid 列表)，最多 4096 个客户端，它回来时好告诉它。
         # [ZH-END]
         self.recovery.forget_client(identity)
@@ -367,11 +382,12 @@ class DetokStage:
 
     def check_timeouts(self, now: float) -> None:
         # [ZH-START]
-        # 0. 距上次检查超过 STALL_S（1 秒）：是我们自己没在听（进程被暂停、换出、抢不到 CPU），多出的时间加到每个客户端、
-        #    引擎的 last_seen 和 resume 期限上——不算它们静默，心跳还排在 socket 里没读（可能还在 zmq 的 I/O 线程里，poll 也看不到）。
+        # 0. 距上次检查超过 STALL_S（1 秒）：是我们自己没在听（进程被暂停、换出、抢不到 CPU），
+        #    多出的时间加到每个客户端、引擎的 last_seen 和 resume 期限上——不算它们静默，
+        #    心跳还排在 socket 里没读（可能还在 zmq 的 I/O 线程里，poll 也看不到）。
         # 1. 客户端超过 client_timeout_s（默认 5 秒）没有任何消息 → client_gone。
-        # 2. EngineWatch.overdue（听到过引擎、未判死、超过 engine_timeout_s 没有消息），且 socket 里也没有没读的帧（那是我们忙，不是它静默）
-        #    → 判死（引擎挂起）。
+        # 2. EngineWatch.overdue（听到过引擎、未判死、超过 engine_timeout_s 没有消息），
+        #    且 socket 里也没有没读的帧（那是我们忙，不是它静默）→ 判死（引擎挂起）。
         # 3. 还没 resync：每 0.5 秒（HELLO_INTERVAL_S）向引擎发一次 DetokHello，直到 Resync 到来；没有引擎时跳过。
         # 4. 过了 resume 期限：还在等 resume 的请求一律丢掉（未结束的在引擎里 abort）。
         # 5. gone 里超过 600 秒的记录从最旧的开始删除。

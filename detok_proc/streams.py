@@ -18,7 +18,8 @@ and the request ids to abort in the engine (as vLLM's OutputProcessor returns re
 #   stop string 在这里命中也要在引擎里结束它；终止增量要等引擎的最后一行确认它已丢掉这个请求才发，
 #   这样客户端复用同一个 id 时引擎里一定没有旧请求。本 stage 重启后由 resync 重建的请求（recovery.py）在这里累积输出，
 #   等客户端的 Resume 说出已收到多少。
-# 不碰 socket：每个调用返回 Outcome——每个客户端的增量、要在引擎里 abort 的请求 id（如 vLLM OutputProcessor 的 reqs_to_abort）。
+# 不碰 socket：每个调用返回 Outcome——每个客户端的增量、要在引擎里 abort 的请求 id（如 vLLM OutputProcessor 的
+# reqs_to_abort）。
 # [ZH-END]
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ class Final(NamedTuple):
 class RequestState:
     # [ZH-START]
     # 【职责】本进程为一个在途请求保存的状态：所属客户端、客户端侧的请求 id（流的 wire id）、
-    # IncrementalDetokenizer、持有它的引擎实例；resync 重建后等待 Resume 期间累积的全部 token / 文本 / 终止字段；最近的 token 计数。
+    # IncrementalDetokenizer、持有它的引擎实例；resync 重建后等待 Resume 期间累积的全部 token / 文本 / 终止字段；
+    # 最近的 token 计数。
     # 【边界】不保存 prompt 或采样参数（这些在引擎里）；不直接发送任何东西。
     # 【协作者】RequestStreams.start 创建，advance 每步推进，resume 在客户端报到后放出累积内容。
     # [ZH-END]
@@ -159,9 +161,11 @@ class RequestStreams:
     def start(self, request_id: str, meta: p.RequestMeta, engine: str, out: Outcome,
               resumed: bool = False) -> RequestState:
         # [ZH-START]
-        # 1. 用 RequestMeta 建 IncrementalDetokenizer：prompt_tail（prompt 最后几个 token）、skip_special_tokens、stop、include_stop、min_tokens。
-        # 2. 建 RequestState(客户端身份, 客户端 rid, 反分词器, 引擎实例) 记进 requests 和 by_client；续写的流（meta.have_tokens / have_chars，
-        #    客户端已有的输出）记为 skip_tokens / skip_chars：引擎会随第一个新 token 把它们再报告一次，advance 截掉。
+        # 1. 用 RequestMeta 建 IncrementalDetokenizer：prompt_tail（prompt 最后几个 token）、skip_special_tokens、stop、
+        #    include_stop、min_tokens。
+        # 2. 建 RequestState(客户端身份, 客户端 rid, 反分词器, 引擎实例) 记进 requests 和 by_client；
+        #    续写的流（meta.have_tokens / have_chars，客户端已有的输出）记为 skip_tokens / skip_chars：
+        #    引擎会随第一个新 token 把它们再报告一次，advance 截掉。
         # 3. 指标记录开始时间（resync 重建的额外记下恢复时间）；客户端记进 out.clients。
         # [ZH-END]
         detok = IncrementalDetokenizer(
@@ -181,15 +185,17 @@ class RequestStreams:
         send; it is held, or it is not ours). Aborts it needs go in `out`."""
         # [ZH-START]
         # 1. 一行 OutputRow：id、打包的 token、finished、reason、prompt / output / cached 数、error。
-        # 2. 本地不认识这个请求（已结束、客户端已走、或比 resync 还早）：若引擎仍在生成且已 resync，就 abort 这个孤儿一次；返回 (None, None)。
+        # 2. 本地不认识这个请求（已结束、客户端已走、或比 resync 还早）：若引擎仍在生成且已 resync，
+        #    就 abort 这个孤儿一次；返回 (None, None)。
         # 3. 解包 token，text = detok.add(token, finished)。
         # 4. 反分词器命中 stop string：把终止字段（"stop"、此刻的 usage）存进 state.stopped（命中在引擎最后一行上、
         #    或重启后 resync 里引擎已因旧 abort 结束的请求，也照 "stop" 结束）；引擎还没结束就把它放进 out.aborts，
         #    这一行的文本照常发出，但终止增量要等引擎的最后一行（它确认已丢掉这个请求）到了才发——
         #    这样客户端收到终止增量后复用同一个 id，引擎里一定已经没有旧请求。
-        #    已 stopped 的请求：引擎之后的非最后行不发送（超过 1 秒就再 abort 一次，防止上次没送到）；最后一行到了才结束。
-        # 5. 已结束：final = state.stopped，或 Final(finish_reason, Usage(prompt_tokens, completion_tokens, cached_tokens))，
-        #    有错误（或 reason 为 error）加 error。
+        #    已 stopped 的请求：引擎之后的非最后行不发送（超过 1 秒就再 abort 一次，防止上次没送到）；
+        #    最后一行到了才结束。
+        # 5. 已结束：final = state.stopped，或 Final(finish_reason, Usage(prompt_tokens, completion_tokens,
+        #    cached_tokens))，有错误（或 reason 为 error）加 error。
         # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，返回 (state, None)。
         # 7. 有 skip_tokens / skip_chars（resume 时客户端已有、引擎将再报告的续写前缀）：先从 token 和文本开头截掉，
         #    截完什么都不剩且没结束就返回 (state, None)。

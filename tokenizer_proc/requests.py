@@ -30,7 +30,8 @@ class RequestRejected(ValueError):
     # [ZH-START]
     # 【职责】"这个请求被拒绝"的异常，消息文本原样作为错误增量回给客户端。
     # 【边界】只表示请求本身的问题（参数、长度、模板）；内部 bug 不用它，由 handle 的兜底捕获。
-    # 【协作者】RequestBuilder.build / _prompt_ids / _bounded / _as_stop_list 抛出，TokenizerStage._on_generate 捕获并回复。
+    # 【协作者】RequestBuilder.build / _prompt_ids / _bounded / _as_stop_list 抛出，
+    # TokenizerStage._on_generate 捕获并回复。
     # [ZH-END]
 
 
@@ -61,20 +62,23 @@ class RequestBuilder:
         """Validate and tokenize: the TokenizedReq frame for the engine, or `RequestRejected` saying
         what was wrong. `key`: the client's CURVE key, which salts its cache where it is set."""
         # [ZH-START]
-        # 1. priority 超过 --max-priority，或超过这把客户端钥匙在 allow-list 文件里的 max-priority → 拒绝并说出是哪个上限；
-        #    sampling 里有未知字段 → 拒绝并列出允许的字段；有服务尚不支持的字段（logprobs、logits_processors）→ 拒绝。
+        # 1. priority 超过 --max-priority，或超过这把客户端钥匙在 allow-list 文件里的 max-priority →
+        #    拒绝并说出是哪个上限；sampling 里有未知字段 → 拒绝并列出允许的字段；有服务尚不支持的字段（logprobs、
+        #    logits_processors）→ 拒绝。
         # 2. stop = req.stop + sampling.stop（单个字符串或列表），两处合计受同一限制（最多 64 个、每个 1024 字符）。
         # 3. 取出 skip_special_tokens、include_stop_str_in_output：这些是文本侧字段，交给 detokenizer，不给引擎。
-        # 4. 用 make_sampling(...) 试建一次 SamplingParams 做校验；ValueError / TypeError → "invalid sampling parameters"。
+        # 4. 用 make_sampling(...) 试建一次 SamplingParams 做校验；
+        #    ValueError / TypeError → "invalid sampling parameters"。
         #    有 response_format：_check_format 按词表编译一次（按文本缓存），编译不过就带着原因拒绝。
         # 5. 开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(客户端 CURVE 公钥，没有则路由 id，
         #    客户端自己给的盐)，前缀缓存只在同一客户端（同一把钥匙）内共享。
         #    ids = _prompt_ids(req)。
-        # 6. meta = RequestMeta(client 身份, 客户端 rid, stop, skip_special_tokens, prompt_tail = prompt 最后 8 个 token（打包）,
-        #    arrival = 时间, min_tokens, include_stop, have_tokens / have_chars = 续写时客户端已有的 token 数和字符数)，
-        #    线上是按位置的数组；引擎原样转给 detokenizer，用来建 IncrementalDetokenizer 和路由输出。
-        # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend, output_ids = 续写时客户端已收到的输出 token)，先用引擎自己的 validate 检查一遍，
-        #    再编码、检查帧长：引擎会丢掉的帧（它无法回答客户端：min_tokens 超过 2**31；超过 16 MiB 的帧，
+        # 6. meta = RequestMeta(client 身份, 客户端 rid, stop, skip_special_tokens, prompt_tail = prompt 最后 8 个
+        #    token（打包）, arrival = 时间, min_tokens, include_stop, have_tokens / have_chars = 续写时客户端已有的
+        #    token 数和字符数)，线上是按位置的数组；引擎原样转给 detokenizer，用来建 IncrementalDetokenizer 和路由输出。
+        # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend, output_ids =
+        #    续写时客户端已收到的输出 token)，先用引擎自己的 validate 检查一遍，再编码、检查帧长：
+        #    引擎会丢掉的帧（它无法回答客户端：min_tokens 超过 2**31；超过 16 MiB 的帧，
         #    引擎的 socket 会连同连接一起丢掉）在这里就拒绝，并说明原因；通过则返回编码好的帧。
         # [ZH-END]
         self._check_priority(req.priority, key)
@@ -150,7 +154,8 @@ class RequestBuilder:
         # 2. 给了 messages：apply_chat_template(add_generation_prompt=True, tokenize=False)，失败 → 拒绝；
         #    文本先过 _bounded，再 encode(add_special_tokens=False)（模板里已经带了特殊 token）。
         # 3. 否则是 prompt 文本：_bounded 后 encode。
-        # 4. 空 prompt → 拒绝；token 数 >= max_prompt_tokens（模型上下文长度）→ 拒绝：prompt 加至少一个输出 token 必须放得下。
+        # 4. 空 prompt → 拒绝；token 数 >= max_prompt_tokens（模型上下文长度）→ 拒绝：
+        #    prompt 加至少一个输出 token 必须放得下。
         # [ZH-END]
         if req.prompt_token_ids is not None:
             ids = req.prompt_token_ids

@@ -17,9 +17,10 @@ on whatever the load. With no engine connected at all, requests are refused afte
 """
 # [ZH-START]
 # 【模块定位】服务的第一站：客户端请求的"前门"。
-#   客户端 DEALER →【tokenizer_proc：校验、套 chat 模板、分词】→ PUSH → engine_proc → detok_proc → 客户端
+#   客户端 DEALER ──▶【分词进程 tokenizer_proc：校验、套 chat 模板、分词】──PUSH──▶ 引擎进程 ──▶ 反分词进程 ──▶ 客户端
 # 每个请求在这里被检查（出错直接回给发送者，进程继续服务别人）、转成 TokenizedReq 推给引擎的 input socket；
-# abort 推给引擎的 control socket：引擎再忙也读它，abort 不会排在请求后面（比请求先到的 abort 由引擎记住，请求一到就结束它）。
+# abort 推给引擎的 control socket：引擎再忙也读它，abort 不会排在请求后面（比请求先到的 abort 由引擎记住，
+# 请求一到就结束它）。
 # 本进程不保存任何请求状态：重启只会丢掉还没推给引擎的请求，而客户端发现 tokenizer 实例换了会重发它们。
 # 背压：引擎管道满时请求在 pending 里等，最多 PENDING_MAX_FRAMES 个或 PENDING_MAX_BYTES 字节；再来的新请求
 # 立即以 HOLDING_FULL（"overloaded"）拒绝。本进程从不停止读客户端：负载再高，ping 照样回答（健康探针不会超时），
@@ -74,10 +75,12 @@ CLAIMED_ID = ("refused: this routing id belongs to another CURVE key (a client's
 class TokenizerStage:
     # [ZH-START]
     # 【职责】从客户端 ROUTER 收消息（intake.accept 检查帧），过载与每客户端限额（pending 份额、请求速率）先挡，
-    # 再交 RequestBuilder 校验、分词，把 TokenizedReq 推给引擎的 input、abort 推给引擎的 control；回答 ping（带上引擎是否已连接）。
+    # 再交 RequestBuilder 校验、分词，把 TokenizedReq 推给引擎的 input、abort 推给引擎的 control；
+    # 回答 ping（带上引擎是否已连接）。
     # 【边界】不保存请求状态（只有等待管道空位的 pending 帧队列，以及供存活客户端计数用的最近活动时间）；
     # 不发送输出（那是 detok_proc）；不判断 prompt 能否放进 KV cache（引擎 add_request 判断）。
-    # 【协作者】客户端的 DEALER；engine_proc 的两个 PULL（input、control，经 pipeline_push）；PeerMonitor 看引擎是否连着；
+    # 【协作者】客户端的 DEALER；engine_proc 的两个 PULL（input、control，经 pipeline_push）；
+    # PeerMonitor 看引擎是否连着；
     # RequestBuilder；RateLimit；Notifier 向 systemd 报 READY / 看门狗；TokenizerMetrics 记指标。
     # [ZH-END]
     def __init__(self, tokenizer: Any, sampling_fields: set[str], make_sampling, frontend: str,
@@ -130,7 +133,8 @@ class TokenizerStage:
         #    a. stop 被置位后 flush 进入 draining（新请求回 DRAINING 错误，已接收的继续推给引擎，最多一秒）；
         #    b. draining 且 pending 已空，或一秒已过：退出；
         #    c. notifier.tick（看门狗）、每秒刷新一次存活客户端数；
-        #    d. pending 非空时等引擎 PUSH 可写；客户端 ROUTER 始终可读（ping、abort 从不被挡住；pending 满时新请求被拒绝）；
+        #    d. pending 非空时等引擎 PUSH 可写；客户端 ROUTER 始终可读（ping、abort 从不被挡住；
+        #       pending 满时新请求被拒绝）；
         #    e. poll 100 ms → _flush_pending() 尽量把积压推给引擎 → 客户端可读就 _drain_frontend()。
         # 3. 关闭所有 socket。
         # [ZH-END]
@@ -170,8 +174,9 @@ class TokenizerStage:
     def _drain_frontend(self) -> None:
         # [ZH-START]
         # 1. intake.drain：每轮最多 256 条、50 毫秒，免得一个繁忙客户端饿死循环里的其他工作。
-        # 2. NOBLOCK 收一条（recv_from_client）：ROUTER 加上的客户端路由 id、各帧，开了 CURVE 时还有 ZAP 认证的公钥（User-Id），
-        #    交给 _on_client_message。pending 满了也照样读（满时新请求在 _on_generate 被拒绝），所以 ping 和 abort 永远不被忙碌的引擎挡住。
+        # 2. NOBLOCK 收一条（recv_from_client）：ROUTER 加上的客户端路由 id、各帧，
+        #    开了 CURVE 时还有 ZAP 认证的公钥（User-Id），交给 _on_client_message。
+        #    pending 满了也照样读（满时新请求在 _on_generate 被拒绝），所以 ping 和 abort 永远不被忙碌的引擎挡住。
         # [ZH-END]
         keyed = self.security.enabled  # CURVE: each message carries its sender's key (ZAP's User-Id)
         drain(lambda: recv_from_client(self.frontend, keyed), lambda message: self._on_client_message(*message),
@@ -208,11 +213,13 @@ class TokenizerStage:
     def _handle(self, identity: bytes, frames: list[bytes], key: str | None) -> None:
         # [ZH-START]
         # 1. 计数，记下该客户端最近活动时间。
-        # 2. intake.accept：不是恰好一帧（"multipart"）、解不开（"bad_frame"：协议版本、类型、字段、大小与嵌套都在 decode 里查）、
-        #    或不是 generate / abort / ping（"wrong_type"）→ 已计数，把返回的 ErrorOutput 回给客户端（能认出 request_id 就带上）。
+        # 2. intake.accept：不是恰好一帧（"multipart"）、解不开（"bad_frame"：协议版本、类型、字段、
+        #    大小与嵌套都在 decode 里查）、或不是 generate / abort / ping（"wrong_type"）→ 已计数，
+        #    把返回的 ErrorOutput 回给客户端（能认出 request_id 就带上）。
         # 3. 按类型分发：
         #    GenerateReq → _on_generate；
-        #    AbortReq → 换成引擎侧 id "<客户端身份 hex>:<request_id>"，_send_abort 直接推给引擎的 control socket（不排在 pending 后面）；
+        #    AbortReq → 换成引擎侧 id "<客户端身份 hex>:<request_id>"，
+        #    _send_abort 直接推给引擎的 control socket（不排在 pending 后面）；
         #    Ping → 回 Pong("tokenizer", 实例 id, 引擎是否已连接, 状态, 运行时长)。
         # [ZH-END]
         self.metrics.frame_received()
@@ -234,7 +241,8 @@ class TokenizerStage:
         #    不分词——过载时不花 CPU 在注定放不下的请求上；这个客户端在 pending 里已有 --max-pending-per-client 个：
         #    回 CLIENT_HOLDING_FULL，别的客户端不受影响；这个客户端（钥匙，没有则路由 id）超过
         #    --max-request-rate-per-client（RateLimit 令牌桶）：回限速错误，说出还要等多久。
-        # 2. requests.build()（RequestBuilder）：RequestRejected → 回它的文本；其他异常（分词器或模板意外失败）→ 记 "internal"，回 "could not tokenize"。
+        # 2. requests.build()（RequestBuilder）：RequestRejected → 回它的文本；其他异常（分词器或模板意外失败）
+        #    → 记 "internal"，回 "could not tokenize"。
         # 3. 记录分词耗时，_forward 把 TokenizedReq 帧排队推给引擎。
         # [ZH-END]
         if self.flush.state == "draining":

@@ -12,8 +12,8 @@ socket is empty; sends are NOBLOCK and only a full pipe makes a sender wait for 
 """
 # [ZH-START]
 # 【模块定位】asyncio 客户端库（uvloop 下同样可用），与同步 Client 同处流水线两端：
-#   协程 →【AsyncClient：DEALER → tokenizer_proc】→ engine_proc → detok_proc →【DEALER ← AsyncClient】
-#        → _readable（描述符回调）→ 每条流的 asyncio.Queue → AsyncStream（async for）→ 协程
+#   协程 ──▶【AsyncClient：DEALER】──请求──▶ 分词进程 ──▶ 引擎进程 ──▶ 反分词进程 ──增量──▶【DEALER：AsyncClient】
+#        ──▶ _readable（描述符回调）──▶ 每条流的 asyncio.Queue ──▶ AsyncStream（async for）──▶ 协程
 # 与同步 Client 的区别：没有后台线程，所有 socket 操作都在事件循环里完成。
 # 协议状态（ClientState：在途请求、stage 健康、重启后的重发与续传）和帧处理（ClientBase._take_frame、
 # _route）与同步 Client 共用，两者在 stage 重启时行为一致。
@@ -145,7 +145,8 @@ class AsyncClient(ClientBase):
     # 【职责】异步客户端：对外提供 stream / generate / abort / server_stats / wait_engine / close；
     # 对内在事件循环上持有两个 DEALER，描述符回调 _readable 收帧并分发增量，_heartbeat 任务定时 ping 两个 stage，
     # _recheck 任务兜底；发送一律 NOBLOCK，管道满时发送方等待 _readable 的唤醒（背压）。
-    # 【边界】协议逻辑在 ClientState（与同步 Client 共用）；不重试失败的请求（引擎死不算失败：ClientState 在新引擎实例起来后把在途请求连同已收到的输出重发，由新引擎续写）；不是线程安全的，
+    # 【边界】协议逻辑在 ClientState（与同步 Client 共用）；不重试失败的请求（引擎死不算失败：
+    # ClientState 在新引擎实例起来后把在途请求连同已收到的输出重发，由新引擎续写）；不是线程安全的，
     # 只能在创建它的事件循环里用（从别的线程中止请求用 abort_nowait）。同一进程的所有 AsyncClient
     # 共用一个 zmq.Context（一个 I/O 线程），64 个客户端不会唤醒 64 个 I/O 线程。
     # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping）；detok_proc（Ping / StatsReq / Resume，收 StreamOutput /

@@ -22,7 +22,8 @@ new one.
 """
 # [ZH-START]
 # 【模块定位】客户端的协议逻辑，不做任何 I/O；同步 Client 和 AsyncClient 共用它。
-#   客户端 API ──请求帧──▶ 分词进程；反分词进程 ──StreamOutput / Pong / EngineStatus──▶ ClientState.handle ──▶ 各流的 Delta
+#   客户端 API ──请求帧──▶ 分词进程
+#   反分词进程 ──StreamOutput / Pong / EngineStatus──▶ ClientState.handle ──▶ 各流的 Delta
 # 重发与续传都在这里（两个客户端的注释说"见 client_state"，指的就是本模块）：
 #   - 引擎挂了：在途请求不算失败，先停放（parked）；新引擎实例起来后（最多等 engine_restart_wait_s），
 #     带着已收到的输出 token 和字符数重发，新引擎从那里接着算，流从断开处继续；

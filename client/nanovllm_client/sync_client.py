@@ -8,7 +8,8 @@ per-stream queue.
 """
 # [ZH-START]
 # 【模块定位】阻塞式客户端库，位于整条流水线的两端：
-#   应用 →【Client：DEALER → tokenizer_proc】→ engine_proc → detok_proc →【DEALER ← Client】→ Stream 迭代器 → 应用
+#   应用 ──▶【Client：DEALER】──请求──▶ 分词进程 ──▶ 引擎进程 ──▶ 反分词进程 ──增量──▶【DEALER：Client】
+#        ──▶ Stream 迭代器 ──▶ 应用
 # 一个 Client 对象可被多个线程同时使用、承载多条并发流。ZeroMQ socket 不是线程安全的，
 # 所以由一个后台 I/O 线程独占两个 DEALER（发往 tokenizer 的请求 / abort，来自 detokenizer 的输出）
 # 和协议状态 ClientState（在途请求、各 stage 的健康、stage 重启后的重发与续传）；
@@ -102,8 +103,9 @@ class Stream:
         # [ZH-START]
         # 1. 已结束则什么都不做（幂等）。
         # 2. 标记结束，_end_stream 注销本流（之后到达的输出被丢弃）。
-        # 3. 向 I/O 线程发 _ABORT 命令（wire id + AbortReq 帧）；它经 tokenizer 到达引擎的 control socket（引擎再忙也读），释放 KV 块；
-        #    比请求先到时引擎记住它，请求一到就结束。
+        # 3. 向 I/O 线程发 _ABORT 命令（wire id + AbortReq 帧）；
+        #    它经 tokenizer 到达引擎的 control socket（引擎再忙也读），释放 KV 块；比请求先到时引擎记住它，
+        #    请求一到就结束。
         # [ZH-END]
         if not self._done:
             self._done = True
@@ -123,7 +125,8 @@ class Client(ClientBase):
     # 【职责】同步客户端：对外提供 stream / generate / abort / server_stats / wait_engine / close；
     # 对内一个后台 I/O 线程持有两个 DEALER 和 ClientState，定时 ping 两个 stage，把收到的帧变成增量分发到各流。
     # 【边界】协议逻辑（tokenizer 重启后重发、detokenizer 重启后 Resume、引擎死亡判定）在 client_state.ClientState，
-    # 与 AsyncClient 共用，这里只做 I/O 和线程间传递；不重试失败的请求（引擎死不算失败：ClientState 在新引擎实例起来后把在途请求连同已收到的输出重发，由新引擎续写）；两个 DEALER 用同一个随机路由 id，
+    # 与 AsyncClient 共用，这里只做 I/O 和线程间传递；不重试失败的请求（引擎死不算失败：
+    # ClientState 在新引擎实例起来后把在途请求连同已收到的输出重发，由新引擎续写）；两个 DEALER 用同一个随机路由 id，
     # 以便 detokenizer 把输出路由回来。
     # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping）；detok_proc（Ping / StatsReq / Resume，收 StreamOutput /
     # Pong / EngineStatus / StatsOutput）；Stream；ClientBase 提供地址、id 分配和超时。
@@ -299,7 +302,8 @@ class Client(ClientBase):
         #    d. 有命令 → _drain_commands；收到 _STOP 就跳出循环；
         #    e. 各 DEALER 可写时按序发出积压帧（背压时保持顺序，abort 不会越过请求）；
         #    f. 两个 DEALER 有帧 → _drain_incoming；
-        #    g. 一轮里的任何异常只记（限频的）警告，循环继续：所有流都在等这个线程，它死了连 close() 的 _STOP 也无人接收。
+        #    g. 一轮里的任何异常只记（限频的）警告，循环继续：所有流都在等这个线程，
+        #       它死了连 close() 的 _STOP 也无人接收。
         # 3. 退出时：把积压帧（close() 排下的 abort）NOBLOCK 交给 zmq（linger 1 秒），然后关闭已建好的 socket
         #    （建到一半失败也关，否则 close() 里的 term() 会一直等）。
         # [ZH-END]
@@ -386,7 +390,8 @@ class Client(ClientBase):
         # 1. NOBLOCK 收该 socket 的帧，最多 READ_BATCH（256）帧就回到 I/O 循环（心跳和命令不能被一股帧流饿死；
         #    剩下的帧下一轮 poll 还会报告），逐帧交给 _take_frame（ClientState.handle；就绪 → 置位 _ready；
         #    stats 回复进 _stats 队列；处理出错只记日志跳过这一帧，I/O 线程不能死——所有流都在等它）。
-        # 2. 需要重发给 tokenizer 的请求（tokenizer 换了实例）和发给 detokenizer 的 Resume 进各自的积压队列，由 I/O 循环按序发出。
+        # 2. 需要重发给 tokenizer 的请求（tokenizer 换了实例）和发给 detokenizer 的 Resume 进各自的积压队列，
+        #    由 I/O 循环按序发出。
         # 3. _route 把增量分发到各流。
         # [ZH-END]
         for _ in range(READ_BATCH):  # then back to the loop: a stream of frames must not starve the heartbeat

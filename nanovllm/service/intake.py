@@ -11,10 +11,13 @@ path, with an `ErrorOutput` naming the problem.
 """
 # [ZH-START]
 # 【模块定位】三个 stage 收帧的公共部分，只写一次：
-#   drain：NOBLOCK 读一个 socket 直到读空，但每轮最多 budget 条、max_s 秒——一个忙碌的对端不能饿死循环里别的 socket 和超时检查；
-#          处理一条时出的 bug 只花掉这一条（记为 "internal" 拒绝），进程继续。
-#   accept：一条消息必须恰好一帧、能解码（版本、类型、字段、大小、嵌套都在 protocol.decode 里查）、且是这个 socket 接受的类型；
-#          否则按原因计数（multipart / bad_frame / wrong_type），并返回一个说明问题的 ErrorOutput，有回复通道的 stage 把它发回去。
+#   drain：NOBLOCK 读一个 socket 直到读空，但每轮最多 budget 条、max_s 秒——
+#          一个忙碌的对端不能饿死循环里别的 socket 和超时检查；
+#          处理某一条时出了 bug，也只是这一条被记为 "internal" 拒绝，进程照常运行。
+#   accept：一条消息必须恰好一帧、能解码（版本、类型、字段、大小、嵌套都在 protocol.decode 里查）、
+#          且是这个 socket 接受的类型；
+#          否则按原因计数（multipart / bad_frame / wrong_type），并返回一个说明问题的 ErrorOutput，
+#          有回复通道的 stage 把它发回去。
 # [ZH-END]
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def drain(recv: Callable[[], Any], handle: Callable[[Any], None], rejects: Rejec
     """Handle what `recv()` (a NOBLOCK receive) returns until it raises zmq.Again, within the budget."""
     # [ZH-START]
     # 1. 每轮最多 budget 条、最多 max_s 秒，NOBLOCK 收取，收空（zmq.Again）就返回。
-    # 2. 每条都包在 try 里：处理时的任何 bug 记为 "internal" 拒绝帧（带 traceback），只花掉这一帧。
+    # 2. 每条都包在 try 里：处理时出的任何 bug 都只让这一帧记为 "internal" 拒绝（带 traceback），不影响后面的帧。
     # [ZH-END]
     until = time.monotonic() + max_s
     for _ in range(budget):
