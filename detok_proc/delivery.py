@@ -14,7 +14,7 @@ rather than returned frames because a budget is crossed at the moment a frame is
 depth of a handler, and the next frame to that client must already find it gone.
 """
 # [ZH-START]
-# 【模块定位】detokenizer 向客户端投递的部分：每个客户端按顺序收到什么，内存有界。
+# 【模块定位】反分词进程向客户端投递的部分：每个客户端按顺序收到什么，内存有界。
 #   本轮 drain 引擎 socket 得到的增量先进 outbox，同一请求的多步合并成一个增量，每个客户端发一个 StreamOutput；
 #   客户端 socket 放不下时帧按序排队在这里：每个客户端最多 max_pending_frames 帧，全体合计最多 max_pending_bytes 字节，
 #   超过字节预算先放弃排队最多的客户端；放弃过的客户端记一段时间，它回来时好告诉它哪些流丢了。
@@ -200,7 +200,7 @@ class Delivery:
         # 1. 帧追加到客户端的 pending，字节数记进它的 pending_bytes 和全体合计 pending_bytes。
         # 2. 超过 max_pending_frames（默认 1000）：认为客户端卡住了 → give_up，内存保持有界。
         # 3. 全体合计超过 max_pending_bytes（默认 256 MiB）：放弃排队字节最多的客户端（通常就是最慢的那个），
-        #    直到合计回到预算内——一个不读的客户端不能让 detokenizer 的内存无限增长，也不会挤掉只积压了一点的客户端。
+        #    直到合计回到预算内——一个不读的客户端不能让反分词进程的内存无限增长，也不会挤掉只积压了一点的客户端。
         # [ZH-END]
         info.pending.append(frame)
         self._held(info, len(frame))

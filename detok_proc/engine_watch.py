@@ -10,7 +10,7 @@ No sockets: each method updates the view and returns an `EngineEvent` saying wha
 do about it (end requests, tell every client, count a rejected frame).
 """
 # [ZH-START]
-# 【模块定位】detokenizer 眼中的引擎：跟随哪个实例、它是否活着。
+# 【模块定位】反分词进程眼中的引擎：跟随哪个实例、它是否活着。
 #   引擎每 0.25 秒心跳，每条消息都带实例 id；跟随第一个听到的实例，别的实例的输出（死去引擎的残留或伪造）丢弃；
 #   心跳里出现新实例 = 旧实例死了（重启）：旧实例的请求结束。
 #   跟随的引擎自己说要死、连接断开、或安静超过 timeout_s 且 socket 里没有它未读的帧 → 判死。

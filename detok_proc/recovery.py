@@ -10,8 +10,8 @@ No sockets: each call returns an `Outcome` (deltas for the client, aborts for th
 resumes refused, for the loop to answer.
 """
 # [ZH-START]
-# 【模块定位】detokenizer 重启后不丢流：引擎的 resync 和客户端的 resume。
-#   新的 detokenizer 向引擎要回全部在途请求（DetokHello → Resync，带着每个请求至今的输出），在 RequestStreams 里重建、
+# 【模块定位】反分词进程重启后不丢流：引擎的 resync 和客户端的 resume。
+#   新的反分词进程向引擎要回全部在途请求（DetokHello → Resync，带着每个请求至今的输出），在 RequestStreams 里重建、
 #   输出先累积；
 #   客户端说出每条流已收到多少（Resume），流从那里继续；resume 期限内没人认领的在引擎里 abort。
 #   resync 完成前先到的 Resume 存在这里，所有客户端合计有行数上限。
@@ -61,7 +61,7 @@ class Recovery:
         """A client's Resume: applied once the resync is complete, held until then, refused as a
         flood within RESUME_INTERVAL_S of its last. What to send and abort, and the resumes refused."""
         # [ZH-START]
-        # 1. 同一客户端 1 秒内（RESUME_INTERVAL_S）第二个 Resume：拒绝（正常客户端每遇到一个新的 detokenizer 只发一次；
+        # 1. 同一客户端 1 秒内（RESUME_INTERVAL_S）第二个 Resume：拒绝（正常客户端每遇到一个新的反分词进程只发一次；
         #    一个 65,536 行的 Resume 要花 0.1–0.3 秒处理）。
         # 2. 已 resync：立刻 resume；还没 resync：hold 保存，返回它挤掉或放不下的 Resume。
         # [ZH-END]

@@ -126,7 +126,7 @@ class DetokStage:
         # 1. poller 注册引擎 PULL、客户端 ROUTER 和引擎连接的监视 socket；notifier.ready。
         # 2. 循环，直到 flush.serving 返回 False：
         #    a. stop 被置位后 flush 进入 draining，最多再花 1 秒把已排队的帧发给客户端（流活在引擎里，
-        #       新的 detokenizer 会 resync）；没有待发帧就退出；看门狗 tick、更新指标和 systemd 状态行；
+        #       新的反分词进程会 resync）；没有待发帧就退出；看门狗 tick、更新指标和 systemd 状态行；
         #       有待发帧时 poll 10 ms，否则 100 ms；
         #    b. 引擎有帧 → _drain_engine（逐条 on_engine_frames），之后 delivery.flush_outbox；
         #       客户端有帧 → _drain_clients；
@@ -263,7 +263,7 @@ class DetokStage:
         # [ZH-START]
         # 1. 把 AbortReq(request_id) 用 NOBLOCK 推给引擎的 control socket（引擎再忙也读它，abort 不排在请求后面）。
         # 2. zmq.Again 说明没有引擎连着：引擎不在，也就没有要 abort 的请求，记一行日志即可，
-        #    绝不阻塞 detokenizer 的主循环。
+        #    绝不阻塞反分词进程的主循环。
         # [ZH-END]
         try:
             self.to_engine.send(p.AbortReq(request_id).encode(), zmq.NOBLOCK)
@@ -313,10 +313,10 @@ class DetokStage:
         # 2. _tell_if_given_up：我们放弃过的客户端又出现了，告诉它哪些流已丢。必须在建好 ClientInfo 之后：
         #    因不读而被放弃的客户端管道多半还是满的，发不出去的帧要进它的 pending 排队，而不是被丢掉。
         # 3. accept：不是恰好一帧、解不开、或不是 Ping / StatsReq / Resume → 已按原因计数，把返回的 ErrorOutput 发回
-        #    （类型不对的还告诉它请求应发到 tokenizer 端点）。
+        #    （类型不对的还告诉它请求应发到分词进程的端点）。
         # 4. Ping → 回 Pong；本实例第一次听到它且引擎活着：再发 EngineStatus（EngineWatch.announcement）
         #    说出跟随的引擎实例——客户端若记得另一个实例，
-        #    就知道引擎重启过（看到旧引擎死掉的 detokenizer 可能也一起死了）；StatsReq → StatsOutput；
+        #    就知道引擎重启过（看到旧引擎死掉的反分词进程可能也一起死了）；StatsReq → StatsOutput；
         #    Resume → on_resume。
         # [ZH-END]
         self.metrics.frame_received()

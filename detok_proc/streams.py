@@ -12,7 +12,7 @@ No sockets and no clients' frames: each call returns an `Outcome`, the deltas fo
 and the request ids to abort in the engine (as vLLM's OutputProcessor returns reqs_to_abort).
 """
 # [ZH-START]
-# 【模块定位】detokenizer 的在途请求：把引擎的输出行变成每个客户端的文本增量。
+# 【模块定位】反分词进程的在途请求：把引擎的输出行变成每个客户端的文本增量。
 #   请求随引擎 step 的 started 行（meta 比它的第一个 token 先到，同一条有序管道）开始，每步一个 OutputRow 推进
 #   （增量反分词、stop string），以一个终止增量结束。
 #   stop string 在这里命中也要在引擎里结束它；终止增量要等引擎的最后一行确认它已丢掉这个请求才发，

@@ -5,7 +5,7 @@ in order (priority ceilings, sampling fields, stop strings, the parameters thems
 prompt's size before and after tokenizing, the engine's own frame checks).
 """
 # [ZH-START]
-# 【模块定位】tokenizer stage 对一个 GenerateReq 做的全部事情：检查、套 chat 模板、分词，得到给引擎的 TokenizedReq 帧，
+# 【模块定位】分词进程对一个 GenerateReq 做的全部事情：检查、套 chat 模板、分词，得到给引擎的 TokenizedReq 帧，
 # 或抛出 RequestRejected 说明哪里不对。没有 socket，除了设置不保存任何状态；请求到引擎之前要过的检查都在这里，按顺序：
 # priority 上限、采样字段、stop string、采样参数本身、分词前后 prompt 的大小、引擎自己的帧检查。
 # [ZH-END]
@@ -38,7 +38,7 @@ class RequestRejected(ValueError):
 class RequestBuilder:
     # [ZH-START]
     # 【职责】把客户端的 GenerateReq 变成给引擎的 TokenizedReq 帧：校验（priority 上限、采样字段与参数、stop string）、
-    # 套 chat 模板、分词、检查长度，加上 detokenizer 需要的 meta；按客户端给前缀缓存加盐（--cache-salt-per-client）。
+    # 套 chat 模板、分词、检查长度，加上反分词进程需要的 meta；按客户端给前缀缓存加盐（--cache-salt-per-client）。
     # 【边界】纯函数式：不碰 socket、不保存请求；出错只抛 RequestRejected，回复由 TokenizerStage 负责。
     # 【协作者】TokenizerStage._on_generate 调 build；分词器（encode、apply_chat_template）；SamplingParams 做参数校验。
     # [ZH-END]
@@ -66,7 +66,7 @@ class RequestBuilder:
         #    拒绝并说出是哪个上限；sampling 里有未知字段 → 拒绝并列出允许的字段；有服务尚不支持的字段（logprobs、
         #    logits_processors）→ 拒绝。
         # 2. stop = req.stop + sampling.stop（单个字符串或列表），两处合计受同一限制（最多 64 个、每个 1024 字符）。
-        # 3. 取出 skip_special_tokens、include_stop_str_in_output：这些是文本侧字段，交给 detokenizer，不给引擎。
+        # 3. 取出 skip_special_tokens、include_stop_str_in_output：这些是文本侧字段，交给反分词进程，不给引擎。
         # 4. 用 make_sampling(...) 试建一次 SamplingParams 做校验；
         #    ValueError / TypeError → "invalid sampling parameters"。
         #    有 response_format：_check_format 按词表编译一次（按文本缓存），编译不过就带着原因拒绝。
@@ -75,7 +75,7 @@ class RequestBuilder:
         #    ids = _prompt_ids(req)。
         # 6. meta = RequestMeta(client 身份, 客户端 rid, stop, skip_special_tokens, prompt_tail = prompt 最后 8 个
         #    token（打包）, arrival = 时间, min_tokens, include_stop, have_tokens / have_chars = 续写时客户端已有的
-        #    token 数和字符数)，线上是按位置的数组；引擎原样转给 detokenizer，用来建 IncrementalDetokenizer 和路由输出。
+        #    token 数和字符数)，线上是按位置的数组；引擎原样转给反分词进程，用来建 IncrementalDetokenizer 和路由输出。
         # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend, output_ids =
         #    续写时客户端已收到的输出 token)，先用引擎自己的 validate 检查一遍，再编码、检查帧长：
         #    引擎会丢掉的帧（它无法回答客户端：min_tokens 超过 2**31；超过 16 MiB 的帧，

@@ -21,7 +21,7 @@ on whatever the load. With no engine connected at all, requests are refused afte
 # 每个请求在这里被检查（出错直接回给发送者，进程继续服务别人）、转成 TokenizedReq 推给引擎的 input socket；
 # abort 推给引擎的 control socket：引擎再忙也读它，abort 不会排在请求后面（比请求先到的 abort 由引擎记住，
 # 请求一到就结束它）。
-# 本进程不保存任何请求状态：重启只会丢掉还没推给引擎的请求，而客户端发现 tokenizer 实例换了会重发它们。
+# 本进程不保存任何请求状态：重启只会丢掉还没推给引擎的请求，而客户端发现分词进程实例换了会重发它们。
 # 背压：引擎管道满时请求在 pending 里等，最多 PENDING_MAX_FRAMES 个或 PENDING_MAX_BYTES 字节；再来的新请求
 # 立即以 HOLDING_FULL（"overloaded"）拒绝。本进程从不停止读客户端：负载再高，ping 照样回答（健康探针不会超时），
 # abort 照样转发；完全没有引擎连接时，请求在 1 秒宽限后被拒绝。

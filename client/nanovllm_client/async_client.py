@@ -147,7 +147,7 @@ class AsyncClient(ClientBase):
     # _recheck 任务兜底；发送一律 NOBLOCK，管道满时发送方等待 _readable 的唤醒（背压）。
     # 【边界】协议逻辑在 ClientState（与同步 Client 共用）；不重试失败的请求（引擎死不算失败：
     # ClientState 在新引擎实例起来后把在途请求连同已收到的输出重发，由新引擎续写）；不是线程安全的，
-    # 只能在创建它的事件循环里用（从别的线程中止请求用 abort_nowait）。同一进程的所有 AsyncClient
+    # 只能在创建它的事件循环里用（从别的线程 abort 请求用 abort_nowait）。同一进程的所有 AsyncClient
     # 共用一个 zmq.Context（一个 I/O 线程），64 个客户端不会唤醒 64 个 I/O 线程。
     # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping）；detok_proc（Ping / StatsReq / Resume，收 StreamOutput /
     # Pong / EngineStatus / StatsOutput）；AsyncStream；ClientBase 提供地址、id 分配、超时和帧处理。
@@ -194,13 +194,13 @@ class AsyncClient(ClientBase):
         """Start a request; `async for` over the result. See `build_request` for arguments."""
         # [ZH-START]
         # 1. build_request 校验参数（采样值、提示三选一等），不合法当场抛 ValueError，不上网络。
-        # 2. _wait_ready：等 detokenizer 应答 ping，最多 connect_timeout，否则抛 ServiceUnavailableError——
-        #    detokenizer 不认识我们的路由 id 之前，输出会被它丢掉。
+        # 2. _wait_ready：等反分词进程应答 ping，最多 connect_timeout，否则抛 ServiceUnavailableError——
+        #    反分词进程不认识我们的路由 id 之前，输出会被它丢掉。
         # 3. 正在 draining → 立即拒绝（ServiceDrainingError）；引擎已知死亡：不等新引擎（engine_restart_wait_s 为 0）
         #    就拒绝（EngineDeadError），否则请求留着（sent 返回 False），新引擎起来时由 _unpark 发出。
         # 4. _claim 分配 wire id（调用方 id + 序号，复用同一 id 的新旧流不会串），编码请求帧和重发帧。
         # 5. 先建队列登记到 _streams、在 ClientState 记下重发帧，再发送：第一个增量到达时一定有人接。
-        # 6. _send 发往 tokenizer，管道满时在这里等（背压）；等待中被取消或客户端关闭 → _end_stream 撤销第 5 步的
+        # 6. _send 发往分词进程，管道满时在这里等（背压）；等待中被取消或客户端关闭 → _end_stream 撤销第 5 步的
         #    登记（请求从未发出，同一 id 可以再用），再把异常抛出去。返回 AsyncStream。
         # [ZH-END]
         req = build_request(prompt, **kwargs)

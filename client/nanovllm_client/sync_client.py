@@ -11,7 +11,7 @@ per-stream queue.
 #   应用 ──▶【Client：DEALER】──请求──▶ 分词进程 ──▶ 引擎进程 ──▶ 反分词进程 ──增量──▶【DEALER：Client】
 #        ──▶ Stream 迭代器 ──▶ 应用
 # 一个 Client 对象可被多个线程同时使用、承载多条并发流。ZeroMQ socket 不是线程安全的，
-# 所以由一个后台 I/O 线程独占两个 DEALER（发往 tokenizer 的请求 / abort，来自 detokenizer 的输出）
+# 所以由一个后台 I/O 线程独占两个 DEALER（发往分词进程的请求 / abort，来自反分词进程的输出）
 # 和协议状态 ClientState（在途请求、各 stage 的健康、stage 重启后的重发与续传）；
 # 用户线程通过加锁的 inproc PUSH 给它发命令，从每条流自己的队列里读增量。
 # 只依赖 pyzmq + msgpack，不装 torch。
@@ -104,7 +104,7 @@ class Stream:
         # 1. 已结束则什么都不做（幂等）。
         # 2. 标记结束，_end_stream 注销本流（之后到达的输出被丢弃）。
         # 3. 向 I/O 线程发 _ABORT 命令（wire id + AbortReq 帧）；
-        #    它经 tokenizer 到达引擎的 control socket（引擎再忙也读），释放 KV 块；比请求先到时引擎记住它，
+        #    它经分词进程到达引擎的 control socket（引擎再忙也读），释放 KV 块；比请求先到时引擎记住它，
         #    请求一到就结束。
         # [ZH-END]
         if not self._done:
@@ -124,10 +124,10 @@ class Client(ClientBase):
     # [ZH-START]
     # 【职责】同步客户端：对外提供 stream / generate / abort / server_stats / wait_engine / close；
     # 对内一个后台 I/O 线程持有两个 DEALER 和 ClientState，定时 ping 两个 stage，把收到的帧变成增量分发到各流。
-    # 【边界】协议逻辑（tokenizer 重启后重发、detokenizer 重启后 Resume、引擎死亡判定）在 client_state.ClientState，
+    # 【边界】协议逻辑（分词进程重启后重发、反分词进程重启后 Resume、引擎死亡判定）在 client_state.ClientState，
     # 与 AsyncClient 共用，这里只做 I/O 和线程间传递；不重试失败的请求（引擎死不算失败：
     # ClientState 在新引擎实例起来后把在途请求连同已收到的输出重发，由新引擎续写）；两个 DEALER 用同一个随机路由 id，
-    # 以便 detokenizer 把输出路由回来。
+    # 以便反分词进程把输出路由回来。
     # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping）；detok_proc（Ping / StatsReq / Resume，收 StreamOutput /
     # Pong / EngineStatus / StatsOutput）；Stream；ClientBase 提供地址、id 分配和超时。
     # [ZH-END]
@@ -140,7 +140,7 @@ class Client(ClientBase):
         # 1. ClientBase 初始化：服务 URL 解析成五个端点（tokenizer、stream、engine、detok、control）；
         #    CURVE 密钥取自参数、环境变量指定的密钥文件，或 loopback tcp 服务的实例密钥（insecure_tcp 时不用）；
         #    随机路由 id（开了 CURVE 时以密钥标签开头）；超时与 ClientState。
-        # 2. _ready 事件：detokenizer 回了 pong（它已认识我们的路由 id）之后才置位。
+        # 2. _ready 事件：反分词进程回了 pong（它已认识我们的路由 id）之后才置位。
         # 3. _streams：wire id → 该流的 Queue；_stats：server_stats 的回复队列。
         # 4. 新建 zmq.Context，绑定一个本实例唯一的 inproc 命令端点，PUSH 端由 _cmd_lock 保护；
         #    _warnings 给 I/O 线程限频告警（ThrottledWarnings），坏帧再多也不会每帧一行。
@@ -169,7 +169,7 @@ class Client(ClientBase):
         """Start a request; iterate the result for `Delta`s. See `build_request` for arguments."""
         # [ZH-START]
         # 1. build_request：检查参数，建 GenerateReq。
-        # 2. _wait_ready：等 detokenizer 应答 ping，最多 connect_timeout；不然抛 ServiceUnavailableError——
+        # 2. _wait_ready：等反分词进程应答 ping，最多 connect_timeout；不然抛 ServiceUnavailableError——
         #    在它认识我们的路由 id 之前发请求，输出可能被 ROUTER 丢掉。
         # 3. _refuse_if_unavailable：服务在 draining → ServiceDrainingError；已知引擎死亡且不等新引擎
         #    （engine_restart_wait_s 为 0）→ EngineDeadError，否则请求留着等下一个引擎。
@@ -197,7 +197,7 @@ class Client(ClientBase):
         """Abort the stream of `request_id` (idempotent: unknown or finished ids are ignored)."""
         # [ZH-START]
         # 1. 按调用方 id 查在途的 wire id；不存在（未知或已结束）就忽略——abort 是幂等的。
-        # 2. _end_stream 注销该流，再向 I/O 线程发 _ABORT 命令（AbortReq 帧经 tokenizer 发往引擎）。
+        # 2. _end_stream 注销该流，再向 I/O 线程发 _ABORT 命令（AbortReq 帧经分词进程发往引擎）。
         # [ZH-END]
         wire_id = self._wire_ids.get(request_id)
         if wire_id is not None:
@@ -286,7 +286,7 @@ class Client(ClientBase):
 
     def _io_loop(self) -> None:
         # [ZH-START]
-        # 1. 在 I/O 线程里创建全部 socket：发往 tokenizer 的 DEALER、发往 detokenizer 的 DEALER（同一路由 id）、
+        # 1. 在 I/O 线程里创建全部 socket：发往分词进程的 DEALER、发往反分词进程的 DEALER（同一路由 id）、
         #    接收命令的 PULL；backlog 为两个 DEALER 各暂存一队对方暂时收不下的帧（I/O 线程从不阻塞在发送上，
         #    否则一个不再读的 stage 会卡住所有流和心跳）。
         # 2. 循环：
@@ -361,10 +361,10 @@ class Client(ClientBase):
         # [ZH-START]
         # 1. NOBLOCK 取完所有命令。
         # 2. _STOP → 返回 True，让 I/O 循环退出。
-        # 3. _GENERATE：ClientState.sent(wire id, resend 帧) 登记在途（供重发 / 续传），请求帧进 tokenizer 的积压队列；
+        # 3. _GENERATE：ClientState.sent(wire id, resend 帧) 登记在途（供重发 / 续传），请求帧进分词进程的积压队列；
         #    已知引擎死亡时 sent 返回 False：请求先留着，等新引擎起来由 _unpark 发出（在它自己的超时之内）。
         # 4. _ABORT：ClientState.forget(wire id)，abort 帧进同一队列（与请求同一队列，顺序不乱）。
-        # 5. _TO_STREAM（StatsReq）：detokenizer 有空位就 NOBLOCK 发出；没有（有积压或管道满）就丢弃并记警告，
+        # 5. _TO_STREAM（StatsReq）：反分词进程有空位就 NOBLOCK 发出；没有（有积压或管道满）就丢弃并记警告，
         #    server_stats() 等不到回复会报超时。
         # [ZH-END]
         while True:
@@ -390,7 +390,7 @@ class Client(ClientBase):
         # 1. NOBLOCK 收该 socket 的帧，最多 READ_BATCH（256）帧就回到 I/O 循环（心跳和命令不能被一股帧流饿死；
         #    剩下的帧下一轮 poll 还会报告），逐帧交给 _take_frame（ClientState.handle；就绪 → 置位 _ready；
         #    stats 回复进 _stats 队列；处理出错只记日志跳过这一帧，I/O 线程不能死——所有流都在等它）。
-        # 2. 需要重发给 tokenizer 的请求（tokenizer 换了实例）和发给 detokenizer 的 Resume 进各自的积压队列，
+        # 2. 需要重发给分词进程的请求（分词进程换了实例）和发给反分词进程的 Resume 进各自的积压队列，
         #    由 I/O 循环按序发出。
         # 3. _route 把增量分发到各流。
         # [ZH-END]
