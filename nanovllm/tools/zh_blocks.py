@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import re
+import unicodedata
 from dataclasses import dataclass, field
 
 START, END = "[ZH-START]", "[ZH-END]"
@@ -84,6 +85,19 @@ def _closing_problems(path: str, block: Block, end_indent: str) -> list[Problem]
     if not any(CJK.search(t) for t in block.text):
         problems.append(Problem(path, block.start, "no-chinese", "block has no Chinese text"))
     return problems
+
+
+def display_width(line: str) -> int:
+    """Columns `line` takes in a terminal or editor: wide and full-width characters (CJK text,
+    full-width punctuation) take two, every other character one."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in line)
+
+
+def wide_lines(path: str, text: str, blocks: list[Block], max_width: int) -> list[Problem]:
+    """The lines of `blocks` (marker lines included) wider than `max_width` columns."""
+    lines = text.splitlines()
+    return [Problem(path, n, "wide", f"Chinese block line is {w} columns wide, over {max_width}")
+            for b in blocks for n in range(b.start, b.end + 1) if (w := display_width(lines[n - 1])) > max_width]
 
 
 def strip_text(text: str, blocks: list[Block]) -> str:

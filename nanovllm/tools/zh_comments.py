@@ -3,7 +3,8 @@
 Annotations are comment blocks between two marker lines, kept apart from the code so that the
 code can follow upstream and an English-only tree is one `strip` away (docs/architecture.md):
 
-    python -m nanovllm.tools.zh_comments check [PATH]          markers paired, Chinese text, headers
+    python -m nanovllm.tools.zh_comments check [PATH]          markers paired, Chinese text, headers;
+                                                               warns of block lines over 120 columns
     python -m nanovllm.tools.zh_comments strip SRC --out DEST  English-only copy of a tree
     python -m nanovllm.tools.zh_comments strip FILE            one stripped file on stdout
     python -m nanovllm.tools.zh_comments stats [PATH]          levels present in each core module
@@ -25,10 +26,13 @@ from pathlib import Path
 
 from nanovllm.tools.zh_stale import REVIEWED, history_note, split_reviewed, work_tree_root
 from nanovllm.tools.zh_blocks import (COMMENT_PREFIX, Block, Problem, c_scopes, classify, find_blocks, python_scopes,
-                                      strip_text)
+                                      strip_text, wide_lines)
 
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".hypothesis", "build", "dist", "node_modules"}
 REPO_ROOT = Path(__file__).resolve().parents[2]
+MAX_WIDTH = 120
+"""Columns a block line may take (CJK characters count two): wider ones are warned of by `check`,
+refused with `check --strict-width`."""
 
 CORE_MODULES: dict[str, list[str]] = {
     "nanovllm/engine/block_manager.py": [f"BlockManager.{m}" for m in (
@@ -142,6 +146,17 @@ def check(target: Path) -> tuple[list[Problem], str]:
     return problems, summary
 
 
+def too_wide(target: Path, max_width: int = MAX_WIDTH) -> list[Problem]:
+    """Block lines under `target` (a tree or one file) wider than `max_width` columns."""
+    found = []
+    for path in source_files(target):
+        shown = path.relative_to(target).as_posix() if target.is_dir() else str(path)
+        text = path.read_text(encoding="utf-8")
+        blocks, _ = find_blocks(shown, text, COMMENT_PREFIX[path.suffix])
+        found += wide_lines(shown, text, blocks, max_width)
+    return found
+
+
 def _core_problems(shown: str, text: str, suffix: str, keys: list[str], blocks: list[Block]) -> list[Problem]:
     try:
         cov = analyse(shown, text, suffix, keys, blocks)
@@ -227,8 +242,10 @@ def stats_table(root: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanovllm.tools.zh_comments", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("check", help="markers paired, Chinese text present, core modules have headers").add_argument(
-        "path", nargs="?", type=Path, default=REPO_ROOT)
+    check_cmd = sub.add_parser("check", help="markers paired, Chinese text present, core modules have headers")
+    check_cmd.add_argument("path", nargs="?", type=Path, default=REPO_ROOT)
+    check_cmd.add_argument("--max-width", type=int, default=MAX_WIDTH, help="columns a block line may take")
+    check_cmd.add_argument("--strict-width", action="store_true", help="a wider line is a problem, not a warning")
     strip = sub.add_parser("strip", help="English-only copy of a tree (--out), or one file to stdout")
     strip.add_argument("path", type=Path)
     strip.add_argument("--out", type=Path)
@@ -241,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.path} does not exist")
     if args.command == "check":
         problems, summary = check(args.path)
+        wide = too_wide(args.path, args.max_width)
+        if args.strict_width:
+            problems += wide
+        else:
+            for p in wide:
+                print(f"warning: {p}", file=sys.stderr)
+            summary += f" ({len(wide)} line(s) over {args.max_width} columns)" if wide else ""
         return _report(problems, f"zh_comments check: {summary}, no problems")
     if args.command == "stale":
         return _report_stale(args.path)

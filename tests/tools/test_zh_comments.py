@@ -191,3 +191,26 @@ def test_a_block_after_a_docstring_only_body_belongs_to_that_body():
     coverage = zh.analyse("m.py", text, ".py", ["Policy.key"], blocks)
     assert coverage.header and coverage.classes_annotated == ["Rejected", "Policy"]
     assert coverage.keys_annotated == ["Policy.key"]
+
+
+def test_a_block_line_over_the_width_is_warned_of_and_refused_when_strict(module_copy, capsys):
+    path, lines = module_copy
+    i = first_method_block(lines)
+    assert zh.main(["check", "--strict-width", str(path)]) == 0  # the module's own lines fit
+    lines.insert(i + 1, "        # " + "块表" * 50)  # 8 + 2 + 200 columns: each CJK character takes two
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert [(p.kind, p.line) for p in zh.too_wide(path)] == [("wide", i + 2)]
+    assert zh.too_wide(path, max_width=210) == []
+    assert zh.main(["check", str(path)]) == 0  # a warning by default
+    out = capsys.readouterr()
+    assert f"warning: {path}:{i + 2}: Chinese block line is 210 columns wide, over 120" in out.err
+    assert "1 line(s) over 120 columns" in out.out
+    assert zh.main(["check", "--strict-width", str(path)]) == 1
+    assert zh.main(["check", "--strict-width", "--max-width", "210", str(path)]) == 0
+
+
+def test_display_width_counts_cjk_twice():
+    from nanovllm.tools.zh_blocks import display_width
+    assert display_width("abc") == 3
+    assert display_width("块表，") == 6  # full-width punctuation too
+    assert display_width("──▶") == 3  # box drawing and arrows are narrow
