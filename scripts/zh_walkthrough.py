@@ -116,6 +116,7 @@ def trace() -> list[str]:
     from nanovllm.models.tokenizer import load_tokenizer
     from nanovllm.sampling_params import SamplingParams
     from nanovllm_client import protocol as p
+    from nanovllm_client.client_state import ClientState
     from prometheus_client import CollectorRegistry
     from tokenizer_proc.requests import RequestBuilder, sampling_fields
 
@@ -129,10 +130,12 @@ def trace() -> list[str]:
 
     # The tokenizer stage's work: a GenerateReq in, a TokenizedReq frame out.
     builder = RequestBuilder(tokenizer, sampling_fields(SamplingParams), SamplingParams)
+    def generate_req(request_id: str, prompt: str, max_tokens: int) -> p.GenerateReq:
+        return p.GenerateReq(request_id, prompt=prompt, sampling={"max_tokens": max_tokens, "temperature": 0.0,
+                                                                   "ignore_eos": True})
+
     def tokenized(request_id: str, prompt: str, max_tokens: int) -> p.TokenizedReq:
-        req = p.GenerateReq(request_id, prompt=prompt, sampling={"max_tokens": max_tokens, "temperature": 0.0,
-                                                                  "ignore_eos": True})
-        return p.decode(builder.build(CLIENT, req))
+        return p.decode(builder.build(CLIENT, generate_req(request_id, prompt, max_tokens)))
 
     # An earlier request with the same first block: its K/V is in the prefix cache when ours comes.
     warm = tokenized("warm", WARM_PROMPT, 1)
@@ -142,6 +145,8 @@ def trace() -> list[str]:
     out(f"warm.num_tokens = {len(p.unpack_token_ids(warm.prompt_token_ids))}")
     out(f"warm.cached_blocks = {sorted(bm.hash_to_block_id.values())}")
 
+    client = ClientState()  # the client's side: frames in, each stream's deltas out
+    client.sent("req-1", generate_req("req-1", PROMPT, MAX_TOKENS).encode())
     req = tokenized("req-1", PROMPT, MAX_TOKENS)
     ids = p.unpack_token_ids(req.prompt_token_ids)
     out(f"request.engine_id = {req.request_id}")
@@ -169,6 +174,7 @@ def trace() -> list[str]:
     streams = RequestStreams(tokenizer, DetokMetrics(CollectorRegistry()))
     started = [p.StartedRow(req.request_id, req.meta)]
     text = ""
+    usage = None
     n = 0
     while engine.has_unfinished_requests():
         n += 1
@@ -210,12 +216,14 @@ def trace() -> list[str]:
         out(f"{key}.output_row = token_ids={new} finished={row.finished} finish_reason={row.finish_reason} "
             f"num_prompt_tokens={row.num_prompt_tokens} num_output_tokens={row.num_output_tokens} "
             f"num_cached_tokens={row.num_cached_tokens}")
-        for frame in frames:
-            for delta in streams.step(p.decode(frame)).deltas.get(CLIENT, []):
-                text += delta.text
-                out(f"{key}.delta = request_id={delta.request_id} text={delta.text!r} "
-                    f"finish_reason={delta.finish_reason}")
+        deltas = [d for frame in frames for d in streams.step(p.decode(frame)).deltas.get(CLIENT, [])]
+        for delta in deltas:
+            out(f"{key}.delta = request_id={delta.request_id} text={delta.text!r} finish_reason={delta.finish_reason}")
+        for delta in client.handle(p.StreamOutput(deltas).encode()).deltas:  # as the detokenizer sends them
+            text += delta.text
+            usage = delta.usage or usage
     out(f"client.text = {text!r}")
+    out(f"client.usage = {usage}")
     engine.runner.close()
     return lines
 
