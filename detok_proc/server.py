@@ -315,9 +315,9 @@ class DetokStage:
         # 3. accept：不是恰好一帧、解不开、或不是 Ping / StatsReq / Resume → 已按原因计数，把返回的 ErrorOutput 发回
         #    （类型不对的还告诉它请求应发到分词进程的端点）。
         # 4. Ping → 回 Pong；本实例第一次听到它且引擎活着：再发 EngineStatus（EngineWatch.announcement）
-        #    说出跟随的引擎实例——客户端若记得另一个实例，
-        #    就知道引擎重启过（看到旧引擎死掉的反分词进程可能也一起死了）；StatsReq → StatsOutput；
-        #    Resume → on_resume。
+        #    说出跟随的引擎实例——客户端若记得另一个实例，就知道引擎重启过
+        #    （看到旧引擎死掉的反分词进程可能也一起死了）。
+        #    StatsReq → StatsOutput；Resume → on_resume。
         # [ZH-END]
         self.metrics.frame_received()
         if claimed_id(identity, key):

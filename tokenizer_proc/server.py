@@ -219,7 +219,7 @@ class TokenizerStage:
         # 3. 按类型分发：
         #    GenerateReq → _on_generate；
         #    AbortReq → 换成引擎侧 id "<客户端身份 hex>:<request_id>"，
-        #    _send_abort 直接推给引擎的 control socket（不排在 pending 后面）；
+        #               _send_abort 直接推给引擎的 control socket（不排在 pending 后面）；
         #    Ping → 回 Pong("tokenizer", 实例 id, 引擎是否已连接, 状态, 运行时长)。
         # [ZH-END]
         self.metrics.frame_received()
