@@ -95,10 +95,16 @@ def test_mapping_names_and_refusals():
                        "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 1, "user": "u"})
     assert call.prompt == [{"role": "user", "content": "hi"}]
     assert call.kwargs == {"temperature": 0.0, "top_k": 3, "min_p": 0.1, "repetition_penalty": 1.1, "seed": 7,
-                           "max_tokens": 5, "stop": ["x"], "logit_bias": {42: -100.0}, "ignore_eos": True,
+                           "max_tokens": 5, "stop": ["x"], "logit_bias": {"42": -100.0}, "ignore_eos": True,
                            "priority": 2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 1}
     assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
-    for body, param in [({"model": "m", "prompt": "a", "response_format": {"type": "json_object"}}, "response_format"),
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}
+    call = parse_completion({"model": "m", "prompt": "a", "response_format": schema})
+    assert json.loads(call.kwargs["response_format"]) == schema  # JSON text, as the wire carries it
+    too_big = {"type": "regex", "regex": "a" * (64 * 1024)}
+    for body, param in [({"model": "m", "prompt": "a", "response_format": "json_object"}, "response_format"),
+                        ({"model": "m", "prompt": "a", "response_format": {"schema": {}}}, "response_format"),
+                        ({"model": "m", "prompt": "a", "response_format": too_big}, "response_format"),
                         ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs"),
                         ({"model": "m", "prompt": "a", "n": 2}, "n"),
                         ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),

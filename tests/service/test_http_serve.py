@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 
+import jsonschema
 import pytest
 
 pytest.importorskip("uvicorn")
@@ -126,8 +127,65 @@ def test_the_openai_sdk(front):
     with pytest.raises(openai.NotFoundError):
         sdk.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError) as e:
-        sdk.chat.completions.create(model=model, messages=messages, response_format={"type": "json_object"})
+        sdk.chat.completions.create(model=model, messages=messages, logprobs=True)
+    assert e.value.body["param"] == "logprobs"
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "role": {"enum": ["admin", "user", "guest"]}},
+    "required": ["name", "age", "role"], "additionalProperties": False}
+
+
+def _bias_on(model_dir: str, text: str) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(text, add_special_tokens=False)
+    assert len(ids) == 1, ids
+    return {str(ids[0]): 100.0}
+
+
+def _sdk(port):
+    openai = pytest.importorskip("openai")
+    return openai, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_through_the_openai_sdk(front, stream):
+    _, _, port, client, model = front
+    openai, sdk = _sdk(port)
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    # A random-weight model left to itself writes an object without end: the bias on "}" closes
+    # json_object's object at once; the schema's bounds end the other on their own.
+    cases = [("chat", schema_format, {}, PERSON), ("completions", schema_format, {}, PERSON),
+             ("chat", {"type": "json_object"}, {"logit_bias": _bias_on(model, "}")}, {"type": "object"})]
+    for route, fmt, extra, want in cases:
+        for seed in range(3):
+            args = dict(model=model, max_tokens=64, temperature=0.8, seed=seed, response_format=fmt,
+                        stream=stream, **extra)
+            if route == "chat":
+                out = sdk.chat.completions.create(messages=[{"role": "user", "content": "A person?"}], **args)
+                pieces = ([c.choices[0].delta.content or "" for c in out if c.choices] if stream
+                          else [out.choices[0].message.content])
+            else:
+                args.pop("response_format")
+                out = sdk.completions.create(prompt="A person:", extra_body={"response_format": fmt}, **args)
+                pieces = [c.choices[0].text for c in out] if stream else [out.choices[0].text]
+            text = "".join(pieces)
+            jsonschema.validate(json.loads(text), want)
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the engine, which compiles it
+        sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], stream=stream,
+                                    response_format={"type": "json_schema", "json_schema": {
+                                        "name": "r", "schema": {"$ref": "#/$defs/missing"}}})
+    assert e.value.status_code == 400 and e.value.body["param"] == "response_format"
+    assert "response_format" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the front: no type
+        sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], stream=stream,
+                                    response_format={"json_schema": {}})
     assert e.value.body["param"] == "response_format"
+    procs_alive = client.generate("x", max_tokens=2)
+    assert procs_alive.finish_reason in ("stop", "length")
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")

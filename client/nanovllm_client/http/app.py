@@ -69,7 +69,9 @@ def _service_error(e: Exception) -> ApiError:
     if isinstance(e, ValueError):
         return bad(str(e))
     if isinstance(e, RequestError):  # refused by a stage: the prompt (too long, a bad template) or a value
-        return bad(f"request failed: {e}")
+        # The stages name the field they refuse in their message; response_format is the one
+        # refused only there (its grammar is compiled by the engine), so it is named as the param.
+        return bad(f"request failed: {e}", "response_format" if "response_format" in str(e) else None)
     return ApiError(500, f"request failed: {e}")
 
 
@@ -149,6 +151,15 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             except BaseException:
                 metrics.active -= 1
                 raise
+            try:
+                # The first delta before the headers: a request the stages refuse (a prompt too
+                # long, a schema that does not compile) gets its 400, not a 200 and an error event.
+                events = aiter(stream)
+                first = await anext(events) if call.stream else None
+            except BaseException:
+                stream.cancel()
+                metrics.active -= 1
+                raise
         except ApiError as e:
             metrics.count(route, e.status)
             return _error(e)
@@ -161,7 +172,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         kind = "chat.completion" if chat else "text_completion"
         if call.stream:
             metrics.count(route, 200)
-            return StreamingResponse(_sse(stream, call, rid, created, kind, chat, settings.model, metrics),
+            return StreamingResponse(_sse(first, events, stream, call, rid, created, kind, chat, settings.model, metrics),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text, reason, usage = [], None, None
@@ -211,7 +222,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
     return app
 
 
-async def _sse(stream: Any, call: Call, rid: str, created: int, kind: str, chat: bool, model: str,
+async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, rid: str, created: int, kind: str, chat: bool, model: str,
                metrics: Metrics) -> AsyncIterator[bytes]:
     """The SSE body; cancelled by the server when the HTTP client goes away, which aborts the request."""
     chunk_kind = kind + ".chunk" if chat else kind
@@ -228,7 +239,7 @@ async def _sse(stream: Any, call: Call, rid: str, created: int, kind: str, chat:
         if chat:
             yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
                         None, call.include_usage)
-        async for d in stream:
+        async for d in _chain(first, events):
             reason = _finish(d.finish_reason) if d.finished else None
             if d.text or reason:
                 piece = ({"index": 0, "delta": {"content": d.text} if d.text else {}, "finish_reason": reason,
@@ -253,3 +264,9 @@ async def _sse(stream: Any, call: Call, rid: str, created: int, kind: str, chat:
             metrics.disconnects += 1
         stream.cancel()  # aborts the request in the engine when it did not finish (idempotent)
         metrics.active -= 1
+
+
+async def _chain(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for d in events:
+        yield d

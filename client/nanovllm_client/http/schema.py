@@ -6,10 +6,12 @@ and the engine's own checks (SamplingParams) stand behind these.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..protocol import MAX_RESPONSE_FORMAT_CHARS
 from .errors import bad
 
 MAX_STOPS = 16
@@ -25,10 +27,8 @@ _INT = {"top_k": (-1, 1 << 20), "min_tokens": (0, 1 << 20), "seed": (-(1 << 63),
         "priority": (-(1 << 20), 1 << 20)}
 # Accepted and without effect on the output by definition (no silent loss of meaning).
 _NOOP = {"model", "stream", "stream_options", "user", "n"}
-# Known to OpenAI or vLLM, not honoured (yet): a 400 naming them.
-# response_format: passes through once SamplingParams carries it (one entry in _PASS_THROUGH).
-_PASS_THROUGH: set[str] = set()
-_COMMON = set(_FLOAT) | set(_INT) | _NOOP | _PASS_THROUGH | {
+# Any other field (logprobs, tools, ...) is refused with a 400 naming it.
+_COMMON = set(_FLOAT) | set(_INT) | _NOOP | {"response_format",
     "max_tokens", "stop", "ignore_eos", "logit_bias", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
@@ -76,15 +76,32 @@ def _stops(value: Any) -> list[str]:
     return stops
 
 
-def _logit_bias(value: Any) -> dict[int, float]:
+def _logit_bias(value: Any) -> dict[str, float]:
+    """Token id (as text: the wire's maps have string keys, as OpenAI's JSON does) to bias."""
     if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
         raise bad(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} entries", "logit_bias")
     out = {}
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
             raise bad(f"'logit_bias' keys must be token ids, got {key[:32]!r}", "logit_bias")
-        out[int(key)] = _number("logit_bias", bias, -100.0, 100.0)
+        out[str(int(key))] = _number("logit_bias", bias, -100.0, 100.0)
     return out
+
+
+def _response_format(value: Any) -> str:
+    """OpenAI's shape, as JSON text for the wire. Only its outline is checked here: the service
+    checks the rest and compiles it (a schema that does not compile comes back as a 400 too)."""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad("'response_format' must be an object with a 'type' (json_object, json_schema, ...)",
+                  "response_format")
+    try:
+        text = json.dumps(value, separators=(",", ":"))
+    except (ValueError, RecursionError):
+        raise bad("'response_format' nests too deep", "response_format") from None
+    if len(text) > MAX_RESPONSE_FORMAT_CHARS:
+        raise bad(f"'response_format' is {len(text)} characters of JSON, at most {MAX_RESPONSE_FORMAT_CHARS}",
+                  "response_format")
+    return text
 
 
 def _common(body: dict, allowed: set[str], max_len_name: str) -> tuple[str, bool, bool, dict]:
@@ -131,9 +148,8 @@ def _common(body: dict, allowed: set[str], max_len_name: str) -> tuple[str, bool
     for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
         if body.get(name) is not None:
             kw[name] = _bool(name, body[name])
-    for name in _PASS_THROUGH:
-        if body.get(name) is not None:
-            kw[name] = body[name]
+    if body.get("response_format") is not None:
+        kw["response_format"] = _response_format(body["response_format"])
     return model, stream, include_usage, kw
 
 
