@@ -62,27 +62,57 @@ async def _notify(server) -> None:
         await asyncio.sleep(usec / 3e6)
 
 
+ENV_PREFIX = "NANOVLLM_HTTP_"
+"""Every --flag of the front has a default in $NANOVLLM_HTTP_FLAG (its unit's env file sets them);
+--url reads $NANOVLLM_URL as every client does, --model falls back to $NANOVLLM_MODEL."""
+
+
+def env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.removeprefix("--").upper().replace("-", "_")
+
+
+def _flag(ap: argparse.ArgumentParser, flag: str, default, help: str, **kw) -> None:
+    # A string default is parsed by `type` as the command line would be: a bad value in the
+    # environment is the same clear error as a bad flag.
+    ap.add_argument(flag, default=os.environ.get(env_name(flag)) or default,
+                    help=f"{help} (env {env_name(flag)})", **kw)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nanovllm-http", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=default_url(), help="the service's address (default %(default)s)")
-    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s); a non-loopback "
-                                                        "address requires --api-key-file")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--model", default="default", help="the model name clients send (default %(default)s)")
-    ap.add_argument("--api-key-file", help="file of API keys, one per line (Authorization: Bearer KEY)")
-    ap.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413 (default %(default)s)")
-    ap.add_argument("--max-streams", type=int, default=256,
-                    help="requests in flight at most; more get 429 (default %(default)s)")
-    ap.add_argument("--max-connections", type=int, default=1024,
-                    help="open connections at most; more get 503 (default %(default)s)")
-    ap.add_argument("--idle-timeout", type=float, default=5.0,
-                    help="seconds an idle keep-alive connection is kept (default %(default)s)")
-    ap.add_argument("--drain-timeout", type=float, default=30.0,
-                    help="seconds SIGTERM waits for requests in flight (default %(default)s)")
-    ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
+    ap.add_argument("--url", default=default_url(), help="the service's address (default %(default)s; env NANOVLLM_URL)")
+    _flag(ap, "--host", "127.0.0.1", "address to bind (default %(default)s); a non-loopback address requires "
+                                     "--api-key-file")
+    _flag(ap, "--port", 8000, "port to bind (default %(default)s)", type=int)
+    _flag(ap, "--model", os.environ.get("NANOVLLM_MODEL") or "default",
+          "the model name clients send (default %(default)s, from NANOVLLM_MODEL when set)")
+    _flag(ap, "--api-key-file", None, "file of API keys, one per line (Authorization: Bearer KEY)")
+    _flag(ap, "--max-body-bytes", 4 << 20, "larger bodies get 413 (default %(default)s)", type=int)
+    _flag(ap, "--max-streams", 256, "requests in flight at most; more get 429 (default %(default)s)", type=int)
+    _flag(ap, "--max-connections", 1024, "open connections at most; more get 503 (default %(default)s)", type=int)
+    _flag(ap, "--idle-timeout", 5.0, "seconds an idle keep-alive connection is kept (default %(default)s)",
+          type=float)
+    _flag(ap, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight (default %(default)s)",
+          type=float)
+    _flag(ap, "--request-timeout", 600.0, "seconds before a request is aborted (default %(default)s)", type=float)
     add_client_key_flags(ap)
     return ap
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn raises the signal that stopped it again once it has drained, so the process
+        dies of SIGTERM; after a drain the front exits 0, as the stages do (systemd, the
+        supervisor and a shell read a clean stop alike)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            getattr(self, "_captured_signals", []).clear()
+
+    return Server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanovllm-http: binding {args.host} (not loopback) requires --api-key-file", file=sys.stderr)
         return 2
 
+    _Server = _server_class()
+
     async def serve() -> None:
         client = AsyncClient(args.url, timeout=args.request_timeout, curve=curve, insecure_tcp=args.insecure_tcp)
         await client.start()
@@ -116,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                                 limit_concurrency=args.max_connections, timeout_keep_alive=args.idle_timeout,
                                 timeout_graceful_shutdown=args.drain_timeout, log_level="warning",
                                 access_log=False, lifespan="off")
-        server = uvicorn.Server(config)
+        server = _Server(config)
         notifier = asyncio.get_running_loop().create_task(_notify(server))
         try:
             await server.serve()  # SIGTERM/SIGINT: stop accepting, finish what is in flight
