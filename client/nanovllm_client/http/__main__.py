@@ -10,10 +10,10 @@ import argparse
 import asyncio
 import ipaddress
 import os
-import socket
 import sys
 
 from ..endpoints import default_url
+from ..sdnotify import sd_notify
 from ..security import CLIENT_KEY_ENV, SERVER_KEY_ENV, add_client_key_flags, client_keys_from_env
 
 
@@ -35,30 +35,14 @@ def read_keys(path: str) -> tuple[str, ...]:
     return keys
 
 
-def _sd_notify(message: str) -> None:
-    """systemd's (or `nanovllm serve`'s) $NOTIFY_SOCKET; nothing without one. Never waits (the
-    event loop sends it): a manager that is not reading costs this line. The stages' twin is
-    nanovllm.service.notify.sd_notify, which this package may not import."""
-    path = os.environ.get("NOTIFY_SOCKET")
-    if not path:
-        return
-    if path.startswith("@"):
-        path = "\0" + path[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-        try:
-            s.sendto(message.encode(), socket.MSG_DONTWAIT, path)
-        except OSError:
-            pass
-
-
 async def _notify(server) -> None:
     """READY=1 once the port listens; then WATCHDOG=1 from the event loop that serves (a hung loop goes silent)."""
     while not server.started:
         await asyncio.sleep(0.05)
-    _sd_notify("READY=1")
+    sd_notify("READY=1")
     usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
     while usec > 0:
-        _sd_notify("WATCHDOG=1")
+        sd_notify("WATCHDOG=1")
         await asyncio.sleep(usec / 3e6)
 
 
