@@ -17,6 +17,7 @@ from nanovllm_client.errors import ServiceDrainingError  # noqa: E402
 from nanovllm_client.http.app import Settings, build_app  # noqa: E402
 from nanovllm_client.http.schema import parse_chat, parse_completion  # noqa: E402
 from nanovllm_client.http.errors import ApiError  # noqa: E402
+from nanovllm_client.http.server import build_server  # noqa: E402
 
 
 class FakeStream:
@@ -202,6 +203,45 @@ def test_disconnect_aborts_and_stream_limit(front):
     status, body = _req(port, "GET", "/metrics")
     assert status == 200 and b"nanovllm_http_client_disconnects_total 4" in body
     assert b"nanovllm_http_active_requests 0" in body
+
+
+def _wait(predicate, what, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_over_the_connection_limit_a_request_gets_503_in_openai_shape():
+    port = _free_port()
+    server = build_server(build_app(FakeClient(), Settings(model="m")), host="127.0.0.1", port=port,
+                          max_connections=2, idle_timeout=5.0, drain_timeout=5.0)
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    idle = []
+    try:
+        _wait(lambda: server.started, "the server to start")
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # open, saying nothing
+        _wait(lambda: len(server.server_state.connections) == 2, "two open connections")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("POST", "/v1/completions", body=json.dumps({"model": "m", "prompt": "a"}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        body = json.loads(r.read())
+        assert r.status == 503 and r.getheader("connection") == "close", (r.status, body)
+        assert body == {"error": {"message": "too many open connections (at most 2); retry later",
+                                  "type": "service_unavailable", "param": None, "code": "too_many_connections"}}
+        conn.close()
+        for s in idle:
+            s.close()
+        _wait(lambda: not server.server_state.connections, "the connections to close")
+        status, out = _req(port, "POST", "/v1/completions", {"model": "m", "prompt": "a"})
+        assert status == 200 and json.loads(out)["choices"][0]["text"] == "Hello!"
+    finally:
+        for s in idle:
+            s.close()
+        server.should_exit = True
+        t.join(10)
 
 
 def test_cli_help_and_a_public_bind_without_keys_is_refused(tmp_path):

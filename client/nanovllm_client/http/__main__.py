@@ -84,26 +84,11 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn raises the signal that stopped it again once it has drained, so the process
-        dies of SIGTERM; after a drain the front exits 0, as the stages do (systemd, the
-        supervisor and a shell read a clean stop alike)."""
-
-        def handle_exit(self, sig, frame) -> None:
-            super().handle_exit(sig, frame)
-            getattr(self, "_captured_signals", []).clear()
-
-    return Server
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        import uvicorn
         from .app import Settings, build_app
+        from .server import build_server
     except ImportError as e:
         print(f"nanovllm-http: {e}; install the http extra: pip install 'nanovllm-client[http]'", file=sys.stderr)
         return 2
@@ -120,19 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanovllm-http: binding {args.host} (not loopback) requires --api-key-file", file=sys.stderr)
         return 2
 
-    _Server = _server_class()
-
     async def serve() -> None:
         client = AsyncClient(args.url, timeout=args.request_timeout, curve=curve, insecure_tcp=args.insecure_tcp)
         await client.start()
         settings = Settings(model=args.model, api_keys=keys, max_body_bytes=args.max_body_bytes,
                             max_streams=args.max_streams,
                             health=lambda: check_health(args.url, 5.0, curve))
-        config = uvicorn.Config(build_app(client, settings), host=args.host, port=args.port,
-                                limit_concurrency=args.max_connections, timeout_keep_alive=args.idle_timeout,
-                                timeout_graceful_shutdown=args.drain_timeout, log_level="warning",
-                                access_log=False, lifespan="off")
-        server = _Server(config)
+        server = build_server(build_app(client, settings), host=args.host, port=args.port,
+                              max_connections=args.max_connections, idle_timeout=args.idle_timeout,
+                              drain_timeout=args.drain_timeout)
         notifier = asyncio.get_running_loop().create_task(_notify(server))
         try:
             await server.serve()  # SIGTERM/SIGINT: stop accepting, finish what is in flight
