@@ -174,7 +174,7 @@ def test_response_format_through_the_openai_sdk(front, stream):
                 pieces = [c.choices[0].text for c in out] if stream else [out.choices[0].text]
             text = "".join(pieces)
             jsonschema.validate(json.loads(text), want)
-    with pytest.raises(openai.BadRequestError) as e:  # refused by the engine, which compiles it
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the service, which compiles it
         sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], stream=stream,
                                     response_format={"type": "json_schema", "json_schema": {
                                         "name": "r", "schema": {"$ref": "#/$defs/missing"}}})

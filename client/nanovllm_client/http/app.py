@@ -70,7 +70,7 @@ def _service_error(e: Exception) -> ApiError:
         return bad(str(e))
     if isinstance(e, RequestError):  # refused by a stage: the prompt (too long, a bad template) or a value
         # The stages name the field they refuse in their message; response_format is the one
-        # refused only there (its grammar is compiled by the engine), so it is named as the param.
+        # refused only there (a stage compiles its grammar), so it is named as the param.
         return bad(f"request failed: {e}", "response_format" if "response_format" in str(e) else None)
     return ApiError(500, f"request failed: {e}")
 
