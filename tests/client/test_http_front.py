@@ -21,8 +21,8 @@ from nanovllm_client.http.server import build_server  # noqa: E402
 
 
 class FakeStream:
-    def __init__(self, words, slow):
-        self.words, self.slow, self.cancelled, self.done = words, slow, False, False
+    def __init__(self, words, slow, reason="length"):
+        self.words, self.slow, self.reason, self.cancelled, self.done = words, slow, reason, False, False
 
     def __aiter__(self):
         return self._gen()
@@ -32,7 +32,7 @@ class FakeStream:
             if self.slow:
                 await asyncio.sleep(self.slow)
             last = i == len(self.words) - 1
-            yield Delta("r", w, [i], "length" if last else None,
+            yield Delta("r", w, [i], self.reason if last else None,
                         {"prompt_tokens": 3, "completion_tokens": len(self.words), "cached_tokens": 0} if last else None)
         self.done = True
 
@@ -43,12 +43,14 @@ class FakeStream:
 class FakeClient:
     def __init__(self):
         self.calls, self.streams, self.slow, self.draining = [], [], 0.0, False
+        self.words, self.reason = None, "length"  # what the next streams answer (default: "Hello!")
 
     async def stream(self, prompt, **kw):
         if self.draining:
             raise ServiceDrainingError("draining")
         self.calls.append((prompt, kw))
-        s = FakeStream(["Hel", "lo", "!"] if not self.slow else ["x"] * 200, self.slow)
+        words = self.words or (["Hel", "lo", "!"] if not self.slow else ["x"] * 200)
+        s = FakeStream(words, self.slow, self.reason)
         self.streams.append(s)
         return s
 
@@ -117,9 +119,29 @@ def test_mapping_names_and_refusals():
         with pytest.raises(ApiError) as e:
             parse_completion(body)
         assert e.value.status == 400 and e.value.param == param, body
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
+                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    call = parse_chat({"model": "m", "messages": turns, "tools": [weather], "tool_choice": "auto"})
+    assert call.tools and call.kwargs["tools"] == [weather]
+    assert call.prompt[1] == {"role": "assistant", "content": "", "tool_calls": turns[1]["tool_calls"]}
+    assert call.prompt[2] == turns[2]
+    call = parse_chat({"model": "m", "messages": turns[:1], "tools": [weather], "tool_choice": "none"})
+    assert not call.tools and "tools" not in call.kwargs
+    for extra, param in [({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+                         ({"tools": [{"type": "retrieval"}]}, "tools"),
+                         ({"tools": weather}, "tools"),
+                         ({"tools": [weather], "tool_choice": "required"}, "tool_choice"),
+                         ({"tools": [weather], "parallel_tool_calls": False}, "parallel_tool_calls")]:
+        with pytest.raises(ApiError) as e:
+            parse_chat({"model": "m", "messages": turns[:1], **extra})
+        assert e.value.param == param, extra
     with pytest.raises(ApiError) as e:
-        parse_chat({"model": "m", "messages": [{"role": "tool", "content": "x"}]})
-    assert e.value.param == "messages"
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": []}]})
+    assert "messages[0].tool_calls" in e.value.message
     with pytest.raises(ApiError) as e:
         parse_chat({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]})
     assert "messages[0].name" in e.value.message
@@ -153,6 +175,41 @@ def test_streaming_sse(front):
     status, body = _req(port, "POST", "/v1/completions", {"model": "m", "prompt": "x", "stream": True})
     events = [e for e in body.decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]" and "usage" not in json.loads(events[0][6:])
+
+
+def test_tool_calls_and_reasoning_whole_and_streamed(front):
+    client, port = front
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [weather]}
+    client.words = ["<think>It is a weather", " question.</th", "ink>\n<tool_", 'call>\n{"name": "get_weather", ',
+                    '"arguments": {"city":', ' "Paris"}}\n</tool_call>']
+    client.reason = "stop"
+    try:
+        status, out = _req(port, "POST", "/v1/chat/completions", body)
+        assert client.calls[-1][1]["tools"] == [weather]
+        choice = json.loads(out)["choices"][0]
+        assert status == 200 and choice["finish_reason"] == "tool_calls", out
+        message = choice["message"]
+        assert message["content"] is None and message["reasoning_content"] == "It is a weather question."
+        [tool_call] = message["tool_calls"]
+        assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        assert tool_call["type"] == "function" and tool_call["id"].startswith("call_")
+        status, out = _req(port, "POST", "/v1/chat/completions", {**body, "stream": True})
+        chunks = [json.loads(e[6:]) for e in out.decode().split("\n\n") if e and e != "data: [DONE]"]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "It is a weather question."
+        calls = [t for d in deltas for t in d.get("tool_calls", [])]
+        assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and calls[0]["index"] == 0
+        assert "".join(t["function"]["arguments"] for t in calls) == '{"city": "Paris"}'
+        assert len(calls) >= 3  # the arguments came in pieces, as they arrived
+        assert not any(d.get("content") for d in deltas)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # without tools the same text is content (after the reasoning)
+        status, out = _req(port, "POST", "/v1/chat/completions", {**body, "tools": None})
+        message = json.loads(out)["choices"][0]["message"]
+        assert message["content"].startswith("<tool_call>") and "tool_calls" not in message
+    finally:
+        client.words, client.reason = None, "length"
 
 
 def test_errors_in_openai_shape(front):

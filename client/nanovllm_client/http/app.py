@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from ..errors import (EngineDeadError, RequestError, RequestTimeoutError, ServiceDrainingError,
                       ServiceUnavailableError)
+from . import chat_output
 from .errors import ApiError, bad
 from .schema import Call, parse_chat, parse_completion
 
@@ -192,9 +193,13 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         metrics.prompt_tokens += body_usage["prompt_tokens"]
         metrics.completion_tokens += body_usage["completion_tokens"]
         out = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": _finish(reason),
-                   "logprobs": None} if chat else
-                  {"index": 0, "text": out, "finish_reason": _finish(reason), "logprobs": None})
+        if chat:  # the same parser a stream goes through, fed the whole text
+            parser = chat_output.ChatOutputParser(tools=call.tools)
+            parsed = parser.feed(out) + parser.finish()
+            choice = {"index": 0, "message": chat_output.message(parsed, parser.calls),
+                      "finish_reason": chat_output.finish_reason(_finish(reason), parser.calls), "logprobs": None}
+        else:
+            choice = {"index": 0, "text": out, "finish_reason": _finish(reason), "logprobs": None}
         metrics.count(route, 200)
         return JSONResponse({"id": rid, "object": kind, "created": created, "model": settings.model,
                              "choices": [choice], "usage": body_usage})
@@ -235,17 +240,25 @@ async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, 
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
     finished = False
+    parser = chat_output.ChatOutputParser(tools=call.tools) if chat else None
     try:
         if chat:
             yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
                         None, call.include_usage)
         async for d in _chain(first, events):
             reason = _finish(d.finish_reason) if d.finished else None
-            if d.text or reason:
-                piece = ({"index": 0, "delta": {"content": d.text} if d.text else {}, "finish_reason": reason,
-                          "logprobs": None} if chat else
-                         {"index": 0, "text": d.text, "finish_reason": reason, "logprobs": None})
-                yield event([piece], None, call.include_usage)
+            if parser is not None:  # reasoning, tool calls and content, each in its own chunk
+                parsed = parser.feed(d.text) + (parser.finish() if d.finished else [])
+                for e in parsed:
+                    yield event([{"index": 0, "delta": chat_output.delta(e), "finish_reason": None,
+                                  "logprobs": None}], None, call.include_usage)
+                if reason:
+                    yield event([{"index": 0, "delta": {}, "logprobs": None,
+                                  "finish_reason": chat_output.finish_reason(reason, parser.calls)}],
+                                None, call.include_usage)
+            elif d.text or reason:
+                yield event([{"index": 0, "text": d.text, "finish_reason": reason, "logprobs": None}],
+                            None, call.include_usage)
             if d.finished:
                 finished = True
                 usage = _usage(d.usage)

@@ -243,3 +243,36 @@ def _merge(events: list[Event]) -> list[Event]:
         else:
             out.append(e)
     return out
+
+
+# -- the events in OpenAI's shapes ------------------------------------------------------------
+
+
+def delta(e: Event) -> dict:
+    """A streamed chunk's `delta` for one event."""
+    if e.kind == "content":
+        return {"content": e.text}
+    if e.kind == "reasoning":
+        return {"reasoning_content": e.text}
+    if e.kind == "call":
+        return {"tool_calls": [{"index": e.index, "id": e.call_id, "type": "function",
+                                "function": {"name": e.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
+
+
+def message(events: list[Event], calls: list[ToolCall]) -> dict:
+    """The whole answer's `message`, from all of its events."""
+    content = "".join(e.text for e in events if e.kind == "content")
+    reasoning = "".join(e.text for e in events if e.kind == "reasoning")
+    out: dict = {"role": "assistant", "content": content if content.strip() or not calls else None}
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    if calls:
+        out["tool_calls"] = [{"id": c.call_id, "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return out
+
+
+def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
+    """OpenAI's: "tool_calls" when the model stopped after calling tools."""
+    return "tool_calls" if calls and reason == "stop" else reason
