@@ -129,12 +129,19 @@ def test_mapping_names_and_refusals():
     assert call.tools and call.kwargs["tools"] == [weather]
     assert call.prompt[1] == {"role": "assistant", "content": "", "tool_calls": turns[1]["tool_calls"]}
     assert call.prompt[2] == turns[2]
+    forced = json.loads(parse_chat({"model": "m", "messages": turns[:1], "tools": [weather],
+                                    "tool_choice": "required"}).kwargs["response_format"])
+    assert forced["type"] == "grammar" and '{"const":"get_weather"}' in forced["grammar"]
     call = parse_chat({"model": "m", "messages": turns[:1], "tools": [weather], "tool_choice": "none"})
     assert not call.tools and "tools" not in call.kwargs
     for extra, param in [({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
                          ({"tools": [{"type": "retrieval"}]}, "tools"),
                          ({"tools": weather}, "tools"),
-                         ({"tools": [weather], "tool_choice": "required"}, "tool_choice"),
+                         ({"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+                          "tool_choice"),
+                         ({"tool_choice": "required"}, "tool_choice"),
+                         ({"tools": [weather], "tool_choice": "required", "response_format": {"type": "json_object"}},
+                          "tool_choice"),
                          ({"tools": [weather], "parallel_tool_calls": False}, "parallel_tool_calls")]:
         with pytest.raises(ApiError) as e:
             parse_chat({"model": "m", "messages": turns[:1], **extra})

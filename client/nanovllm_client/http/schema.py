@@ -175,17 +175,46 @@ def parse_completion(body: Any) -> Call:
     return Call(model, stream, usage, prompt, kw)
 
 
-def _tools(body: dict) -> list[dict] | None:
-    """The tools offered, checked (None: none, or tool_choice "none"); they reach the model only
-    through its chat template, so every one must be a function with a usable name."""
+def _forced(choice: Any, tools: list[dict] | None) -> list[dict] | None:
+    """The tools one of which tool_choice forces a call of: all for "required", one by name;
+    None for "auto" (the default) and "none"."""
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if not tools:
+        raise bad("'tool_choice' other than \"none\" needs 'tools'", "tool_choice")
+    if choice == "required":
+        return tools
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        raise bad("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                  "\"function\": {\"name\": ...}} naming one of the tools", "tool_choice")
+    return named[:1]
+
+
+def _call_grammar(tools: list[dict]) -> str:
+    """A response_format forcing one call of one of `tools`, in the form the chat templates ask
+    for, its arguments following the tool's parameter schema (structured output enforces it)."""
+    schema = {"anyOf": [{"type": "object", "properties": {
+        "name": {"const": t["function"]["name"]}, "arguments": t["function"].get("parameters") or {"type": "object"}},
+        "required": ["name", "arguments"], "additionalProperties": False} for t in tools],
+        "x-guidance": {"whitespace_flexible": False}}  # compact JSON: no run of blank space to the token limit
+    grammar = ('start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json '
+               + json.dumps(schema, separators=(",", ":")))
+    return json.dumps({"type": "grammar", "grammar": grammar}, separators=(",", ":"))
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, list[dict] | None]:
+    """The tools offered, checked (None: none, or tool_choice "none"), and those tool_choice
+    forces a call of. They reach the model only through its chat template, so every one must be
+    a function with a usable name."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if body.get("parallel_tool_calls") is not None and not _bool("parallel_tool_calls", body["parallel_tool_calls"]):
         raise bad("'parallel_tool_calls' false is not supported: every call the model writes is returned",
                   "parallel_tool_calls")
-    if choice is not None and choice not in ("auto", "none"):
-        raise bad("'tool_choice' may be \"auto\" or \"none\": this server does not force a tool call", "tool_choice")
     if tools is None:
-        return None
+        return None, _forced(choice, None)
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise bad(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools")
     for i, tool in enumerate(tools):
@@ -203,7 +232,7 @@ def _tools(body: dict) -> list[dict] | None:
     text = json.dumps(tools, separators=(",", ":"))
     if len(text) > MAX_RESPONSE_FORMAT_CHARS:
         raise bad(f"'tools' is {len(text)} characters of JSON, at most {MAX_RESPONSE_FORMAT_CHARS}", "tools")
-    return None if choice == "none" or not tools else tools
+    return (None if choice == "none" or not tools else tools), _forced(choice, tools)
 
 
 def _tool_calls(i: int, calls: Any) -> list[dict]:
@@ -226,9 +255,15 @@ def parse_chat(body: Any) -> Call:
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     model, stream, usage, kw = _common(body, CHAT_FIELDS, "max_completion_tokens")
-    tools = _tools(body)
+    tools, forced = _tools(body)
     if tools is not None:
         kw["tools"] = tools
+    if forced:
+        if "response_format" in kw:
+            raise bad("'tool_choice' that forces a call cannot be combined with 'response_format'", "tool_choice")
+        kw["response_format"] = _call_grammar(forced)
+        if len(kw["response_format"]) > MAX_RESPONSE_FORMAT_CHARS:
+            raise bad("the forced tools' parameter schemas are too large", "tool_choice")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise bad(f"'messages' must be a non-empty list of at most {MAX_MESSAGES} messages", "messages")
