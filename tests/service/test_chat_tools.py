@@ -76,3 +76,22 @@ def test_tools_are_checked_on_the_wire_and_in_the_stage(tokenizer):
     for bad, why in [("{not json", "not valid JSON"), ('{"a": 1}', "list of tool objects")]:
         with pytest.raises(RequestRejected, match=why):
             build(CLIENT, p.GenerateReq("r", messages=[{"role": "user", "content": "x"}], tools=bad))
+
+
+def test_the_default_models_template_and_the_fronts_parser_speak_one_form():
+    """SmolLM2's template knows no tools: they go into the system message, and an earlier call is
+    written in the very form the HTTP front's parser reads back as a call."""
+    from nanovllm.models.loader import resolve_model_path
+    from nanovllm_client.http.chat_output import ChatOutputParser
+    from tokenizer_proc.chat import hermes_messages, render_chat
+
+    smollm = load_tokenizer(resolve_model_path("default"))
+    assert not template_knows_tools(smollm)
+    text = render_chat(smollm, TURNS, json.dumps([WEATHER]))
+    assert text.startswith("<|im_start|>system\n# Tools") and "named SmolLM" not in text
+    assert json.dumps(WEATHER) in text and text.endswith("<|im_start|>assistant\n")
+    written = hermes_messages(TURNS, [WEATHER])[2]["content"]  # the assistant's earlier turn
+    parser = ChatOutputParser(tools=True)
+    events = parser.feed(written) + parser.finish()
+    assert not [e for e in events if e.kind == "content"]
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Paris"})]
