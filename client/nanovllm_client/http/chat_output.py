@@ -1,6 +1,8 @@
 """A chat completion's text split into what OpenAI's API returns apart: reasoning
 (`reasoning_content`, vLLM's name, from a `<think>...</think>` that opens the output), tool calls
-(Hermes / Qwen style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) and content.
+(Hermes / Qwen style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and Llama 3.x's
+bare `{"name": ..., "parameters": {...}}` that opens the output, several joined by ";") and
+content.
 
 One incremental parser serves both modes: streaming feeds it each text delta and sends the events
 it returns at once (a tool call's arguments as they arrive); a whole answer is the same parser fed
@@ -18,7 +20,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # A call written name first (Qwen's and Hermes' templates ask for it): the name is known, and the
 # arguments stream, as soon as this much has arrived.
-_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.:-]{1,64})"\s*,\s*"arguments"\s*:')
+_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.:-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:')
 
 
 @dataclass
@@ -94,10 +96,11 @@ class ChatOutputParser:
     tools: bool
     reasoning: bool = True
     calls: list[ToolCall] = field(default_factory=list)
-    _state: str = "start"  # start, reasoning, content, call_head, call_args, call_tail
+    _state: str = "start"  # start, reasoning, content, call_head, call_args, call_tail, bare_tail, bare_next
     _buf: str = ""
     _value: _ValueEnd | None = None
     _lstrip: bool = False  # blank space right after </think> is not content
+    _bare: bool = False  # the call is Llama's bare JSON, not inside <tool_call> tags
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -116,7 +119,7 @@ class ChatOutputParser:
             events.append(Event("reasoning", rest))
         elif self._state == "call_head":  # a call never closed: its text was content after all
             if not self._whole_call(rest, events):
-                events.append(Event("content", CALL_OPEN + rest))
+                events.append(Event("content", rest if self._bare else CALL_OPEN + rest))
         elif self._state == "call_args":  # cut off mid-arguments (max_tokens): as far as it went
             events.append(Event("arguments", rest, index=len(self.calls) - 1))
             self.calls[-1].arguments += rest
@@ -135,6 +138,9 @@ class ChatOutputParser:
                 if len(stripped) < len(THINK_OPEN):
                     return False  # may still become <think>
                 self._state, self._buf = "reasoning", stripped[len(THINK_OPEN):]
+                return True
+            if self.tools and stripped.startswith("{"):  # perhaps Llama's bare call
+                self._state, self._buf, self._bare = "call_head", stripped, True
                 return True
             self._state = "content"
             return True
@@ -166,7 +172,17 @@ class ChatOutputParser:
                 self._buf = ""
                 return False
             self._args(buf[:end], events)
-            self._state, self._buf = "call_tail", buf[end:]
+            self._state, self._buf = "bare_tail" if self._bare else "call_tail", buf[end:]
+            return True
+        if state == "bare_tail":  # up to the call object's closing brace
+            at = buf.find("}")
+            self._state, self._buf = ("bare_next", buf[at + 1:]) if at >= 0 else ("bare_tail", "")
+            return at >= 0
+        if state == "bare_next":  # another call after ";", or the end
+            rest = buf.lstrip().lstrip(";").lstrip()
+            if not rest:
+                return False
+            self._state, self._buf = ("call_head" if rest.startswith("{") else "content"), rest
             return True
         if state == "call_tail":  # the object's closing brace and blank space, up to </tool_call>
             at = buf.find(CALL_CLOSE)
@@ -196,6 +212,8 @@ class ChatOutputParser:
             self._start_call(head.group(1), events)
             self._state, self._buf, self._value = "call_args", buf[head.end():], _ValueEnd()
             return True
+        if self._bare:
+            return False  # read whole at the end: a call after all, or content
         at = buf.find(CALL_CLOSE)
         if at < 0:
             return False  # wait for the name, or for the end of the call
