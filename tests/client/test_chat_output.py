@@ -49,7 +49,8 @@ CASES = [
     ("<thinking>", True, ("<thinking>", "", [])),
     ("<tool", True, ("<tool", "", [])),
     # Llama 3.x: a bare call that opens the output, several joined by ";"
-    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', True, ("", "", [("get_weather", '{"city": "Paris"}')])),
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', True,
+     ("", "", [("get_weather", '{"city": "Paris"}')])),
     ('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": [1]}}', True,
      ("", "", [("a", "{}"), ("b", '{"x": [1]}')])),
     ('{"parameters": {"x": 1}, "name": "f"}', True, ("", "", [("f", '{"x": 1}')])),

@@ -119,11 +119,13 @@ def test_mapping_names_and_refusals():
         with pytest.raises(ApiError) as e:
             parse_completion(body)
         assert e.value.status == 400 and e.value.param == param, body
-    weather = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
-                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    weather = {"type": "function",
+               "function": {"name": "get_weather", "description": "today's weather", "parameters": city}}
     turns = [{"role": "user", "content": "Weather in Paris?"},
              {"role": "assistant", "content": None, "tool_calls": [
-                 {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+                 {"id": "call_1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
              {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
     call = parse_chat({"model": "m", "messages": turns, "tools": [weather], "tool_choice": "auto"})
     assert call.tools and call.kwargs["tools"] == [weather]

@@ -17,11 +17,13 @@ from tokenizer_proc.chat import template_knows_tools
 from tokenizer_proc.requests import RequestBuilder, RequestRejected, sampling_fields
 
 CLIENT = b"\x07" * 5
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "today's weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+WEATHER = {"type": "function",
+           "function": {"name": "get_weather", "description": "today's weather in a city", "parameters": CITY}}
 TURNS = [{"role": "user", "content": "Weather in Paris?"},
          {"role": "assistant", "content": "", "tool_calls": [
-             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+             {"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
          {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
 # The tools part of a template that knows them (as Qwen's and Hermes' do), kept small.
 TOOLS_TEMPLATE = (

@@ -228,7 +228,8 @@ def test_a_tool_call_round_trip_through_the_openai_sdk(front):
                                                   max_tokens=64, temperature=0, stream=True))
         assert _streamed_call(chunks) == ("get_weather", call.function.arguments, "tool_calls")
     turns = messages + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"id": call.id, "type": "function",
+         "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
     final = sdk.chat.completions.create(model=model, messages=turns, tools=[WEATHER], max_tokens=8, temperature=0,
                                         extra_body={"ignore_eos": True})

@@ -65,7 +65,8 @@ def _flag(ap: argparse.ArgumentParser, flag: str, default, help: str, **kw) -> N
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nanovllm-http", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=default_url(), help="the service's address (default %(default)s; env NANOVLLM_URL)")
+    ap.add_argument("--url", default=default_url(),
+                    help="the service's address (default %(default)s; env NANOVLLM_URL)")
     _flag(ap, "--host", "127.0.0.1", "address to bind (default %(default)s); a non-loopback address requires "
                                      "--api-key-file")
     _flag(ap, "--port", 8000, "port to bind (default %(default)s)", type=int)

@@ -173,8 +173,8 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         kind = "chat.completion" if chat else "text_completion"
         if call.stream:
             metrics.count(route, 200)
-            return StreamingResponse(_sse(first, events, stream, call, rid, created, kind, chat, settings.model, metrics),
-                                     media_type="text/event-stream",
+            body = _sse(first, events, stream, call, rid, created, kind, chat, settings.model, metrics)
+            return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text, reason, usage = [], None, None
         try:
@@ -227,9 +227,10 @@ def build_app(client: Any, settings: Settings) -> Starlette:
     return app
 
 
-async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, rid: str, created: int, kind: str, chat: bool, model: str,
-               metrics: Metrics) -> AsyncIterator[bytes]:
-    """The SSE body; cancelled by the server when the HTTP client goes away, which aborts the request."""
+async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, rid: str, created: int, kind: str,
+               chat: bool, model: str, metrics: Metrics) -> AsyncIterator[bytes]:
+    """The SSE body (`first` delta, then the rest of `events`, the deltas of `stream`); cancelled
+    by the server when the HTTP client goes away, which aborts the request."""
     chunk_kind = kind + ".chunk" if chat else kind
 
     def event(choices: list, usage: dict | None = None, with_usage: bool = False) -> bytes:
