@@ -1,9 +1,10 @@
-"""`nanovllm install-systemd`: install the systemd units that run the service's three stages.
+"""`nanovllm install-systemd`: install the systemd units that run the service's three stages and
+its HTTP front.
 
 Writes, under --prefix (default /, or a staging directory as with DESTDIR):
 
-- `etc/systemd/system/`: `nanovllm-{tokenizer,engine,detok}@.service` and `nanovllm@.target`,
-  with `@PYTHON@` replaced by the interpreter the stages run under;
+- `etc/systemd/system/`: `nanovllm-{tokenizer,engine,detok,http}@.service` and
+  `nanovllm@.target`, with `@PYTHON@` replaced by the interpreter the stages run under;
 - `etc/sysusers.d/nanovllm.conf`: the `nanovllm` user they run as;
 - `etc/nanovllm/NAME.env`: the settings of instance NAME, from `nanovllm.env.example`; an
   existing file is kept, never overwritten.
@@ -26,7 +27,7 @@ from pathlib import Path
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "systemd"
 UNIT_FILES = ("nanovllm-tokenizer@.service", "nanovllm-engine@.service", "nanovllm-detok@.service",
-              "nanovllm@.target")
+              "nanovllm-http@.service", "nanovllm@.target")
 SYSUSERS_FILE = "nanovllm.sysusers.conf"
 ENV_EXAMPLE = "nanovllm.env.example"
 STAGE_MODULES = ("tokenizer_proc", "engine_proc", "detok_proc")

@@ -20,6 +20,8 @@ from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError, check_strings, show
 
+from .chat import render_chat
+
 MAX_CHARS_PER_TOKEN = 64
 """Generous bound on characters per token (real text averages about 4), used to refuse text too
 long for the model before spending time tokenizing it."""
@@ -151,7 +153,7 @@ class RequestBuilder:
     def _prompt_ids(self, req: p.GenerateReq) -> list[int]:
         # [ZH-START]
         # 1. 给了 prompt_token_ids：直接用。
-        # 2. 给了 messages：apply_chat_template(add_generation_prompt=True, tokenize=False)，失败 → 拒绝；
+        # 2. 给了 messages：render_chat 经模型的 chat 模板渲染（带 tools 时见 chat.py），tools 不合法或模板失败 → 拒绝；
         #    文本先过 _bounded，再 encode(add_special_tokens=False)（模板里已经带了特殊 token）。
         # 3. 否则是 prompt 文本：_bounded 后 encode。
         # 4. 空 prompt → 拒绝；token 数 >= max_prompt_tokens（模型上下文长度）→ 拒绝：
@@ -161,7 +163,9 @@ class RequestBuilder:
             ids = req.prompt_token_ids
         elif req.messages is not None:
             try:
-                text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+                text = render_chat(self.tokenizer, req.messages, req.tools)
+            except ValueError as e:  # the tools (JSON text, their shape)
+                raise RequestRejected(str(e)) from None
             except Exception as e:  # template errors come in many types
                 raise RequestRejected(f"cannot apply the model's chat template: {e}") from None
             ids = self.tokenizer.encode(self._bounded(text), add_special_tokens=False)

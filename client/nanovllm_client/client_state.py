@@ -102,11 +102,13 @@ def build_request(prompt: Any = None, *, messages: list[dict] | None = None,
                   temperature: float | None = None, ignore_eos: bool | None = None,
                   stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
                   skip_special_tokens: bool = True, request_id: str | None = None, priority: int = 0,
-                  response_format: dict | str | None = None, **sampling: Any) -> p.GenerateReq:
+                  response_format: dict | str | None = None, tools: list[dict] | str | None = None,
+                  **sampling: Any) -> p.GenerateReq:
     """The GenerateReq for one call. `prompt` may be text, a chat message list or token ids.
 
     `response_format` (OpenAI's shape: json_object, json_schema, regex, grammar, choice) is
-    sent as JSON text; the service enforces it while sampling."""
+    sent as JSON text; the service enforces it while sampling. `tools` (OpenAI's list, with a
+    chat) is sent as JSON text; the model's chat template renders them into the prompt."""
     if response_format is not None:
         sampling["response_format"] = (response_format if isinstance(response_format, str)
                                        else json.dumps(response_format, separators=(",", ":")))
@@ -120,9 +122,11 @@ def build_request(prompt: Any = None, *, messages: list[dict] | None = None,
             sampling[name] = value
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     ids = p.pack_token_ids(prompt_token_ids) if prompt_token_ids is not None else None
+    tools_text = (tools if isinstance(tools, str) or tools is None
+                  else json.dumps(tools, separators=(",", ":"), ensure_ascii=False))
     return p.GenerateReq(request_id=request_id or uuid.uuid4().hex, prompt=prompt, messages=messages,
                          prompt_token_ids=ids, sampling=sampling, stop=stops,
-                         skip_special_tokens=skip_special_tokens, priority=priority)
+                         skip_special_tokens=skip_special_tokens, priority=priority, tools=tools_text)
 
 
 def wire_request(req: p.GenerateReq) -> tuple[str, bytes, bytes]:

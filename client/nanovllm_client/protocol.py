@@ -223,6 +223,10 @@ class GenerateReq(Message):
     output_chars: int = 0
     """With `output_token_ids`: the characters of text the client received; the stream resumes
     after them (text held back at the break, e.g. a partial stop string, still comes)."""
+    tools: str | None = None
+    """With `messages`: the tools the chat offers the model (OpenAI's `tools` list as JSON text,
+    like response_format, so a parameter schema never meets the frame's nesting limit); the
+    tokenizer renders them through the model's chat template."""
 
     def validate(self) -> None:
         check_str("request_id", self.request_id, MAX_ID_LEN)
@@ -248,6 +252,9 @@ class GenerateReq(Message):
         if self.output_token_ids is not None:
             check_packed("output_token_ids", self.output_token_ids, MAX_FRAME_BYTES // 4)
         check_int("output_chars", self.output_chars, 0, 2**31)
+        if self.tools is not None:
+            check(self.messages is not None, "tools are offered only with messages (a chat)")
+            check_str("tools", self.tools, MAX_RESPONSE_FORMAT_CHARS)
 
 
 @_message("abort")

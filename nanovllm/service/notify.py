@@ -1,40 +1,18 @@
 """A stage's line to its service manager (systemd, or `nanovllm serve`) and its way of stopping:
-`sd_notify` speaks the readiness protocol, `Notifier` rate-limits what a stage loop sends with
+`sd_notify` speaks the readiness protocol (one implementation, `nanovllm_client.sdnotify`, shared
+with the HTTP front and re-exported here), `Notifier` rate-limits what a stage loop sends with
 it, and `Flush` is how a stage that holds nothing of its own stops (hand on what is queued, for a
 moment at most, then end the loop).
 """
 from __future__ import annotations
 
-import logging
 import os
-import socket
 import threading
 import time
 
+from nanovllm_client.sdnotify import sd_notify
 
-def sd_notify(message: str) -> bool:
-    """Send a state line ("READY=1", "STATUS=...", "WATCHDOG=1", "STOPPING=1") to the service
-    manager named by $NOTIFY_SOCKET (systemd, or `nanovllm serve`); a no-op without one.
-
-    The protocol is one datagram on a unix socket (an abstract one when the name starts with
-    "@"), so no libsystemd is needed. It never waits: a manager that is not reading (its queue
-    holds 10 datagrams by default) costs this one line, which the next status or watchdog ping
-    replaces, instead of hanging the loop that sends it.
-    """
-    path = os.environ.get("NOTIFY_SOCKET")
-    if not path:
-        return False
-    if path.startswith("@"):
-        path = "\0" + path[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.connect(path)
-            sock.send(message.encode(), socket.MSG_DONTWAIT)
-    except OSError as e:  # the manager went away, or its queue is full: nothing to wait for
-        logging.getLogger("nanovllm.notify").debug("sd_notify(%r) failed: %s", message, e)
-        return False
-    return True
-
+__all__ = ["Flush", "Notifier", "sd_notify"]
 
 
 class Notifier:

@@ -17,11 +17,12 @@ from nanovllm_client.errors import ServiceDrainingError  # noqa: E402
 from nanovllm_client.http.app import Settings, build_app  # noqa: E402
 from nanovllm_client.http.schema import parse_chat, parse_completion  # noqa: E402
 from nanovllm_client.http.errors import ApiError  # noqa: E402
+from nanovllm_client.http.server import build_server  # noqa: E402
 
 
 class FakeStream:
-    def __init__(self, words, slow):
-        self.words, self.slow, self.cancelled, self.done = words, slow, False, False
+    def __init__(self, words, slow, reason="length"):
+        self.words, self.slow, self.reason, self.cancelled, self.done = words, slow, reason, False, False
 
     def __aiter__(self):
         return self._gen()
@@ -31,7 +32,7 @@ class FakeStream:
             if self.slow:
                 await asyncio.sleep(self.slow)
             last = i == len(self.words) - 1
-            yield Delta("r", w, [i], "length" if last else None,
+            yield Delta("r", w, [i], self.reason if last else None,
                         {"prompt_tokens": 3, "completion_tokens": len(self.words), "cached_tokens": 0} if last else None)
         self.done = True
 
@@ -42,12 +43,14 @@ class FakeStream:
 class FakeClient:
     def __init__(self):
         self.calls, self.streams, self.slow, self.draining = [], [], 0.0, False
+        self.words, self.reason = None, "length"  # what the next streams answer (default: "Hello!")
 
     async def stream(self, prompt, **kw):
         if self.draining:
             raise ServiceDrainingError("draining")
         self.calls.append((prompt, kw))
-        s = FakeStream(["Hel", "lo", "!"] if not self.slow else ["x"] * 200, self.slow)
+        words = self.words or (["Hel", "lo", "!"] if not self.slow else ["x"] * 200)
+        s = FakeStream(words, self.slow, self.reason)
         self.streams.append(s)
         return s
 
@@ -95,10 +98,16 @@ def test_mapping_names_and_refusals():
                        "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 1, "user": "u"})
     assert call.prompt == [{"role": "user", "content": "hi"}]
     assert call.kwargs == {"temperature": 0.0, "top_k": 3, "min_p": 0.1, "repetition_penalty": 1.1, "seed": 7,
-                           "max_tokens": 5, "stop": ["x"], "logit_bias": {42: -100.0}, "ignore_eos": True,
+                           "max_tokens": 5, "stop": ["x"], "logit_bias": {"42": -100.0}, "ignore_eos": True,
                            "priority": 2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 1}
     assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
-    for body, param in [({"model": "m", "prompt": "a", "response_format": {"type": "json_object"}}, "response_format"),
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}
+    call = parse_completion({"model": "m", "prompt": "a", "response_format": schema})
+    assert json.loads(call.kwargs["response_format"]) == schema  # JSON text, as the wire carries it
+    too_big = {"type": "regex", "regex": "a" * (64 * 1024)}
+    for body, param in [({"model": "m", "prompt": "a", "response_format": "json_object"}, "response_format"),
+                        ({"model": "m", "prompt": "a", "response_format": {"schema": {}}}, "response_format"),
+                        ({"model": "m", "prompt": "a", "response_format": too_big}, "response_format"),
                         ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs"),
                         ({"model": "m", "prompt": "a", "n": 2}, "n"),
                         ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),
@@ -110,9 +119,38 @@ def test_mapping_names_and_refusals():
         with pytest.raises(ApiError) as e:
             parse_completion(body)
         assert e.value.status == 400 and e.value.param == param, body
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    weather = {"type": "function",
+               "function": {"name": "get_weather", "description": "today's weather", "parameters": city}}
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "call_1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    call = parse_chat({"model": "m", "messages": turns, "tools": [weather], "tool_choice": "auto"})
+    assert call.tools and call.kwargs["tools"] == [weather]
+    assert call.prompt[1] == {"role": "assistant", "content": "", "tool_calls": turns[1]["tool_calls"]}
+    assert call.prompt[2] == turns[2]
+    forced = json.loads(parse_chat({"model": "m", "messages": turns[:1], "tools": [weather],
+                                    "tool_choice": "required"}).kwargs["response_format"])
+    assert forced["type"] == "grammar" and '{"const":"get_weather"}' in forced["grammar"]
+    call = parse_chat({"model": "m", "messages": turns[:1], "tools": [weather], "tool_choice": "none"})
+    assert not call.tools and "tools" not in call.kwargs
+    for extra, param in [({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+                         ({"tools": [{"type": "retrieval"}]}, "tools"),
+                         ({"tools": weather}, "tools"),
+                         ({"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+                          "tool_choice"),
+                         ({"tool_choice": "required"}, "tool_choice"),
+                         ({"tools": [weather], "tool_choice": "required", "response_format": {"type": "json_object"}},
+                          "tool_choice"),
+                         ({"tools": [weather], "parallel_tool_calls": False}, "parallel_tool_calls")]:
+        with pytest.raises(ApiError) as e:
+            parse_chat({"model": "m", "messages": turns[:1], **extra})
+        assert e.value.param == param, extra
     with pytest.raises(ApiError) as e:
-        parse_chat({"model": "m", "messages": [{"role": "tool", "content": "x"}]})
-    assert e.value.param == "messages"
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": []}]})
+    assert "messages[0].tool_calls" in e.value.message
     with pytest.raises(ApiError) as e:
         parse_chat({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]})
     assert "messages[0].name" in e.value.message
@@ -146,6 +184,41 @@ def test_streaming_sse(front):
     status, body = _req(port, "POST", "/v1/completions", {"model": "m", "prompt": "x", "stream": True})
     events = [e for e in body.decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]" and "usage" not in json.loads(events[0][6:])
+
+
+def test_tool_calls_and_reasoning_whole_and_streamed(front):
+    client, port = front
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [weather]}
+    client.words = ["<think>It is a weather", " question.</th", "ink>\n<tool_", 'call>\n{"name": "get_weather", ',
+                    '"arguments": {"city":', ' "Paris"}}\n</tool_call>']
+    client.reason = "stop"
+    try:
+        status, out = _req(port, "POST", "/v1/chat/completions", body)
+        assert client.calls[-1][1]["tools"] == [weather]
+        choice = json.loads(out)["choices"][0]
+        assert status == 200 and choice["finish_reason"] == "tool_calls", out
+        message = choice["message"]
+        assert message["content"] is None and message["reasoning_content"] == "It is a weather question."
+        [tool_call] = message["tool_calls"]
+        assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        assert tool_call["type"] == "function" and tool_call["id"].startswith("call_")
+        status, out = _req(port, "POST", "/v1/chat/completions", {**body, "stream": True})
+        chunks = [json.loads(e[6:]) for e in out.decode().split("\n\n") if e and e != "data: [DONE]"]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "It is a weather question."
+        calls = [t for d in deltas for t in d.get("tool_calls", [])]
+        assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and calls[0]["index"] == 0
+        assert "".join(t["function"]["arguments"] for t in calls) == '{"city": "Paris"}'
+        assert len(calls) >= 3  # the arguments came in pieces, as they arrived
+        assert not any(d.get("content") for d in deltas)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # without tools the same text is content (after the reasoning)
+        status, out = _req(port, "POST", "/v1/chat/completions", {**body, "tools": None})
+        message = json.loads(out)["choices"][0]["message"]
+        assert message["content"].startswith("<tool_call>") and "tool_calls" not in message
+    finally:
+        client.words, client.reason = None, "length"
 
 
 def test_errors_in_openai_shape(front):
@@ -196,6 +269,45 @@ def test_disconnect_aborts_and_stream_limit(front):
     status, body = _req(port, "GET", "/metrics")
     assert status == 200 and b"nanovllm_http_client_disconnects_total 4" in body
     assert b"nanovllm_http_active_requests 0" in body
+
+
+def _wait(predicate, what, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_over_the_connection_limit_a_request_gets_503_in_openai_shape():
+    port = _free_port()
+    server = build_server(build_app(FakeClient(), Settings(model="m")), host="127.0.0.1", port=port,
+                          max_connections=2, idle_timeout=5.0, drain_timeout=5.0)
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    idle = []
+    try:
+        _wait(lambda: server.started, "the server to start")
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # open, saying nothing
+        _wait(lambda: len(server.server_state.connections) == 2, "two open connections")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("POST", "/v1/completions", body=json.dumps({"model": "m", "prompt": "a"}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        body = json.loads(r.read())
+        assert r.status == 503 and r.getheader("connection") == "close", (r.status, body)
+        assert body == {"error": {"message": "too many open connections (at most 2); retry later",
+                                  "type": "service_unavailable", "param": None, "code": "too_many_connections"}}
+        conn.close()
+        for s in idle:
+            s.close()
+        _wait(lambda: not server.server_state.connections, "the connections to close")
+        status, out = _req(port, "POST", "/v1/completions", {"model": "m", "prompt": "a"})
+        assert status == 200 and json.loads(out)["choices"][0]["text"] == "Hello!"
+    finally:
+        for s in idle:
+            s.close()
+        server.should_exit = True
+        t.join(10)
 
 
 def test_cli_help_and_a_public_bind_without_keys_is_refused(tmp_path):

@@ -1,6 +1,6 @@
-"""What the unit tests know about the three stages, taken from the code itself: each stage's own
-argparse parser (its `main()` builds it; captured just before it parses), and the NANOVLLM_*
-variables the stages and the library read.
+"""What the unit tests know about the three stages and the HTTP front, taken from the code itself:
+each stage's own argparse parser (its `main()` builds it; captured just before it parses), the
+front's parser, and the NANOVLLM_* variables the stages, the front and the library read.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from nanovllm.service.stage import env_name
 REPO = Path(__file__).resolve().parents[2]
 STAGE_OF_UNIT = {"nanovllm-tokenizer@.service": "tokenizer_proc", "nanovllm-engine@.service": "engine_proc",
                  "nanovllm-detok@.service": "detok_proc"}
+FRONT_UNIT, FRONT_MODULE = "nanovllm-http@.service", "nanovllm_client.http"
 _ENVIRON_READ = re.compile(r"""(?:environ\.get\(|environ\[|getenv\()\s*["'](NANOVLLM_[A-Z0-9_]+)["']""")
 
 
@@ -52,9 +53,20 @@ def library_variables() -> set[str]:
     return found
 
 
+def front_parser() -> argparse.ArgumentParser:
+    """The HTTP front's parser, with defaults from the current environment."""
+    return importlib.import_module(f"{FRONT_MODULE}.__main__").parser()
+
+
+def front_variables() -> set[str]:
+    """The variables the front's flags default from, as its --help names them ("env NAME")."""
+    return {name for action in front_parser()._actions
+            for name in re.findall(r"\benv (NANOVLLM_[A-Z0-9_]+)", action.help or "")}
+
+
 def known_variables() -> set[str]:
-    """Every NANOVLLM_* variable some stage reads today."""
-    names = library_variables()
+    """Every NANOVLLM_* variable some stage or the HTTP front reads today."""
+    names = library_variables() | front_variables()
     for module in STAGE_OF_UNIT.values():
         names |= parser_variables(stage_parser(module))
     return names

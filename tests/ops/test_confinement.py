@@ -2,7 +2,7 @@
 SystemCallArchitectures=, MemoryDenyWriteExecute=, RestrictAddressFamilies=, RestrictRealtime=),
 reproduced by tests/ops/seccomp_exec.py since systemd cannot start units here: each stage runs
 with its unit's ExecStart= line and environment, says READY=1 on $NOTIFY_SOCKET, the three serve a
-request and stop cleanly. The rules are shown to be in force, and the engine is shown to need
+request (the HTTP front one over HTTP) and stop cleanly. The rules are shown to be in force, and the engine is shown to need
 writable+executable memory (the reason its unit leaves MemoryDenyWriteExecute= out).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 
 from nanovllm import install_systemd as installer
 from tests.ops.seccomp_exec import spec_from_unit, supported, wrap
-from tests.ops.stages import STAGE_OF_UNIT
+from tests.ops.stages import FRONT_MODULE, FRONT_UNIT, STAGE_OF_UNIT
 from tests.ops.unit_files import exec_start, parse_unit
 from tests.service.harness import short_tmpdir
 
@@ -31,7 +31,7 @@ pytestmark = [
                        reason="systemd-analyze is not installed (Debian package: systemd); it names the system "
                               "calls of each @group"),
 ]
-START_ORDER = ("nanovllm-detok@.service", "nanovllm-engine@.service", "nanovllm-tokenizer@.service")
+START_ORDER = ("nanovllm-detok@.service", "nanovllm-engine@.service", "nanovllm-tokenizer@.service", FRONT_UNIT)
 _CHECKS = r"""
 import ctypes, errno, os, socket
 libc = ctypes.CDLL(None, use_errno=True)
@@ -83,9 +83,10 @@ class ConfinedStage:
                  spec_overrides: dict | None = None, manager_env: dict[str, str] | None = None):
         self.name = unit.name
         argv, unit_env = exec_start(unit, env_file, "t", runtime_dir=runtime_dir, dirs=dirs)
-        module = STAGE_OF_UNIT[unit.name]
+        module = STAGE_OF_UNIT.get(unit.name, FRONT_MODULE)
         for variable in ("RUNTIME_DIRECTORY", "STATE_DIRECTORY", "CACHE_DIRECTORY"):
-            os.makedirs(unit_env[variable], mode=0o700, exist_ok=True)  # systemd creates them
+            if variable in unit_env:  # the front has no cache directory
+                os.makedirs(unit_env[variable], mode=0o700, exist_ok=True)  # systemd creates them
         self.notify_path = os.path.join(runtime_dir, f"notify-{module}")
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(self.notify_path)
@@ -137,8 +138,12 @@ class ConfinedService:
     def __init__(self, units: Path, model: str, tmp_path: Path):
         self.units, self.tmp_path = units, tmp_path
         self.env_file = tmp_path / "t.env"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.http_port = s.getsockname()[1]
         self.env_file.write_text(f"NANOVLLM_MODEL={model}\nNANOVLLM_LOG_LEVEL=INFO\nNANOVLLM_TOKENIZER_METRICS_PORT=0\n"
-                                 "NANOVLLM_ENGINE_METRICS_PORT=0\nNANOVLLM_DETOK_METRICS_PORT=0\n")
+                                 "NANOVLLM_ENGINE_METRICS_PORT=0\nNANOVLLM_DETOK_METRICS_PORT=0\n"
+                                 f"NANOVLLM_HTTP_PORT={self.http_port}\n")
         self.runtime_dir = short_tmpdir()  # ipc paths must stay short
         self.cache_dir = tmp_path / "cache"
         self.started: list[ConfinedStage] = []
@@ -166,7 +171,10 @@ def service(units, tiny_model_dir, tmp_path):
     service.stop()
 
 
-def test_the_stages_start_serve_and_stop_under_their_units_rules(service):
+def test_the_stages_start_serve_and_stop_under_their_units_rules(service, tiny_model_dir):
+    import http.client
+    import json
+
     from nanovllm_client import Client
 
     for name in START_ORDER:  # systemd's start order: each waits for the one before to be ready
@@ -175,6 +183,11 @@ def test_the_stages_start_serve_and_stop_under_their_units_rules(service):
         client.wait_engine(timeout=60)
         result = client.generate("Hello there", max_tokens=8, temperature=0, ignore_eos=True)
     assert result.finish_reason == "length" and len(result.token_ids) == 8
+    conn = http.client.HTTPConnection("127.0.0.1", service.http_port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({  # the model name is NANOVLLM_MODEL
+        "model": tiny_model_dir, "prompt": "Hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}))
+    response = conn.getresponse()
+    assert response.status == 200 and json.loads(response.read())["choices"][0]["text"] == result.text
     if shutil.which("cc") or shutil.which("gcc"):  # the engine built its kernels with gcc, under the filter
         assert list((service.cache_dir / "nanovllm").glob("cpu_kernels-*.so"))
     assert service.stop() == {name: 0 for name in START_ORDER}, "\n".join(s.log() for s in service.started)

@@ -1,6 +1,6 @@
 """The systemd units in systemd/ as `nanovllm install-systemd` installs them: the files written,
 `systemd-analyze verify` and `security` on the real files, the sysusers snippet, and agreement
-with the stages' own flags and variables."""
+with the stages' and the HTTP front's own flags and variables."""
 from __future__ import annotations
 
 import os
@@ -15,15 +15,18 @@ import pytest
 
 from nanovllm import cli
 from nanovllm import install_systemd as installer
-from tests.ops.stages import STAGE_OF_UNIT, known_variables, stage_parser
+from tests.ops.stages import FRONT_MODULE, FRONT_UNIT, STAGE_OF_UNIT, front_parser, known_variables, stage_parser
 from tests.ops.unit_files import exec_start, parse_env_text, parse_unit
 
 REPO = Path(__file__).resolve().parents[2]
-UNITS = ("nanovllm-tokenizer@.service", "nanovllm-engine@.service", "nanovllm-detok@.service", "nanovllm@.target")
-SERVICES = UNITS[:3]
+UNITS = ("nanovllm-tokenizer@.service", "nanovllm-engine@.service", "nanovllm-detok@.service", FRONT_UNIT,
+         "nanovllm@.target")
+STAGES = UNITS[:3]
+SERVICES = UNITS[:4]
 EXPECTED_FILES = {f"etc/systemd/system/{name}" for name in UNITS} | {"etc/sysusers.d/nanovllm.conf",
                                                                       "etc/nanovllm/prod.env"}
-MAX_EXPOSURE = {"nanovllm-tokenizer@.service": 2.5, "nanovllm-detok@.service": 2.5, "nanovllm-engine@.service": 4.0}
+MAX_EXPOSURE = {"nanovllm-tokenizer@.service": 2.5, "nanovllm-detok@.service": 2.5, "nanovllm-engine@.service": 4.0,
+                FRONT_UNIT: 2.5}
 METRICS_PORT = {"nanovllm-tokenizer@.service": "9401", "nanovllm-engine@.service": "9402",
                 "nanovllm-detok@.service": "9403"}
 DEFAULT_DRAIN_TIMEOUT_S = 30
@@ -58,8 +61,9 @@ def test_install_writes_the_units_with_the_interpreter_the_sysusers_snippet_and_
         assert "@PYTHON@" not in text
         assert text.replace(sys.executable, "@PYTHON@") == (REPO / "systemd" / name).read_text()
         assert stat.S_IMODE(unit_path(tmp_path, name).stat().st_mode) == 0o644
-    for name in SERVICES:
+    for name in STAGES:
         assert f"ExecStart={sys.executable} -m {STAGE_OF_UNIT[name]} " in unit_path(tmp_path, name).read_text()
+    assert f"ExecStart={sys.executable} -m {FRONT_MODULE}\n" in unit_path(tmp_path, FRONT_UNIT).read_text()
     env_file = tmp_path / "etc/nanovllm/prod.env"
     assert env_file.read_text() == (REPO / "systemd/nanovllm.env.example").read_text()
     assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
@@ -200,7 +204,7 @@ def test_the_sysusers_snippet_creates_the_user_the_units_run_as(prefix, tmp_path
 # --- the units agree with the stages -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", SERVICES)
+@pytest.mark.parametrize("name", STAGES)
 def test_exec_start_runs_the_stage_with_flags_it_accepts(prefix, name, monkeypatch):
     argv, env = exec_start(unit_path(prefix, name), prefix / "etc/nanovllm/prod.env", "prod")
     module = STAGE_OF_UNIT[name]
@@ -212,7 +216,28 @@ def test_exec_start_runs_the_stage_with_flags_it_accepts(prefix, name, monkeypat
     assert parsed.url == "ipc:///run/nanovllm/prod" and parsed.model == "default"
 
 
-@pytest.mark.parametrize("name", SERVICES)
+def test_the_front_takes_its_settings_from_the_unit_and_the_env_file(prefix, monkeypatch):
+    """The front's ExecStart= has no flags: its address, port, model and keys come from the
+    unit's defaults and the instance's env file, read by its own parser."""
+    env_file = prefix / "etc/nanovllm/prod.env"
+    argv, env = exec_start(unit_path(prefix, FRONT_UNIT), env_file, "prod")
+    assert argv == [sys.executable, "-m", FRONT_MODULE]
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    parsed = front_parser().parse_args(argv[3:])
+    assert (parsed.url, parsed.host, parsed.port, parsed.model, parsed.api_key_file) == (
+        "ipc:///run/nanovllm/prod", "127.0.0.1", 8000, "default", None)
+    env_file.write_text(env_file.read_text() + "NANOVLLM_MODEL=/srv/models/m\nNANOVLLM_HTTP_PORT=8101\n"
+                        "NANOVLLM_HTTP_HOST=0.0.0.0\nNANOVLLM_HTTP_API_KEY_FILE=/etc/nanovllm/prod.keys\n")
+    _, env = exec_start(unit_path(prefix, FRONT_UNIT), env_file, "prod")
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    parsed = front_parser().parse_args([])
+    assert (parsed.host, parsed.port, parsed.model, parsed.api_key_file) == (
+        "0.0.0.0", 8101, "/srv/models/m", "/etc/nanovllm/prod.keys")
+
+
+@pytest.mark.parametrize("name", STAGES)
 def test_exec_start_has_its_metrics_port_without_an_env_file(prefix, name):
     """Each ${VAR} on an ExecStart= line has a default in the unit, so a missing line in the env
     file never leaves a flag without its value."""
@@ -233,7 +258,7 @@ def example_assignments(commented: bool) -> dict[str, str]:
 def test_every_variable_of_the_env_example_is_read_by_a_stage(prefix):
     known = known_variables()
     exec_variables = set()
-    for name in SERVICES:
+    for name in STAGES:
         command = parse_unit(unit_path(prefix, name)).value("Service", "ExecStart")
         exec_variables |= set(re.findall(r"\$\{(\w+)\}", command))
     assert exec_variables == {"NANOVLLM_TOKENIZER_METRICS_PORT", "NANOVLLM_ENGINE_METRICS_PORT",
@@ -252,12 +277,13 @@ def test_the_env_example_values_are_accepted_by_the_stages(monkeypatch):
         monkeypatch.setenv(variable, value)
     for module in STAGE_OF_UNIT.values():
         stage_parser(module).parse_args([])
+    front_parser().parse_args([])
 
 
 # --- what systemd does with the units ----------------------------------------------------------
 
 
-def test_the_target_groups_the_three_stages_and_orders_their_start_and_stop(prefix):
+def test_the_target_groups_the_stages_and_the_front_and_orders_their_start_and_stop(prefix):
     units = {name: parse_unit(unit_path(prefix, name)) for name in UNITS}
     wants = units["nanovllm@.target"].values("Unit", "Wants")
     assert sorted(" ".join(wants).split()) == sorted(n.replace("@.", "@%i.") for n in SERVICES)
@@ -265,14 +291,18 @@ def test_the_target_groups_the_three_stages_and_orders_their_start_and_stop(pref
     for name in SERVICES:
         assert units[name].value("Unit", "PartOf") == "nanovllm@%i.target"
         assert units[name].values("Unit", "Requires") == [] and units[name].values("Unit", "BindsTo") == []
-    # started detok -> engine -> tokenizer, so stopped tokenizer -> engine (drains) -> detok
+    # started detok -> engine -> tokenizer -> http, so stopped http (drains its streams) ->
+    # tokenizer -> engine (drains) -> detok
     assert "nanovllm-detok@%i.service" in after["nanovllm-engine@.service"]
     assert "nanovllm-engine@%i.service" in after["nanovllm-tokenizer@.service"]
+    assert "nanovllm-tokenizer@%i.service" in after[FRONT_UNIT]
     assert not any(a.startswith("nanovllm-") for a in after["nanovllm-detok@.service"])
     engine = units["nanovllm-engine@.service"]
     assert seconds(engine.value("Service", "TimeoutStopSec")) >= 2 * DEFAULT_DRAIN_TIMEOUT_S
     assert seconds(engine.value("Service", "TimeoutStartSec")) >= 300
     assert engine.value("Service", "KillMode") == "mixed"
+    front = units[FRONT_UNIT]
+    assert seconds(front.value("Service", "TimeoutStopSec")) > front_parser().parse_args([]).drain_timeout
 
 
 def test_each_stage_is_a_watched_notify_service_that_restarts_on_failure(prefix):
@@ -293,7 +323,7 @@ def test_the_stages_share_one_kept_runtime_directory_and_the_url_points_into_it(
         _, env = exec_start(unit_path(prefix, name), prefix / "etc/nanovllm/prod.env", "prod", runtime_dir="/run")
         assert env["NANOVLLM_URL"] == "ipc://" + env["RUNTIME_DIRECTORY"] == "ipc:///run/nanovllm/prod"
         # every cache the stages write lives in the unit's cache directory, HOME in its state directory
-        for cache in ("NANOVLLM_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME"):
+        for cache in ("NANOVLLM_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME") if name != FRONT_UNIT else ():
             assert env[cache].startswith(env["CACHE_DIRECTORY"]), cache
         assert env["HOME"] == env["STATE_DIRECTORY"]
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 
+import jsonschema
 import pytest
 
 pytest.importorskip("uvicorn")
@@ -126,8 +127,133 @@ def test_the_openai_sdk(front):
     with pytest.raises(openai.NotFoundError):
         sdk.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError) as e:
-        sdk.chat.completions.create(model=model, messages=messages, response_format={"type": "json_object"})
+        sdk.chat.completions.create(model=model, messages=messages, logprobs=True)
+    assert e.value.body["param"] == "logprobs"
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "role": {"enum": ["admin", "user", "guest"]}},
+    "required": ["name", "age", "role"], "additionalProperties": False}
+
+
+def _bias_on(model_dir: str, text: str) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(text, add_special_tokens=False)
+    assert len(ids) == 1, ids
+    return {str(ids[0]): 100.0}
+
+
+def _sdk(port):
+    openai = pytest.importorskip("openai")
+    return openai, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_through_the_openai_sdk(front, stream):
+    _, _, port, client, model = front
+    openai, sdk = _sdk(port)
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    # A random-weight model left to itself writes an object without end: the bias on "}" closes
+    # json_object's object at once; the schema's bounds end the other on their own.
+    cases = [("chat", schema_format, {}, PERSON), ("completions", schema_format, {}, PERSON),
+             ("chat", {"type": "json_object"}, {"logit_bias": _bias_on(model, "}")}, {"type": "object"})]
+    for route, fmt, extra, want in cases:
+        for seed in range(3):
+            args = dict(model=model, max_tokens=64, temperature=0.8, seed=seed, response_format=fmt,
+                        stream=stream, **extra)
+            if route == "chat":
+                out = sdk.chat.completions.create(messages=[{"role": "user", "content": "A person?"}], **args)
+                pieces = ([c.choices[0].delta.content or "" for c in out if c.choices] if stream
+                          else [out.choices[0].message.content])
+            else:
+                args.pop("response_format")
+                out = sdk.completions.create(prompt="A person:", extra_body={"response_format": fmt}, **args)
+                pieces = [c.choices[0].text for c in out] if stream else [out.choices[0].text]
+            text = "".join(pieces)
+            jsonschema.validate(json.loads(text), want)
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the service, which compiles it
+        sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], stream=stream,
+                                    response_format={"type": "json_schema", "json_schema": {
+                                        "name": "r", "schema": {"$ref": "#/$defs/missing"}}})
+    assert e.value.status_code == 400 and e.value.body["param"] == "response_format"
+    assert "response_format" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the front: no type
+        sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], stream=stream,
+                                    response_format={"json_schema": {}})
     assert e.value.body["param"] == "response_format"
+    procs_alive = client.generate("x", max_tokens=2)
+    assert procs_alive.finish_reason in ("stop", "length")
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Today's weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def _streamed_call(chunks) -> tuple[str, str, str | None]:
+    """(name, arguments, finish_reason) assembled from a stream's tool_call deltas."""
+    name, arguments, reason = "", "", None
+    for c in chunks:
+        for t in c.choices[0].delta.tool_calls or []:
+            assert t.index == 0
+            name += t.function.name or ""
+            arguments += t.function.arguments or ""
+        reason = c.choices[0].finish_reason or reason
+    return name, arguments, reason
+
+
+def test_a_tool_call_round_trip_through_the_openai_sdk(front):
+    """The call (forced by tool_choice: a random model calls no tool by itself), its result sent
+    back, the final answer; the stage renders tools and result into the prompt through the
+    model's chat template (ChatML without tools, as the default model's)."""
+    from nanovllm_client.http.schema import parse_chat
+    from nanovllm.models.tokenizer import load_tokenizer
+    from tokenizer_proc.chat import render_chat
+
+    _, _, port, _, model = front
+    openai, sdk = _sdk(port)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        out = sdk.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice=choice,
+                                          max_tokens=64, temperature=0)
+        assert out.choices[0].finish_reason == "tool_calls", out
+        [call] = out.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo", "Lima")
+        chunks = list(sdk.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice=choice,
+                                                  max_tokens=64, temperature=0, stream=True))
+        assert _streamed_call(chunks) == ("get_weather", call.function.arguments, "tool_calls")
+    turns = messages + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    final = sdk.chat.completions.create(model=model, messages=turns, tools=[WEATHER], max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert final.choices[0].finish_reason == "length" and final.choices[0].message.content
+    tokenizer = load_tokenizer(model)
+    prompt = render_chat(tokenizer, parse_chat({"model": model, "messages": turns}).prompt, json.dumps([WEATHER]))
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt and "get_weather" in prompt
+    assert final.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def test_reasoning_content_apart_from_the_answer(front):
+    """A `<think>` that opens the output is reasoning_content, streamed and not (the output is
+    held to that form by a regex: a random-weight model does not think by itself)."""
+    _, _, port, _, model = front
+    _, sdk = _sdk(port)
+    args = dict(model=model, messages=[{"role": "user", "content": "Think first."}], max_tokens=48, temperature=0,
+                response_format={"type": "regex", "regex": "<think>\n[a-z]{3,12}\n</think>\n\n[a-z]{2,8}"})
+    message = sdk.chat.completions.create(**args).choices[0].message
+    assert 3 <= len(message.reasoning_content.strip()) <= 12 and message.reasoning_content.strip().isalpha()
+    assert 2 <= len(message.content) <= 8 and message.content.isalpha()
+    chunks = list(sdk.chat.completions.create(stream=True, **args))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == message.content
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")

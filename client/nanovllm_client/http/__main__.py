@@ -10,10 +10,10 @@ import argparse
 import asyncio
 import ipaddress
 import os
-import socket
 import sys
 
 from ..endpoints import default_url
+from ..sdnotify import sd_notify
 from ..security import CLIENT_KEY_ENV, SERVER_KEY_ENV, add_client_key_flags, client_keys_from_env
 
 
@@ -35,52 +35,52 @@ def read_keys(path: str) -> tuple[str, ...]:
     return keys
 
 
-def _sd_notify(message: str) -> None:
-    """systemd's (or `nanovllm serve`'s) $NOTIFY_SOCKET; nothing without one. Never waits (the
-    event loop sends it): a manager that is not reading costs this line. The stages' twin is
-    nanovllm.service.notify.sd_notify, which this package may not import."""
-    path = os.environ.get("NOTIFY_SOCKET")
-    if not path:
-        return
-    if path.startswith("@"):
-        path = "\0" + path[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-        try:
-            s.sendto(message.encode(), socket.MSG_DONTWAIT, path)
-        except OSError:
-            pass
-
-
 async def _notify(server) -> None:
     """READY=1 once the port listens; then WATCHDOG=1 from the event loop that serves (a hung loop goes silent)."""
     while not server.started:
         await asyncio.sleep(0.05)
-    _sd_notify("READY=1")
+    sd_notify("READY=1")
     usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
     while usec > 0:
-        _sd_notify("WATCHDOG=1")
+        sd_notify("WATCHDOG=1")
         await asyncio.sleep(usec / 3e6)
+
+
+ENV_PREFIX = "NANOVLLM_HTTP_"
+"""Every --flag of the front has a default in $NANOVLLM_HTTP_FLAG (its unit's env file sets them);
+--url reads $NANOVLLM_URL as every client does, --model falls back to $NANOVLLM_MODEL."""
+
+
+def env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.removeprefix("--").upper().replace("-", "_")
+
+
+def _flag(ap: argparse.ArgumentParser, flag: str, default, help: str, **kw) -> None:
+    # A string default is parsed by `type` as the command line would be: a bad value in the
+    # environment is the same clear error as a bad flag.
+    ap.add_argument(flag, default=os.environ.get(env_name(flag)) or default,
+                    help=f"{help} (env {env_name(flag)})", **kw)
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nanovllm-http", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=default_url(), help="the service's address (default %(default)s)")
-    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s); a non-loopback "
-                                                        "address requires --api-key-file")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--model", default="default", help="the model name clients send (default %(default)s)")
-    ap.add_argument("--api-key-file", help="file of API keys, one per line (Authorization: Bearer KEY)")
-    ap.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413 (default %(default)s)")
-    ap.add_argument("--max-streams", type=int, default=256,
-                    help="requests in flight at most; more get 429 (default %(default)s)")
-    ap.add_argument("--max-connections", type=int, default=1024,
-                    help="open connections at most; more get 503 (default %(default)s)")
-    ap.add_argument("--idle-timeout", type=float, default=5.0,
-                    help="seconds an idle keep-alive connection is kept (default %(default)s)")
-    ap.add_argument("--drain-timeout", type=float, default=30.0,
-                    help="seconds SIGTERM waits for requests in flight (default %(default)s)")
-    ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
+    ap.add_argument("--url", default=default_url(),
+                    help="the service's address (default %(default)s; env NANOVLLM_URL)")
+    _flag(ap, "--host", "127.0.0.1", "address to bind (default %(default)s); a non-loopback address requires "
+                                     "--api-key-file")
+    _flag(ap, "--port", 8000, "port to bind (default %(default)s)", type=int)
+    _flag(ap, "--model", os.environ.get("NANOVLLM_MODEL") or "default",
+          "the model name clients send (default %(default)s, from NANOVLLM_MODEL when set)")
+    _flag(ap, "--api-key-file", None, "file of API keys, one per line (Authorization: Bearer KEY)")
+    _flag(ap, "--max-body-bytes", 4 << 20, "larger bodies get 413 (default %(default)s)", type=int)
+    _flag(ap, "--max-streams", 256, "requests in flight at most; more get 429 (default %(default)s)", type=int)
+    _flag(ap, "--max-connections", 1024, "open connections at most; more get 503 (default %(default)s)", type=int)
+    _flag(ap, "--idle-timeout", 5.0, "seconds an idle keep-alive connection is kept (default %(default)s)",
+          type=float)
+    _flag(ap, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight (default %(default)s)",
+          type=float)
+    _flag(ap, "--request-timeout", 600.0, "seconds before a request is aborted (default %(default)s)", type=float)
     add_client_key_flags(ap)
     return ap
 
@@ -88,8 +88,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        import uvicorn
         from .app import Settings, build_app
+        from .server import build_server
     except ImportError as e:
         print(f"nanovllm-http: {e}; install the http extra: pip install 'nanovllm-client[http]'", file=sys.stderr)
         return 2
@@ -112,11 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(model=args.model, api_keys=keys, max_body_bytes=args.max_body_bytes,
                             max_streams=args.max_streams,
                             health=lambda: check_health(args.url, 5.0, curve))
-        config = uvicorn.Config(build_app(client, settings), host=args.host, port=args.port,
-                                limit_concurrency=args.max_connections, timeout_keep_alive=args.idle_timeout,
-                                timeout_graceful_shutdown=args.drain_timeout, log_level="warning",
-                                access_log=False, lifespan="off")
-        server = uvicorn.Server(config)
+        server = build_server(build_app(client, settings), host=args.host, port=args.port,
+                              max_connections=args.max_connections, idle_timeout=args.idle_timeout,
+                              drain_timeout=args.drain_timeout)
         notifier = asyncio.get_running_loop().create_task(_notify(server))
         try:
             await server.serve()  # SIGTERM/SIGINT: stop accepting, finish what is in flight

@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from ..errors import (EngineDeadError, RequestError, RequestTimeoutError, ServiceDrainingError,
                       ServiceUnavailableError)
+from . import chat_output
 from .errors import ApiError, bad
 from .schema import Call, parse_chat, parse_completion
 
@@ -69,7 +70,9 @@ def _service_error(e: Exception) -> ApiError:
     if isinstance(e, ValueError):
         return bad(str(e))
     if isinstance(e, RequestError):  # refused by a stage: the prompt (too long, a bad template) or a value
-        return bad(f"request failed: {e}")
+        # The stages name the field they refuse in their message; response_format is the one
+        # refused only there (a stage compiles its grammar), so it is named as the param.
+        return bad(f"request failed: {e}", "response_format" if "response_format" in str(e) else None)
     return ApiError(500, f"request failed: {e}")
 
 
@@ -149,6 +152,15 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             except BaseException:
                 metrics.active -= 1
                 raise
+            try:
+                # The first delta before the headers: a request the stages refuse (a prompt too
+                # long, a schema that does not compile) gets its 400, not a 200 and an error event.
+                events = aiter(stream)
+                first = await anext(events) if call.stream else None
+            except BaseException:
+                stream.cancel()
+                metrics.active -= 1
+                raise
         except ApiError as e:
             metrics.count(route, e.status)
             return _error(e)
@@ -161,8 +173,8 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         kind = "chat.completion" if chat else "text_completion"
         if call.stream:
             metrics.count(route, 200)
-            return StreamingResponse(_sse(stream, call, rid, created, kind, chat, settings.model, metrics),
-                                     media_type="text/event-stream",
+            body = _sse(first, events, stream, call, rid, created, kind, chat, settings.model, metrics)
+            return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text, reason, usage = [], None, None
         try:
@@ -181,9 +193,13 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         metrics.prompt_tokens += body_usage["prompt_tokens"]
         metrics.completion_tokens += body_usage["completion_tokens"]
         out = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": _finish(reason),
-                   "logprobs": None} if chat else
-                  {"index": 0, "text": out, "finish_reason": _finish(reason), "logprobs": None})
+        if chat:  # the same parser a stream goes through, fed the whole text
+            parser = chat_output.ChatOutputParser(tools=call.tools)
+            parsed = parser.feed(out) + parser.finish()
+            choice = {"index": 0, "message": chat_output.message(parsed, parser.calls),
+                      "finish_reason": chat_output.finish_reason(_finish(reason), parser.calls), "logprobs": None}
+        else:
+            choice = {"index": 0, "text": out, "finish_reason": _finish(reason), "logprobs": None}
         metrics.count(route, 200)
         return JSONResponse({"id": rid, "object": kind, "created": created, "model": settings.model,
                              "choices": [choice], "usage": body_usage})
@@ -211,9 +227,10 @@ def build_app(client: Any, settings: Settings) -> Starlette:
     return app
 
 
-async def _sse(stream: Any, call: Call, rid: str, created: int, kind: str, chat: bool, model: str,
-               metrics: Metrics) -> AsyncIterator[bytes]:
-    """The SSE body; cancelled by the server when the HTTP client goes away, which aborts the request."""
+async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, rid: str, created: int, kind: str,
+               chat: bool, model: str, metrics: Metrics) -> AsyncIterator[bytes]:
+    """The SSE body (`first` delta, then the rest of `events`, the deltas of `stream`); cancelled
+    by the server when the HTTP client goes away, which aborts the request."""
     chunk_kind = kind + ".chunk" if chat else kind
 
     def event(choices: list, usage: dict | None = None, with_usage: bool = False) -> bytes:
@@ -224,17 +241,25 @@ async def _sse(stream: Any, call: Call, rid: str, created: int, kind: str, chat:
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
     finished = False
+    parser = chat_output.ChatOutputParser(tools=call.tools) if chat else None
     try:
         if chat:
             yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
                         None, call.include_usage)
-        async for d in stream:
+        async for d in _chain(first, events):
             reason = _finish(d.finish_reason) if d.finished else None
-            if d.text or reason:
-                piece = ({"index": 0, "delta": {"content": d.text} if d.text else {}, "finish_reason": reason,
-                          "logprobs": None} if chat else
-                         {"index": 0, "text": d.text, "finish_reason": reason, "logprobs": None})
-                yield event([piece], None, call.include_usage)
+            if parser is not None:  # reasoning, tool calls and content, each in its own chunk
+                parsed = parser.feed(d.text) + (parser.finish() if d.finished else [])
+                for e in parsed:
+                    yield event([{"index": 0, "delta": chat_output.delta(e), "finish_reason": None,
+                                  "logprobs": None}], None, call.include_usage)
+                if reason:
+                    yield event([{"index": 0, "delta": {}, "logprobs": None,
+                                  "finish_reason": chat_output.finish_reason(reason, parser.calls)}],
+                                None, call.include_usage)
+            elif d.text or reason:
+                yield event([{"index": 0, "text": d.text, "finish_reason": reason, "logprobs": None}],
+                            None, call.include_usage)
             if d.finished:
                 finished = True
                 usage = _usage(d.usage)
@@ -253,3 +278,9 @@ async def _sse(stream: Any, call: Call, rid: str, created: int, kind: str, chat:
             metrics.disconnects += 1
         stream.cancel()  # aborts the request in the engine when it did not finish (idempotent)
         metrics.active -= 1
+
+
+async def _chain(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for d in events:
+        yield d

@@ -6,16 +6,22 @@ and the engine's own checks (SamplingParams) stand behind these.
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..protocol import MAX_RESPONSE_FORMAT_CHARS
 from .errors import bad
 
 MAX_STOPS = 16
 MAX_STOP_LEN = 256
 MAX_LOGIT_BIAS = 1024
 MAX_MESSAGES = 4096
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 64
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 # OpenAI's names and vLLM's extension names the engine honours, each with its check.
 _FLOAT = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
@@ -25,14 +31,12 @@ _INT = {"top_k": (-1, 1 << 20), "min_tokens": (0, 1 << 20), "seed": (-(1 << 63),
         "priority": (-(1 << 20), 1 << 20)}
 # Accepted and without effect on the output by definition (no silent loss of meaning).
 _NOOP = {"model", "stream", "stream_options", "user", "n"}
-# Known to OpenAI or vLLM, not honoured (yet): a 400 naming them.
-# response_format: passes through once SamplingParams carries it (one entry in _PASS_THROUGH).
-_PASS_THROUGH: set[str] = set()
-_COMMON = set(_FLOAT) | set(_INT) | _NOOP | _PASS_THROUGH | {
+# Any other field (logprobs, tools, ...) is refused with a 400 naming it.
+_COMMON = set(_FLOAT) | set(_INT) | _NOOP | {"response_format",
     "max_tokens", "stop", "ignore_eos", "logit_bias", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"}
 
 
 @dataclass
@@ -43,6 +47,8 @@ class Call:
     include_usage: bool
     prompt: Any
     kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: bool = False
+    """The request offers tools: the output is parsed for tool calls."""
 
 
 def _number(name: str, value: Any, lo: float, hi: float) -> float:
@@ -76,15 +82,32 @@ def _stops(value: Any) -> list[str]:
     return stops
 
 
-def _logit_bias(value: Any) -> dict[int, float]:
+def _logit_bias(value: Any) -> dict[str, float]:
+    """Token id (as text: the wire's maps have string keys, as OpenAI's JSON does) to bias."""
     if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
         raise bad(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} entries", "logit_bias")
     out = {}
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
             raise bad(f"'logit_bias' keys must be token ids, got {key[:32]!r}", "logit_bias")
-        out[int(key)] = _number("logit_bias", bias, -100.0, 100.0)
+        out[str(int(key))] = _number("logit_bias", bias, -100.0, 100.0)
     return out
+
+
+def _response_format(value: Any) -> str:
+    """OpenAI's shape, as JSON text for the wire. Only its outline is checked here: the service
+    checks the rest and compiles it (a schema that does not compile comes back as a 400 too)."""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad("'response_format' must be an object with a 'type' (json_object, json_schema, ...)",
+                  "response_format")
+    try:
+        text = json.dumps(value, separators=(",", ":"))
+    except (ValueError, RecursionError):
+        raise bad("'response_format' nests too deep", "response_format") from None
+    if len(text) > MAX_RESPONSE_FORMAT_CHARS:
+        raise bad(f"'response_format' is {len(text)} characters of JSON, at most {MAX_RESPONSE_FORMAT_CHARS}",
+                  "response_format")
+    return text
 
 
 def _common(body: dict, allowed: set[str], max_len_name: str) -> tuple[str, bool, bool, dict]:
@@ -131,9 +154,8 @@ def _common(body: dict, allowed: set[str], max_len_name: str) -> tuple[str, bool
     for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
         if body.get(name) is not None:
             kw[name] = _bool(name, body[name])
-    for name in _PASS_THROUGH:
-        if body.get(name) is not None:
-            kw[name] = body[name]
+    if body.get("response_format") is not None:
+        kw["response_format"] = _response_format(body["response_format"])
     return model, stream, include_usage, kw
 
 
@@ -153,10 +175,95 @@ def parse_completion(body: Any) -> Call:
     return Call(model, stream, usage, prompt, kw)
 
 
+def _forced(choice: Any, tools: list[dict] | None) -> list[dict] | None:
+    """The tools one of which tool_choice forces a call of: all for "required", one by name;
+    None for "auto" (the default) and "none"."""
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if not tools:
+        raise bad("'tool_choice' other than \"none\" needs 'tools'", "tool_choice")
+    if choice == "required":
+        return tools
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        raise bad("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                  "\"function\": {\"name\": ...}} naming one of the tools", "tool_choice")
+    return named[:1]
+
+
+def _call_grammar(tools: list[dict]) -> str:
+    """A response_format forcing one call of one of `tools`, in the form the chat templates ask
+    for, its arguments following the tool's parameter schema (structured output enforces it)."""
+    schema = {"anyOf": [{"type": "object", "properties": {
+        "name": {"const": t["function"]["name"]}, "arguments": t["function"].get("parameters") or {"type": "object"}},
+        "required": ["name", "arguments"], "additionalProperties": False} for t in tools],
+        "x-guidance": {"whitespace_flexible": False}}  # compact JSON: no run of blank space to the token limit
+    grammar = ('start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json '
+               + json.dumps(schema, separators=(",", ":")))
+    return json.dumps({"type": "grammar", "grammar": grammar}, separators=(",", ":"))
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, list[dict] | None]:
+    """The tools offered, checked (None: none, or tool_choice "none"), and those tool_choice
+    forces a call of. They reach the model only through its chat template, so every one must be
+    a function with a usable name."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if body.get("parallel_tool_calls") is not None and not _bool("parallel_tool_calls", body["parallel_tool_calls"]):
+        raise bad("'parallel_tool_calls' false is not supported: every call the model writes is returned",
+                  "parallel_tool_calls")
+    if tools is None:
+        return None, _forced(choice, None)
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise bad(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"} or \
+                not isinstance(fn, dict):
+            raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+        if not isinstance(fn.get("name"), str) or not _FUNCTION_NAME.fullmatch(fn["name"]):
+            raise bad(f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-'", "tools")
+        extra = set(fn) - {"name", "description", "parameters", "strict"}
+        if extra or not isinstance(fn.get("description", ""), str) or \
+                not isinstance(fn.get("parameters", {}), dict):
+            raise bad(f"tools[{i}].function may have name, description (a string), parameters (a JSON "
+                      f"schema object) and strict", "tools")
+    text = json.dumps(tools, separators=(",", ":"))
+    if len(text) > MAX_RESPONSE_FORMAT_CHARS:
+        raise bad(f"'tools' is {len(text)} characters of JSON, at most {MAX_RESPONSE_FORMAT_CHARS}", "tools")
+    return (None if choice == "none" or not tools else tools), _forced(choice, tools)
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict]:
+    """An assistant message's earlier tool calls, as its chat template reads them."""
+    if not isinstance(calls, list) or not 0 < len(calls) <= MAX_TOOL_CALLS:
+        raise bad(f"messages[{i}].tool_calls must be a list of 1 to {MAX_TOOL_CALLS} calls", "messages")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments"), str) or not isinstance(call.get("id", ""), str):
+            raise bad(f"messages[{i}].tool_calls: each needs an id and a function with name and arguments "
+                      "(a string)", "messages")
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": fn["name"][:64], "arguments": fn["arguments"]}})
+    return out
+
+
 def parse_chat(body: Any) -> Call:
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     model, stream, usage, kw = _common(body, CHAT_FIELDS, "max_completion_tokens")
+    tools, forced = _tools(body)
+    if tools is not None:
+        kw["tools"] = tools
+    if forced:
+        if "response_format" in kw:
+            raise bad("'tool_choice' that forces a call cannot be combined with 'response_format'", "tool_choice")
+        kw["response_format"] = _call_grammar(forced)
+        if len(kw["response_format"]) > MAX_RESPONSE_FORMAT_CHARS:
+            raise bad("the forced tools' parameter schemas are too large", "tool_choice")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise bad(f"'messages' must be a non-empty list of at most {MAX_MESSAGES} messages", "messages")
@@ -164,18 +271,28 @@ def parse_chat(body: Any) -> Call:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object with role and content", "messages")
-        extra = sorted(str(k)[:64] for k in m if k not in ("role", "content"))
-        if extra:  # name, tool_calls, ...: not rendered by the chat template here, so refused
-            raise bad(f"messages[{i}].{extra[0]} is not supported by this server", "messages")
         role, content = m.get("role"), m.get("content")
-        if role not in ("system", "user", "assistant", "developer"):
-            raise bad(f"messages[{i}].role must be system, user, assistant or developer", "messages")
+        allowed = {"role", "content"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
+        extra = sorted(str(k)[:64] for k in m if k not in allowed)
+        if extra:  # name, ...: not rendered by the chat template here, so refused
+            raise bad(f"messages[{i}].{extra[0]} is not supported by this server", "messages")
+        if role not in ("system", "user", "assistant", "developer", "tool"):
+            raise bad(f"messages[{i}].role must be system, user, assistant, developer or tool", "messages")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
                        for c in content):
                 raise bad(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(c["text"] for c in content)
+        if content is None and m.get("tool_calls") is not None:
+            content = ""  # an assistant turn that only called tools
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return Call(model, stream, usage, out, kw)
+        message: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if m.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(i, m["tool_calls"])
+        if role == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str) or len(m["tool_call_id"]) > 256:
+                raise bad(f"messages[{i}].tool_call_id must be a string of at most 256 characters", "messages")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
+    return Call(model, stream, usage, out, kw, tools=tools is not None)

@@ -1,0 +1,99 @@
+"""Tools in a chat, rendered by the tokenizer stage (`tokenizer_proc.chat` through
+`RequestBuilder`, without sockets): through a template that knows tools, and through one that
+does not (ChatML, as the default model's), where they are written in the form the HTTP front
+parses calls back from."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from nanovllm.models.tokenizer import load_tokenizer
+from nanovllm.sampling_params import SamplingParams
+from nanovllm_client import protocol as p
+from nanovllm_client.client_state import build_request
+from tokenizer_proc.chat import template_knows_tools
+from tokenizer_proc.requests import RequestBuilder, RequestRejected, sampling_fields
+
+CLIENT = b"\x07" * 5
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+WEATHER = {"type": "function",
+           "function": {"name": "get_weather", "description": "today's weather in a city", "parameters": CITY}}
+TURNS = [{"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+# The tools part of a template that knows them (as Qwen's and Hermes' do), kept small.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} {{ c.function.arguments.city }}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return load_tokenizer(tokenizer_dir)
+
+
+def prompt_text(tokenizer, messages, tools=None) -> str:
+    req = build_request(messages, tools=tools, request_id="r")
+    req = p.decode(req.encode())  # as the stage receives it: tools travel as JSON text
+    out = p.decode(RequestBuilder(tokenizer, sampling_fields(SamplingParams), SamplingParams).build(CLIENT, req))
+    return tokenizer.decode(p.unpack_token_ids(out.prompt_token_ids))
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message_and_calls_as_text(tokenizer):
+    assert not template_knows_tools(tokenizer)
+    text = prompt_text(tokenizer, TURNS, [WEATHER])
+    assert text.startswith("<|im_start|>system\n# Tools") and json.dumps(WEATHER) in text
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' \
+           '</tool_call><|im_end|>' in text
+    assert "<|im_start|>user\n<tool_response>\nsunny, 21 C\n</tool_response><|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    # a chat without tools renders as it always did
+    plain = [{"role": "user", "content": "hi"}]
+    assert prompt_text(tokenizer, plain) == tokenizer.apply_chat_template(plain, add_generation_prompt=True,
+                                                                          tokenize=False)
+
+
+def test_a_template_that_knows_tools_renders_them_itself(tokenizer):
+    own = copy.copy(tokenizer)
+    own.chat_template = TOOLS_TEMPLATE
+    assert template_knows_tools(own)
+    text = prompt_text(own, TURNS, [WEATHER])
+    assert text.startswith("<|im_start|>system\n<tools>" + json.dumps(WEATHER))
+    assert "<tool_call>get_weather Paris</tool_call>" in text  # arguments reach it as a map
+    assert "<|im_start|>tool\nsunny, 21 C<|im_end|>" in text
+
+
+def test_tools_are_checked_on_the_wire_and_in_the_stage(tokenizer):
+    with pytest.raises(p.ProtocolError, match="only with messages"):
+        p.decode(p.GenerateReq("r", prompt="hi", tools="[]").encode())
+    with pytest.raises(p.ProtocolError, match="tools"):
+        p.decode(p.GenerateReq("r", messages=[{"role": "user", "content": "x"}], tools="x" * 70_000).encode())
+    build = RequestBuilder(tokenizer, sampling_fields(SamplingParams), SamplingParams).build
+    for bad, why in [("{not json", "not valid JSON"), ('{"a": 1}', "list of tool objects")]:
+        with pytest.raises(RequestRejected, match=why):
+            build(CLIENT, p.GenerateReq("r", messages=[{"role": "user", "content": "x"}], tools=bad))
+
+
+def test_the_default_models_template_and_the_fronts_parser_speak_one_form():
+    """SmolLM2's template knows no tools: they go into the system message, and an earlier call is
+    written in the very form the HTTP front's parser reads back as a call."""
+    from nanovllm.models.loader import resolve_model_path
+    from nanovllm_client.http.chat_output import ChatOutputParser
+    from tokenizer_proc.chat import hermes_messages, render_chat
+
+    smollm = load_tokenizer(resolve_model_path("default"))
+    assert not template_knows_tools(smollm)
+    text = render_chat(smollm, TURNS, json.dumps([WEATHER]))
+    assert text.startswith("<|im_start|>system\n# Tools") and "named SmolLM" not in text
+    assert json.dumps(WEATHER) in text and text.endswith("<|im_start|>assistant\n")
+    written = hermes_messages(TURNS, [WEATHER])[2]["content"]  # the assistant's earlier turn
+    parser = ChatOutputParser(tools=True)
+    events = parser.feed(written) + parser.finish()
+    assert not [e for e in events if e.kind == "content"]
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Paris"})]
