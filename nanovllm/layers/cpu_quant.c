@@ -277,7 +277,7 @@ static inline float row_setup512(const uint16_t *scales, const uint16_t *mins, c
             macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, mins + g)),
                                    _mm512_maskz_loadu_ps(m, sums + g), macc);
     }
-    sd[nb] = 0.f;
+    for (int i = 0; i < 4; i++) sd[nb + i] = 0.f; /* the blocks a last pair or quad reads past the row */
     return _mm512_reduce_add_ps(macc);
 }
 
@@ -323,12 +323,73 @@ static inline __attribute__((always_inline)) void dot4_512(const uint8_t *codes,
     for (int p = 0; p < P; p++) out[p] += _mm512_reduce_add_ps(acc[p]);
 }
 
+#if defined(__AVX512VNNI__)
+/* One row of x's int16 codes as `dot_quads` reads them, split into bytes so that the 4-bit codes
+ * meet them in `vpdpbusd` (64 byte products a go): x = 256 * high + low, high the signed top byte,
+ * low the unsigned bottom one, both products exact in int32. Per group of four blocks, 256 bytes:
+ * the low bytes of inputs 0..15 of the four blocks (16 each), of inputs 16..31, then the high
+ * bytes likewise; blocks past the last are zeros. */
+static void quad_layout(const int16_t *q, int64_t nb, uint8_t *out) {
+    memset(out + (nb / 4) * 256, 0, 256);
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(q + b * QK));
+        const __m256i lo = _mm512_cvtepi16_epi8(v), hi = _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8));
+        uint8_t *o = out + (b / 4) * 256 + (b % 4) * 16;
+        _mm_storeu_si128((__m128i *)o, _mm256_castsi256_si128(lo));
+        _mm_storeu_si128((__m128i *)(o + 64), _mm256_extracti128_si256(lo, 1));
+        _mm_storeu_si128((__m128i *)(o + 128), _mm256_castsi256_si128(hi));
+        _mm_storeu_si128((__m128i *)(o + 192), _mm256_extracti128_si256(hi, 1));
+    }
+}
+
+/* Blocks b..b+3 of one 4-bit W row (64 code bytes; `mask` keeps the bytes of the blocks that
+ * exist) against x in `quad_layout`: the exact int32 dot products, lanes 4i..4i+3 block b + i. */
+static inline __m512i dot_quad(const uint8_t *c, __mmask64 mask, __m512i xl0, __m512i xl1, __m512i xh0,
+                               __m512i xh1) {
+    const __m512i v = _mm512_maskz_loadu_epi8(mask, c), nib = _mm512_set1_epi8(0x0f);
+    const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xh0);  /* codes unsigned, x bytes signed */
+    high = _mm512_dpbusd_epi32(high, hi, xh1);
+    __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xl0, lo);   /* x bytes unsigned, codes as signed */
+    low = _mm512_dpbusd_epi32(low, xl1, hi);
+    return _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
+}
+
+/* Batch 1, P rows of 4-bit W per load of x, four blocks per 512-bit register. */
+static inline __attribute__((always_inline)) void dot_quads(const uint8_t *codes, int64_t code_row, const float *sd,
+                                                            int64_t nb, const uint8_t *xq, float *out, const int P) {
+    const __m512i pick = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc[4];
+    for (int p = 0; p < P; p++) acc[p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 4) {
+        const uint8_t *x = xq + (b / 4) * 256;
+        const __m512i xl0 = _mm512_loadu_si512((const void *)x), xl1 = _mm512_loadu_si512((const void *)(x + 64));
+        const __m512i xh0 = _mm512_loadu_si512((const void *)(x + 128)), xh1 = _mm512_loadu_si512((const void *)(x + 192));
+        const __mmask64 mask = nb - b >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * (nb - b))) - 1);
+        for (int p = 0; p < P; p++) {
+            _mm_prefetch((const char *)(codes + p * code_row + b * 16 + PREFETCH_BYTES), _MM_HINT_T0);
+            const __m512 s = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_loadu_ps(sd + p * SD_ROW + b)));
+            acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_quad(codes + p * code_row + b * 16, mask, xl0, xl1, xh0, xh1)),
+                                     s, acc[p]);
+        }
+    }
+    for (int p = 0; p < P; p++) out[p] += _mm512_reduce_add_ps(acc[p]);
+}
+#endif
+
 /* y (1, N) for 4-bit W at batch 1 with AVX-512: rows in fours (twos where N is not a multiple of 4). */
 static void matvec4_512(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t N, int64_t K,
                         const xrow *x, void *y, const int BF) {
     const int64_t nb = K / QK, code_row = K / 2;
+#if defined(__AVX512VNNI__)
+    uint8_t xp[(MAX_GROUPS / 4 + 1) * 256];
+    quad_layout(x->q, nb, xp);
+#define DOT4 dot_quads
+#else
     int16_t xp[(MAX_GROUPS + 1) * QK];
     pair_layout(x->q, nb, xp);
+#define DOT4 dot4_512
+#endif
     const int P = N % 4 == 0 ? 4 : 2;
 #pragma omp parallel for schedule(static) if (N * K >= 32768)
     for (int64_t n = 0; n < N; n += P) {
@@ -336,8 +397,8 @@ static void matvec4_512(const uint8_t *codes, const uint16_t *scales, const uint
         for (int i = 0; i < P; i++)
             out[i] = row_setup512(scales + (n + i) * nb, mins != NULL ? mins + (n + i) * nb : NULL, x->sum, x->d, nb,
                                   sd + i * SD_ROW);
-        if (P == 4) dot4_512(codes + n * code_row, code_row, sd, nb, xp, out, 4);
-        else dot4_512(codes + n * code_row, code_row, sd, nb, xp, out, 2);
+        if (P == 4) DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 4);
+        else DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 2);
         for (int i = 0; i < P; i++) sstore(y, n + i, out[i], BF);
     }
 }
