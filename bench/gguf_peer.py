@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -117,7 +116,7 @@ def llama_cpp_run(args: argparse.Namespace, model_path: str, streams: int) -> di
            "-ub", "512", "-npp", str(args.prompt_len), "-ntg", str(args.gen_len), "-npl", str(streams),
            "-t", str(args.threads), "--output-format", "jsonl"]
     done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode == -signal.SIGILL and streams == 1:
+    if done.returncode < 0 and streams == 1:  # killed by a signal (SIGILL, SIGSEGV seen here)
         return llama_bench_decode(args, model_path)
     done.check_returncode()
     row = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
@@ -128,7 +127,7 @@ def llama_cpp_run(args: argparse.Namespace, model_path: str, streams: int) -> di
 def llama_bench_decode(args: argparse.Namespace, model_path: str) -> dict:
     """One stream's decode rate from `llama-bench`, after a context of the prompt's length fed one
     token at a time (`-ub 1`): where llama.cpp's batched prompt kernels die on an instruction the
-    VM advertises but does not run (SIGILL, seen with AMX), its one-row decode still runs."""
+    VM advertises but does not run (SIGILL or SIGSEGV, seen with AMX), its one-row decode still runs."""
     cmd = [os.path.join(args.llama_bin, "llama-bench"), "-m", model_path, "-p", "0", "-n", str(args.gen_len),
            "-d", str(args.prompt_len), "-ub", "1", "-r", "1", "-t", str(args.threads), "-o", "jsonl"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout

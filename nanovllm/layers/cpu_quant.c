@@ -19,6 +19,10 @@
  * AVX512-VNNI) and, with AVX-512, 8-bit ones too (`dot_pair512`: a block per 512-bit register;
  * the LM head). The instruction set is the build's (-march=native, one library per CPU: see
  * cpu_kernels.py), so the choice is made per CPU; tests build the baseline and AVX2 variants too.
+ * With AVX-512, batch-1 4-bit weights take several blocks per register instead (`matvec4_512`):
+ * four with AVX512-VNNI (`dot_quads`: x's int16 codes split into high and low bytes for
+ * `vpdpbusd`, the block sums still exact), two without (`dot4_512`); W is prefetched
+ * PREFETCH_BYTES ahead, which alone gave 1.5x at one thread.
  * Large M goes through quant_dequant into a float panel and the float GEMM instead.
  * quant_dequant: rows of W as float32 or bfloat16 (`bf16`), for that panel and the embedding.
  */
