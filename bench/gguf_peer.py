@@ -8,13 +8,16 @@ through `LLMEngine.step()`, prefill rate = prompt tokens / time of the steps tha
 rate = tokens / time of the steps that only decoded. Beside them, the physical limit at one
 stream: the weight bytes a decode step reads (every matrix once, as stored in memory) over the
 memory read bandwidth measured in this run (a multi-threaded sum over 512 MB). `--dequantized`
-adds this engine with the weights dequantized to float at load (the path before packed weights).
+adds this engine with the weights dequantized to float at load (the path before packed weights);
+`--per-op` adds it with the one-call decode path off (NANOVLLM_CPU_DECODE=0: every layer's ops
+called one by one from Python, the path before layers/cpu_decode.py), alternating with the rest.
 
 llama.cpp is a peer, never a dependency: build it with `bash ../shared/peers/build_llamacpp.sh`
 (or pass `--llama-bin DIR`); without it only this engine runs. Prints one JSON line, then a table.
 
     python -m bench.gguf_peer                          # the default model, 2 threads, streams 1,8,64
     python -m bench.gguf_peer --streams 1 --repeats 3 --gen-len 64
+    python -m bench.gguf_peer --streams 1 --threads 1 --per-op    # the one-call decode path on and off
 """
 from __future__ import annotations
 
@@ -101,9 +104,10 @@ def engine_worker(args: argparse.Namespace) -> dict:
     run(min(streams, 2), 16, 4)  # warm-up: kernels built, buffers sized
     prefill_s, prefill_tokens, decode_s, decode_tokens = run(streams, args.prompt_len, args.gen_len)
     engine.runner.close()
-    return {"engine": "float" if args.dequantized else "nanovllm", "streams": streams, "prefill_tok_s": prefill_tokens / prefill_s,
+    label = "float" if args.dequantized else "per-op" if os.environ.get("NANOVLLM_CPU_DECODE") == "0" else "nanovllm"
+    return {"engine": label, "streams": streams, "prefill_tok_s": prefill_tokens / prefill_s,
             "decode_tok_s": decode_tokens / decode_s, "dtype": str(engine.runner.dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "load": os.getloadavg()[0]}
 
 
 def llama_cpp_run(args: argparse.Namespace, model_path: str, streams: int) -> dict:
@@ -111,16 +115,33 @@ def llama_cpp_run(args: argparse.Namespace, model_path: str, streams: int) -> di
     cmd = [os.path.join(args.llama_bin, "llama-batched-bench"), "-m", model_path, "-c", str(ctx), "-b", "2048",
            "-ub", "512", "-npp", str(args.prompt_len), "-ntg", str(args.gen_len), "-npl", str(streams),
            "-t", str(args.threads), "--output-format", "jsonl"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode < 0 and streams == 1:  # killed by a signal (SIGILL, SIGSEGV seen here)
+        return llama_bench_decode(args, model_path)
+    done.check_returncode()
+    row = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    return {"engine": "llama.cpp", "streams": streams, "prefill_tok_s": row["speed_pp"], "decode_tok_s": row["speed_tg"],
+            "load": os.getloadavg()[0]}
+
+
+def llama_bench_decode(args: argparse.Namespace, model_path: str) -> dict:
+    """One stream's decode rate from `llama-bench`, after a context of the prompt's length fed one
+    token at a time (`-ub 1`): where llama.cpp's batched prompt kernels die on an instruction the
+    VM advertises but does not run (SIGILL or SIGSEGV, seen with AMX), its one-row decode still runs."""
+    cmd = [os.path.join(args.llama_bin, "llama-bench"), "-m", model_path, "-p", "0", "-n", str(args.gen_len),
+           "-d", str(args.prompt_len), "-ub", "1", "-r", "1", "-t", str(args.threads), "-o", "jsonl"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     row = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
-    return {"engine": "llama.cpp", "streams": streams, "prefill_tok_s": row["speed_pp"], "decode_tok_s": row["speed_tg"]}
+    return {"engine": "llama.cpp", "streams": 1, "prefill_tok_s": float("nan"), "decode_tok_s": row["avg_ts"],
+            "load": os.getloadavg()[0]}
 
 
-def engine_run(args: argparse.Namespace, streams: int, dequantized: bool = False) -> dict:
+def engine_run(args: argparse.Namespace, streams: int, dequantized: bool = False, per_op: bool = False) -> dict:
     cmd = [sys.executable, "-m", "bench.gguf_peer", "--worker", "--model", args.model, "--streams", str(streams),
            "--threads", str(args.threads), "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
            "--dtype", args.dtype] + (["--dequantized"] if dequantized else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+    env = dict(os.environ, NANOVLLM_CPU_DECODE="0" if per_op else "1")
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -139,7 +160,7 @@ def cpu_model() -> str:
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Median per (engine, streams) over the repeats."""
-    order = {"nanovllm": 0, "float": 1, "llama.cpp": 2}
+    order = {"nanovllm": 0, "per-op": 1, "float": 2, "llama.cpp": 3}
     keys = sorted({(r["engine"], r["streams"]) for r in rows}, key=lambda k: (k[1], order[k[0]]))
     table = []
     for engine, streams in keys:
@@ -149,7 +170,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                       "prefill_tok_s": round(statistics.median(r["prefill_tok_s"] for r in runs), 1),
                       "decode_tok_s": round(decode, 1),
                       "decode_ms_per_token": round(1e3 / decode, 2) if streams == 1 else None,
-                      "decode_tok_s_all": [round(r["decode_tok_s"], 1) for r in runs]})
+                      "decode_tok_s_all": [round(r["decode_tok_s"], 1) for r in runs],
+                      "load_after": [round(r["load"], 1) for r in runs]})
     return table
 
 
@@ -164,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--llama-bin", default=DEFAULT_LLAMA_BIN, help="folder with llama-batched-bench")
     ap.add_argument("--dequantized", action="store_true", help="also run this engine on float weights, as before")
+    ap.add_argument("--per-op", action="store_true", help="also run this engine with the one-call decode path off")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -183,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     for _ in range(args.repeats):
         for streams in args.streams:
             rows.append(engine_run(args, streams))
+            if args.per_op:
+                rows.append(engine_run(args, streams, per_op=True))
             if args.dequantized:
                 rows.append(engine_run(args, streams, dequantized=True))
             if have_llama:

@@ -5,6 +5,8 @@
 - `cpu_ops.c`: the decoder's elementwise work fused per row (RMSNorm with the residual add; q/k
   norm, rotary embedding and the KV-cache store; SiLU-and-multiply).
 - `cpu_quant.c`: matrix products and row lookups on weights kept packed (layers/quant.py).
+- `cpu_decode.c`: every decoder layer of a small decode step in one call, driving the three
+  files above (layers/cpu_decode.py).
 
 Every kernel serves float32 and bfloat16 tensors from one source: the body is written once
 against the helpers of `cpu_simd.h` and compiled for each element type (the `bf16` argument), and
@@ -30,7 +32,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_HERE, name) for name in ("cpu_attention.c", "cpu_ops.c", "cpu_quant.c")]
+_SOURCES = [os.path.join(_HERE, name) for name in ("cpu_attention.c", "cpu_ops.c", "cpu_quant.c",
+                                                              "cpu_decode.c")]
 _HEADERS = [os.path.join(_HERE, "cpu_simd.h")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 

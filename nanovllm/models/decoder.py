@@ -10,7 +10,9 @@ MLP rows and vocabulary (layers/linear.py, layers/embedding.py); one rank is the
 
 On CPU (float32 or bfloat16) the model runner gives the modules `cpu_ops` (layers/cpu_kernels.py): RMSNorm
 with its residual add, q/k norm + rotary + the KV-cache store, and SiLU-and-multiply then run as
-one compiled pass each instead of chains of torch ops. On CUDA it gives them `gpu_ops`
+one compiled pass each instead of chains of torch ops; and a small decode step whose linear
+weights are all packed runs every layer in one C call (layers/cpu_decode.py), the same kernels
+in the same order without Python between them. On CUDA it gives them `gpu_ops`
 (kernels/triton_fused.py), the same three ops as Triton kernels with the same signatures. Where
 neither is set (or neither takes the tensor) torch does it.
 """
@@ -30,6 +32,7 @@ from torch import nn
 
 from nanovllm.distributed import TensorParallel
 from nanovllm.layers.attention import AttentionMetadata, PagedAttention
+from nanovllm.layers.cpu_decode import CpuDecode
 from nanovllm.layers.cpu_kernels import CpuOps
 from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -169,6 +172,8 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     # [ZH-START]
     # 词嵌入 → 所有层 → 最后的 norm；旋转位置编码每步只按 positions 算一次，各层共用。
+    # CPU 上小的纯 decode 步（T <= 8、线性层权重全是打包的）词嵌入之后交给 CpuDecode 一次 C 调用跑完
+    # 所有层和最后的 norm（结果与逐算子路径逐位相同）；指针表第一次用到时建，KV cache 换了就重建。
     # [ZH-END]
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
@@ -178,15 +183,30 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.cpu_ops: CpuOps | None = None
         self.gpu_ops = None
+        self._cpu_decode: CpuDecode | None = None
+        self._cpu_decode_built = False  # whether the model was asked once (None then means it does not qualify)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, C)
+        decode = self._one_call_decode(hidden, meta)
+        if decode is not None:
+            return decode(hidden, positions, meta)  # (T, C), every layer in one call
         rope = self.rotary.for_step(positions, per_token=fused_ops(self, hidden) is None)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, meta)
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
+
+    def _one_call_decode(self, hidden: torch.Tensor, meta: AttentionMetadata) -> CpuDecode | None:
+        """The one-call path where this step and model take it: the compiled CPU ops and attention
+        kernel in use, and `CpuDecode.serves` the step."""
+        if (self.cpu_ops is None or not self.layers or self.layers[0].self_attn.attn.cpu_kernel is None
+                or not CpuDecode.serves(hidden, meta)):
+            return None
+        if not self._cpu_decode_built or (self._cpu_decode is not None and not self._cpu_decode.fresh(self)):
+            self._cpu_decode, self._cpu_decode_built = CpuDecode.build(self), True
+        return self._cpu_decode
 
 
 class DecoderForCausalLM(nn.Module):
