@@ -3,6 +3,8 @@
 - `check_response_format(value)`: validates OpenAI's shape (json_object, json_schema, and the
   extensions regex, grammar (Lark), choice) with size and depth limits; ValueError naming the problem.
 - `grammar_text(fmt)`: the llguidance grammar for a checked format (cached by its JSON text).
+- `GrammarCache` (cache.py): compiled formats by text, the engine's own check (its input thread).
+- `MaskPrefetcher` (prefetch.py): masks computed while the model runs the step's forward.
 - `StructuredOutput`: a `LogitsProcessor` holding one request's matcher. It follows the request's
   output tokens (consuming new ones, starting over when the output does not extend what it saw,
   as after a preemption), fills the token bitmask and sets every disallowed logit to -inf, so
@@ -171,12 +173,17 @@ class StructuredOutput:
     #        与其他约束冲突（合起来一个 token 都不剩）时 Sampler 只保留语法掩码（语法优先）。
     # [ZH-END]
 
-    def __init__(self, grammar: str, lltok: Any):
+    def __init__(self, grammar: str | Any, lltok: Any):
+        """`grammar`: llguidance grammar text, or a compiled `LLMatcher` to copy (`GrammarCache`)."""
         import llguidance
         import llguidance.numpy as lln
 
         self._lln = lln
-        self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        if isinstance(grammar, str):
+            self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        else:
+            self.matcher = grammar.deep_copy()
+            self.matcher.reset()
         if self.matcher.is_error():
             raise ValueError(f"response_format does not compile: {self.matcher.get_error()[:500]}")
         self.n_vocab = lltok.vocab_size

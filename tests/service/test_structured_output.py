@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
 import jsonschema
 import pytest
+import zmq
 
 from nanovllm_client import AsyncClient, Client
+from nanovllm_client import protocol as p
+from nanovllm_client.endpoints import service_endpoints
 from tests.service.conftest import start_service
-from tests.service.harness import short_tmpdir, wait_for
+from tests.service.harness import fresh_engine_stats, short_tmpdir, wait_for
+from tests.service.test_hardening import raw_socket, reply
 
 PEOPLE = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16},
@@ -159,4 +164,51 @@ def test_min_tokens_with_a_response_format_is_refused_naming_the_conflict(procs)
         with pytest.raises(Exception, match="min_tokens cannot be combined with response_format"):
             client.generate("hi", max_tokens=8, min_tokens=4, response_format={"type": "json_object"})
         assert client.generate("hi", max_tokens=4, min_tokens=2).usage["completion_tokens"] >= 2
+    procs.assert_running()
+
+
+def test_a_bad_format_sent_straight_to_the_engine_is_refused_there_and_the_steps_go_on(procs):
+    """Frames that skip the tokenizer's compile: the engine's input thread compiles each format
+    itself (cached by text), refuses the bad ones with the compiler's reason before they are
+    queued (counted as refused at intake, not when added on the step loop), and a stream decoding meanwhile runs to its end; good formats sent the same way work."""
+    eps = service_endpoints(procs.url)
+    ctx = zmq.Context()
+    try:
+        identity = uuid.uuid4().bytes
+        out = raw_socket(ctx, zmq.DEALER, eps.stream, identity)
+        out.send(p.Ping().encode())
+        assert isinstance(reply(out), p.Pong)
+        engine = raw_socket(ctx, zmq.PUSH, eps.engine)
+
+        def send(name: str, fmt: dict) -> None:
+            sampling = {"max_tokens": 32, "temperature": 0, "response_format": json.dumps(fmt)}
+            engine.send(p.TokenizedReq(f"{identity.hex()}:{name}", p.pack_token_ids([1, 2, 3]), sampling,
+                                       p.RequestMeta(identity, name)).encode())
+
+        bad = [{"type": "regex", "regex": "(unclosed"}, {"type": "grammar", "grammar": "start: nothing_here"},
+               {"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "#/$defs/x"}}}]
+        with Client(procs.url, timeout=180) as client:
+            before = fresh_engine_stats(client)  # not a heartbeat from before the last test's requests
+            stream = client.stream(chat("Forty numbers."), max_tokens=200, temperature=0, response_format=fmt(NUMBERS))
+            first = next(stream)
+            for i in range(30):  # each bad one ten times: compiled once, then refused from the cache
+                send(f"bad{i}", bad[i % 3])
+            send("good", {"type": "choice", "choices": ["alpha", "beta"]})
+            ends: dict = {}
+            while len(ends) < 31:
+                msg = reply(out)
+                for d in getattr(msg, "deltas", []):
+                    if d.finish_reason is not None:
+                        ends[d.request_id] = d
+            rest = list(stream)
+            after = wait_for(lambda: (e := client.server_stats()["engine"])["formats_refused_at_intake"]
+                             >= before["formats_refused_at_intake"] + 30 and e, timeout=60, what="the refusals counted")
+        for i in range(30):
+            d = ends[f"bad{i}"]
+            assert d.finish_reason == "error" and "does not compile" in d.error, d
+        assert ends["good"].finish_reason == "stop"
+        jsonschema.validate(json.loads(first.text + "".join(d.text for d in rest)), NUMBERS)
+        assert after["formats_compiled"] - before["formats_compiled"] <= 5  # the stream's, three bad ones, the choice
+    finally:
+        ctx.destroy(linger=0)
     procs.assert_running()
