@@ -129,6 +129,8 @@ class Sampler:
         self.states: dict[str, RequestState] = {}
         self.masks = MaskPrefetcher()
         """Grammar masks computed while the forward runs (`prepare`); `masks.enabled = False` turns it off."""
+        self.num_grammars = 0
+        """Requests with a response_format: with none, `prepare` costs one comparison."""
 
     # -- per-request state ---------------------------------------------------------------------
 
@@ -138,12 +140,15 @@ class Sampler:
         A seeded request's generator is advanced past the numbers those tokens drew (one each,
         see `sample_rows`), so it draws the numbers it would have drawn."""
         state = self.states[request_id] = self._new_state(params, processors or [], eos_token_ids)
+        self.num_grammars += state.grammar is not None
         if state.generator is not None:
             for _ in range(num_output_tokens):
                 torch.rand(1, dtype=torch.float64, device=self.device, generator=state.generator)
 
     def remove_request(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+        state = self.states.pop(request_id, None)
+        if state is not None and state.grammar is not None:
+            self.num_grammars -= 1
 
     def take_logprobs(self, request_id: str) -> list[TokenLogprobs] | None:
         """Logprobs computed since the last call, or None if the request did not ask for them."""
@@ -196,6 +201,8 @@ class Sampler:
     def prepare(self, seqs: list[Sequence]) -> None:
         """Start computing the grammar masks of `seqs`, the rows the coming `__call__` samples;
         the model runner calls it just before the forward, which the computation then overlaps."""
+        if not self.num_grammars:
+            return
         jobs = [(st.grammar, seq.output_token_ids) for seq in seqs
                 if (st := self.states.get(seq.request_id)) is not None and st.grammar is not None]
         self.masks.start(jobs)

@@ -34,6 +34,8 @@ class MaskPrefetcher:
         """False: no prefetch; the sampler computes every mask when it applies it."""
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        self.num_prefetched = 0
+        """Masks handed to the worker thread so far."""
 
     def start(self, jobs: Sequence[tuple[Any, Sequence[int]]]) -> None:
         """Compute `grammar.prepare(output)` for each (grammar, output) on the worker thread."""
@@ -43,6 +45,7 @@ class MaskPrefetcher:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-masks")
         self._pending = self._pool.submit(_prepare_all, list(jobs))
+        self.num_prefetched += len(jobs)
 
     def wait(self) -> None:
         """Return once the last batch started is done (at once if there is none)."""
