@@ -7,14 +7,14 @@ socket it reads whatever the load, so an abort never waits behind the requests t
 """
 # [ZH-START]
 # 【模块定位】引擎 stage 的输入线程：读 input socket（tokenizer 推来的请求）和 control socket（abort、DetokHello），
-# 检查每一帧，在这里（不占主线程）建好采样参数，按到达顺序经 inbox 交给主线程。排队未准入的达到 max_queued 个或
+# 检查每一帧，在这里（不占主线程）建好采样参数、编译 response_format（引擎自己的编译钩子），按到达顺序经 inbox 交给主线程。排队未准入的达到 max_queued 个或
 # max_queued_bytes 字节就停止读请求（socket 填满，tokenizer 挡住客户端）；control 一直读，abort 不会排在请求后面。
 # [ZH-END]
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -40,9 +40,14 @@ class Input:
     # [ZH-END]
 
     def __init__(self, in_sock: zmq.Socket, control_sock: zmq.Socket, make_sampling, max_queued: int,
-                 max_queued_bytes: int, rejects: RejectLog, metrics: EngineMetrics):
+                 max_queued_bytes: int, rejects: RejectLog, metrics: EngineMetrics,
+                 check_format: Callable[[dict], Any] | None = None):
         self.in_sock, self.control_sock = in_sock, control_sock
         self.make_sampling = make_sampling
+        self.check_format = check_format
+        """Compiles a request's response_format (ValueError if it does not compile), here, off the step loop."""
+        self.num_formats_refused = 0
+        """Requests refused here because their response_format does not compile."""
         self.max_queued, self.max_queued_bytes = max_queued, max_queued_bytes
         self.rejects, self.metrics = rejects, metrics
         # Not a SimpleQueue: the main loop waits on this with a timeout, and CPython's
@@ -104,6 +109,7 @@ class Input:
         # [ZH-START]
         # 1. 收一条，经 _accept（intake.accept）只接受 TokenizedReq（abort 和 DetokHello 走 control socket），否则按原因计数后丢弃（对面只有 stage，没有回复通道）。
         # 2. _queued：在这里（不占主线程）建好采样参数（allowed_token_ids 存成 4 字节一个的 array），
+        #    有 response_format 就经 check_format 编译（按文本缓存；帧可能没经过 tokenizer 的编译，编译不过即拒绝），
         #    丢掉解出来的 sampling 大 list；prompt 保持打包；额度 = 帧长 + 每个 prompt token 40 字节。
         #    在锁内把 num_queued 加一、queued_bytes 加上额度。
         # 3. 放进 inbox，保持到达顺序。
@@ -134,6 +140,14 @@ class Input:
         params, error = None, None
         try:
             params = self.make_sampling(**req.sampling)
+            fmt = getattr(params, "response_format", None)
+            if fmt is not None and self.check_format is not None:
+                # The engine's own compile: a frame need not have come through the tokenizer's.
+                try:
+                    self.check_format(fmt)
+                except ValueError:
+                    self.num_formats_refused += 1
+                    raise
         except Exception as e:
             error = refusal(e, req.request_id)
         req.sampling = {}

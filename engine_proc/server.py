@@ -5,8 +5,8 @@ tokenizer/detok --PUSH--> [PULL control]
 
 Three threads, so socket I/O and msgpack work overlap the model step (torch releases the GIL
 while it computes):
-- input thread: receive, decode and check frames, build each request's sampling parameters ->
-  `inbox`, in arrival order. It stops reading the input socket (requests) while `max_queued`
+- input thread: receive, decode and check frames, build each request's sampling parameters and
+  compile its response_format (the engine's own check, cached by text) -> `inbox`, in arrival order. It stops reading the input socket (requests) while `max_queued`
   requests, or `max_queued_bytes` of them, wait to be admitted (then the socket fills and the
   tokenizer holds its clients back); the control socket (aborts, detokenizer hellos) it reads
   whatever the load, so an abort never waits behind the requests that fill the queue. An abort
@@ -93,7 +93,8 @@ class EngineStage:
     # 未准入的请求满 max_queued 个或 max_queued_bytes 字节就停止读输入）；主线程把 inbox 交给 Admission（准入、abort、记账），跑一步，把 StepMessages
     # 交给输出线程（Output）；DetokHello 的 resync 节奏；心跳里的统计；draining 与关停。
     # 【边界】请求记账在 Admission、编码与发送在 Output，这里只接线；不分词也不反分词；不直接回复客户端
-    # （没有回复通道，拒绝理由作为 RejectedRow 随 step 发给 detokenizer）；只有主线程碰 engine 对象。
+    # （没有回复通道，拒绝理由作为 RejectedRow 随 step 发给 detokenizer）；只有主线程碰 engine 对象，
+    # 唯一例外是输入线程经 _compile_format 调线程安全的 engine.compile_response_format（编译钩子）。
     # 【协作者】tokenizer_proc（请求推到 input PULL，abort 推到 control PULL）与 detok_proc（abort、DetokHello 推到 control）；
     # Admission、Output、LLMEngine；EngineMetrics、Notifier（systemd）。
     # [ZH-END]
@@ -133,7 +134,7 @@ class EngineStage:
         self._in_sock = pipeline_pull(self.ctx, input_endpoint, hwm=REQUEST_PIPE_HWM, security=self.security)
         self._control_sock = pipeline_pull(self.ctx, control_endpoint, security=self.security)
         self.input = Input(self._in_sock, self._control_sock, make_sampling, max_queued, max_queued_bytes,
-                           self.rejects, self.metrics)
+                           self.rejects, self.metrics, check_format=self._compile_format)
         """The input thread's state; it hands the step loop requests and control messages through `inbox`."""
         self.inbox = self.input.inbox
         # Not IMMEDIATE: outputs queue (up to the HWM) while the detokenizer restarts.
@@ -359,6 +360,14 @@ class EngineStage:
         self._out_sock.close(linger=0)
         self.security.close()
 
+    def _compile_format(self, fmt: dict) -> None:
+        """The input thread's compile of a response_format (ValueError if it does not compile):
+        the one engine call made off the step loop, thread-safe by design. While the engine loads,
+        nothing: its `add_request` compiles those on the step loop, bounded by llguidance's limits."""
+        engine = self.engine
+        if engine is not None and hasattr(engine, "compile_response_format"):
+            engine.compile_response_format(fmt)
+
     def _set_state(self, state: str) -> None:
         self.state = state
         self.metrics.set_state(state)
@@ -369,7 +378,8 @@ class EngineStage:
         return dict(self.engine.stats(), num_live=len(book.live), num_queued=len(book.backlog),
                     num_clients=book.shares.num_clients,
                     live_bytes=book.live_bytes, queued_bytes=self.input.queued_bytes, num_steps=self.num_steps,
-                    rejected_frames=sum(self.rejects.counts.values()))
+                    rejected_frames=sum(self.rejects.counts.values()),
+                    formats_refused_at_intake=self.input.num_formats_refused)
 
     def _status(self, alive: bool, reason: str = "") -> p.EngineStatus:
         return p.EngineStatus(alive, self.instance_id, reason, self.latest_stats, self.state,

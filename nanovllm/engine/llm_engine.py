@@ -38,7 +38,8 @@ from nanovllm.engine.policy import SchedulerPolicy, make_policy
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.logits_processors import WordIndex, build_logits_processors
-from nanovllm.structured import StructuredOutput, compile_format, ll_tokenizer
+from nanovllm.structured import StructuredOutput, ll_tokenizer
+from nanovllm.structured.cache import GrammarCache
 from nanovllm.layers.sampler import TokenLogprobs
 from nanovllm.layers.token_bytes import token_byte_table
 from nanovllm.models.loader import is_gguf, read_hf_config, resolve_model_path
@@ -128,6 +129,9 @@ class LLMEngine:
         # Loading a tokenizer takes seconds, and add_request runs on the step loop (the engine
         # stage's thread): the index for string banned words is built now, off that loop.
         self._word_index = start_word_index(self.model_path, self.model_config.vocab_size, self.runner.device)
+        self._grammar_cache: GrammarCache | None = None
+        self._grammar_lock = threading.Lock()
+        """Compiled response formats by text (`compile_response_format`), once the vocabulary view exists."""
 
     @property
     def eos_token_id(self) -> int | None:
@@ -306,14 +310,35 @@ class LLMEngine:
                              "pass banned words as token-id lists instead") from None
 
     def _structured(self, fmt: dict) -> StructuredOutput:
-        """The matcher for a request's response_format (its grammar compiled, cached by text)."""
+        """The matcher for a request's response_format: a copy of its compiled grammar (cached by text)."""
+        grammars = self._grammars()
+        return StructuredOutput(grammars.template(fmt), grammars.lltok)
+
+    def _grammars(self) -> GrammarCache:
         try:
-            lltok = self._words().ll_tokenizer
+            index = self._words()
         except ValueError as e:
             raise ValueError(str(e).replace("string banned_words need", "response_format needs")) from None
-        if lltok is None:
+        if index.ll_tokenizer is None:
             raise ValueError("response_format needs llguidance's view of the tokenizer, which did not build")
-        return StructuredOutput(compile_format(fmt, lltok), lltok)
+        with self._grammar_lock:  # the engine stage's input thread and the step loop both get here
+            if self._grammar_cache is None:
+                self._grammar_cache = GrammarCache(index.ll_tokenizer)
+            return self._grammar_cache
+
+    def compile_response_format(self, fmt: dict) -> bool:
+        """Compile a checked response_format now (any thread; cached by its text), so that adding
+        its request later only copies the result: ValueError naming the problem if it does not
+        compile. False (nothing done) while the vocabulary view is still being built."""
+        # [ZH-START]
+        # 引擎侧的编译钩子（engine_proc 输入线程调用，不占 step 循环）：词表视图还在后台建 → 返回 False，
+        # 由 add_request 在 step 循环上编译（同一个缓存）；否则经 GrammarCache 编译或命中缓存，
+        # 编译不过抛 ValueError（带原因，输入线程据此拒绝请求），成功返回 True。
+        # [ZH-END]
+        if not self._word_index.done():
+            return False
+        self._grammars().template(fmt)
+        return True
 
     # -- monitoring ----------------------------------------------------------------------------
 
@@ -351,6 +376,8 @@ class LLMEngine:
             "preempt_blocks": self.scheduler.preempt_blocks,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
+            "formats_compiled": self._grammar_cache.num_compiled if self._grammar_cache else 0,
+            "formats_refused": self._grammar_cache.num_refused if self._grammar_cache else 0,
         }
 
 

@@ -376,6 +376,7 @@ class ModelRunner:
         #    前向中的 all-reduce 才凑得齐所有 rank。
         # 3. 本步没有任何序列要采样（都是没到末尾的 prefill 分块）：只做前向把 K/V 写进 cache，返回 []。
         # 4. 否则 logits = _execute(step)，形状 (B, V)，B 为要采样的序列数，顺序与 scheduled 中的采样项一致。
+        #    （前向之前先 sampler.prepare(seqs)：有 response_format 的请求的语法掩码在工作线程上与前向并行计算。）
         # 5. sampler(logits, [s.seq ...]) → 每条序列一个 token id；采样失败的行是 SAMPLE_FAILED(-1)，
         #    由 Scheduler 以 finish_reason "error" 结束该请求。
         # [ZH-END]
@@ -386,8 +387,10 @@ class ModelRunner:
         if not sampling:
             self._execute(step)
             return []
+        seqs = [s.seq for s in sampling]
+        self.sampler.prepare(seqs)  # grammar masks, computed while the forward runs
         logits = self._execute(step)  # (B, V) for the sampled rows
-        return self.sampler(logits, [s.seq for s in sampling])
+        return self.sampler(logits, seqs)
 
     def serve_steps(self) -> None:
         """Worker ranks: run each step rank 0 broadcasts, in lockstep, until it sends "exit"."""

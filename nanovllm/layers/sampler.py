@@ -27,8 +27,11 @@ Draws are by inverse CDF, one uniform number per row. Unseeded rows share the sa
 generator; a seeded request takes its number from its own generator, and everything else its
 draw depends on is computed row by row (neighbours only pad the candidate width with -inf), so
 its tokens do not depend on which other requests share the batch. If a request's constraints
-leave no token at all, its row is sampled without them (with a warning) rather than from an
-empty set.
+leave no token at all, its row is sampled with its response_format's grammar alone (the grammar
+wins over banned words, logit_bias, allowed ids and custom processors), or without any if it has
+none (with a warning), rather than from an empty set. Grammar masks are computed while the
+forward runs: the model runner calls `prepare` with the rows to sample before it (see
+`nanovllm.structured.prefetch`).
 """
 # [ZH-START]
 # 【模块定位】引擎一步的最后一段：把 LM head 的 logits 变成下一个 token。
@@ -51,6 +54,8 @@ import torch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.logits_processors import LogitsProcessor
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured import StructuredOutput
+from nanovllm.structured.prefetch import MaskPrefetcher
 
 _NEG_INF = float("-inf")
 SAMPLE_FAILED = -1
@@ -97,6 +102,8 @@ class RequestState:
     """Computed but not yet reported by the engine."""
     error: str | None = None
     """Why the request's row could not be sampled, once it could not."""
+    grammar: StructuredOutput | None = None
+    """The request's response_format (one of `processors`): it wins where constraints conflict."""
 
     @property
     def plain_greedy(self) -> bool:
@@ -120,6 +127,10 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         """Shared by requests without a seed."""
         self.states: dict[str, RequestState] = {}
+        self.masks = MaskPrefetcher()
+        """Grammar masks computed while the forward runs (`prepare`); `masks.enabled = False` turns it off."""
+        self.num_grammars = 0
+        """Requests with a response_format: with none, `prepare` costs one comparison."""
 
     # -- per-request state ---------------------------------------------------------------------
 
@@ -129,12 +140,15 @@ class Sampler:
         A seeded request's generator is advanced past the numbers those tokens drew (one each,
         see `sample_rows`), so it draws the numbers it would have drawn."""
         state = self.states[request_id] = self._new_state(params, processors or [], eos_token_ids)
+        self.num_grammars += state.grammar is not None
         if state.generator is not None:
             for _ in range(num_output_tokens):
                 torch.rand(1, dtype=torch.float64, device=self.device, generator=state.generator)
 
     def remove_request(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+        state = self.states.pop(request_id, None)
+        if state is not None and state.grammar is not None:
+            self.num_grammars -= 1
 
     def take_logprobs(self, request_id: str) -> list[TokenLogprobs] | None:
         """Logprobs computed since the last call, or None if the request did not ask for them."""
@@ -173,7 +187,7 @@ class Sampler:
             torch.tensor([t for t in blocked if t < self.vocab_size], dtype=torch.long, device=dev) if params.min_tokens else None,
             torch.tensor([t for t, _ in bias], dtype=torch.long, device=dev) if bias else None,
             torch.tensor([b for _, b in bias], dtype=torch.float32, device=dev) if bias else None,
-            generator,
+            generator, grammar=next((p for p in processors if isinstance(p, StructuredOutput)), None),
         )
 
     def _state(self, seq: Sequence) -> RequestState:
@@ -184,12 +198,22 @@ class Sampler:
 
     # -- one step ------------------------------------------------------------------------------
 
+    def prepare(self, seqs: list[Sequence]) -> None:
+        """Start computing the grammar masks of `seqs`, the rows the coming `__call__` samples;
+        the model runner calls it just before the forward, which the computation then overlaps."""
+        if not self.num_grammars:
+            return
+        jobs = [(st.grammar, seq.output_token_ids) for seq in seqs
+                if (st := self.states.get(seq.request_id)) is not None and st.grammar is not None]
+        self.masks.start(jobs)
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits (B, V) float32, one row per sequence -> one token id per sequence.
 
         A row that could not be sampled gets SAMPLE_FAILED, and `take_error` says why.
         """
         # [ZH-START]
+        # 0. 先 masks.wait()：等 prepare 在前向期间启动的语法掩码算完。
         # 1. 为每条序列取 RequestState（直接调用 runner、没经引擎 add 的序列用它自己的 params 临时建一份）。
         # 2. 整批都是 plain_greedy（greedy 且无惩罚、processor、logprobs、bias、min_tokens）→ _greedy 快路径：
         #    不复制、不算 softmax、不取随机数。
@@ -203,6 +227,7 @@ class Sampler:
         # 9. 没失败的行把 logprobs 记进各自的 state。
         # 10. _report：转成 list，失败行改成 SAMPLE_FAILED 并记下 state.error、打 warning。
         # [ZH-END]
+        self.masks.wait()  # the grammar masks `prepare` started, before any row is read
         states = [self._state(s) for s in seqs]
         if all(st.plain_greedy for st in states):
             return self._greedy(logits, seqs, states)  # no copies, no softmax, no random numbers
@@ -285,7 +310,8 @@ class Sampler:
         # 2. 先复制这些行 before (C, V)，以便撤销"什么都不剩"的屏蔽。
         # 3. 逐行 _apply_constraints；返回错误文本的行记进 failed。
         # 4. best = 每行 amax (B,)：NaN 表示有 NaN，+inf 表示有 +inf，-inf 表示一个 token 都不剩。
-        # 5. maskable 中未失败、best 为 -inf 的行：打 warning，从 before 恢复原行并重算 best，即这一步不带约束采样。
+        # 5. maskable 中未失败、best 为 -inf 的行：打 warning，从 before 恢复原行；有 response_format 的行再只套语法掩码
+        #    （语法优先：输出必须能解析），其余这一步不带约束采样；重算 best。
         # 6. best 仍非有限的行记为失败（setdefault：processor 的报错优先），原因加上 "after penalties and constraints"。
         # [ZH-END]
         maskable = [i for i, (seq, st) in enumerate(zip(seqs, states))
@@ -300,10 +326,13 @@ class Sampler:
             empty = [j for j in (best[maskable] == _NEG_INF).nonzero().flatten().tolist() if maskable[j] not in failed]
             if empty:
                 rows = [maskable[j] for j in empty]
-                log.warning("constraints of %s allow no token; sampling those rows unconstrained",
-                            [seqs[i].request_id for i in rows])
+                log.warning("constraints of %s allow no token; sampling those rows with their response_format "
+                            "alone, or unconstrained", [seqs[i].request_id for i in rows])
                 logits[rows] = before[empty]
-                best[rows] = before[empty].amax(dim=-1)
+                for i in rows:  # the grammar wins: the output must stay parseable
+                    if states[i].grammar is not None:
+                        states[i].grammar(seqs[i].output_token_ids, logits[i])
+                best[rows] = logits[rows].amax(dim=-1)
         bad = ~torch.isfinite(best)
         if bool(bad.any()):
             for i in bad.nonzero().flatten().tolist():

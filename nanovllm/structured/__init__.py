@@ -3,6 +3,8 @@
 - `check_response_format(value)`: validates OpenAI's shape (json_object, json_schema, and the
   extensions regex, grammar (Lark), choice) with size and depth limits; ValueError naming the problem.
 - `grammar_text(fmt)`: the llguidance grammar for a checked format (cached by its JSON text).
+- `GrammarCache` (cache.py): compiled formats by text, the engine's own check (its input thread).
+- `MaskPrefetcher` (prefetch.py): masks computed while the model runs the step's forward.
 - `StructuredOutput`: a `LogitsProcessor` holding one request's matcher. It follows the request's
   output tokens (consuming new ones, starting over when the output does not extend what it saw,
   as after a preemption), fills the token bitmask and sets every disallowed logit to -inf, so
@@ -156,32 +158,49 @@ def compile_format(fmt: dict, lltok: Any) -> str:
 
 
 class StructuredOutput:
-    """One request's grammar, enforced on its logits (a `LogitsProcessor`)."""
+    """One request's grammar, enforced on its logits (a `LogitsProcessor`).
+
+    `prepare(output)` computes the mask for the token after `output`; the sampler's mask thread
+    calls it while the model runs the step's forward (`MaskPrefetcher`), and `__call__` then only
+    applies it. Called for an output it has not prepared, it computes the mask itself: the mask
+    is a function of the output alone, so both ways give the same logits."""
     # [ZH-START]
-    # 【职责】一个请求的语法约束：跟踪已生成 token（新 token 逐个 consume；输出不再延续已见的前缀时 reset 重来，
-    #        如抢占重算、续写），每步填 bitmask，把不允许的 token 的 logits 设为 -inf。
-    # 【边界】不编译语法（compile_format 已编译并校验）；语法完成后只剩 EOS 可选，请求以 stop 结束。
-    # 【协作者】build_logits_processors 在有 response_format 时创建；Sampler 每步调用；llguidance.LLMatcher 做匹配。
+    # 【职责】一个请求的语法约束：跟踪已生成 token（新 token 逐个 consume；输出变短或位置 seen-1 的 token 变了，
+    #        即不再延续已见的输出时 reset 重来，如续写），算出"下一个 token"的 blocked 掩码，把不允许的 logits 设为 -inf。
+    # 【边界】不编译语法（compile_format / GrammarCache 已编译并校验）；语法完成后只剩 EOS 可选，请求以 stop 结束。
+    #        prepare 可在掩码线程上提前算（与前向重叠），__call__ 遇到没准备好的输出就自己算——掩码只取决于输出，结果相同。
+    # 【协作者】build_logits_processors 在有 response_format 时创建；MaskPrefetcher 调 prepare；Sampler 每步调 __call__；
+    #        与其他约束冲突（合起来一个 token 都不剩）时 Sampler 只保留语法掩码（语法优先）。
     # [ZH-END]
 
-    def __init__(self, grammar: str, lltok: Any):
+    def __init__(self, grammar: str | Any, lltok: Any):
+        """`grammar`: llguidance grammar text, or a compiled `LLMatcher` to copy (`GrammarCache`)."""
         import llguidance
         import llguidance.numpy as lln
 
         self._lln = lln
-        self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        if isinstance(grammar, str):
+            self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        else:
+            self.matcher = grammar.deep_copy()
+            self.matcher.reset()
         if self.matcher.is_error():
             raise ValueError(f"response_format does not compile: {self.matcher.get_error()[:500]}")
         self.n_vocab = lltok.vocab_size
         self.bitmask = lln.allocate_token_bitmask(1, self.n_vocab)
         self.seen: list[int] = []
+        self._blocked: Any = None
+        """torch bool (n_vocab,): the tokens not allowed after `seen`, once computed for it."""
+        self._blocked_at = -1
+        """len(seen) when `_blocked` was computed."""
 
     def _follow(self, output: Sequence[int]) -> None:
+        # Outputs only grow; one that does not extend what was seen (shorter, or another token
+        # at the last seen place) is matched again from its start. O(new tokens), not O(output).
         n = len(self.seen)
-        if len(output) < n or list(output[:n]) != self.seen:
+        if len(output) < n or (n and int(output[n - 1]) != self.seen[-1]):
             self.matcher.reset()
-            self.seen = []
-            n = 0
+            self.seen, self._blocked_at, n = [], -1, 0
         for t in output[n:]:
             if not self.matcher.consume_token(int(t)):
                 raise ValueError(f"token {int(t)} does not fit the response_format: {self.matcher.get_error()[:300]}")
@@ -192,15 +211,30 @@ class StructuredOutput:
         import numpy as np
 
         self._follow(output)
-        self._lln.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        self._lln.fill_next_token_bitmask(self.matcher, self.bitmask, 0)  # Rust, without the GIL
         bits = np.unpackbits(self.bitmask[0].view(np.uint8), bitorder="little")
         return bits[: self.n_vocab].astype(bool)
+
+    def prepare(self, output: Sequence[int]) -> None:
+        """Compute the mask for the token after `output` (ahead of the forward that needs it)."""
+        import numpy as np
+        import torch
+
+        self._blocked = torch.from_numpy(np.logical_not(self.allowed(output)))
+        self._blocked_at = len(self.seen)
+
+    def blocked(self, output: Sequence[int]) -> Any:
+        """torch bool (n_vocab,) on the CPU: the tokens the grammar does not allow after `output`."""
+        self._follow(output)
+        if self._blocked_at != len(self.seen):
+            self.prepare(output)
+        return self._blocked
 
     def __call__(self, output_token_ids: Sequence[int], logits: Any) -> Any:
         import torch
 
-        allowed = torch.from_numpy(self.allowed(output_token_ids)).to(logits.device)
-        v = min(len(allowed), logits.shape[-1])
-        blocked = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        blocked[:v] = ~allowed[:v]
-        return logits.masked_fill_(blocked, float("-inf"))
+        blocked = self.blocked(output_token_ids).to(logits.device, non_blocking=True)
+        v = min(len(blocked), logits.shape[-1])
+        if v < logits.shape[-1]:  # logits wider than the vocabulary: the padding is never allowed
+            blocked = torch.cat([blocked[:v], torch.ones(logits.shape[-1] - v, dtype=torch.bool, device=logits.device)])
+        return logits.masked_fill_(blocked[: logits.shape[-1]], float("-inf"))

@@ -107,3 +107,30 @@ def test_the_grammar_refuses_min_tokens_and_a_stop_string_wins_over_the_grammar(
     stopped = llm.generate([chat(llm, "A name?")], SamplingParams(
         max_tokens=64, temperature=0, stop=['"'], response_format=fmt(obj(name=NAME))), use_tqdm=False)[0]
     assert stopped["text"] == "{" and stopped["finish_reason"] == "stop", stopped
+
+
+def test_masks_computed_during_the_forward_give_the_outputs_computed_after_it(llm):
+    """Grammar masks prefetched while the forward runs (the default) and computed in the sampler
+    after it give the same tokens, greedy and seeded. A first run puts the prompts in the prefix
+    cache, so the two compared runs compute exactly the same logits."""
+    cases = CASES[:10]
+    prompts = [chat(llm, p) for p, _ in cases]
+    params = [SamplingParams(max_tokens=40, response_format=fmt(s),
+                             **(dict(temperature=0) if i % 2 else dict(temperature=0.9, top_p=0.95, seed=i)))
+              for i, (_, s) in enumerate(cases)]
+    masks = llm.engine.runner.sampler.masks
+    llm.generate(prompts, params, use_tqdm=False)
+    before = masks.num_prefetched
+    ahead = llm.generate(prompts, params, use_tqdm=False)
+    assert masks.num_prefetched - before == sum(len(o["token_ids"]) for o in ahead)  # every token's mask, ahead
+    masks.enabled = False
+    try:
+        before = masks.num_prefetched
+        after = llm.generate(prompts, params, use_tqdm=False)
+        assert masks.num_prefetched == before
+    finally:
+        masks.enabled = True
+    assert [o["token_ids"] for o in ahead] == [o["token_ids"] for o in after]
+    for out, (_, schema) in zip(ahead, cases):
+        if out["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(out["text"]), schema)

@@ -1,0 +1,78 @@
+"""Compiled response formats, cached by their JSON text: the engine's own check of every format.
+
+The tokenizer stage compiles each format before the engine sees it, but a frame may reach the
+engine's socket from elsewhere. The engine stage's input thread therefore compiles every format
+too, through this cache, before the request is queued: a bad one is refused there with the
+compiler's reason, and the step loop only copies a compiled matcher (`LLMatcher.deep_copy`)
+when it adds the request. llguidance drops the GIL while it builds a grammar and bounds the
+work with its parser limits; errors are cached too, so a hostile format sent again costs a look-up.
+"""
+# [ZH-START]
+# 【模块定位】引擎侧的编译钩子：按 response_format 的 JSON 文本缓存编译结果（编译好的 LLMatcher 模板，或编译错误）。
+# tokenizer 阶段已经编译校验过，但帧可能绕过它直接打到引擎 socket：engine_proc 的输入线程对每个格式再经本缓存编译一次，
+# 坏的在入队前就带着原因拒绝；step 循环 add_request 时只 deep_copy 模板（便宜）。
+# 错误也缓存（同一个恶意格式再来只是一次查表）；LRU，最多 max_entries 条；加锁，输入线程与 step 线程可同时用。
+# [ZH-END]
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from nanovllm.structured import compile_format
+
+MAX_CACHED_FORMATS = 256
+
+
+class GrammarCache:
+    """For one vocabulary: response_format JSON text -> a compiled matcher to copy, or its error."""
+    # [ZH-START]
+    # 【职责】一个词表的 response_format 编译缓存：JSON 文本 → LLMatcher 模板（每个请求 deep_copy 一份）或 ValueError 文本。
+    # 【边界】不校验格式的形状（check_response_format 已做）；不跟踪任何请求的输出（StructuredOutput 的事）。
+    # 【协作者】LLMEngine 持有一个（词表视图建好后惰性创建）；engine_proc 输入线程经 LLMEngine.compile_response_format 调 template；
+    #        LLMEngine._structured 在 add_request 时取模板。
+    # [ZH-END]
+
+    def __init__(self, lltok: Any, max_entries: int = MAX_CACHED_FORMATS):
+        self.lltok = lltok
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, tuple[Any, str | None]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0
+        """Formats compiled (cache misses), good or bad."""
+        self.num_refused = 0
+        """Look-ups that found a format that does not compile (its first compile included)."""
+
+    def template(self, fmt: dict) -> Any:
+        """A compiled `LLMatcher` for `fmt`, not to be advanced (copy it); ValueError naming the problem."""
+        key = json.dumps(fmt)  # key order kept: a schema's property order is the output's
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+        if entry is None:  # compiled outside the lock: two threads may both compile a new format, once
+            entry = self._compile(fmt)
+            with self._lock:
+                self.num_compiled += 1
+                self._entries[key] = entry
+                if len(self._entries) > self.max_entries:
+                    self._entries.popitem(last=False)
+        matcher, error = entry
+        if error is not None:
+            with self._lock:
+                self.num_refused += 1
+            raise ValueError(error)
+        return matcher
+
+    def _compile(self, fmt: dict) -> tuple[Any, str | None]:
+        import llguidance
+
+        try:
+            grammar = compile_format(fmt, self.lltok)
+        except ValueError as e:
+            return None, str(e)
+        matcher = llguidance.LLMatcher(self.lltok, grammar, log_level=0)
+        if matcher.is_error():
+            return None, f"response_format does not compile: {matcher.get_error()[:500]}"
+        return matcher, None
