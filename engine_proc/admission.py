@@ -257,9 +257,10 @@ class Admission:
         """Keep what a resync needs: the output so far, and the whole request once it ends."""
         # [ZH-START]
         # 1. 不在 live 里的输出忽略。
-        # 2. 已结束且有 _abort_notes（例如 drain 超时）→ 把原因写进 out.error。
+        # 2. 已结束且 abort_notes 里有它的原因（例如 drain 超时）→ 把原因写进 out.error。
         # 3. 追加新 token，更新 (prompt, output, cached) 计数。
-        # 4. 已结束：移出 live、退回它的字节额度，把完整的 ResyncEntry(id, meta, 打包的全部 token, True, reason, 计数..., error) 记进 FinishedRing。
+        # 4. 已结束：移出 live、退回它的字节额度、shares.ended 让它的客户端少算一个在引擎里的请求，
+        #    把完整的 ResyncEntry(id, meta, 打包的全部 token, True, reason, 计数..., error) 记进 FinishedRing。
         # [ZH-END]
         live = self.live.get(out.request_id)
         if live is None:

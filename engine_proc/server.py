@@ -203,7 +203,7 @@ class EngineStage:
         # 2. 发一次 draining 状态：客户端看到后不再发新请求；新到的请求在 Admission.queue 里回 DRAINING。
         # 3. 只要还有 live 或 backlog 且未到期限，就继续 run_once()，让在途请求正常跑完。
         # 4. 全部结束 → 返回 "engine shut down after draining"。
-        # 5. 到期仍有剩余：为每个请求记下原因（_abort_notes），往 inbox 放 AbortReq；
+        # 5. 到期仍有剩余：为每个请求在 Admission.abort_notes 记下原因，经 input.put_control 放入 AbortReq；
         #    再 run_once() 3 次，让这些 abort 的最终输出（带原因）发出去。
         # [ZH-END]
         self._set_state("draining")
@@ -233,9 +233,9 @@ class EngineStage:
         # 2. notifier.tick() 放在主循环里：一步卡死时看门狗就停了，systemd 能发现。
         # 3. idle = 引擎没有未完成请求且 backlog 为空：此时 _take_inbox 最多阻塞 50 ms 等消息，否则不等。
         # 4. _take_inbox：按到达顺序应用请求（进 backlog）、abort、DetokHello。
-        # 5. _admit：backlog 中最早的请求依次加入引擎，直到 live 达到 max_live 个或 max_live_bytes 字节（没有 live 时总放一个）；
+        # 5. Admission.admit：backlog 中最早的请求依次加入引擎，直到 live 达到 max_live 个或 max_live_bytes 字节（没有 live 时总放一个）；
         #    客户端已有 --max-live-per-client 个在引擎里的，它的请求先跳过，后面别的客户端的照常准入。
-        # 6. 引擎有未完成请求就 step()，每个输出 _record 记账。
+        # 6. 引擎有未完成请求就 step()，每个输出由 Admission.record 记账。
         # 7. 本步输出追加到 sent.outputs（其中已有未准入就被 abort 的请求的终止输出）；有输出才计一步。
         # 8. 汇总 stats（引擎统计 + live / queued / 步数 / 拒绝帧数）存进 latest_stats（心跳会带上），更新指标和 systemd 状态行（含 KV cache 占用率）。
         # 9. sent（StepMessages：started / rejected / outputs）非空就交给输出线程（编码在那边做）。

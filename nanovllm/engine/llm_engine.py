@@ -109,6 +109,8 @@ class LLMEngine:
         #    （两个线程同时 import transformers 的惰性模块不安全），再由后台线程加载 tokenizer、
         #    建 string banned_words 用的词表字节索引（WordIndex）：加载要几秒，不能卡在
         #    add_request 所在的 step 线程上。
+        # 9. _grammar_cache 先留空、配 _grammar_lock：response_format 的编译结果按文本缓存，
+        #    第一次用到时才建（要等词表视图），引擎的输入线程和 step 线程都会用它。
         # [ZH-END]
         self.config = config = config or Config(**kwargs)
         self.model_path = resolve_model_path(config.model)

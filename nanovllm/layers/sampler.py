@@ -172,7 +172,8 @@ class Sampler:
         # 2. logit_bias 里有 id >= vocab_size 就抛 ValueError（add_request 时就拒绝，不等到采样）。
         # 3. 非 greedy 且给了 seed：建一个只属于这个请求的 Generator(seed)。
         # 4. 组装 RequestState：只有 min_tokens > 0 时才建 min_tokens_blocked 张量；有 bias 才建 bias_ids / bias_values，
-        #    都放在采样器的设备上，之后每步直接 index_fill_ / index_add_。
+        #    都放在采样器的设备上，之后每步直接 index_fill_ / index_add_；processors 里的 StructuredOutput
+        #    另记为 grammar（约束冲突时语法优先）。
         # [ZH-END]
         dev = self.device
         blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
