@@ -32,8 +32,8 @@ def _status_mb(field: str) -> float:
     raise KeyError(field)
 
 
-def _held_storages(model, seen: set[int]):
-    """Every tensor storage the model's modules hold, once: parameters, buffers and the packed
+def _held_bytes(model, seen: set[int]):
+    """The bytes of every tensor storage the model's modules hold, once: parameters, buffers and the packed
     weights the loader keeps as plain attributes (`QuantizedWeight`'s codes, scales and mins)."""
     import dataclasses
 
@@ -41,10 +41,14 @@ def _held_storages(model, seen: set[int]):
 
     def visit(value, depth: int = 0):
         if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                yield storage
+            try:
+                storage = value.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+            except NotImplementedError:  # oneDNN's prepacked copy (an opaque tensor): its elements
+                key, nbytes = id(value), value.numel() * value.element_size()
+            if key not in seen:
+                seen.add(key)
+                yield nbytes
         elif depth < 3 and isinstance(value, dict):
             for item in value.values():
                 yield from visit(item, depth + 1)
@@ -77,7 +81,7 @@ def engine_worker(args: argparse.Namespace) -> dict:
     kv_cache = getattr(runner, "kv_cache", None)
     kv = kv_cache.untyped_storage() if kv_cache is not None else None
     seen = {kv.data_ptr()} if kv is not None else set()
-    weights = sum(storage.nbytes() for storage in _held_storages(runner.model, seen))
+    weights = sum(_held_bytes(runner.model, seen))
     kv_bytes = kv.nbytes() if kv is not None else 0
     return {"engine": "float" if args.dequantized else "nanovllm", "dtype": str(runner.dtype).removeprefix("torch."),
             "rss_after_imports_mb": round(before, 1), "rss_mb": round(after, 1), "added_mb": round(after - before, 1),
