@@ -101,6 +101,13 @@ def test_mapping_names_and_refusals():
                            "max_tokens": 5, "stop": ["x"], "logit_bias": {"42": -100.0}, "ignore_eos": True,
                            "priority": 2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 1}
     assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    # What a router fills in (smg: "logprobs": false on chat, "echo": false on completions) asks for nothing.
+    assert parse_completion({"model": "m", "prompt": "a", "echo": False, "logprobs": None}).kwargs == {}
+    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": False,
+                       "top_logprobs": None}).kwargs == {}
+    with pytest.raises(ApiError) as e:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+    assert e.value.status == 400 and e.value.param == "logprobs"
     schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}
     call = parse_completion({"model": "m", "prompt": "a", "response_format": schema})
     assert json.loads(call.kwargs["response_format"]) == schema  # JSON text, as the wire carries it
@@ -109,6 +116,8 @@ def test_mapping_names_and_refusals():
                         ({"model": "m", "prompt": "a", "response_format": {"schema": {}}}, "response_format"),
                         ({"model": "m", "prompt": "a", "response_format": too_big}, "response_format"),
                         ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs"),
+                        ({"model": "m", "prompt": "a", "logprobs": 0}, "logprobs"),
+                        ({"model": "m", "prompt": "a", "echo": True}, "echo"),
                         ({"model": "m", "prompt": "a", "n": 2}, "n"),
                         ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),
                         ({"model": "m", "prompt": "a", "temperature": float("nan")}, "temperature"),

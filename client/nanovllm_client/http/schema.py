@@ -31,8 +31,11 @@ _INT = {"top_k": (-1, 1 << 20), "min_tokens": (0, 1 << 20), "seed": (-(1 << 63),
         "priority": (-(1 << 20), 1 << 20)}
 # Accepted and without effect on the output by definition (no silent loss of meaning).
 _NOOP = {"model", "stream", "stream_options", "user", "n"}
-# Any other field (logprobs, tools, ...) is refused with a 400 naming it.
-_COMMON = set(_FLOAT) | set(_INT) | _NOOP | {"response_format",
+# Accepted only when they ask for nothing: routers (SGLang's smg) fill in the defaults, e.g.
+# "logprobs": false on every chat request. Any other value is refused with a 400 naming it.
+_OFF = {"logprobs", "top_logprobs", "echo"}
+# Any other field is refused with a 400 naming it.
+_COMMON = set(_FLOAT) | set(_INT) | _NOOP | _OFF | {"response_format",
     "max_tokens", "stop", "ignore_eos", "logit_bias", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
@@ -115,6 +118,9 @@ def _common(body: dict, allowed: set[str], max_len_name: str) -> tuple[str, bool
     if unknown:
         name = str(unknown[0])[:64]
         raise bad(f"'{name}' is not supported by this server", name)
+    for name in sorted(_OFF & set(body)):
+        if body[name] is not None and body[name] is not False:
+            raise bad(f"'{name}' is not supported by this server (only null or false)", name)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required and must be a string", "model")
