@@ -10,7 +10,7 @@ hides the standard library's `http`.)
 For each model (bench/serve.py's tiny random Qwen3, then the null model: fixed logits, no model
 work) and each side, a freshly started service, `nanovllm serve --http-port` (bench/serve.py's
 `Service`):
-- zmq: bench/serve.py's `run_clients`, one AsyncClient per stream;
+- zmq: bench/serve.py's `one_request` per prompt, one AsyncClient per stream;
 - http: the same prompts, as token ids, to POST /v1/completions (`stream`, `include_usage`,
   greedy, EOS ignored), one keep-alive connection per stream, over httpx2 (what the `openai`
   SDK runs on) without the SDK's per-chunk model objects, so the client's own CPU stays small;
@@ -19,10 +19,10 @@ work) and each side, a freshly started service, `nanovllm serve --http-port` (be
 Each level sends max(level, --min-requests) requests, at most `level` in flight; every run draws
 fresh prompts (none hits the prefix cache); a level reports the best of `--repeats` runs.
 
-Output tok/s: completion tokens (the usage the server reports) over the wall time of the level.
-TTFT: request sent to the first event with text. ITL (HTTP): the gap between consecutive events
-with text, one token each unless the detokenizer held back a split character; ITL (ZeroMQ): per
-token, as bench/serve.py measures it. Prints a markdown table and writes JSON (`--json`).
+Every side is measured alike: output tok/s is the completion tokens (HTTP: the usage the server
+reports) over the wall time of the level; TTFT, request sent to its first delta (HTTP: the first
+event with text); ITL, each request's mean gap per token after its first, p50 over requests
+(`summary`). Prints a markdown table and writes JSON (`--json`).
 """
 from __future__ import annotations
 
@@ -38,8 +38,7 @@ import sys
 import tempfile
 import time
 
-from bench.serve import (Service, build_tiny_model, engine_config, engine_flags, make_prompts, percentile,
-                         run_clients)
+from bench.serve import Service, build_tiny_model, engine_config, engine_flags, make_prompts, one_request, percentile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 900.0
@@ -107,6 +106,20 @@ async def http_request(client, base: str, model: str, prompt: list[int], output_
         record.append((sent, arrivals, tokens))
 
 
+def summary(record: list, elapsed: float, concurrency: int) -> dict:
+    """Figures of one level from `record`: (sent, arrival times, output tokens) per request.
+
+    ITL is each request's mean gap per token after its first, (last - first) / (tokens - 1), the
+    p50 over requests: events that reach a client together (a late read, a server that merges a
+    lagging stream's steps, as vLLM's does) read as gaps of zero one by one, not on average."""
+    ttft = [arr[0] - sent for sent, arr, _ in record if arr]
+    itl = [(arr[-1] - arr[0]) / (n - 1) for _, arr, n in record if arr and n > 1]
+    tokens = sum(n for _, _, n in record)
+    return {"concurrency": concurrency, "num_requests": len(record), "elapsed_s": elapsed, "output_tokens": tokens,
+            "output_tok_s": tokens / elapsed, "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+            "itl_p50_ms": 1e3 * percentile(itl, 50)}
+
+
 async def run_http(base: str, prompts: list[list[int]], output_len: int, concurrency: int,
                    proc: subprocess.Popen | None = None) -> dict:
     """All `prompts` through POST /v1/completions at `base`, at most `concurrency` in flight."""
@@ -123,12 +136,29 @@ async def run_http(base: str, prompts: list[list[int]], output_len: int, concurr
         start = time.perf_counter()
         await asyncio.gather(*(http_request(client, base, model, p, output_len, record, slots) for p in prompts))
         elapsed = time.perf_counter() - start
-    ttft = [arr[0] - sent for sent, arr, _ in record if arr]
-    itl = [b - a for _, arr, _ in record for a, b in zip(arr, arr[1:])]
-    tokens = sum(n for _, _, n in record)
-    return {"concurrency": concurrency, "num_requests": len(prompts), "elapsed_s": elapsed, "output_tokens": tokens,
-            "output_tok_s": tokens / elapsed, "ttft_p50_ms": 1e3 * percentile(ttft, 50),
-            "itl_p50_ms": 1e3 * percentile(itl, 50)}
+    return summary(record, elapsed, concurrency)
+
+
+async def run_zmq(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+    """The same through the ZeroMQ async client, one connection per stream: bench/serve.py's
+    `one_request` per prompt, measured as `run_http` measures."""
+    from nanovllm_client import AsyncClient
+
+    clients = [AsyncClient(url, timeout=3600) for _ in range(concurrency)]
+    for c in clients:
+        await c.start()
+    await asyncio.gather(*(c.generate(prompt_token_ids=prompts[0][:8], max_tokens=4) for c in clients))  # warm-up
+    record: list = []
+    slots = asyncio.Semaphore(concurrency)
+    start = time.perf_counter()
+    await asyncio.gather(*(one_request(clients[i % concurrency], p, output_len, record, slots)
+                           for i, p in enumerate(prompts)))
+    elapsed = time.perf_counter() - start
+    for c in clients:
+        await c.close()
+    # one_request records (sent, [(arrival, tokens in the delta)]) for each delta with tokens
+    return summary([(sent, [t for t, _ in arr], sum(n for _, n in arr)) for sent, arr in record], elapsed,
+                   concurrency)
 
 
 # ---------------------------------------------------------------- the servers
@@ -191,7 +221,7 @@ class HttpService(Service):
         return run_loop(run_http(self.base, prompts, output_len, concurrency, self.proc))
 
     def run_zmq(self, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-        return run_loop(run_clients(self.url, prompts, output_len, concurrency, concurrency))
+        return run_loop(run_zmq(self.url, prompts, output_len, concurrency))
 
 
 # ---------------------------------------------------------------- the sweep
@@ -237,7 +267,7 @@ def ratios(rows: list[dict]) -> list[dict]:
         row = {"model": model, "streams": streams}
         for side, r in (("zmq", zmq), ("http", http), ("vllm", vllm)):
             if r:
-                row[side] = {k: round(r[k], 1) for k in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")}
+                row[side] = {k: round(r[k], 2) for k in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")}
         if zmq and http:
             row["http_over_zmq"] = round(http["output_tok_s"] / zmq["output_tok_s"], 3)
         if http and vllm:
@@ -258,7 +288,7 @@ def markdown_table(summary: list[dict]) -> str:
     for row in summary:
         lines.append(f"| {row['model']} | {row['streams']} | {trio(row, 'output_tok_s', ',.1f')} "
                      f"| {row.get('http_over_zmq', '-')} | {row.get('http_over_vllm', '-')} "
-                     f"| {trio(row, 'ttft_p50_ms', ',.0f')} | {trio(row, 'itl_p50_ms', ',.1f')} |")
+                     f"| {trio(row, 'ttft_p50_ms', ',.0f')} | {trio(row, 'itl_p50_ms', ',.2f')} |")
     return "\n".join(lines)
 
 
