@@ -285,6 +285,13 @@ def test_a_forced_call_with_references_in_its_schema(front):
     with pytest.raises(openai.BadRequestError) as e:
         sdk.chat.completions.create(model=model, messages=messages, tools=[far], tool_choice="required", max_tokens=8)
     assert e.value.body["param"] == "tools" and "$ref" in e.value.body["message"]
+    # A reference to nothing: the stage's compiler refuses the grammar, named as the tools' fault.
+    dangling = {"type": "function", "function": {"name": "dangling", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/Nope"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model=model, messages=messages, tools=[dangling], tool_choice="required",
+                                    max_tokens=8, stream=True)
+    assert e.value.body["param"] == "tools" and "Nope" in e.value.body["message"]
 
 
 def test_reasoning_content_apart_from_the_answer(front):
