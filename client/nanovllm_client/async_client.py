@@ -199,7 +199,8 @@ class AsyncClient(ClientBase):
         # 3. 正在 draining → 立即拒绝（ServiceDrainingError）；引擎已知死亡：不等新引擎（engine_restart_wait_s 为 0）
         #    就拒绝（EngineDeadError），否则请求留着（sent 返回 False），新引擎起来时由 _unpark 发出。
         # 4. _claim 分配 wire id（调用方 id + 序号，复用同一 id 的新旧流不会串），编码请求帧和重发帧。
-        # 5. 先建队列登记到 _streams、在 ClientState 记下重发帧，再发送：第一个增量到达时一定有人接。
+        # 5. 先建队列登记到 _streams、在 ClientState 记下重发帧（和所发请求帧的摘要），再发送：
+        #    第一个增量到达时一定有人接。
         # 6. _send 发往分词进程，管道满时在这里等（背压）；等待中被取消或客户端关闭 → _end_stream 撤销第 5 步的
         #    登记（请求从未发出，同一 id 可以再用），再把异常抛出去。返回 AsyncStream。
         # [ZH-END]
@@ -209,7 +210,7 @@ class AsyncClient(ClientBase):
         wire_id, frame, resend_frame = self._claim(req)
         deltas: asyncio.Queue = asyncio.Queue()
         self._streams[wire_id] = deltas
-        if self._state.sent(wire_id, resend_frame):  # else kept until an engine is up (`_unpark` sends it)
+        if self._state.sent(wire_id, resend_frame, frame):  # else kept until an engine is up (`_unpark` sends it)
             try:
                 await self._send(self._tok, frame)  # waits (backpressure) while the tokenizer's pipe is full
             except BaseException:  # cancelled or closed while waiting: the request was never sent

@@ -154,6 +154,9 @@ class InFlight:
     """Times it was sent to a new engine after an engine death (`MAX_ENGINE_RESENDS`)."""
     kept_since: float | None = None
     """When it began waiting for an engine (kept across refusals, cleared by output)."""
+    digest: str | None = None
+    """`protocol.frame_digest` of the frame last sent for it, until it is answered: a frame the
+    tokenizer cannot read comes back named by it (`ClientState.unanswered`)."""
 
     def frame(self) -> bytes:
         """The request as a resend; with output received, asking the engine to continue from it."""
@@ -231,31 +234,51 @@ class ClientState:
         """How long a request in flight when its engine died waits for a new engine to continue it
         (0: it fails with the engine)."""
         self.parked: dict[str, Parked] = {}
+        self.unanswered: dict[str, str] = {}
+        """Frame digest -> wire id, for each request sent and not answered yet: a frame the
+        tokenizer could not read (so cannot name by its request id) fails its request at once."""
 
     @property
     def ready(self) -> bool:
         """The detokenizer answers our pings: it knows our routing id, outputs can reach us."""
         return self.detok_instance is not None and self.detok_responsive
 
-    def sent(self, wire_id: str, resend_frame: bytes) -> bool:
-        """Register a new request; False if it must not be sent now: the engine is known dead, so
-        it waits (as a request that reached no engine) for the next one, within
-        `engine_restart_wait_s` and its own timeout, instead of failing at once."""
+    def sent(self, wire_id: str, resend_frame: bytes, frame: bytes | None = None) -> bool:
+        """Register a new request (`frame`: what is sent now, if not `resend_frame`); False if it
+        must not be sent now: the engine is known dead, so it waits (as a request that reached no
+        engine) for the next one, within `engine_restart_wait_s` and its own timeout, instead of
+        failing at once."""
         self.inflight[wire_id] = InFlight(resend_frame)
         if self.engine_alive is False and self._park(wire_id, ENGINE_DEAD, False, unsent=True):
             return False
+        self._sending(wire_id, frame if frame is not None else resend_frame)
         return True
 
     def forget(self, wire_id: str) -> None:
-        self.inflight.pop(wire_id, None)
-        self.parked.pop(wire_id, None)
+        self._answered(self.inflight.pop(wire_id, None))
+        parked = self.parked.pop(wire_id, None)
+        self._answered(parked.progress if parked else None)
+
+    def _sending(self, wire_id: str, frame: bytes) -> bytes:
+        """`frame` goes to the tokenizer for request `wire_id`: note its digest until an answer."""
+        progress = self.inflight[wire_id]
+        self._answered(progress)
+        progress.digest = p.frame_digest(frame)
+        self.unanswered[progress.digest] = wire_id
+        return frame
+
+    def _answered(self, progress: InFlight | None) -> None:
+        if progress is not None and progress.digest is not None:
+            self.unanswered.pop(progress.digest, None)
+            progress.digest = None
 
     def handle(self, frame: bytes) -> Reaction:
         # [ZH-START]
         # 按消息类型分派，返回 Reaction，不做 I/O：
         # 1. 解不开的帧：记警告后丢弃。
         # 2. StreamOutput：每行变成 Delta 并更新续传进度（_track）；随后 _unpark，把停放的请求发给新引擎。
-        # 3. ErrorOutput：带 request_id 的结束那个流，不带的只记日志。
+        # 3. ErrorOutput：带 request_id 的结束那个流；不带的，若 frame_digest 对上本客户端发出、尚未得到回答的
+        #    请求帧（unanswered），结束那个请求的流，否则只记日志。
         # 4. Pong：_on_pong（反分词进程在回应；分词进程换了实例就重发没回答的请求）。
         # 5. EngineStatus：记下引擎状态和实例，更新"引擎是否活着"（loading 时记为未知），再 _unpark。
         # 6. StatsOutput：把统计交给调用方。
@@ -271,8 +294,11 @@ class ClientState:
             self._unpark(reaction)  # one refused for want of an engine while a new one is known up
             return reaction
         if isinstance(msg, p.ErrorOutput):
-            if msg.request_id is not None:
-                delta = self._track(Delta(msg.request_id, "", [], "error", error=msg.message))
+            # A frame the tokenizer could not read has no request id it can name: the digest of
+            # the frame finds the request this client sent in it.
+            wire_id = msg.request_id or self.unanswered.get(msg.frame_digest or "")
+            if wire_id is not None:
+                delta = self._track(Delta(wire_id, "", [], "error", error=msg.message))
                 return Reaction([delta] if delta is not None else [])
             log.warning("service error: %s", msg.message)
             return Reaction()
@@ -313,7 +339,8 @@ class ClientState:
         if msg.role == "tokenizer":
             if self.tokenizer_instance is not None and msg.instance_id != self.tokenizer_instance:
                 # It may have died holding requests it had not passed on: send those again.
-                reaction.to_tokenizer = [f.frame() for f in self.inflight.values() if not f.answered]
+                reaction.to_tokenizer = [self._sending(wire_id, f.frame()) for wire_id, f in list(self.inflight.items())
+                                         if not f.answered]
                 if reaction.to_tokenizer:
                     log.info("tokenizer restarted: sending %d unanswered request(s) again", len(reaction.to_tokenizer))
             self.tokenizer_instance = msg.instance_id
@@ -352,6 +379,7 @@ class ClientState:
         if progress is None or not self.engine_restart_wait_s:
             return False
         del self.inflight[wire_id]
+        self._answered(progress)  # sent again (`_sending`) when it goes to the next engine
         if progress.kept_since is None:
             progress.kept_since = time.monotonic()
         self.parked[wire_id] = Parked(progress, None if unsent else self.engine_instance, why,
@@ -415,7 +443,7 @@ class ClientState:
         it again (`_on_pong`), continued from the output received, not started over."""
         parked.progress.answered = False
         self.inflight[wire_id] = parked.progress
-        reaction.to_tokenizer.append(parked.frame())
+        reaction.to_tokenizer.append(self._sending(wire_id, parked.frame()))
 
     def _set_engine_alive(self, alive: bool | None, reason: str = "") -> list[Delta]:
         """None: not known (a detokenizer that just started, an engine loading) - not a death."""
@@ -432,6 +460,7 @@ class ClientState:
         deltas = [Delta(wire_id, "", [], "error", error=why, engine_dead=engine_dead)
                   for wire_id in list(self.inflight) if not (engine_dead and self._park(wire_id, why, True))]
         self.inflight.clear()
+        self.unanswered.clear()  # the parked send a new frame (`_sending`) when they go again
         return deltas
 
     def _track(self, delta: Delta, unsent: bool = False) -> Delta | None:
@@ -443,6 +472,7 @@ class ClientState:
         progress = self.inflight.get(delta.request_id)
         if progress is None:
             return delta
+        self._answered(progress)
         progress.answered, progress.kept_since = True, None
         progress.tokens += len(delta.token_ids)
         progress.chars += len(delta.text)

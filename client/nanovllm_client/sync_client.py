@@ -361,7 +361,8 @@ class Client(ClientBase):
         # [ZH-START]
         # 1. NOBLOCK 取完所有命令。
         # 2. _STOP → 返回 True，让 I/O 循环退出。
-        # 3. _GENERATE：ClientState.sent(wire id, resend 帧) 登记在途（供重发 / 续传），请求帧进分词进程的积压队列；
+        # 3. _GENERATE：ClientState.sent(wire id, resend 帧, 请求帧) 登记在途（供重发 / 续传），
+        #    请求帧进分词进程的积压队列；
         #    已知引擎死亡时 sent 返回 False：请求先留着，等新引擎起来由 _unpark 发出（在它自己的超时之内）。
         # 4. _ABORT：ClientState.forget(wire id)，abort 帧进同一队列（与请求同一队列，顺序不乱）。
         # 5. _TO_STREAM（StatsReq）：反分词进程有空位就 NOBLOCK 发出；没有（有积压或管道满）就丢弃并记警告，
@@ -376,7 +377,7 @@ class Client(ClientBase):
             if kind == _STOP:
                 return True
             if kind == _GENERATE:
-                if self._state.sent(command[1].decode(), command[3]):  # else kept until an engine is up
+                if self._state.sent(command[1].decode(), command[3], command[2]):  # else kept until an engine is up
                     backlog[tok].append(command[2])
             elif kind == _ABORT:
                 self._state.forget(command[1].decode())
