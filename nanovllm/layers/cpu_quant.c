@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "cpu_simd.h"
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -381,32 +383,12 @@ static inline __attribute__((always_inline)) void dot_quads(const uint8_t *codes
 }
 #endif
 
-/* y (1, N) for 4-bit W at batch 1 with AVX-512: rows in fours (twos where N is not a multiple of 4). */
-static void matvec4_512(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t N, int64_t K,
-                        const xrow *x, void *y, const int BF) {
-    const int64_t nb = K / QK, code_row = K / 2;
 #if defined(__AVX512VNNI__)
-    uint8_t xp[(MAX_GROUPS / 4 + 1) * 256];
-    quad_layout(x->q, nb, xp);
-#define DOT4 dot_quads
+#define LAYOUT_BYTES ((MAX_GROUPS / 4 + 1) * 256) /* quad_layout */
 #else
-    int16_t xp[(MAX_GROUPS + 1) * QK];
-    pair_layout(x->q, nb, xp);
-#define DOT4 dot4_512
+#define LAYOUT_BYTES ((MAX_GROUPS + 1) * QK * 2)  /* pair_layout */
 #endif
-    const int P = N % 4 == 0 ? 4 : 2;
-#pragma omp parallel for schedule(static) if (N * K >= 32768)
-    for (int64_t n = 0; n < N; n += P) {
-        float sd[4 * SD_ROW], out[4];
-        for (int i = 0; i < P; i++)
-            out[i] = row_setup512(scales + (n + i) * nb, mins != NULL ? mins + (n + i) * nb : NULL, x->sum, x->d, nb,
-                                  sd + i * SD_ROW);
-        if (P == 4) DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 4);
-        else DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 2);
-        for (int i = 0; i < P; i++) sstore(y, n + i, out[i], BF);
-    }
-}
-#endif
+#endif /* QUANT_AVX512 */
 
 /* R as a compile-time constant in the common cases, so the accumulators stay in registers. */
 static void dot_rows(int bits, const uint8_t *codes, const float *sc, const float *mn, int64_t group, int64_t K,
@@ -416,45 +398,127 @@ static void dot_rows(int bits, const uint8_t *codes, const float *sc, const floa
     else dot_rows_body(bits, codes, sc, mn, group, K, xr, R, result);
 }
 
-/* y[m, n] = sum_k x[m, k] W[n, k] for m < M, n < N; x rows x_stride elements apart, y rows N
- * apart; x and y float32 or bfloat16 (`bf16`). Returns 0, -1 where scratch memory ran out, -2
- * for a shape the kernel does not take (K not a multiple of 32, group not 16 or 32, or more
- * than MAX_GROUPS groups per row). */
-static int matmul_rows(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
-                       int64_t N, int64_t K, const void *x, int64_t x_stride, int64_t M, void *y, const int BF) {
-    if (K % QK || (group != 16 && group != 32) || (bits == 4 && group != 32) || K / group > MAX_GROUPS) return -2;
-    const int64_t ng = K / group, row_floats = K / 2 + K / QK + ng; /* int16 codes, scales, sums */
-    float *scratch = malloc(sizeof(float) * (size_t)(M * row_floats));
-    if (scratch == NULL) return -1;
-    xrow *rows = malloc(sizeof(xrow) * (size_t)M);
-    if (rows == NULL) { free(scratch); return -1; }
+/* x as the products read it: M rows quantized (`xrow`) and, at batch 1 with AVX-512, row 0 in the
+ * layout of the 4-bit kernel (`quad_layout` with AVX512-VNNI, `pair_layout` without). */
+typedef struct {
+    const xrow *rows;
+    int64_t M;
+    const void *layout;
+} xprep;
+
+#define ALIGN64(n) (((n) + 63) / 64 * 64)
+
+/* Bytes of scratch quant_prepare takes for M rows of K inputs (a handle of 64 bytes included). */
+int64_t quant_prepare_bytes(int64_t M, int64_t K) {
+    int64_t bytes = 64 + ALIGN64((int64_t)sizeof(xrow) * M) + ALIGN64((int64_t)sizeof(float) * M * (K / 2 + K / QK + K / 16));
+#ifdef QUANT_AVX512
+    bytes += LAYOUT_BYTES;
+#endif
+    return bytes;
+}
+
+/* Whether quant_matmul takes W: K a multiple of 32, groups of 16 or 32 (4-bit: 32), at most
+ * MAX_GROUPS groups per row. */
+int quant_shape_ok(int64_t bits, int64_t group, int64_t K) {
+    return !(K % QK || (group != 16 && group != 32) || (bits == 4 && group != 32) || K / group > MAX_GROUPS);
+}
+
+/* Quantize M rows of x (x_stride elements apart) into `scratch` (quant_prepare_bytes(M, K)).
+ * `par`: rows over the threads of a team of its own where there are enough of them (quant_matmul);
+ * 0: this thread alone (the one-call decode step prepares each thread's own copy). */
+static xprep prepare(const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t group, char *scratch, int par,
+                     const int BF) {
+    xrow *rows = (xrow *)scratch;
+    float *data = (float *)(scratch + ALIGN64((int64_t)sizeof(xrow) * M));
+    const int64_t row_floats = K / 2 + K / QK + K / group; /* int16 codes, scales, sums */
     for (int64_t m = 0; m < M; m++) {
-        float *row = scratch + m * row_floats;
+        float *row = data + m * row_floats;
         rows[m] = (xrow){(const int16_t *)row, row + K / 2, row + K / 2 + K / QK};
     }
-#pragma omp parallel for schedule(static) if (M * K >= 65536)
-    for (int64_t m = 0; m < M; m++)
-        quantize_row(at(x, m * x_stride, BF), K, group, (int16_t *)rows[m].q, (float *)rows[m].d,
-                     (float *)rows[m].sum, BF);
-    const int64_t code_row = bits == 4 ? K / 2 : K;
-#ifdef QUANT_AVX2
+    if (par && M * K >= 65536) {
+#pragma omp parallel for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            quantize_row(at(x, m * x_stride, BF), K, group, (int16_t *)rows[m].q, (float *)rows[m].d,
+                         (float *)rows[m].sum, BF);
+    } else {
+        for (int64_t m = 0; m < M; m++)
+            quantize_row(at(x, m * x_stride, BF), K, group, (int16_t *)rows[m].q, (float *)rows[m].d,
+                         (float *)rows[m].sum, BF);
+    }
+    xprep px = {rows, M, NULL};
 #ifdef QUANT_AVX512
-    const int pair8 = 1; /* measured: 512-bit pairs ~1.2x for 8-bit codes (LM head), slower for 4-bit */
+    if (M == 1) {
+        void *layout = (char *)data + ALIGN64((int64_t)sizeof(float) * M * (K / 2 + K / QK + K / 16));
+#if defined(__AVX512VNNI__)
+        quad_layout(rows[0].q, K / QK, (uint8_t *)layout);
 #else
-    const int pair8 = 0;
+        pair_layout(rows[0].q, K / QK, (int16_t *)layout);
 #endif
-    const int P = bits == 4 && N % 4 == 0 ? 4 : 2; /* W rows per x load */
-#ifdef QUANT_AVX512
-    if (M == 1 && bits == 4 && N % 2 == 0) {
-        matvec4_512(codes, scales, mins, N, K, rows, y, BF);
-        free(rows);
-        free(scratch);
-        return 0;
+        px.layout = layout;
     }
 #endif
-    if (M == 1 && (bits == 4 || pair8) && N % 2 == 0) { /* measured: 1.5x for 4-bit codes, slower for 8-bit */
-#pragma omp parallel for schedule(static) if (N * K >= 32768)
-        for (int64_t n = 0; n < N; n += P) {
+    return px;
+}
+
+/* x prepared in `scratch` by this thread alone, for quant_rows_range / quant_rows_shared: the
+ * handle they take (at the start of scratch). */
+void *quant_prepare(const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t group, void *scratch,
+                    int64_t bf16) {
+    xprep *px = (xprep *)scratch; /* the handle first, the data after it */
+    *px = bf16 ? prepare(x, x_stride, M, K, group, (char *)scratch + 64, 0, 1)
+               : prepare(x, x_stride, M, K, group, (char *)scratch + 64, 0, 0);
+    return px;
+}
+
+#ifdef QUANT_AVX512
+#define PAIR8 1 /* measured: 512-bit pairs ~1.2x for 8-bit codes (LM head), slower for 4-bit */
+#else
+#define PAIR8 0
+#endif
+
+/* W rows per unit of work: the batch-1 kernels take them two or four at a time. */
+int64_t quant_rows_step(int64_t bits, int64_t N, int64_t M) {
+#ifdef QUANT_AVX2
+    if (M == 1 && (bits == 4 || PAIR8) && N % 2 == 0) return bits == 4 && N % 4 == 0 ? 4 : 2;
+#else
+    (void)bits; (void)N; (void)M;
+#endif
+    return 1;
+}
+
+/* y[:, n0:n1] for the prepared x, this thread alone; n0 and n1 multiples of quant_rows_step. */
+static void rows_range(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
+                       int64_t N, int64_t K, const xprep *px, int64_t n0, int64_t n1, void *y, const int BF) {
+    const int64_t ng = K / group, code_row = bits == 4 ? K / 2 : K, M = px->M;
+    const xrow *rows = px->rows;
+#ifdef QUANT_AVX2
+    const int P = (int)quant_rows_step(bits, N, M);
+#ifdef QUANT_AVX512
+    if (M == 1 && bits == 4 && N % 2 == 0) {
+        /* four rows of 4-bit W at a time (two where N is not a multiple of 4), several blocks per register */
+        const int64_t nb = K / QK;
+#if defined(__AVX512VNNI__)
+        const uint8_t *xp = (const uint8_t *)px->layout;
+#define DOT4 dot_quads
+#else
+        const int16_t *xp = (const int16_t *)px->layout;
+#define DOT4 dot4_512
+#endif
+        for (int64_t n = n0; n < n1; n += P) {
+            float sd[4 * SD_ROW], out[4];
+            for (int i = 0; i < P; i++)
+                out[i] = row_setup512(scales + (n + i) * nb, mins != NULL ? mins + (n + i) * nb : NULL, rows[0].sum,
+                                      rows[0].d, nb, sd + i * SD_ROW);
+            if (P == 4) DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 4);
+            else DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 2);
+            for (int i = 0; i < P; i++) sstore(y, n + i, out[i], BF);
+        }
+#undef DOT4
+        return;
+    }
+#endif
+    if (P > 1) { /* measured: 1.5x for 4-bit codes, slower for 8-bit (but for AVX-512 pairs) */
+        for (int64_t n = n0; n < n1; n += P) {
             float sc[4][MAX_GROUPS], mn[MAX_GROUPS], out[4] = {0.f, 0.f, 0.f, 0.f};
             for (int i = 0; i < P; i++) {
                 f16_row(scales + (n + i) * ng, ng, sc[i]);
@@ -473,13 +537,10 @@ static int matmul_rows(int bits, const uint8_t *codes, const uint16_t *scales, c
             else dot_rows4(codes + n * code_row, code_row, sc[0], K, rows, out, 2);
             for (int i = 0; i < P; i++) sstore(y, n + i, out[i], BF);
         }
-        free(rows);
-        free(scratch);
-        return 0;
+        return;
     }
 #endif
-#pragma omp parallel for schedule(static) if (N * K * M >= 32768)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = n0; n < n1; n++) {
         float sc[MAX_GROUPS], mn[MAX_GROUPS], out[ROWS_PER_PASS];
         f16_row(scales + n * ng, ng, sc);
         if (mins != NULL) f16_row(mins + n * ng, ng, mn);
@@ -489,15 +550,40 @@ static int matmul_rows(int bits, const uint8_t *codes, const uint16_t *scales, c
             for (int r = 0; r < R; r++) sstore(y, (m0 + r) * N + n, out[r], BF);
         }
     }
-    free(rows);
-    free(scratch);
-    return 0;
 }
 
+void quant_rows_range(int64_t bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
+                      int64_t group, int64_t N, int64_t K, const void *prepared, int64_t n0, int64_t n1, void *y,
+                      int64_t bf16) {
+    if (bf16) rows_range((int)bits, codes, scales, mins, group, N, K, prepared, n0, n1, y, 1);
+    else rows_range((int)bits, codes, scales, mins, group, N, K, prepared, n0, n1, y, 0);
+}
+
+/* This thread's share of y = x W^T among the threads of the enclosing team (all of it outside a
+ * team): the contiguous slice a static schedule gives it, in units of quant_rows_step rows, and no
+ * barrier at the end. Each output is computed as alone, so the split never changes a result. */
+void quant_rows_shared(int64_t bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
+                       int64_t group, int64_t N, int64_t K, const void *prepared, void *y, int64_t bf16) {
+    const int64_t step = quant_rows_step(bits, N, ((const xprep *)prepared)->M), units = (N + step - 1) / step;
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num(), per = (units + threads - 1) / threads;
+    const int64_t n0 = t * per * step, n1 = (t + 1) * per * step < N ? (t + 1) * per * step : N;
+    if (n0 < n1) quant_rows_range(bits, codes, scales, mins, group, N, K, prepared, n0, n1, y, bf16);
+}
+
+/* y[m, n] = sum_k x[m, k] W[n, k] for m < M, n < N; x rows x_stride elements apart, y rows N
+ * apart; x and y float32 or bfloat16 (`bf16`). Returns 0, -1 where scratch memory ran out, -2
+ * for a shape the kernel does not take (see quant_shape_ok). */
 int quant_matmul(int64_t bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
                  int64_t N, int64_t K, const void *x, int64_t x_stride, int64_t M, void *y, int64_t bf16) {
-    return bf16 ? matmul_rows((int)bits, codes, scales, mins, group, N, K, x, x_stride, M, y, 1)
-                : matmul_rows((int)bits, codes, scales, mins, group, N, K, x, x_stride, M, y, 0);
+    if (!quant_shape_ok(bits, group, K)) return -2;
+    char *scratch = malloc((size_t)quant_prepare_bytes(M, K));
+    if (scratch == NULL) return -1;
+    const xprep px = bf16 ? prepare(x, x_stride, M, K, group, scratch, 1, 1)
+                          : prepare(x, x_stride, M, K, group, scratch, 1, 0);
+#pragma omp parallel if (N * K * M >= 32768)
+    quant_rows_shared(bits, codes, scales, mins, group, N, K, &px, y, bf16);
+    free(scratch);
+    return 0;
 }
 
 static inline void dequant_row(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
