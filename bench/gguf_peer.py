@@ -11,6 +11,10 @@ memory read bandwidth measured in this run (a multi-threaded sum over 512 MB). `
 adds this engine with the weights dequantized to float at load (the path before packed weights);
 `--per-op` adds it with the one-call decode path off (NANOVLLM_CPU_DECODE=0: every layer's ops
 called one by one from Python, the path before layers/cpu_decode.py), alternating with the rest.
+`--isa avx2,avx512,avx512_vnni` adds this engine with its kernels built for each level
+(NANOVLLM_CPU_ISA: the AVX2 path, AVX-512 without VNNI, AVX-512 VNNI), so the paths of other CPUs
+are timed side by side on this one; `--baseline TREE` adds the engine of another source tree (an
+earlier commit unpacked there), for a before/after in one run on a machine whose load drifts.
 
 llama.cpp is a peer, never a dependency: build it with `bash ../shared/peers/build_llamacpp.sh`
 (or pass `--llama-bin DIR`); without it only this engine runs. Prints one JSON line, then a table.
@@ -18,6 +22,7 @@ llama.cpp is a peer, never a dependency: build it with `bash ../shared/peers/bui
     python -m bench.gguf_peer                          # the default model, 2 threads, streams 1,8,64
     python -m bench.gguf_peer --streams 1 --repeats 3 --gen-len 64
     python -m bench.gguf_peer --streams 1 --threads 1 --per-op    # the one-call decode path on and off
+    python -m bench.gguf_peer --streams 1 --isa avx2,avx512       # the kernels of other CPUs, here
 """
 from __future__ import annotations
 
@@ -136,14 +141,26 @@ def llama_bench_decode(args: argparse.Namespace, model_path: str) -> dict:
             "load": os.getloadavg()[0]}
 
 
-def engine_run(args: argparse.Namespace, streams: int, dequantized: bool = False, per_op: bool = False) -> dict:
+def engine_run(args: argparse.Namespace, streams: int, dequantized: bool = False, per_op: bool = False,
+               isa: str | None = None, tree: str | None = None) -> dict:
+    """One worker process. `isa`: the kernels built for that level (NANOVLLM_CPU_ISA); `tree`: the
+    engine of another source tree (an earlier commit's files), labelled "baseline"."""
     cmd = [sys.executable, "-m", "bench.gguf_peer", "--worker", "--model", args.model, "--streams", str(streams),
            "--threads", str(args.threads), "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
            "--dtype", args.dtype] + (["--dequantized"] if dequantized else [])
     env = dict(os.environ, NANOVLLM_CPU_DECODE="0" if per_op else "1")
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    if isa is not None:
+        env["NANOVLLM_CPU_ISA"] = isa
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([tree, os.path.join(tree, "client"), env.get("PYTHONPATH", "")])
+    cwd = tree or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, cwd=cwd).stdout
+    row = json.loads(out.strip().splitlines()[-1])
+    if tree is not None:
+        row["engine"] = "baseline" + ("" if row["engine"] == "nanovllm" else f" {row['engine']}")
+    elif isa is not None:
+        row["engine"] = f"{row['engine']} {isa}"
+    return row
 
 
 def cpu_model() -> str:
@@ -161,7 +178,8 @@ def cpu_model() -> str:
 def summarize(rows: list[dict]) -> list[dict]:
     """Median per (engine, streams) over the repeats."""
     order = {"nanovllm": 0, "per-op": 1, "float": 2, "llama.cpp": 3}
-    keys = sorted({(r["engine"], r["streams"]) for r in rows}, key=lambda k: (k[1], order[k[0]]))
+    keys = sorted({(r["engine"], r["streams"]) for r in rows},
+                  key=lambda k: (k[1], order.get(k[0].split(" ")[0], 2.5), k[0]))
     table = []
     for engine, streams in keys:
         runs = [r for r in rows if (r["engine"], r["streams"]) == (engine, streams)]
@@ -187,8 +205,20 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--llama-bin", default=DEFAULT_LLAMA_BIN, help="folder with llama-batched-bench")
     ap.add_argument("--dequantized", action="store_true", help="also run this engine on float weights, as before")
     ap.add_argument("--per-op", action="store_true", help="also run this engine with the one-call decode path off")
+    ap.add_argument("--isa", default=[], type=lambda s: [x for x in s.split(",") if x],
+                    help="also run this engine with its kernels built for each of these levels (comma-separated: "
+                         "avx2, avx512, avx512_vnni; NANOVLLM_CPU_ISA), capped by what the CPU has")
+    ap.add_argument("--baseline", metavar="TREE", help="also run the engine of this source tree (e.g. an earlier "
+                    "commit: git archive <commit> | tar -x -C TREE), alternating with the rest")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    from nanovllm.layers.cpu_kernels import ISA_LEVELS
+
+    unknown = [x for x in args.isa if x not in ISA_LEVELS]
+    if unknown:
+        ap.error(f"--isa takes {', '.join(ISA_LEVELS)}; got {', '.join(unknown)}")
+    if args.baseline is not None and not os.path.isfile(os.path.join(args.baseline, "bench", "gguf_peer.py")):
+        ap.error(f"--baseline {args.baseline}: no bench/gguf_peer.py there")
     if args.worker:
         print(json.dumps(engine_worker(args)))
         return None
@@ -206,6 +236,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     for _ in range(args.repeats):
         for streams in args.streams:
             rows.append(engine_run(args, streams))
+            for isa in args.isa:
+                rows.append(engine_run(args, streams, isa=isa))
+            if args.baseline is not None:
+                rows.append(engine_run(args, streams, tree=args.baseline))
+                if args.per_op:
+                    rows.append(engine_run(args, streams, per_op=True, tree=args.baseline))
             if args.per_op:
                 rows.append(engine_run(args, streams, per_op=True))
             if args.dequantized:
@@ -222,10 +258,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     print(json.dumps(result))
     print(f"\n{result['cpu']}, {args.threads} threads; memory read {bandwidth:.1f} GB/s; a decode step reads "
           f"{weight_bytes / 1e6:.1f} MB of weights -> at most {limit:.0f} tok/s ({1e3 / limit:.2f} ms) at one stream")
-    print(f"{'engine':<10}{'streams':>8}{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/token':>10}  decode runs")
+    width = max(10, *(len(r["engine"]) + 2 for r in table))
+    print(f"{'engine':<{width}}{'streams':>8}{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/token':>10}  decode runs")
     for r in table:
         ms = f"{r['decode_ms_per_token']:.2f}" if r["decode_ms_per_token"] else "-"
-        print(f"{r['engine']:<10}{r['streams']:>8}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}{ms:>10}  "
+        print(f"{r['engine']:<{width}}{r['streams']:>8}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}{ms:>10}  "
               f"{r['decode_tok_s_all']}")
     return result
 

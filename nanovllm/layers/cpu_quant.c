@@ -18,7 +18,9 @@
  * share a scale, so they sum in int32, with one `vpdpwssd` where the CPU has AVX-VNNI or
  * AVX512-VNNI) and, with AVX-512, 8-bit ones too (`dot_pair512`: a block per 512-bit register;
  * the LM head). The instruction set is the build's (-march=native, one library per CPU: see
- * cpu_kernels.py), so the choice is made per CPU; tests build the baseline and AVX2 variants too.
+ * cpu_kernels.py), so the choice is made per CPU; NANOVLLM_CPU_ISA builds this CPU's library
+ * without AVX-512 or without VNNI, to time and test those paths here (`cpu_kernels_isa` says
+ * which a library got); tests build the baseline x86-64 variant too.
  * With AVX-512, batch-1 4-bit weights take several blocks per register instead (`matvec4_512`):
  * four with AVX512-VNNI (`dot_quads`: x's int16 codes split into high and low bytes for
  * `vpdpbusd`, the block sums still exact), two without (`dot4_512`); W is prefetched
@@ -66,6 +68,20 @@ static inline float f16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+#endif
+}
+
+/* The instruction set this build's products use: 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 with
+ * VNNI (what NANOVLLM_CPU_ISA selects; layers/cpu_kernels.py). */
+int cpu_kernels_isa(void) {
+#if defined(QUANT_AVX512) && defined(__AVX512VNNI__)
+    return 4;
+#elif defined(QUANT_AVX512)
+    return 3;
+#elif defined(QUANT_AVX2)
+    return 2;
+#else
+    return 0;
 #endif
 }
 

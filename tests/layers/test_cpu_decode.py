@@ -64,6 +64,23 @@ def test_int8_tiny_models_one_call_equals_per_op(tiny_models, monkeypatch, arch,
     assert sorted(set(served)) == list(range(1, 9))
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_the_avx2_and_avx512_kernels_one_call_equals_per_op(tiny_models, monkeypatch, isa):
+    """The library built for less than this CPU has (NANOVLLM_CPU_ISA): the same equality."""
+    from nanovllm.layers import cpu_kernels
+
+    own = cpu_kernels.cpu_isa()
+    if own is None or cpu_kernels.ISA_LEVELS.index(isa) > cpu_kernels.ISA_LEVELS.index(own):
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, isa)
+    llm = LLM(tiny_models["qwen3"], quantization="int8", dtype="bfloat16", num_kvcache_blocks=64, num_threads=2)
+    assert cpu_kernels.kernel_isa(cpu_kernels._load_library()) == isa  # the library the engine loaded
+    served = _compare_every_step(llm, monkeypatch)
+    _staggered(llm, [list(range(3 + 5 * i, 20 + 9 * i)) for i in range(8)])
+    llm.engine.runner.close()
+    assert sorted(set(served)) == list(range(1, 9))
+
+
 def test_float_weights_and_the_switch_keep_the_per_op_path(tiny_model_dir, monkeypatch):
     llm = LLM(tiny_model_dir, dtype="float32", num_kvcache_blocks=32)
     served = _compare_every_step(llm, monkeypatch)
