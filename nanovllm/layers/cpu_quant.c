@@ -16,12 +16,12 @@
  * codes to float cost three times the shuffles. Each weight block is loaded once for up to four
  * rows of x; at one row, 4-bit weights go four W rows at a time (`dot_rows4`: a block's halves
  * share a scale, so they sum in int32, with one `vpdpwssd` where the CPU has AVX-VNNI or
- * AVX512-VNNI) and, with AVX-512, 8-bit ones too (`dot_pair512`: a block per 512-bit register;
- * the LM head). The instruction set is the build's (-march=native, one library per CPU: see
+ * AVX512-VNNI) and, with AVX-512, 8-bit ones too (`dot_rows512`: a block per 512-bit register,
+ * four rows a pass; the LM head). The instruction set is the build's (-march=native, one library per CPU: see
  * cpu_kernels.py), so the choice is made per CPU; NANOVLLM_CPU_ISA builds this CPU's library
  * without AVX-512 or without VNNI, to time and test those paths here (`cpu_kernels_isa` says
  * which a library got); tests build the baseline x86-64 variant too.
- * With AVX-512, batch-1 4-bit weights take several blocks per register instead (`matvec4_512`):
+ * With AVX-512, batch-1 4-bit weights take several blocks per register instead (`rows_range`):
  * four with AVX512-VNNI (`dot_quads`: x's int16 codes split into high and low bytes for
  * `vpdpbusd`, the block sums still exact), two without (`dot4_512`); W is prefetched
  * PREFETCH_BYTES ahead, which alone gave 1.5x at one thread.
@@ -242,23 +242,28 @@ static inline __m512 scales512(const float *sc, int64_t b, int64_t gpb) {
     return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(sc[b * gpb]), _mm512_set1_ps(sc[b * gpb + gpb - 1]));
 }
 
-/* Batch 1, two rows of W per load of x: each block's int16 dot products in one `madd`. */
-static void dot_pair512(int bits, const uint8_t *c0, const uint8_t *c1, const float *sc0, const float *sc1,
-                        int64_t group, int64_t K, const xrow *x, float *out0, float *out1) {
-    const int64_t nb = K / QK, gpb = QK / group;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+/* Batch 1, P rows of W (codes `code_row` bytes apart, scales MAX_GROUPS apart) per load of x:
+ * each block's int16 dot products in one `madd`. Each row's sums run as they would alone, so the
+ * row count changes no result. 8-bit codes: a block is half a cache line, so every other block
+ * prefetches (for 4-bit, each). */
+static inline __attribute__((always_inline)) void dot_rows512(int bits, const uint8_t *codes, int64_t code_row,
+                                                              const float *sc, int64_t group, int64_t K,
+                                                              const xrow *x, float *out, const int P) {
+    const int64_t nb = K / QK, gpb = QK / group, block_bytes = bits == 4 ? QK / 2 : QK;
+    __m512 acc[4];
+    for (int p = 0; p < P; p++) acc[p] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        _mm_prefetch((const char *)(c0 + b * QK + PREFETCH_BYTES), _MM_HINT_T0);
-        _mm_prefetch((const char *)(c1 + b * QK + PREFETCH_BYTES), _MM_HINT_T0);
+        if (bits == 4 || b % 2 == 0)
+            for (int p = 0; p < P; p++)
+                _mm_prefetch((const char *)(codes + p * code_row + b * block_bytes + PREFETCH_BYTES), _MM_HINT_T0);
         const __m512i xv = _mm512_loadu_si512((const void *)(x->q + b * QK));
         const __m512 d = _mm512_set1_ps(x->d[b]);
-        const __m512 p0 = _mm512_cvtepi32_ps(_mm512_madd_epi16(codes512(bits, c0, b), xv));
-        const __m512 p1 = _mm512_cvtepi32_ps(_mm512_madd_epi16(codes512(bits, c1, b), xv));
-        a0 = _mm512_fmadd_ps(_mm512_mul_ps(p0, scales512(sc0, b, gpb)), d, a0);
-        a1 = _mm512_fmadd_ps(_mm512_mul_ps(p1, scales512(sc1, b, gpb)), d, a1);
+        for (int p = 0; p < P; p++) {
+            const __m512 prod = _mm512_cvtepi32_ps(_mm512_madd_epi16(codes512(bits, codes + p * code_row, b), xv));
+            acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(prod, scales512(sc + p * MAX_GROUPS, b, gpb)), d, acc[p]);
+        }
     }
-    *out0 += _mm512_reduce_add_ps(a0);
-    *out1 += _mm512_reduce_add_ps(a1);
+    for (int p = 0; p < P; p++) out[p] += _mm512_reduce_add_ps(acc[p]);
 }
 #endif
 
@@ -495,7 +500,7 @@ void *quant_prepare(const void *x, int64_t x_stride, int64_t M, int64_t K, int64
 /* W rows per unit of work: the batch-1 kernels take them two or four at a time. */
 int64_t quant_rows_step(int64_t bits, int64_t N, int64_t M) {
 #ifdef QUANT_AVX2
-    if (M == 1 && (bits == 4 || PAIR8) && N % 2 == 0) return bits == 4 && N % 4 == 0 ? 4 : 2;
+    if (M == 1 && (bits == 4 || PAIR8) && N % 2 == 0) return N % 4 == 0 ? 4 : 2;
 #else
     (void)bits; (void)N; (void)M;
 #endif
@@ -544,9 +549,8 @@ static void rows_range(int bits, const uint8_t *codes, const uint16_t *scales, c
                 }
             }
 #ifdef QUANT_AVX512
-            if (bits == 8)
-                dot_pair512(bits, codes + n * code_row, codes + (n + 1) * code_row, sc[0], sc[1], group, K, rows,
-                            &out[0], &out[1]);
+            if (bits == 8 && P == 4) dot_rows512(8, codes + n * code_row, code_row, sc[0], group, K, rows, out, 4);
+            else if (bits == 8) dot_rows512(8, codes + n * code_row, code_row, sc[0], group, K, rows, out, 2);
             else
 #endif
             if (P == 4) dot_rows4(codes + n * code_row, code_row, sc[0], K, rows, out, 4);
