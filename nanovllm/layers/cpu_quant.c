@@ -409,6 +409,7 @@ static inline __attribute__((always_inline)) void dot_quads(const uint8_t *codes
 #else
 #define LAYOUT_BYTES ((MAX_GROUPS + 1) * QK * 2)  /* pair_layout */
 #endif
+#define LAYOUT_ROWS 8 /* rows of x up to which 4-bit W takes the batch-1 kernel, once per row of x */
 #endif /* QUANT_AVX512 */
 
 /* R as a compile-time constant in the common cases, so the accumulators stay in registers. */
@@ -433,7 +434,7 @@ typedef struct {
 int64_t quant_prepare_bytes(int64_t M, int64_t K) {
     int64_t bytes = 64 + ALIGN64((int64_t)sizeof(xrow) * M) + ALIGN64((int64_t)sizeof(float) * M * (K / 2 + K / QK + K / 16));
 #ifdef QUANT_AVX512
-    bytes += LAYOUT_BYTES;
+    bytes += LAYOUT_BYTES * (M < LAYOUT_ROWS ? M : LAYOUT_ROWS);
 #endif
     return bytes;
 }
@@ -468,12 +469,13 @@ static xprep prepare(const void *x, int64_t x_stride, int64_t M, int64_t K, int6
     }
     xprep px = {rows, M, NULL};
 #ifdef QUANT_AVX512
-    if (M == 1) {
-        void *layout = (char *)data + ALIGN64((int64_t)sizeof(float) * M * (K / 2 + K / QK + K / 16));
+    if (M <= LAYOUT_ROWS) {
+        char *layout = (char *)data + ALIGN64((int64_t)sizeof(float) * M * (K / 2 + K / QK + K / 16));
+        for (int64_t m = 0; m < M; m++)
 #if defined(__AVX512VNNI__)
-        quad_layout(rows[0].q, K / QK, (uint8_t *)layout);
+            quad_layout(rows[m].q, K / QK, (uint8_t *)(layout + m * LAYOUT_BYTES));
 #else
-        pair_layout(rows[0].q, K / QK, (int16_t *)layout);
+            pair_layout(rows[m].q, K / QK, (int16_t *)(layout + m * LAYOUT_BYTES));
 #endif
         px.layout = layout;
     }
@@ -501,6 +503,9 @@ void *quant_prepare(const void *x, int64_t x_stride, int64_t M, int64_t K, int64
 int64_t quant_rows_step(int64_t bits, int64_t N, int64_t M) {
 #ifdef QUANT_AVX2
     if (M == 1 && (bits == 4 || PAIR8) && N % 2 == 0) return N % 4 == 0 ? 4 : 2;
+#ifdef QUANT_AVX512
+    if (M <= LAYOUT_ROWS && bits == 4 && N % 2 == 0) return N % 4 == 0 ? 4 : 2;
+#endif
 #else
     (void)bits; (void)N; (void)M;
 #endif
@@ -515,24 +520,28 @@ static void rows_range(int bits, const uint8_t *codes, const uint16_t *scales, c
 #ifdef QUANT_AVX2
     const int P = (int)quant_rows_step(bits, N, M);
 #ifdef QUANT_AVX512
-    if (M == 1 && bits == 4 && N % 2 == 0) {
-        /* four rows of 4-bit W at a time (two where N is not a multiple of 4), several blocks per register */
+    if (M <= LAYOUT_ROWS && bits == 4 && N % 2 == 0) {
+        /* four rows of 4-bit W at a time (two where N is not a multiple of 4), several blocks per
+         * register, against each row of x in turn while those W rows sit in L1 */
         const int64_t nb = K / QK;
 #if defined(__AVX512VNNI__)
-        const uint8_t *xp = (const uint8_t *)px->layout;
 #define DOT4 dot_quads
+        typedef uint8_t layout_t;
 #else
-        const int16_t *xp = (const int16_t *)px->layout;
 #define DOT4 dot4_512
+        typedef int16_t layout_t;
 #endif
         for (int64_t n = n0; n < n1; n += P) {
-            float sd[4 * SD_ROW], out[4];
-            for (int i = 0; i < P; i++)
-                out[i] = row_setup512(scales + (n + i) * nb, mins != NULL ? mins + (n + i) * nb : NULL, rows[0].sum,
-                                      rows[0].d, nb, sd + i * SD_ROW);
-            if (P == 4) DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 4);
-            else DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 2);
-            for (int i = 0; i < P; i++) sstore(y, n + i, out[i], BF);
+            for (int64_t m = 0; m < M; m++) {
+                const layout_t *xp = (const layout_t *)((const char *)px->layout + m * LAYOUT_BYTES);
+                float sd[4 * SD_ROW], out[4];
+                for (int i = 0; i < P; i++)
+                    out[i] = row_setup512(scales + (n + i) * nb, mins != NULL ? mins + (n + i) * nb : NULL,
+                                          rows[m].sum, rows[m].d, nb, sd + i * SD_ROW);
+                if (P == 4) DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 4);
+                else DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 2);
+                for (int i = 0; i < P; i++) sstore(y, m * N + n + i, out[i], BF);
+            }
         }
 #undef DOT4
         return;
