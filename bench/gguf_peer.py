@@ -142,7 +142,7 @@ def loaded_weight_bytes(model) -> int:
     return total
 
 
-def llama_cpp_run(args: argparse.Namespace, model_path: str, streams: int) -> dict:
+def llama_cpp_run(args: argparse.Namespace, model_path: str, streams: int) -> dict | None:
     ctx = streams * (args.prompt_len + args.gen_len) + 64
     cmd = [os.path.join(args.llama_bin, "llama-batched-bench"), "-m", model_path, "-c", str(ctx), "-b", "2048",
            "-ub", "512", "-npp", str(args.prompt_len), "-ntg", str(args.gen_len), "-npl", str(streams),
@@ -150,6 +150,10 @@ def llama_cpp_run(args: argparse.Namespace, model_path: str, streams: int) -> di
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode < 0 and streams == 1:  # killed by a signal (SIGILL, SIGSEGV seen here)
         return llama_bench_decode(args, model_path)
+    if done.returncode < 0:  # no one-row fallback for several streams: this row is left out, said so
+        print(f"llama-batched-bench died at {streams} streams (signal {-done.returncode}): no llama.cpp row",
+              file=sys.stderr)
+        return None
     done.check_returncode()
     row = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
     return {"engine": "llama.cpp", "streams": streams, "prefill_tok_s": row["speed_pp"], "decode_tok_s": row["speed_tg"],
@@ -326,8 +330,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                 rows.append(engine_run(args, streams, per_op=True))
             if args.dequantized:
                 rows.append(engine_run(args, streams, dequantized=True))
-            if have_llama:
-                rows.append(llama_cpp_run(args, model_path, streams))
+            if have_llama and (row := llama_cpp_run(args, model_path, streams)) is not None:
+                rows.append(row)
     table = summarize(rows)
     limit = bandwidth * 1e9 / weight_bytes
     result = {"bench": "gguf_peer", "model": os.path.basename(model_path), "cpu": cpu_model(), "threads": args.threads,
