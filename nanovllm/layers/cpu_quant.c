@@ -504,7 +504,7 @@ int64_t quant_rows_step(int64_t bits, int64_t N, int64_t M) {
 #ifdef QUANT_AVX2
     if (M == 1 && (bits == 4 || PAIR8) && N % 2 == 0) return N % 4 == 0 ? 4 : 2;
 #ifdef QUANT_AVX512
-    if (M <= LAYOUT_ROWS && bits == 4 && N % 2 == 0) return N % 4 == 0 ? 4 : 2;
+    if (M <= LAYOUT_ROWS && N % 2 == 0) return N % 4 == 0 ? 4 : 2; /* 4- and 8-bit, each row of x as at batch 1 */
 #endif
 #else
     (void)bits; (void)N; (void)M;
@@ -549,22 +549,27 @@ static void rows_range(int bits, const uint8_t *codes, const uint16_t *scales, c
 #endif
     if (P > 1) { /* measured: 1.5x for 4-bit codes, slower for 8-bit (but for AVX-512 pairs) */
         for (int64_t n = n0; n < n1; n += P) {
-            float sc[4][MAX_GROUPS], mn[MAX_GROUPS], out[4] = {0.f, 0.f, 0.f, 0.f};
+            float sc[4][MAX_GROUPS], mn[4][MAX_GROUPS];
             for (int i = 0; i < P; i++) {
                 f16_row(scales + (n + i) * ng, ng, sc[i]);
-                if (mins != NULL) {
-                    f16_row(mins + (n + i) * ng, ng, mn);
-                    for (int64_t g = 0; g < ng; g++) out[i] += mn[g] * rows[0].sum[g];
-                }
+                if (mins != NULL) f16_row(mins + (n + i) * ng, ng, mn[i]);
             }
+            /* one row of x unless 8-bit codes with AVX-512: then each of up to LAYOUT_ROWS rows in
+             * turn, as at batch 1, while the P rows of W sit in L1 */
+            for (int64_t m = 0; m < M; m++) {
+                float out[4] = {0.f, 0.f, 0.f, 0.f};
+                if (mins != NULL)
+                    for (int i = 0; i < P; i++)
+                        for (int64_t g = 0; g < ng; g++) out[i] += mn[i][g] * rows[m].sum[g];
 #ifdef QUANT_AVX512
-            if (bits == 8 && P == 4) dot_rows512(8, codes + n * code_row, code_row, sc[0], group, K, rows, out, 4);
-            else if (bits == 8) dot_rows512(8, codes + n * code_row, code_row, sc[0], group, K, rows, out, 2);
-            else
+                if (bits == 8 && P == 4) dot_rows512(8, codes + n * code_row, code_row, sc[0], group, K, rows + m, out, 4);
+                else if (bits == 8) dot_rows512(8, codes + n * code_row, code_row, sc[0], group, K, rows + m, out, 2);
+                else
 #endif
-            if (P == 4) dot_rows4(codes + n * code_row, code_row, sc[0], K, rows, out, 4);
-            else dot_rows4(codes + n * code_row, code_row, sc[0], K, rows, out, 2);
-            for (int i = 0; i < P; i++) sstore(y, n + i, out[i], BF);
+                if (P == 4) dot_rows4(codes + n * code_row, code_row, sc[0], K, rows + m, out, 4);
+                else dot_rows4(codes + n * code_row, code_row, sc[0], K, rows + m, out, 2);
+                for (int i = 0; i < P; i++) sstore(y, m * N + n + i, out[i], BF);
+            }
         }
         return;
     }

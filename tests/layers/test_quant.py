@@ -181,3 +181,19 @@ def test_every_build_matches_the_reference_and_the_native_build(built_ops, dtype
                                    else 1e-2, atol=1e-5)
         assert torch.equal(built_ops.quant_dequant(weight, 0, 26, torch.float32).clone(),
                            native.quant_dequant(weight, 0, 26, torch.float32))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K])
+def test_with_avx512_each_row_of_a_small_batch_is_computed_as_alone(ops, qtype):
+    """2-8 rows of x take the batch-1 kernels once per row (AVX-512 builds): a decode row's
+    products do not depend on which other rows share its step."""
+    from nanovllm.layers import cpu_kernels
+
+    if not cpu_kernels.kernel_isa(cpu_kernels._load_library()).startswith("avx512"):
+        pytest.skip("the AVX2 and plain builds take the general loop for several rows")
+    weight = to_quantized(gguf_rows(qtype, 40, 256, seed=7), qtype)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for rows in (2, 5, 8):
+        together = ops.quant_matmul(weight, x[:rows])
+        for r in range(rows):
+            assert torch.equal(together[r:r + 1], ops.quant_matmul(weight, x[r:r + 1].contiguous()))
