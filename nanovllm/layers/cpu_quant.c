@@ -25,6 +25,9 @@
  * four with AVX512-VNNI (`dot_quads`: x's int16 codes split into high and low bytes for
  * `vpdpbusd`, the block sums still exact), two without (`dot4_512`); W is prefetched
  * PREFETCH_BYTES ahead, which alone gave 1.5x at one thread.
+ * With AVX-512, 2-8 rows of x (a small decode step) take these batch-1 kernels once per row, the
+ * same four (or two) W rows staying in L1 across the rows: each row's products are then those it
+ * would get alone, and 8 rows cost ~0.6x the general loop (`dot_rows`, which other builds keep).
  * Large M goes through quant_dequant into a float panel and the float GEMM instead.
  * quant_dequant: rows of W as float32 or bfloat16 (`bf16`), for that panel and the embedding.
  */
