@@ -4,7 +4,9 @@
  * sequence whose block table is block_tables[row_table[r]]. A decode step has one row per
  * sequence. (A prompt chunk could be rows with growing contexts too; paged_attention_chunk, at the
  * end of this file, computes it in tiles of rows instead.)
- * Rows are spread over OpenMP threads. torch is loaded first and ships libgomp.so.1 under the
+ * Rows are spread over OpenMP threads (with fewer rows than threads, a row's heads), in a team of
+ * this file's own or in one that a caller already runs (paged_attention_items: cpu_decode.c runs a
+ * whole decode step in one team). torch is loaded first and ships libgomp.so.1 under the
  * same soname, so this library binds to torch's OpenMP runtime: one thread pool, no second set
  * of spinning threads competing for the cores.
  *
@@ -39,10 +41,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "cpu_simd.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+
+#define PARALLEL_MIN_WORK 65536 /* context positions x H x D below which one thread does a step's rows */
 
 /* Prefetch bytes [lo, min(hi, end)) of p into L2 (prefetcht1), a 64-byte line at a time. */
 static inline void prefetch_l2(const char *p, int64_t lo, int64_t hi, int64_t end) {
@@ -215,7 +221,8 @@ static inline float softmax_block(float *restrict sh, int64_t n, float *restrict
 static inline void attend_row(const void *q, void *out, const void *k_cache, const void *v_cache,
                               const int64_t *table, float *restrict qf, float *restrict acc, float *restrict s,
                               float *restrict m, float *restrict l, int64_t L, int64_t H, int64_t KVH, int64_t D_rt,
-                              int64_t BS, int64_t BSP, float scale, const int64_t HD, const int BF) {
+                              int64_t h0, int64_t h1, int64_t BS, int64_t BSP, float scale, const int64_t HD,
+                              const int BF) {
     // [ZH-START]
     // 一行（一个查询 token）的注意力，online softmax，按缓存块推进：
     // 1. bf16 时先把这一行的 q（H*D 个元素）展开成 fp32 放进 qf；fp32 直接用原指针。
@@ -230,14 +237,15 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
     //       s 变成 exp(s - mx)，l[h] = l[h] * alpha + sum(s)；
     //    d. acc[h] = acc[h] * alpha + sum_i s[i] * v_i。
     // 4. 输出 out[h] = acc[h] / l[h]，bf16 时这里才舍入一次。
+    // 只算 [h0, h1) 这些 head（h0 在成对时为偶数）：各 head 互不依赖，一行可以按 head 分给几个线程。
     // [ZH-END]
     const int64_t D = HD ? HD : D_rt, G = H / KVH, row = KVH * D;
     const int pair = G % 2 == 0;  /* heads h, h + 1 (h even) share a KV head: read it once for both */
     const int64_t hs = pair ? 2 : 1;  /* heads per pass of the loops below */
-    if (BF) for (int64_t j = 0; j < H * D; j++) qf[j] = sload(q, j, BF);
+    if (BF) for (int64_t j = h0 * D; j < h1 * D; j++) qf[j] = sload(q, j, BF);
     else qf = (float *)q;
-    for (int64_t h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.f; }
-    memset(acc, 0, sizeof(float) * H * D);
+    for (int64_t h = h0; h < h1; h++) { m[h] = -INFINITY; l[h] = 0.f; }
+    memset(acc + h0 * D, 0, sizeof(float) * (h1 - h0) * D);
     for (int64_t t0 = 0, b = 0; t0 < L; t0 += BS, b++) {
         const int64_t n = (L - t0 < BS) ? L - t0 : BS;
         const int64_t base = table[b] * BS * row;
@@ -251,7 +259,7 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
         const char *k_next = last ? NULL : at(k_cache, table[b + 1] * BS * row, BF);
         const char *v_next = last ? NULL : at(v_cache, table[b + 1] * BS * row, BF);
         const int64_t bytes = BS * row * (BF ? 2 : 4), slice = (bytes + H - 1) / H;
-        for (int64_t h = 0; h < H; h += hs) {
+        for (int64_t h = h0; h < h1; h += hs) {
             if (!last) prefetch_l2(k_next, h * slice, (h + hs) * slice, bytes);
             const void *kh = at(kb, (h / G) * D, BF);
             if (pair)
@@ -259,7 +267,7 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
             else
                 scores_block(qf + h * D, kh, s + h * BSP, n, row, D, scale, HD, BF);
         }
-        for (int64_t h = 0; h < H; h += hs) {
+        for (int64_t h = h0; h < h1; h += hs) {
             const void *vh = at(vb, (h / G) * D, BF);
             if (!last) prefetch_l2(v_next, h * slice, (h + hs) * slice, bytes);
             const float alpha = softmax_block(s + h * BSP, n, m + h, l + h);
@@ -272,23 +280,55 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
             }
         }
     }
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = h0; h < h1; h++) {
         const float inv = 1.f / l[h];
         for (int64_t d = 0; d < D; d++) sstore(out, h * D + d, acc[h * D + d] * inv, BF);
     }
 }
 
-/* One row at each compile-time head size the kernel specialises (and any other at run time). */
+/* Heads [h0, h1) of one row at each compile-time head size the kernel specialises (and any
+ * other at run time). */
 static inline void attend_row_any(const void *q, void *out, const void *k_cache, const void *v_cache,
                                   const int64_t *table, float *scratch, int64_t L, int64_t H, int64_t KVH, int64_t D,
-                                  int64_t BS, int64_t BSP, float scale, const int BF) {
+                                  int64_t h0, int64_t h1, int64_t BS, int64_t BSP, float scale, const int BF) {
     float *qf = scratch, *acc = qf + H * D, *s = acc + H * D, *m = s + H * BSP, *l = m + H;
-    if (D == 64)
-        attend_row(q, out, k_cache, v_cache, table, qf, acc, s, m, l, L, H, KVH, D, BS, BSP, scale, 64, BF);
-    else if (D == 128)
-        attend_row(q, out, k_cache, v_cache, table, qf, acc, s, m, l, L, H, KVH, D, BS, BSP, scale, 128, BF);
-    else
-        attend_row(q, out, k_cache, v_cache, table, qf, acc, s, m, l, L, H, KVH, D, BS, BSP, scale, 0, BF);
+#define ROW(DD) attend_row(q, out, k_cache, v_cache, table, qf, acc, s, m, l, L, H, KVH, D, h0, h1, BS, BSP, scale, DD, BF)
+    if (D == 64) ROW(64);
+    else if (D == 128) ROW(128);
+    else ROW(0);
+#undef ROW
+}
+
+/* Floats of scratch one thread needs for paged_attention_items. */
+int64_t paged_attention_scratch(int64_t H, int64_t D, int64_t BS) {
+    const int64_t BSP = (BS + VL - 1) / VL * VL;  /* a head's score row, padded for VL-lane exp */
+    return 2 * H * D + H * BSP + 2 * H;
+}
+
+/* The rows' work, shared out over the threads of the enclosing OpenMP team (alone outside one):
+ * a work-shared loop with no barrier at its end. Items are whole rows where there are at least as
+ * many rows as threads, and otherwise heads of a row (pairs where two share a KV head), so that
+ * one row is not one thread's work while the others wait. `scratch`: this thread's
+ * paged_attention_scratch floats. */
+void paged_attention_items(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                           const int64_t *block_tables, int64_t max_blocks, const int64_t *row_table,
+                           const int64_t *row_ctx, void *out, int64_t num_rows, int64_t H, int64_t KVH, int64_t D,
+                           int64_t BS, float scale, int64_t bf16, float *scratch) {
+    const int64_t BSP = (BS + VL - 1) / VL * VL, hs = (H / KVH) % 2 == 0 ? 2 : 1;
+    const int64_t units = num_rows >= omp_get_num_threads() ? 1 : H / hs, span = H / units;
+    const int BF = bf16 != 0;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t item = 0; item < num_rows * units; item++) {
+        if (scratch == NULL) continue;  /* this thread's allocation failed: the caller reports it */
+        const int64_t r = item / units, h0 = (item % units) * span, h1 = h0 + span;
+        const int64_t L = row_ctx[r];
+        const int64_t *table = block_tables + row_table[r] * max_blocks;
+        const void *qr = at(q, r * q_row_stride, BF);
+        void *o = at(out, r * H * D, BF);
+        if (L == 0) { memset(at(o, h0 * D, BF), 0, (size_t)((h1 - h0) * D * (BF ? 2 : 4))); continue; }
+        if (BF) attend_row_any(qr, o, k_cache, v_cache, table, scratch, L, H, KVH, D, h0, h1, BS, BSP, scale, 1);
+        else attend_row_any(qr, o, k_cache, v_cache, table, scratch, L, H, KVH, D, h0, h1, BS, BSP, scale, 0);
+    }
 }
 
 int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
@@ -299,33 +339,26 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
     // 入口（Python 侧 CpuAttentionKernel.__call__ 经 ctypes 调用）：
     // 1. head_dim 超过 256 返回 -2：这是和 Python 侧的约定（head_dim <= 256 才加载本内核），
     //    不是缓冲区的上限——临时区按 H、D 现算现分配（第 2 步）。
-    // 2. 每个 OpenMP 线程 malloc 一块临时区：qf、acc（各 H*D 个 float）、
+    // 2. 上下文总量（各行 L 之和 × H × D）不到 PARALLEL_MIN_WORK 时不起线程组，一个线程算完；
+    //    否则每个 OpenMP 线程 malloc 一块临时区：qf、acc（各 H*D 个 float）、
     //    分数行 s（H * BSP，BSP 是块大小向上取整到向量宽度 VL）、m 和 l（各 H 个）；失败返回 -1。
-    // 3. 各行用 schedule(dynamic, 1) 分给线程（各行上下文长短不一）：
+    // 3. paged_attention_items 用 schedule(dynamic, 1) 分工作项（各行上下文长短不一）：
+    //    行数不少于线程数时一项是一整行，否则一项是一行的一个 head（或共用 KV head 的一对）；
     //    第 r 行读 block_tables 的第 row_table[r] 行，上下文长度 L = row_ctx[r]；
     //    L == 0 时输出全零。这只是防御：CUDA 图不会走到 CPU 内核，CPU 上每行的上下文至少 1 个 token。
     // 4. 按 head_dim 选编译期特化的版本（64、128，其余走运行时长度），
     //    再按 bf16 标志选元素类型，调用 attend_row。
     // [ZH-END]
     if (D > 256) return -2;
-    const int64_t BSP = (BS + VL - 1) / VL * VL;  /* a head's score row, padded for VL-lane exp */
-    const int BF = bf16 != 0;
+    int64_t work = 0;
+    for (int64_t r = 0; r < num_rows; r++) work += row_ctx[r];
     int failed = 0;
-#pragma omp parallel reduction(| : failed)
+#pragma omp parallel reduction(| : failed) if (work * H * D >= PARALLEL_MIN_WORK)
     {
-    float *scratch = (float *)malloc(sizeof(float) * (2 * H * D + H * BSP + 2 * H));
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)paged_attention_scratch(H, D, BS));
     failed = scratch == NULL;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t r = 0; r < num_rows; r++) {
-        if (failed) continue;
-        const int64_t L = row_ctx[r];
-        const int64_t *table = block_tables + row_table[r] * max_blocks;
-        const void *qr = at(q, r * q_row_stride, BF);
-        void *o = at(out, r * H * D, BF);
-        if (L == 0) { memset(o, 0, (size_t)(H * D * (BF ? 2 : 4))); continue; }
-        if (BF) attend_row_any(qr, o, k_cache, v_cache, table, scratch, L, H, KVH, D, BS, BSP, scale, 1);
-        else attend_row_any(qr, o, k_cache, v_cache, table, scratch, L, H, KVH, D, BS, BSP, scale, 0);
-    }
+    paged_attention_items(q, q_row_stride, k_cache, v_cache, block_tables, max_blocks, row_table, row_ctx, out,
+                          num_rows, H, KVH, D, BS, scale, bf16, scratch);
     free(scratch);
     }
     return failed ? -1 : 0;

@@ -11,7 +11,7 @@
 Every kernel serves float32 and bfloat16 tensors from one source: the body is written once
 against the helpers of `cpu_simd.h` and compiled for each element type (the `bf16` argument), and
 for the CPU it is built on (-march=native: 16-lane AVX-512 vectors where the CPU has AVX-512,
-8-lane AVX2 ones elsewhere). They are plain C with no torch headers, so they compile in about a
+8-lane AVX2 ones elsewhere; NANOVLLM_CPU_ISA builds for less, see `ISA_ENV`). They are plain C with no torch headers, so they compile in about a
 second into one library, cached per source and CPU. They parallelise with OpenMP and, loaded after torch, share torch's
 OpenMP runtime (same libgomp.so.1 soname), so kernels and GEMMs use one thread pool. Without a
 compiler, or with NANOVLLM_CPU_KERNELS=0, `load()` returns None and the torch path is used.
@@ -93,8 +93,54 @@ def native_cpu_dtype() -> torch.dtype:
     return torch.float32
 
 
+ISA_ENV = "NANOVLLM_CPU_ISA"
+"""Builds the kernels for less than this CPU has, to time or test another CPU's path on this one:
+"avx2" (no AVX-512, no VNNI: an AVX2-only CPU's kernels), "avx512" (AVX-512 without VNNI) or
+"avx512_vnni"; a level above the CPU's own is capped to it. Only these kernels: torch's own
+GEMMs keep the CPU's instruction set (oneDNN has ONEDNN_MAX_CPU_ISA for that)."""
+ISA_LEVELS = ("avx2", "avx512", "avx512_vnni")
+_ISA_NEEDS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"},
+              "avx512_vnni": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}}
+_ISA_OFF = {"avx2": ["-mno-avx512f", "-mno-avxvnni"], "avx512": ["-mno-avx512vnni", "-mno-avxvnni"],
+            "avx512_vnni": []}
+_ISA_CODES = {0: "baseline", 2: "avx2", 3: "avx512", 4: "avx512_vnni"}
+
+
+def cpu_isa() -> str | None:
+    """The highest of ISA_LEVELS this CPU has, or None (the plain C loops)."""
+    have = cpu_flags()
+    return next((level for level in reversed(ISA_LEVELS) if _ISA_NEEDS[level] <= have), None)
+
+
+def isa_flags() -> list[str]:
+    """Compiler flags that take the build down to the level NANOVLLM_CPU_ISA asks for (none unset,
+    or where the CPU has no more than that)."""
+    asked = os.environ.get(ISA_ENV, "")
+    if not asked:
+        return []
+    if asked not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_LEVELS)} (or unset); got {asked!r}")
+    own = cpu_isa()
+    if own is None or ISA_LEVELS.index(asked) >= ISA_LEVELS.index(own):
+        _log_isa_capped(asked, own)
+        return []
+    return _ISA_OFF[asked]
+
+
+@functools.cache
+def _log_isa_capped(asked: str, own: str | None) -> None:
+    if asked != own:
+        logger.info("%s=%s: this CPU has no more than %s; building for it", ISA_ENV, asked, own or "baseline x86-64")
+
+
+def kernel_isa(lib: ctypes.CDLL) -> str:
+    """The instruction set a loaded library's products use: baseline, avx2, avx512 or avx512_vnni."""
+    return _ISA_CODES.get(lib.cpu_kernels_isa(), "unknown")
+
+
 def _build() -> str:
-    digest = hashlib.sha256(" ".join(_CFLAGS).encode() + _cpu_signature().encode())
+    cflags = _CFLAGS + isa_flags()
+    digest = hashlib.sha256(" ".join(cflags).encode() + _cpu_signature().encode())
     for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             digest.update(f.read())
@@ -111,7 +157,7 @@ def _build() -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_CFLAGS, "-o", tmp, *_SOURCES, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *cflags, "-o", tmp, *_SOURCES, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, lib_path)
     finally:
         if os.path.exists(tmp):

@@ -50,20 +50,24 @@ static inline void scale_by_weight(const void *x, float inv, const void *w, void
     for (; i < n; i++) sstore(y, i, sload(w, i, BF) * sround(sload(x, i, BF) * inv, BF), BF);
 }
 
+/* One row: out = w * norm(x), after residual += x (residual nullable; then x is normalised). */
+static inline void rms_norm_row(const void *xr, void *res, const void *w, void *out, int64_t dim, float eps,
+                                const int BF) {
+    if (res != NULL) {
+        int64_t i = 0;
+        for (; i + VL <= dim; i += VL) vstore(res, i, vload(res, i, BF) + vload(xr, i, BF), BF);
+        for (; i < dim; i++) sstore(res, i, sload(res, i, BF) + sload(xr, i, BF), BF);
+        xr = res;  /* normalise the sum as stored (rounded, in bf16) */
+    }
+    scale_by_weight(xr, inv_rms(xr, dim, eps, BF), w, out, dim, BF);
+}
+
 static inline void rms_norm_rows(const void *x, int64_t x_stride, void *residual, const void *w, void *out,
                                  int64_t rows, int64_t dim, float eps, const int BF) {
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        const void *xr = at(x, r * x_stride, BF);
-        if (residual != NULL) {
-            void *res = at(residual, r * dim, BF);
-            int64_t i = 0;
-            for (; i + VL <= dim; i += VL) vstore(res, i, vload(res, i, BF) + vload(xr, i, BF), BF);
-            for (; i < dim; i++) sstore(res, i, sload(res, i, BF) + sload(xr, i, BF), BF);
-            xr = res;  /* normalise the sum as stored (rounded, in bf16) */
-        }
-        scale_by_weight(xr, inv_rms(xr, dim, eps, BF), w, at(out, r * dim, BF), dim, BF);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm_row(at(x, r * x_stride, BF), residual != NULL ? at(residual, r * dim, BF) : NULL, w,
+                     at(out, r * dim, BF), dim, eps, BF);
 }
 
 /* residual (nullable): residual += x first, and normalise that. x rows are x_stride elements
@@ -72,6 +76,16 @@ void rms_norm(const void *x, int64_t x_stride, void *residual, const void *w, vo
               int64_t dim, float eps, int64_t bf16) {
     if (bf16) rms_norm_rows(x, x_stride, residual, w, out, rows, dim, eps, 1);
     else rms_norm_rows(x, x_stride, residual, w, out, rows, dim, eps, 0);
+}
+
+/* rms_norm by this thread alone, never starting threads (a caller already runs its own team). */
+void rms_norm_serial(const void *x, int64_t x_stride, void *residual, const void *w, void *out, int64_t rows,
+                     int64_t dim, float eps, int64_t bf16) {
+    for (int64_t r = 0; r < rows; r++) {
+        void *res = residual != NULL ? (char *)residual + r * dim * (bf16 ? 2 : 4) : NULL;
+        if (bf16) rms_norm_row(at(x, r * x_stride, 1), res, w, at(out, r * dim, 1), dim, eps, 1);
+        else rms_norm_row(at(x, r * x_stride, 0), res, w, at(out, r * dim, 0), dim, eps, 0);
+    }
 }
 
 /* One head in place: optional RMSNorm (weight w), then the rotary embedding with cos/sin of
@@ -135,25 +149,55 @@ void qk_norm_rope_store(void *qkv, int64_t rows, int64_t row_stride, int64_t H, 
                                 k_cache, v_cache, slots, 0);
 }
 
+/* Head u of every row alone (u < H: query head u; then the KVH key heads; then the KVH value
+ * heads): what qk_norm_rope_store does to that head, by this thread, so that a caller can give
+ * each head to the thread that computed its projection (cpu_decode.c). */
+void qk_norm_rope_store_head(void *qkv, int64_t rows, int64_t row_stride, int64_t u, int64_t H, int64_t KVH,
+                             int64_t D, const void *q_w, const void *k_w, float eps, const void *cos_cache,
+                             const void *sin_cache, const int64_t *positions, void *k_cache, void *v_cache,
+                             const int64_t *slots, int64_t bf16) {
+    const int BF = bf16 != 0;
+    const int64_t half = D / 2, g = u - H < KVH ? u - H : u - H - KVH; /* the KV head, for u >= H */
+    for (int64_t r = 0; r < rows; r++) {
+        void *head = at(qkv, r * row_stride + u * D, BF);
+        if (u < H + KVH) {
+            const void *c = at(cos_cache, positions[r] * half, BF), *s = at(sin_cache, positions[r] * half, BF);
+            if (BF) norm_rope_head(head, u < H ? q_w : k_w, eps, c, s, D, 1);
+            else norm_rope_head(head, u < H ? q_w : k_w, eps, c, s, D, 0);
+        }
+        if (u >= H && slots[r] >= 0)
+            memcpy(at(u < H + KVH ? k_cache : v_cache, slots[r] * KVH * D + g * D, BF), head, (size_t)(D * (BF ? 2 : 4)));
+    }
+}
+
+static inline void silu_mul_row(const void *g, void *o, int64_t inter, const int BF) {
+    const void *u = at(g, inter, BF);
+    int64_t i = 0;
+    for (; i + VL <= inter; i += VL) {
+        const vf gv = vload(g, i, BF);
+        vstore(o, i, vround(gv / (1.f + vexp(-gv)), BF) * vload(u, i, BF), BF);
+    }
+    for (; i < inter; i++) {
+        const float gi = sload(g, i, BF);
+        sstore(o, i, sround(gi / (1.f + expf(-gi)), BF) * sload(u, i, BF), BF);
+    }
+}
+
 static inline void silu_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t inter, const int BF) {
 #pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        const void *g = at(gate_up, r * 2 * inter, BF), *u = at(g, inter, BF);
-        void *o = at(out, r * inter, BF);
-        int64_t i = 0;
-        for (; i + VL <= inter; i += VL) {
-            const vf gv = vload(g, i, BF);
-            vstore(o, i, vround(gv / (1.f + vexp(-gv)), BF) * vload(u, i, BF), BF);
-        }
-        for (; i < inter; i++) {
-            const float gi = sload(g, i, BF);
-            sstore(o, i, sround(gi / (1.f + expf(-gi)), BF) * sload(u, i, BF), BF);
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) silu_mul_row(at(gate_up, r * 2 * inter, BF), at(out, r * inter, BF), inter, BF);
 }
 
 /* gate_up rows are [gate (inter) | up (inter)]; out rows are inter elements. */
 void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int64_t bf16) {
     if (bf16) silu_mul_rows(gate_up, out, rows, inter, 1);
     else silu_mul_rows(gate_up, out, rows, inter, 0);
+}
+
+/* silu_mul by this thread alone, never starting threads. */
+void silu_mul_serial(const void *gate_up, void *out, int64_t rows, int64_t inter, int64_t bf16) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16) silu_mul_row(at(gate_up, r * 2 * inter, 1), at(out, r * inter, 1), inter, 1);
+        else silu_mul_row(at(gate_up, r * 2 * inter, 0), at(out, r * inter, 0), inter, 0);
+    }
 }

@@ -16,13 +16,18 @@
  * codes to float cost three times the shuffles. Each weight block is loaded once for up to four
  * rows of x; at one row, 4-bit weights go four W rows at a time (`dot_rows4`: a block's halves
  * share a scale, so they sum in int32, with one `vpdpwssd` where the CPU has AVX-VNNI or
- * AVX512-VNNI) and, with AVX-512, 8-bit ones too (`dot_pair512`: a block per 512-bit register;
- * the LM head). The instruction set is the build's (-march=native, one library per CPU: see
- * cpu_kernels.py), so the choice is made per CPU; tests build the baseline and AVX2 variants too.
- * With AVX-512, batch-1 4-bit weights take several blocks per register instead (`matvec4_512`):
+ * AVX512-VNNI) and, with AVX-512, 8-bit ones too (`dot_rows512`: a block per 512-bit register,
+ * four rows a pass; the LM head). The instruction set is the build's (-march=native, one library per CPU: see
+ * cpu_kernels.py), so the choice is made per CPU; NANOVLLM_CPU_ISA builds this CPU's library
+ * without AVX-512 or without VNNI, to time and test those paths here (`cpu_kernels_isa` says
+ * which a library got); tests build the baseline x86-64 variant too.
+ * With AVX-512, batch-1 4-bit weights take several blocks per register instead (`rows_range`):
  * four with AVX512-VNNI (`dot_quads`: x's int16 codes split into high and low bytes for
  * `vpdpbusd`, the block sums still exact), two without (`dot4_512`); W is prefetched
  * PREFETCH_BYTES ahead, which alone gave 1.5x at one thread.
+ * With AVX-512, 2-8 rows of x (a small decode step) take these batch-1 kernels once per row, the
+ * same four (or two) W rows staying in L1 across the rows: each row's products are then those it
+ * would get alone, and 8 rows cost ~0.6x the general loop (`dot_rows`, which other builds keep).
  * Large M goes through quant_dequant into a float panel and the float GEMM instead.
  * quant_dequant: rows of W as float32 or bfloat16 (`bf16`), for that panel and the embedding.
  */
@@ -30,6 +35,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <omp.h>
 
 #include "cpu_simd.h"
 
@@ -64,6 +71,20 @@ static inline float f16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+#endif
+}
+
+/* The instruction set this build's products use: 0 plain C, 2 AVX2, 3 AVX-512, 4 AVX-512 with
+ * VNNI (what NANOVLLM_CPU_ISA selects; layers/cpu_kernels.py). */
+int cpu_kernels_isa(void) {
+#if defined(QUANT_AVX512) && defined(__AVX512VNNI__)
+    return 4;
+#elif defined(QUANT_AVX512)
+    return 3;
+#elif defined(QUANT_AVX2)
+    return 2;
+#else
+    return 0;
 #endif
 }
 
@@ -224,23 +245,28 @@ static inline __m512 scales512(const float *sc, int64_t b, int64_t gpb) {
     return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(sc[b * gpb]), _mm512_set1_ps(sc[b * gpb + gpb - 1]));
 }
 
-/* Batch 1, two rows of W per load of x: each block's int16 dot products in one `madd`. */
-static void dot_pair512(int bits, const uint8_t *c0, const uint8_t *c1, const float *sc0, const float *sc1,
-                        int64_t group, int64_t K, const xrow *x, float *out0, float *out1) {
-    const int64_t nb = K / QK, gpb = QK / group;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+/* Batch 1, P rows of W (codes `code_row` bytes apart, scales MAX_GROUPS apart) per load of x:
+ * each block's int16 dot products in one `madd`. Each row's sums run as they would alone, so the
+ * row count changes no result. 8-bit codes: a block is half a cache line, so every other block
+ * prefetches (for 4-bit, each). */
+static inline __attribute__((always_inline)) void dot_rows512(int bits, const uint8_t *codes, int64_t code_row,
+                                                              const float *sc, int64_t group, int64_t K,
+                                                              const xrow *x, float *out, const int P) {
+    const int64_t nb = K / QK, gpb = QK / group, block_bytes = bits == 4 ? QK / 2 : QK;
+    __m512 acc[4];
+    for (int p = 0; p < P; p++) acc[p] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        _mm_prefetch((const char *)(c0 + b * QK + PREFETCH_BYTES), _MM_HINT_T0);
-        _mm_prefetch((const char *)(c1 + b * QK + PREFETCH_BYTES), _MM_HINT_T0);
+        if (bits == 4 || b % 2 == 0)
+            for (int p = 0; p < P; p++)
+                _mm_prefetch((const char *)(codes + p * code_row + b * block_bytes + PREFETCH_BYTES), _MM_HINT_T0);
         const __m512i xv = _mm512_loadu_si512((const void *)(x->q + b * QK));
         const __m512 d = _mm512_set1_ps(x->d[b]);
-        const __m512 p0 = _mm512_cvtepi32_ps(_mm512_madd_epi16(codes512(bits, c0, b), xv));
-        const __m512 p1 = _mm512_cvtepi32_ps(_mm512_madd_epi16(codes512(bits, c1, b), xv));
-        a0 = _mm512_fmadd_ps(_mm512_mul_ps(p0, scales512(sc0, b, gpb)), d, a0);
-        a1 = _mm512_fmadd_ps(_mm512_mul_ps(p1, scales512(sc1, b, gpb)), d, a1);
+        for (int p = 0; p < P; p++) {
+            const __m512 prod = _mm512_cvtepi32_ps(_mm512_madd_epi16(codes512(bits, codes + p * code_row, b), xv));
+            acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(prod, scales512(sc + p * MAX_GROUPS, b, gpb)), d, acc[p]);
+        }
     }
-    *out0 += _mm512_reduce_add_ps(a0);
-    *out1 += _mm512_reduce_add_ps(a1);
+    for (int p = 0; p < P; p++) out[p] += _mm512_reduce_add_ps(acc[p]);
 }
 #endif
 
@@ -381,32 +407,13 @@ static inline __attribute__((always_inline)) void dot_quads(const uint8_t *codes
 }
 #endif
 
-/* y (1, N) for 4-bit W at batch 1 with AVX-512: rows in fours (twos where N is not a multiple of 4). */
-static void matvec4_512(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t N, int64_t K,
-                        const xrow *x, void *y, const int BF) {
-    const int64_t nb = K / QK, code_row = K / 2;
 #if defined(__AVX512VNNI__)
-    uint8_t xp[(MAX_GROUPS / 4 + 1) * 256];
-    quad_layout(x->q, nb, xp);
-#define DOT4 dot_quads
+#define LAYOUT_BYTES ((MAX_GROUPS / 4 + 1) * 256) /* quad_layout */
 #else
-    int16_t xp[(MAX_GROUPS + 1) * QK];
-    pair_layout(x->q, nb, xp);
-#define DOT4 dot4_512
+#define LAYOUT_BYTES ((MAX_GROUPS + 1) * QK * 2)  /* pair_layout */
 #endif
-    const int P = N % 4 == 0 ? 4 : 2;
-#pragma omp parallel for schedule(static) if (N * K >= 32768)
-    for (int64_t n = 0; n < N; n += P) {
-        float sd[4 * SD_ROW], out[4];
-        for (int i = 0; i < P; i++)
-            out[i] = row_setup512(scales + (n + i) * nb, mins != NULL ? mins + (n + i) * nb : NULL, x->sum, x->d, nb,
-                                  sd + i * SD_ROW);
-        if (P == 4) DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 4);
-        else DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 2);
-        for (int i = 0; i < P; i++) sstore(y, n + i, out[i], BF);
-    }
-}
-#endif
+#define LAYOUT_ROWS 8 /* rows of x up to which 4-bit W takes the batch-1 kernel, once per row of x */
+#endif /* QUANT_AVX512 */
 
 /* R as a compile-time constant in the common cases, so the accumulators stay in registers. */
 static void dot_rows(int bits, const uint8_t *codes, const float *sc, const float *mn, int64_t group, int64_t K,
@@ -416,70 +423,161 @@ static void dot_rows(int bits, const uint8_t *codes, const float *sc, const floa
     else dot_rows_body(bits, codes, sc, mn, group, K, xr, R, result);
 }
 
-/* y[m, n] = sum_k x[m, k] W[n, k] for m < M, n < N; x rows x_stride elements apart, y rows N
- * apart; x and y float32 or bfloat16 (`bf16`). Returns 0, -1 where scratch memory ran out, -2
- * for a shape the kernel does not take (K not a multiple of 32, group not 16 or 32, or more
- * than MAX_GROUPS groups per row). */
-static int matmul_rows(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
-                       int64_t N, int64_t K, const void *x, int64_t x_stride, int64_t M, void *y, const int BF) {
-    if (K % QK || (group != 16 && group != 32) || (bits == 4 && group != 32) || K / group > MAX_GROUPS) return -2;
-    const int64_t ng = K / group, row_floats = K / 2 + K / QK + ng; /* int16 codes, scales, sums */
-    float *scratch = malloc(sizeof(float) * (size_t)(M * row_floats));
-    if (scratch == NULL) return -1;
-    xrow *rows = malloc(sizeof(xrow) * (size_t)M);
-    if (rows == NULL) { free(scratch); return -1; }
+/* x as the products read it: M rows quantized (`xrow`) and, at batch 1 with AVX-512, row 0 in the
+ * layout of the 4-bit kernel (`quad_layout` with AVX512-VNNI, `pair_layout` without). */
+typedef struct {
+    const xrow *rows;
+    int64_t M;
+    const void *layout;
+} xprep;
+
+#define ALIGN64(n) (((n) + 63) / 64 * 64)
+
+/* Bytes of scratch quant_prepare takes for M rows of K inputs (a handle of 64 bytes included). */
+int64_t quant_prepare_bytes(int64_t M, int64_t K) {
+    int64_t bytes = 64 + ALIGN64((int64_t)sizeof(xrow) * M) + ALIGN64((int64_t)sizeof(float) * M * (K / 2 + K / QK + K / 16));
+#ifdef QUANT_AVX512
+    bytes += LAYOUT_BYTES * (M < LAYOUT_ROWS ? M : LAYOUT_ROWS);
+#endif
+    return bytes;
+}
+
+/* Whether quant_matmul takes W: K a multiple of 32, groups of 16 or 32 (4-bit: 32), at most
+ * MAX_GROUPS groups per row. */
+int quant_shape_ok(int64_t bits, int64_t group, int64_t K) {
+    return !(K % QK || (group != 16 && group != 32) || (bits == 4 && group != 32) || K / group > MAX_GROUPS);
+}
+
+/* Quantize M rows of x (x_stride elements apart) into `scratch` (quant_prepare_bytes(M, K)).
+ * `par`: rows over the threads of a team of its own where there are enough of them (quant_matmul);
+ * 0: this thread alone (the one-call decode step prepares each thread's own copy). */
+static xprep prepare(const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t group, char *scratch, int par,
+                     const int BF) {
+    xrow *rows = (xrow *)scratch;
+    float *data = (float *)(scratch + ALIGN64((int64_t)sizeof(xrow) * M));
+    const int64_t row_floats = K / 2 + K / QK + K / group; /* int16 codes, scales, sums */
     for (int64_t m = 0; m < M; m++) {
-        float *row = scratch + m * row_floats;
+        float *row = data + m * row_floats;
         rows[m] = (xrow){(const int16_t *)row, row + K / 2, row + K / 2 + K / QK};
     }
-#pragma omp parallel for schedule(static) if (M * K >= 65536)
-    for (int64_t m = 0; m < M; m++)
-        quantize_row(at(x, m * x_stride, BF), K, group, (int16_t *)rows[m].q, (float *)rows[m].d,
-                     (float *)rows[m].sum, BF);
-    const int64_t code_row = bits == 4 ? K / 2 : K;
-#ifdef QUANT_AVX2
+    if (par && M * K >= 65536) {
+#pragma omp parallel for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            quantize_row(at(x, m * x_stride, BF), K, group, (int16_t *)rows[m].q, (float *)rows[m].d,
+                         (float *)rows[m].sum, BF);
+    } else {
+        for (int64_t m = 0; m < M; m++)
+            quantize_row(at(x, m * x_stride, BF), K, group, (int16_t *)rows[m].q, (float *)rows[m].d,
+                         (float *)rows[m].sum, BF);
+    }
+    xprep px = {rows, M, NULL};
 #ifdef QUANT_AVX512
-    const int pair8 = 1; /* measured: 512-bit pairs ~1.2x for 8-bit codes (LM head), slower for 4-bit */
+    if (M <= LAYOUT_ROWS) {
+        char *layout = (char *)data + ALIGN64((int64_t)sizeof(float) * M * (K / 2 + K / QK + K / 16));
+        for (int64_t m = 0; m < M; m++)
+#if defined(__AVX512VNNI__)
+            quad_layout(rows[m].q, K / QK, (uint8_t *)(layout + m * LAYOUT_BYTES));
 #else
-    const int pair8 = 0;
+            pair_layout(rows[m].q, K / QK, (int16_t *)(layout + m * LAYOUT_BYTES));
 #endif
-    const int P = bits == 4 && N % 4 == 0 ? 4 : 2; /* W rows per x load */
-#ifdef QUANT_AVX512
-    if (M == 1 && bits == 4 && N % 2 == 0) {
-        matvec4_512(codes, scales, mins, N, K, rows, y, BF);
-        free(rows);
-        free(scratch);
-        return 0;
+        px.layout = layout;
     }
 #endif
-    if (M == 1 && (bits == 4 || pair8) && N % 2 == 0) { /* measured: 1.5x for 4-bit codes, slower for 8-bit */
-#pragma omp parallel for schedule(static) if (N * K >= 32768)
-        for (int64_t n = 0; n < N; n += P) {
-            float sc[4][MAX_GROUPS], mn[MAX_GROUPS], out[4] = {0.f, 0.f, 0.f, 0.f};
+    return px;
+}
+
+/* x prepared in `scratch` by this thread alone, for quant_rows_range / quant_rows_shared: the
+ * handle they take (at the start of scratch). */
+void *quant_prepare(const void *x, int64_t x_stride, int64_t M, int64_t K, int64_t group, void *scratch,
+                    int64_t bf16) {
+    xprep *px = (xprep *)scratch; /* the handle first, the data after it */
+    *px = bf16 ? prepare(x, x_stride, M, K, group, (char *)scratch + 64, 0, 1)
+               : prepare(x, x_stride, M, K, group, (char *)scratch + 64, 0, 0);
+    return px;
+}
+
+#ifdef QUANT_AVX512
+#define PAIR8 1 /* measured: 512-bit pairs ~1.2x for 8-bit codes (LM head), slower for 4-bit */
+#else
+#define PAIR8 0
+#endif
+
+/* W rows per unit of work: the batch-1 kernels take them two or four at a time. */
+int64_t quant_rows_step(int64_t bits, int64_t N, int64_t M) {
+#ifdef QUANT_AVX2
+    if (M == 1 && (bits == 4 || PAIR8) && N % 2 == 0) return N % 4 == 0 ? 4 : 2;
+#ifdef QUANT_AVX512
+    if (M <= LAYOUT_ROWS && N % 2 == 0) return N % 4 == 0 ? 4 : 2; /* 4- and 8-bit, each row of x as at batch 1 */
+#endif
+#else
+    (void)bits; (void)N; (void)M;
+#endif
+    return 1;
+}
+
+/* y[:, n0:n1] for the prepared x, this thread alone; n0 and n1 multiples of quant_rows_step. */
+static void rows_range(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
+                       int64_t N, int64_t K, const xprep *px, int64_t n0, int64_t n1, void *y, const int BF) {
+    const int64_t ng = K / group, code_row = bits == 4 ? K / 2 : K, M = px->M;
+    const xrow *rows = px->rows;
+#ifdef QUANT_AVX2
+    const int P = (int)quant_rows_step(bits, N, M);
+#ifdef QUANT_AVX512
+    if (M <= LAYOUT_ROWS && bits == 4 && N % 2 == 0) {
+        /* four rows of 4-bit W at a time (two where N is not a multiple of 4), several blocks per
+         * register, against each row of x in turn while those W rows sit in L1 */
+        const int64_t nb = K / QK;
+#if defined(__AVX512VNNI__)
+#define DOT4 dot_quads
+        typedef uint8_t layout_t;
+#else
+#define DOT4 dot4_512
+        typedef int16_t layout_t;
+#endif
+        for (int64_t n = n0; n < n1; n += P) {
+            for (int64_t m = 0; m < M; m++) {
+                const layout_t *xp = (const layout_t *)((const char *)px->layout + m * LAYOUT_BYTES);
+                float sd[4 * SD_ROW], out[4];
+                for (int i = 0; i < P; i++)
+                    out[i] = row_setup512(scales + (n + i) * nb, mins != NULL ? mins + (n + i) * nb : NULL,
+                                          rows[m].sum, rows[m].d, nb, sd + i * SD_ROW);
+                if (P == 4) DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 4);
+                else DOT4(codes + n * code_row, code_row, sd, nb, xp, out, 2);
+                for (int i = 0; i < P; i++) sstore(y, m * N + n + i, out[i], BF);
+            }
+        }
+#undef DOT4
+        return;
+    }
+#endif
+    if (P > 1) { /* measured: 1.5x for 4-bit codes, slower for 8-bit (but for AVX-512 pairs) */
+        for (int64_t n = n0; n < n1; n += P) {
+            float sc[4][MAX_GROUPS], mn[4][MAX_GROUPS];
             for (int i = 0; i < P; i++) {
                 f16_row(scales + (n + i) * ng, ng, sc[i]);
-                if (mins != NULL) {
-                    f16_row(mins + (n + i) * ng, ng, mn);
-                    for (int64_t g = 0; g < ng; g++) out[i] += mn[g] * rows[0].sum[g];
-                }
+                if (mins != NULL) f16_row(mins + (n + i) * ng, ng, mn[i]);
             }
+            /* one row of x unless 8-bit codes with AVX-512: then each of up to LAYOUT_ROWS rows in
+             * turn, as at batch 1, while the P rows of W sit in L1 */
+            for (int64_t m = 0; m < M; m++) {
+                float out[4] = {0.f, 0.f, 0.f, 0.f};
+                if (mins != NULL)
+                    for (int i = 0; i < P; i++)
+                        for (int64_t g = 0; g < ng; g++) out[i] += mn[i][g] * rows[m].sum[g];
 #ifdef QUANT_AVX512
-            if (bits == 8)
-                dot_pair512(bits, codes + n * code_row, codes + (n + 1) * code_row, sc[0], sc[1], group, K, rows,
-                            &out[0], &out[1]);
-            else
+                if (bits == 8 && P == 4) dot_rows512(8, codes + n * code_row, code_row, sc[0], group, K, rows + m, out, 4);
+                else if (bits == 8) dot_rows512(8, codes + n * code_row, code_row, sc[0], group, K, rows + m, out, 2);
+                else
 #endif
-            if (P == 4) dot_rows4(codes + n * code_row, code_row, sc[0], K, rows, out, 4);
-            else dot_rows4(codes + n * code_row, code_row, sc[0], K, rows, out, 2);
-            for (int i = 0; i < P; i++) sstore(y, n + i, out[i], BF);
+                if (P == 4) dot_rows4(codes + n * code_row, code_row, sc[0], K, rows + m, out, 4);
+                else dot_rows4(codes + n * code_row, code_row, sc[0], K, rows + m, out, 2);
+                for (int i = 0; i < P; i++) sstore(y, m * N + n + i, out[i], BF);
+            }
         }
-        free(rows);
-        free(scratch);
-        return 0;
+        return;
     }
 #endif
-#pragma omp parallel for schedule(static) if (N * K * M >= 32768)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = n0; n < n1; n++) {
         float sc[MAX_GROUPS], mn[MAX_GROUPS], out[ROWS_PER_PASS];
         f16_row(scales + n * ng, ng, sc);
         if (mins != NULL) f16_row(mins + n * ng, ng, mn);
@@ -489,15 +587,40 @@ static int matmul_rows(int bits, const uint8_t *codes, const uint16_t *scales, c
             for (int r = 0; r < R; r++) sstore(y, (m0 + r) * N + n, out[r], BF);
         }
     }
-    free(rows);
-    free(scratch);
-    return 0;
 }
 
+void quant_rows_range(int64_t bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
+                      int64_t group, int64_t N, int64_t K, const void *prepared, int64_t n0, int64_t n1, void *y,
+                      int64_t bf16) {
+    if (bf16) rows_range((int)bits, codes, scales, mins, group, N, K, prepared, n0, n1, y, 1);
+    else rows_range((int)bits, codes, scales, mins, group, N, K, prepared, n0, n1, y, 0);
+}
+
+/* This thread's share of y = x W^T among the threads of the enclosing team (all of it outside a
+ * team): the contiguous slice a static schedule gives it, in units of quant_rows_step rows, and no
+ * barrier at the end. Each output is computed as alone, so the split never changes a result. */
+void quant_rows_shared(int64_t bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
+                       int64_t group, int64_t N, int64_t K, const void *prepared, void *y, int64_t bf16) {
+    const int64_t step = quant_rows_step(bits, N, ((const xprep *)prepared)->M), units = (N + step - 1) / step;
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num(), per = (units + threads - 1) / threads;
+    const int64_t n0 = t * per * step, n1 = (t + 1) * per * step < N ? (t + 1) * per * step : N;
+    if (n0 < n1) quant_rows_range(bits, codes, scales, mins, group, N, K, prepared, n0, n1, y, bf16);
+}
+
+/* y[m, n] = sum_k x[m, k] W[n, k] for m < M, n < N; x rows x_stride elements apart, y rows N
+ * apart; x and y float32 or bfloat16 (`bf16`). Returns 0, -1 where scratch memory ran out, -2
+ * for a shape the kernel does not take (see quant_shape_ok). */
 int quant_matmul(int64_t bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
                  int64_t N, int64_t K, const void *x, int64_t x_stride, int64_t M, void *y, int64_t bf16) {
-    return bf16 ? matmul_rows((int)bits, codes, scales, mins, group, N, K, x, x_stride, M, y, 1)
-                : matmul_rows((int)bits, codes, scales, mins, group, N, K, x, x_stride, M, y, 0);
+    if (!quant_shape_ok(bits, group, K)) return -2;
+    char *scratch = malloc((size_t)quant_prepare_bytes(M, K));
+    if (scratch == NULL) return -1;
+    const xprep px = bf16 ? prepare(x, x_stride, M, K, group, scratch, 1, 1)
+                          : prepare(x, x_stride, M, K, group, scratch, 1, 0);
+#pragma omp parallel if (N * K * M >= 32768)
+    quant_rows_shared(bits, codes, scales, mins, group, N, K, &px, y, bf16);
+    free(scratch);
+    return 0;
 }
 
 static inline void dequant_row(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,

@@ -1,9 +1,9 @@
 """The one-call decode path (layers/cpu_decode.py, cpu_decode.c) against the per-op path.
 
 Both run the same compiled kernels in the same order, so every decode step's hidden states must
-be equal bit for bit (tolerance zero), for 1 to 8 rows, float32 and bfloat16, on packed models:
-the tiny random models quantized at load (`quantization="int8"`; qwen2's qkv bias and qwen3's q/k
-norms included) and the bundled GGUF model. Each engine step runs the model twice, per-op first,
+be equal bit for bit (tolerance zero), for 1 to 8 rows, float32 and bfloat16, one thread and two,
+on packed models: the tiny random models quantized at load (`quantization="int8"`; qwen2's qkv
+bias and qwen3's q/k norms included) and the bundled GGUF model. Each engine step runs the model twice, per-op first,
 then one-call: the second rewrites the same K/V into the same slots, so both see one cache state.
 """
 from __future__ import annotations
@@ -51,10 +51,30 @@ def _staggered(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
-def test_int8_tiny_models_one_call_equals_per_op(tiny_models, monkeypatch, arch, dtype):
-    llm = LLM(tiny_models[arch], quantization="int8", dtype=dtype, num_kvcache_blocks=64)
+def test_int8_tiny_models_one_call_equals_per_op(tiny_models, monkeypatch, arch, dtype, threads):
+    """One thread and two: the one-call step shares each product and attention out over one team
+    (attention by heads below as many rows as threads), the per-op path over a team per op."""
+    llm = LLM(tiny_models[arch], quantization="int8", dtype=dtype, num_kvcache_blocks=64, num_threads=threads)
+    served = _compare_every_step(llm, monkeypatch)
+    _staggered(llm, [list(range(3 + 5 * i, 20 + 9 * i)) for i in range(8)])
+    llm.engine.runner.close()
+    assert sorted(set(served)) == list(range(1, 9))
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_the_avx2_and_avx512_kernels_one_call_equals_per_op(tiny_models, monkeypatch, isa):
+    """The library built for less than this CPU has (NANOVLLM_CPU_ISA): the same equality."""
+    from nanovllm.layers import cpu_kernels
+
+    own = cpu_kernels.cpu_isa()
+    if own is None or cpu_kernels.ISA_LEVELS.index(isa) > cpu_kernels.ISA_LEVELS.index(own):
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, isa)
+    llm = LLM(tiny_models["qwen3"], quantization="int8", dtype="bfloat16", num_kvcache_blocks=64, num_threads=2)
+    assert cpu_kernels.kernel_isa(cpu_kernels._load_library()) == isa  # the library the engine loaded
     served = _compare_every_step(llm, monkeypatch)
     _staggered(llm, [list(range(3 + 5 * i, 20 + 9 * i)) for i in range(8)])
     llm.engine.runner.close()
@@ -89,13 +109,14 @@ def test_a_new_kv_cache_rebuilds_the_table(tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_default_model_one_call_equals_per_op(monkeypatch, dtype):
+def test_default_model_one_call_equals_per_op(monkeypatch, dtype, threads):
     """The bundled Q4_1/Q8_0 model: hidden states of 1..8-row steps equal, the README answer
     unchanged, and greedy chat answers token for token the same with the path off. Without prefix
     caching: a second run would start from cached prompt blocks, and its shorter prefill (the
     matrix-vector kernel instead of the float GEMM) can change a bf16 answer on either path."""
-    llm = LLM("default", dtype=dtype, num_kvcache_blocks=128, enable_prefix_caching=False)
+    llm = LLM("default", dtype=dtype, num_kvcache_blocks=128, enable_prefix_caching=False, num_threads=threads)
     chats = ["What is the capital of France?", "Name a primary color.", "Say hello in Spanish.",
              "Write a haiku about the sea.", "What is 12 times 7?"]
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,

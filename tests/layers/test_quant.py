@@ -11,7 +11,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
-from nanovllm.layers.cpu_kernels import CpuOps  # noqa: E402
+from nanovllm.layers.cpu_kernels import ISA_ENV, ISA_LEVELS, CpuOps  # noqa: E402
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear  # noqa: E402
 from nanovllm.layers.quant import MATVEC_MAX_ROWS, QuantizedWeight, quant_embedding, quant_linear  # noqa: E402
 from nanovllm.models.gguf_quant import PACKED_TYPES, to_quantized  # noqa: E402
@@ -113,12 +113,13 @@ def test_a_float_block_among_packed_ones_makes_the_layer_float():
     assert torch.equal(layer.weight, torch.cat([packed.dequantize(), up]))
 
 
-# Each build of the kernels a CPU may get (-march): the plain-C loops of baseline x86-64, the AVX2
-# path of CPUs without AVX-512 or VNNI, and this CPU's own (with AVX-512 and VNNI where it has them).
-BUILDS = {"x86-64": None, "haswell": "avx2", "native": None}
+# Each build of the kernels a CPU may get: the plain-C loops of baseline x86-64 (-march=x86-64),
+# and this CPU's library taken down by NANOVLLM_CPU_ISA to the AVX2 path of CPUs without AVX-512,
+# the AVX-512 path of CPUs without VNNI, and the AVX-512 VNNI one (levels above this CPU's skip).
+BUILDS = ["x86-64", *ISA_LEVELS]
 
 
-@pytest.fixture(scope="module", params=list(BUILDS))
+@pytest.fixture(scope="module", params=BUILDS)
 def built_ops(request, tmp_path_factory) -> CpuOps:
     import ctypes
     import shutil
@@ -126,20 +127,41 @@ def built_ops(request, tmp_path_factory) -> CpuOps:
 
     from nanovllm.layers import cpu_kernels
 
-    if request.param == "native":
-        return CpuOps.load() or pytest.skip("no C compiler")
+    if request.param in ISA_LEVELS:
+        own = cpu_kernels.cpu_isa()
+        if own is None or ISA_LEVELS.index(request.param) > ISA_LEVELS.index(own):
+            pytest.skip(f"this CPU cannot run the {request.param} kernels")
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(ISA_ENV, request.param)
+            lib = cpu_kernels._load_library()
+        if lib is None:
+            pytest.skip("no C compiler")
+        assert cpu_kernels.kernel_isa(lib) == request.param  # the path asked for, not the CPU's best
+        return CpuOps(lib)
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("needs a C compiler on x86-64")
-    needs = BUILDS[request.param]
-    if needs is not None and needs not in cpu_kernels.cpu_flags():
-        pytest.skip(f"this CPU cannot run a {request.param} build")
     library = str(tmp_path_factory.mktemp(request.param) / "kernels.so")
     flags = [f for f in cpu_kernels._CFLAGS if f != "-march=native"] + [f"-march={request.param}"]
     sources = [path for path in cpu_kernels._SOURCES  # what CpuOps calls
                if not path.endswith(("cpu_attention.c", "cpu_decode.c"))]
     subprocess.run([compiler, *flags, "-o", library, *sources, "-lm"], check=True, capture_output=True)
     return CpuOps(ctypes.CDLL(library))
+
+
+def test_an_unknown_isa_is_refused_and_one_above_the_cpu_capped(monkeypatch):
+    from nanovllm.layers import cpu_kernels
+
+    monkeypatch.setenv(ISA_ENV, "avx9000")
+    with pytest.raises(ValueError, match="avx2, avx512, avx512_vnni"):
+        cpu_kernels.isa_flags()
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setenv(ISA_ENV, "avx512_vnni")
+    assert cpu_kernels.isa_flags() == []  # an AVX2-only CPU builds its own (AVX2) kernels
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                                                           "avx512_vnni"})
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    assert "-mno-avx512f" in cpu_kernels.isa_flags()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -159,3 +181,19 @@ def test_every_build_matches_the_reference_and_the_native_build(built_ops, dtype
                                    else 1e-2, atol=1e-5)
         assert torch.equal(built_ops.quant_dequant(weight, 0, 26, torch.float32).clone(),
                            native.quant_dequant(weight, 0, 26, torch.float32))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K])
+def test_with_avx512_each_row_of_a_small_batch_is_computed_as_alone(ops, qtype):
+    """2-8 rows of x take the batch-1 kernels once per row (AVX-512 builds): a decode row's
+    products do not depend on which other rows share its step."""
+    from nanovllm.layers import cpu_kernels
+
+    if not cpu_kernels.kernel_isa(cpu_kernels._load_library()).startswith("avx512"):
+        pytest.skip("the AVX2 and plain builds take the general loop for several rows")
+    weight = to_quantized(gguf_rows(qtype, 40, 256, seed=7), qtype)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for rows in (2, 5, 8):
+        together = ops.quant_matmul(weight, x[:rows])
+        for r in range(rows):
+            assert torch.equal(together[r:r + 1], ops.quant_matmul(weight, x[r:r + 1].contiguous()))
