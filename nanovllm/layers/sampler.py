@@ -46,6 +46,7 @@ forward runs: the model runner calls `prepare` with the rows to sample before it
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
@@ -121,13 +122,16 @@ class Sampler:
     # 【协作者】ModelRunner.run 调 __call__(logits, seqs)；LLMEngine.add_request 传入由
     # build_logits_processors 建好的 processors；sample_rows / apply_penalties_ / filter_candidates / draw 是它的整批算子。
     # [ZH-END]
-    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0):
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, mask_threads: int | None = None):
+        """`mask_threads`: threads that fill a step's grammar masks; by default the engine's CPU
+        threads (`torch.get_num_threads()`, which the model runner sets from the config)."""
         self.vocab_size = vocab_size
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         """Shared by requests without a seed."""
         self.states: dict[str, RequestState] = {}
-        self.masks = MaskPrefetcher()
+        threads = mask_threads or min(torch.get_num_threads(), len(os.sched_getaffinity(0)))
+        self.masks = MaskPrefetcher(threads=max(1, threads))
         """Grammar masks computed while the forward runs (`prepare`); `masks.enabled = False` turns it off."""
         self.num_grammars = 0
         """Requests with a response_format: with none, `prepare` costs one comparison."""

@@ -134,3 +134,31 @@ def test_masks_computed_during_the_forward_give_the_outputs_computed_after_it(ll
     for out, (_, schema) in zip(ahead, cases):
         if out["finish_reason"] == "stop":
             jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_masks_filled_in_parallel_give_the_outputs_filled_one_by_one(llm):
+    """A step's grammar masks filled by one parallel llguidance call (two threads) and row by row
+    give the same tokens, greedy and seeded, on a batch of mixed schemas and formats."""
+    cases = CASES[10:18]
+    prompts = [chat(llm, p) for p, _ in cases] + [chat(llm, "Pick one."), chat(llm, "A product code?")]
+    formats = [fmt(s) for _, s in cases] + [{"type": "choice", "choices": ["red", "green", "blue"]},
+                                             {"type": "regex", "regex": "[A-Z]{2}-[0-9]{3}"}]
+    params = [SamplingParams(max_tokens=32, response_format=f,
+                             **(dict(temperature=0) if i % 2 else dict(temperature=0.9, top_k=40, seed=i)))
+              for i, f in enumerate(formats)]
+    masks = llm.engine.runner.sampler.masks
+    threads = masks.threads
+    llm.generate(prompts, params, use_tqdm=False)  # the prompts into the prefix cache: the same logits below
+    try:
+        masks.threads = 1
+        before = masks.num_filled_in_parallel
+        serial = llm.generate(prompts, params, use_tqdm=False)
+        assert masks.num_filled_in_parallel == before
+        masks.threads = 2
+        before = masks.num_filled_in_parallel
+        parallel = llm.generate(prompts, params, use_tqdm=False)
+        assert masks.num_filled_in_parallel > before
+    finally:
+        masks.threads = threads
+    assert [o["token_ids"] for o in parallel] == [o["token_ids"] for o in serial]
+    assert parallel[-2]["text"] in ("red", "green", "blue") and re.fullmatch("[A-Z]{2}-[0-9]{3}", parallel[-1]["text"])
