@@ -62,15 +62,16 @@ from nanovllm.layers.constraints import MAX_ERROR_CHARS, constrain_rows, non_fin
 from nanovllm.layers.logits_processors import LogitsProcessor
 from nanovllm.layers.logprobs import TokenLogprobs, token_logprobs
 from nanovllm.layers.penalties import apply_penalties_, penalty_tensors
-from nanovllm.layers.sampling_ops import PROBE_WIDTH, draw, filter_candidates, has_filters, sample_rows
+from nanovllm.layers.sampling_ops import draw, filter_candidates, has_filters, sample_rows
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured import StructuredOutput
 from nanovllm.structured.prefetch import MaskPrefetcher
 
 __all__ = ["Sampler", "RequestState", "SAMPLE_FAILED", "MAX_ERROR_CHARS", "TokenLogprobs", "token_logprobs",
-           "apply_penalties_", "sample_rows", "filter_candidates", "draw", "PROBE_WIDTH"]
+           "apply_penalties_", "sample_rows", "filter_candidates", "draw"]
 """The sampler's public names, importable from here wherever they live (`constraints`, `logprobs`,
-`penalties`, `sampling_ops` beside this module)."""
+`penalties`, `sampling_ops` beside this module). Settings such as `sampling_ops.PROBE_WIDTH` are
+read where they live: set them there."""
 
 SAMPLE_FAILED = -1
 """The token id `Sampler.__call__` returns for a row that could not be sampled (see `take_error`)."""
