@@ -1,6 +1,6 @@
 """Structured output's cost: tokens/s with a JSON schema against unconstrained, on the default model.
 
-    python -m bench.structured [--streams 1 64] [--max-tokens 64] [--rounds 3]
+    python -m bench.structured [--streams 1 64] [--max-tokens 64] [--rounds 3] [--mask-threads N]
     python -m bench.structured --fill 64 [--threads 2 4]
 
 Each round runs, per stream count, one `LLM.generate` of that many copies of a chat prompt,
@@ -8,7 +8,9 @@ unconstrained (`ignore_eos`), with a JSON schema (an array of 200 small integers
 ends before `--max-tokens`) and its masks computed while the forward runs (the default), and
 with the same schema and the masks computed in the sampler after the forward
 (`sampler.masks.enabled = False`): all generate exactly streams x max_tokens tokens. Rounds
-alternate the three; the median round of each counts (the machine may be shared). Prints a
+alternate the three; the median round of each counts (the machine may be shared).
+`--mask-threads` sets the threads of the parallel mask fill (default: the engine's CPU threads;
+1 fills row by row). Prints a
 table, then one JSON line with the load average before and after.
 
 `--fill ROWS` measures the mask fill alone instead (no model): one step's masks for ROWS
@@ -86,6 +88,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mask-threads", type=int, help="threads of the parallel mask fill (1: row by row)")
     ap.add_argument("--fill", type=int, metavar="ROWS", help="measure the mask fill alone for ROWS requests")
     ap.add_argument("--threads", type=int, nargs="+", default=[2], help="parallel fill threads (with --fill)")
     args = ap.parse_args()
@@ -98,6 +101,8 @@ def main() -> None:
                                                add_generation_prompt=True, tokenize=False)
     run(llm, prompt, 2, 8, True)  # warm-up: the grammar's first compile, the kernels
     masks = llm.engine.runner.sampler.masks
+    if args.mask_threads:
+        masks.threads = args.mask_threads
     load_before = os.getloadavg()
     rows = []
     for streams in args.streams:
@@ -116,7 +121,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['streams']:>8} {r['unconstrained_tok_s']:>14} {r['schema_overlap_tok_s']:>16} "
               f"{r['schema_after_tok_s']:>14} {r['overlap_change_pct']:>7}% {r['after_change_pct']:>7}%")
-    print(json.dumps({"bench": "structured", "max_tokens": args.max_tokens, "rounds": args.rounds, "rows": rows,
+    print(json.dumps({"bench": "structured", "max_tokens": args.max_tokens, "rounds": args.rounds,
+                      "mask_threads": masks.threads, "rows": rows,
                       "loadavg_before": load_before, "loadavg_after": os.getloadavg()}))
 
 if __name__ == "__main__":
