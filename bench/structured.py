@@ -1,14 +1,21 @@
 """Structured output's cost: tokens/s with a JSON schema against unconstrained, on the default model.
 
-    python -m bench.structured [--streams 1 64] [--max-tokens 64] [--rounds 3]
+    python -m bench.structured [--streams 1 64] [--max-tokens 64] [--rounds 3] [--mask-threads N]
+    python -m bench.structured --fill 64 [--threads 2 4]
 
 Each round runs, per stream count, one `LLM.generate` of that many copies of a chat prompt,
 unconstrained (`ignore_eos`), with a JSON schema (an array of 200 small integers, so no output
 ends before `--max-tokens`) and its masks computed while the forward runs (the default), and
 with the same schema and the masks computed in the sampler after the forward
 (`sampler.masks.enabled = False`): all generate exactly streams x max_tokens tokens. Rounds
-alternate the three; the median round of each counts (the machine may be shared). Prints a
+alternate the three; the median round of each counts (the machine may be shared).
+`--mask-threads` sets the threads of the parallel mask fill (default: the engine's CPU threads;
+1 fills row by row). Prints a
 table, then one JSON line with the load average before and after.
+
+`--fill ROWS` measures the mask fill alone instead (no model): one step's masks for ROWS
+requests of a JSON schema at different points of their output, filled one row at a time and by
+one parallel llguidance call on each `--threads` count, interleaved; the median of 30 fills each.
 """
 from __future__ import annotations
 
@@ -35,12 +42,58 @@ def run(llm, prompt: str, streams: int, max_tokens: int, constrained: bool) -> f
     return tokens / elapsed
 
 
+FILL_SCHEMA = {"type": "json_schema", "json_schema": {"name": "person", "schema": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                     "age": {"type": "integer", "minimum": 18, "maximum": 99},
+                                     "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}},
+    "required": ["name", "age", "tags"]}}}
+
+
+def fill(rows: int, threads: list[int], reps: int = 30) -> None:
+    import llguidance
+
+    from nanovllm.models.tokenizer import load_tokenizer
+    from nanovllm.structured import StructuredOutput, compile_format, ll_tokenizer, prepare_masks
+
+    tok = load_tokenizer("default")
+    lltok = ll_tokenizer(tok, len(tok))
+    grammar = compile_format(FILL_SCHEMA, lltok)
+    prefix = lltok.tokenize_str('{"name":"Alice","age":42,"tags":["red"')
+
+    def once(executor) -> float:
+        jobs = [(StructuredOutput(grammar, lltok), prefix[: i % (len(prefix) + 1)]) for i in range(rows)]
+        for g, output in jobs:
+            g._follow(output)  # the tokens consumed before the clock starts: the fill alone
+        start = time.perf_counter()
+        prepare_masks(jobs, executor)
+        return time.perf_counter() - start
+
+    load_before = os.getloadavg()
+    modes = {"serial_ms": None, **{f"parallel_{n}_threads_ms": llguidance.LLExecutor(n) for n in threads}}
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    for rep in range(reps + 2):  # the modes interleaved, so a burst of load falls on all of them
+        for name, executor in modes.items():
+            t = once(executor)
+            if rep >= 2:
+                times[name].append(t)
+    result = {name: round(statistics.median(v) * 1e3, 2) for name, v in times.items()}
+    for name, ms in result.items():
+        print(f"{rows} rows, {name}: {ms}")
+    print(json.dumps({"bench": "structured_fill", "rows": rows, **result, "cpus": len(os.sched_getaffinity(0)),
+                      "loadavg_before": load_before, "loadavg_after": os.getloadavg()}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mask-threads", type=int, help="threads of the parallel mask fill (1: row by row)")
+    ap.add_argument("--fill", type=int, metavar="ROWS", help="measure the mask fill alone for ROWS requests")
+    ap.add_argument("--threads", type=int, nargs="+", default=[2], help="parallel fill threads (with --fill)")
     args = ap.parse_args()
+    if args.fill:
+        return fill(args.fill, args.threads)
     from nanovllm import LLM
 
     llm = LLM("default")
@@ -48,6 +101,8 @@ def main() -> None:
                                                add_generation_prompt=True, tokenize=False)
     run(llm, prompt, 2, 8, True)  # warm-up: the grammar's first compile, the kernels
     masks = llm.engine.runner.sampler.masks
+    if args.mask_threads:
+        masks.threads = args.mask_threads
     load_before = os.getloadavg()
     rows = []
     for streams in args.streams:
@@ -66,7 +121,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['streams']:>8} {r['unconstrained_tok_s']:>14} {r['schema_overlap_tok_s']:>16} "
               f"{r['schema_after_tok_s']:>14} {r['overlap_change_pct']:>7}% {r['after_change_pct']:>7}%")
-    print(json.dumps({"bench": "structured", "max_tokens": args.max_tokens, "rounds": args.rounds, "rows": rows,
+    print(json.dumps({"bench": "structured", "max_tokens": args.max_tokens, "rounds": args.rounds,
+                      "mask_threads": masks.threads, "rows": rows,
                       "loadavg_before": load_before, "loadavg_after": os.getloadavg()}))
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """What the tokenizer stage makes of a client's `GenerateReq`: the checked, tokenized
 `TokenizedReq` frame for the engine, or `RequestRejected` saying what was wrong. No sockets and
-no state beyond its settings: every check a request meets before it reaches the engine is here,
-in order (priority ceilings, sampling fields, stop strings, the parameters themselves, the
-prompt's size before and after tokenizing, the engine's own frame checks).
+no state beyond its settings and a cache of compiled response formats (`GrammarCache`, as in
+the engine: each format text is compiled once): every check a request meets before it reaches
+the engine is here, in order (priority ceilings, sampling fields, stop strings, the parameters
+themselves, the prompt's size before and after tokenizing, the engine's own frame checks).
 """
 # [ZH-START]
 # 【模块定位】分词进程对一个 GenerateReq 做的全部事情：检查、套 chat 模板、分词，得到给引擎的 TokenizedReq 帧，
-# 或抛出 RequestRejected 说明哪里不对。没有 socket，除了设置不保存任何状态；请求到引擎之前要过的检查都在这里，按顺序：
+# 或抛出 RequestRejected 说明哪里不对。没有 socket，除了设置和 response_format 的编译缓存（GrammarCache）
+# 不保存任何状态；请求到引擎之前要过的检查都在这里，按顺序：
 # priority 上限、采样字段、stop string、采样参数本身、分词前后 prompt 的大小、引擎自己的帧检查。
 # [ZH-END]
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from typing import Any, Callable
 
 from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS
+from nanovllm.structured.cache import GrammarCache
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError, check_strings, show
 
@@ -59,6 +62,8 @@ class RequestBuilder:
         """The highest `priority` a request may ask for (None: any the protocol allows); an
         allow-listed key's file may set a lower one for that key (`key_max_priority`)."""
         self.key_max_priority = key_max_priority
+        self.formats: GrammarCache | None = None
+        """Compiled response formats by their text, errors included (built with the first format)."""
 
     def build(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> bytes:
         """Validate and tokenize: the TokenizedReq frame for the engine, or `RequestRejected` saying
@@ -71,7 +76,8 @@ class RequestBuilder:
         # 3. 取出 skip_special_tokens、include_stop_str_in_output：这些是文本侧字段，交给反分词进程，不给引擎。
         # 4. 用 make_sampling(...) 试建一次 SamplingParams 做校验；
         #    ValueError / TypeError → "invalid sampling parameters"。
-        #    有 response_format：_check_format 按词表编译一次（按文本缓存），编译不过就带着原因拒绝。
+        #    有 response_format：_check_format 经 GrammarCache 按词表编译（按文本缓存，错误也缓存，
+        #    同一格式只编译一次），编译不过就带着原因拒绝。
         # 5. 开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(客户端 CURVE 公钥，没有则路由 id，
         #    客户端自己给的盐)，前缀缓存只在同一客户端（同一把钥匙）内共享。
         #    ids = _prompt_ids(req)。
@@ -128,12 +134,14 @@ class RequestBuilder:
         return frame
 
     def _check_format(self, fmt: dict) -> None:
-        """Compile a response_format against the vocabulary (cached by its text), so a bad one is
-        refused here, with the compiler's reason, before it reaches the engine."""
-        from nanovllm.structured import compile_format, ll_tokenizer
+        """Compile a response_format against the vocabulary (once per text, errors included), so a
+        bad one is refused here, with the compiler's reason, before it reaches the engine."""
+        from nanovllm.structured import ll_tokenizer
 
         try:
-            compile_format(fmt, ll_tokenizer(self.tokenizer, len(self.tokenizer)))
+            if self.formats is None:
+                self.formats = GrammarCache(ll_tokenizer(self.tokenizer, len(self.tokenizer)))
+            self.formats.template(fmt)
         except ValueError as e:
             raise RequestRejected(f"invalid sampling parameters: {e}") from None
         except Exception as e:  # llguidance cannot read this tokenizer: many kinds of errors

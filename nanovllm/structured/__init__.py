@@ -4,7 +4,8 @@
   extensions regex, grammar (Lark), choice) with size and depth limits; ValueError naming the problem.
 - `grammar_text(fmt)`: the llguidance grammar for a checked format (cached by its JSON text).
 - `GrammarCache` (cache.py): compiled formats by text, the engine's own check (its input thread).
-- `MaskPrefetcher` (prefetch.py): masks computed while the model runs the step's forward.
+- `MaskPrefetcher` (prefetch.py): masks computed while the model runs the step's forward;
+  `prepare_masks` fills a batch's masks in one parallel llguidance call.
 - `StructuredOutput`: a `LogitsProcessor` holding one request's matcher. It follows the request's
   output tokens (consuming new ones, starting over when the output does not extend what it saw,
   as after a preemption), fills the token bitmask and sets every disallowed logit to -inf, so
@@ -220,8 +221,10 @@ class StructuredOutput:
         import numpy as np
         import torch
 
-        self._blocked = torch.from_numpy(np.logical_not(self.allowed(output)))
-        self._blocked_at = len(self.seen)
+        self._set_blocked(torch.from_numpy(np.logical_not(self.allowed(output))))
+
+    def _set_blocked(self, blocked: Any) -> None:
+        self._blocked, self._blocked_at = blocked, len(self.seen)
 
     def blocked(self, output: Sequence[int]) -> Any:
         """torch bool (n_vocab,) on the CPU: the tokens the grammar does not allow after `output`."""
@@ -238,3 +241,48 @@ class StructuredOutput:
         if v < logits.shape[-1]:  # logits wider than the vocabulary: the padding is never allowed
             blocked = torch.cat([blocked[:v], torch.ones(logits.shape[-1] - v, dtype=torch.bool, device=logits.device)])
         return logits.masked_fill_(blocked[: logits.shape[-1]], float("-inf"))
+
+
+def prepare_masks(jobs: Sequence[tuple[StructuredOutput, Sequence[int]]], executor: Any | None = None) -> int:
+    """`grammar.prepare(output)` for each (grammar, output), the fills in one parallel llguidance
+    call when `executor` (an `llguidance.LLExecutor`) is given and more than one row needs a mask.
+    Returns the number of masks that call filled (0 when the rows were filled one by one).
+
+    The masks are exactly those of the serial calls. A row whose output does not fit its grammar
+    is skipped: `StructuredOutput.blocked` computes it again and raises the request's error."""
+    # [ZH-START]
+    # 1. 每行先 _follow(output)（Python 里逐个 consume 新 token）；抛异常的行跳过，采样时由 blocked() 重算并报告错误。
+    # 2. 已为当前输出算过掩码的行跳过；剩下的若不足两行、没有 executor、或词表大小不一，就逐行串行 prepare。
+    # 3. 否则分配共享 bitmask (N, ⌈V/32⌉)，fill_next_token_bitmask_par 一次调用：Rust 线程并行填，释放 GIL。
+    # 4. 一次 unpackbits 得到 (N, V) 的允许位，取反成 blocked，每行存自己那一行的视图——与串行结果逐位相同。
+    # [ZH-END]
+    import numpy as np
+    import torch
+
+    todo = []
+    for grammar, output in jobs:
+        try:
+            grammar._follow(output)
+        except Exception:  # computed again where the mask is applied, which reports the request's error
+            continue
+        if grammar._blocked_at != len(grammar.seen):
+            todo.append((grammar, output))
+    if executor is None or len(todo) < 2 or len({g.n_vocab for g, _ in todo}) > 1:
+        for grammar, output in todo:
+            try:
+                grammar.prepare(output)
+            except Exception:  # as above
+                pass
+        return 0
+    grammars = [g for g, _ in todo]
+    n_vocab, lln = grammars[0].n_vocab, grammars[0]._lln
+    bitmask = lln.allocate_token_bitmask(len(grammars), n_vocab)  # (N, ceil(V / 32)) int32
+    try:
+        lln.fill_next_token_bitmask_par(executor, [(g.matcher, i) for i, g in enumerate(grammars)], bitmask)
+    except Exception:  # every row is computed again, one by one, where its mask is applied
+        return 0
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :n_vocab]  # (N, V) 1 = allowed
+    blocked = torch.from_numpy(bits == 0)  # (N, V) bool
+    for i, grammar in enumerate(grammars):
+        grammar._set_blocked(blocked[i])
+    return len(grammars)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers import sampler as sampler_module
+from nanovllm.layers import sampling_ops
 from nanovllm.layers.sampler import Sampler, apply_penalties_
 from nanovllm.sampling_params import SamplingParams
 
@@ -56,7 +56,7 @@ def midpoint_min_p(logits: np.ndarray, temperature: float, j: int) -> float:
 @pytest.fixture(params=[1024, 8], ids=["full-sort", "probe-8"])
 def probe_width(request, monkeypatch):
     """Run with the default probe (wider than V: no probe) and with a probe narrower than most sets."""
-    monkeypatch.setattr(sampler_module, "PROBE_WIDTH", request.param)
+    monkeypatch.setattr(sampling_ops, "PROBE_WIDTH", request.param)
     return request.param
 
 
@@ -248,9 +248,9 @@ def test_probe_gives_the_same_sets_as_a_full_sort(monkeypatch, scale):
     # in them, but top_p must still be judged against the whole vocabulary's mass.
     logits = torch.randn(6, 512, generator=torch.Generator().manual_seed(8)) * scale
     top_k, top_p, min_p = [512, 512, 4, 512, 16, 512], [0.6, 1.0, 0.8, 0.5, 1.0, 0.55], [0.0, 0.2, 0.0, 0.1, 0.3, 0.0]
-    monkeypatch.setattr(sampler_module, "PROBE_WIDTH", 10_000)
-    full = kept_distribution(*sampler_module.filter_candidates(logits, top_k, top_p, min_p), 512)
-    monkeypatch.setattr(sampler_module, "PROBE_WIDTH", 32)
-    candidates, ids = sampler_module.filter_candidates(logits, top_k, top_p, min_p)
+    monkeypatch.setattr(sampling_ops, "PROBE_WIDTH", 10_000)
+    full = kept_distribution(*sampling_ops.filter_candidates(logits, top_k, top_p, min_p), 512)
+    monkeypatch.setattr(sampling_ops, "PROBE_WIDTH", 32)
+    candidates, ids = sampling_ops.filter_candidates(logits, top_k, top_p, min_p)
     assert (ids.shape[1] == 32) == (scale > 1)  # the probe was kept only where every set fits in it
     torch.testing.assert_close(kept_distribution(candidates, ids, 512), full)

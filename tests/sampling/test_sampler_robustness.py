@@ -8,6 +8,7 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import sampler as sampler_module
+from nanovllm.layers import sampling_ops
 from nanovllm.layers.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
 
@@ -25,7 +26,7 @@ def sample(params: list[SamplingParams], logits: torch.Tensor) -> list[int]:
 
 @pytest.fixture(params=[10_000, 8], ids=["full-sort", "probe-8"])
 def probe_width(request, monkeypatch):
-    monkeypatch.setattr(sampler_module, "PROBE_WIDTH", request.param)
+    monkeypatch.setattr(sampling_ops, "PROBE_WIDTH", request.param)
 
 
 TINY_TEMPERATURES = [1e-40, 5e-324, 1e-45, 1e-38, 1e-30, 1e-12]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from typing import Callable
 
 import jsonschema
 import pytest
@@ -90,26 +91,35 @@ def test_a_bad_format_is_refused_and_the_service_serves_on(procs, bad, message):
     procs.assert_running()
 
 
-def test_a_stream_continued_across_an_engine_kill_still_follows_the_schema(procs):
+def stream_numbers_across(procs, prompt: str, restart: Callable[[Client], None]) -> None:
+    """Stream forty numbers under a schema, call `restart(client)` once the first delta is in, and
+    check that the rest of the stream completes the schema: valid JSON, finished with `stop`."""
     with Client(procs.url, timeout=180) as client:
-        stream = client.stream(chat("Forty numbers."), max_tokens=200, temperature=0,
-                               response_format=fmt(NUMBERS))
+        stream = client.stream(chat(prompt), max_tokens=200, temperature=0, response_format=fmt(NUMBERS))
         first = next(stream)
         assert first.finish_reason is None
+        restart(client)
+        rest = list(stream)
+    assert rest and rest[-1].finish_reason == "stop", rest[-1:]
+    jsonschema.validate(json.loads(first.text + "".join(d.text for d in rest)), NUMBERS)
+
+
+def test_a_stream_continued_across_an_engine_kill_still_follows_the_schema(procs):
+    def restart_engine(client: Client) -> None:
         procs.kill("engine_proc")
         wait_for(lambda: client.engine_alive is False, timeout=60, what="engine reported dead")
         procs.restart("engine_proc")
-        rest = list(stream)
-    text = first.text + "".join(d.text for d in rest)
-    value = json.loads(text)
-    jsonschema.validate(value, NUMBERS)
-    assert rest[-1].finish_reason == "stop"
+
+    stream_numbers_across(procs, "Forty numbers.", restart_engine)
 
 
 def test_a_prompt_prefilled_in_chunks_then_found_in_the_prefix_cache_follows_the_schema(procs):
     """The same long prompt twice: the first is prefilled in several chunks (its prompt is many
     times the step budget), the second finds its full blocks in the prefix cache; both follow
-    the schema, greedy and sampled."""
+    the schema, greedy and sampled. Greedy text is not compared: chunked and cached prefills sum
+    attention in another order, so the two may part at a near-tie (more so in bfloat16), and the
+    service does not return the logprobs that would tell one. tests/structured/test_default_model.py
+    compares the token ids up to such a tie offline, where it can."""
     messages = chat(INVENTORY + " Describe the shelf keeper as JSON.")
     with Client(procs.url, timeout=180) as client:
         first = client.generate(messages, max_tokens=48, temperature=0, response_format=fmt(PEOPLE))
@@ -122,22 +132,16 @@ def test_a_prompt_prefilled_in_chunks_then_found_in_the_prefix_cache_follows_the
     for result in (first, second, sampled):
         assert result.finish_reason == "stop", result
         jsonschema.validate(json.loads(result.text), PEOPLE)
-    assert second.text == first.text  # greedy: the cached prefix changes nothing
 
 
 def test_a_stream_continued_across_a_detokenizer_restart_still_follows_the_schema(procs):
     tokenizer, engine = procs.pid("tokenizer_proc"), procs.pid("engine_proc")
-    with Client(procs.url, timeout=180) as client:
-        stream = client.stream(chat("Forty numbers, please."), max_tokens=200, temperature=0,
-                               response_format=fmt(NUMBERS))
-        first = next(stream)
-        assert first.finish_reason is None
+
+    def restart_detokenizer(client: Client) -> None:
         procs.kill("detok_proc")
         procs.start("detok_proc")
-        rest = list(stream)
-    text = first.text + "".join(d.text for d in rest)
-    jsonschema.validate(json.loads(text), NUMBERS)
-    assert rest[-1].finish_reason == "stop"
+
+    stream_numbers_across(procs, "Forty numbers, please.", restart_detokenizer)
     assert (procs.pid("tokenizer_proc"), procs.pid("engine_proc")) == (tokenizer, engine)
 
 

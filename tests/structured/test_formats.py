@@ -114,3 +114,23 @@ def test_a_restarted_or_preempted_output_is_followed_from_the_start(tok):
     assert (fresh.allowed(no) == allowed).all()
     with pytest.raises(ValueError, match="does not fit"):
         so.allowed(tokenizer.encode("maybe", add_special_tokens=False))
+
+
+def test_the_tokenizer_stage_compiles_a_format_once_and_refuses_a_bad_one_each_time(tok):
+    from nanovllm_client import protocol as p
+    from tokenizer_proc.requests import RequestBuilder, RequestRejected, sampling_fields
+
+    builder = RequestBuilder(tok[0], sampling_fields(SamplingParams), SamplingParams)
+    ask = {"max_tokens": 8, "response_format": json.dumps(PERSON)}
+    for i in range(3):
+        out = p.decode(builder.build(b"\x01" * 5, p.GenerateReq(f"r{i}", prompt="hi", sampling=ask)))
+        assert json.loads(out.sampling["response_format"]) == PERSON
+    assert builder.formats.num_compiled == 1  # the second and third requests found it compiled
+    bad = {"max_tokens": 8, "response_format": json.dumps({"type": "regex", "regex": "(unclosed"})}
+    for i in range(2):
+        with pytest.raises(RequestRejected, match="invalid sampling parameters: response_format does not compile"):
+            builder.build(b"\x01" * 5, p.GenerateReq(f"b{i}", prompt="hi", sampling=bad))
+    assert builder.formats.num_compiled == 2 and builder.formats.num_refused == 2  # its error was cached
+    other = {"max_tokens": 8, "response_format": json.dumps({"type": "choice", "choices": ["yes", "no"]})}
+    builder.build(b"\x01" * 5, p.GenerateReq("c", prompt="hi", sampling=other))
+    assert builder.formats.num_compiled == 3

@@ -1,0 +1,111 @@
+"""Per-request constraints on a step's logits rows, applied in place before a token is chosen.
+
+Each row in turn gets its request's logit_bias, its EOS / stop tokens masked while the output is
+shorter than `min_tokens`, and its logits processors (allowed ids, banned words, the
+response_format's grammar, custom ones). A row its constraints leave without any token is
+sampled with its grammar alone (the grammar wins: the output must stay parseable), or without
+any constraint if it has none; a row whose processor raised, or that holds NaN or +inf, is
+reported as failed, never raised: `Sampler` ends that request alone.
+"""
+# [ZH-START]
+# 【模块定位】采样器的"约束"一段：Sampler.__call__ 在惩罚之后、选 token 之前调 constrain_rows，逐行原地套上
+# logit_bias、min_tokens 前屏蔽 EOS / stop token、logits processors
+# （允许的 id、禁用词、response_format 的语法、自定义）。
+# 约束冲突到一个 token 都不剩：有语法的行只留语法掩码（语法优先），没有的这一步不带约束采样；
+# processor 抛异常或留下 NaN / +inf 的行记进 failed，由 Sampler 只结束那个请求。
+# [ZH-END]
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanovllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from nanovllm.layers.sampler import RequestState
+
+_NEG_INF = float("-inf")
+MAX_ERROR_CHARS = 500
+"""Longest error text kept for a request: a processor's exception message may be anything."""
+log = logging.getLogger(__name__)
+
+
+def constrain_rows(logits: torch.Tensor, seqs: list[Sequence], states: list[RequestState],
+                   failed: dict[int, str]) -> None:
+    """Apply each row's constraints; rows that fail them, or are left non-finite, go into `failed`."""
+    # [ZH-START]
+    # 1. maskable = 有 processors，或 min_tokens 仍生效（输出数 < min_tokens）的行：只有它们可能把整行屏蔽光。
+    # 2. 先复制这些行 before (C, V)，以便撤销"什么都不剩"的屏蔽。
+    # 3. 逐行 apply_constraints；返回错误文本的行记进 failed。
+    # 4. best = 每行 amax (B,)：NaN 表示有 NaN，+inf 表示有 +inf，-inf 表示一个 token 都不剩。
+    # 5. maskable 中未失败、best 为 -inf 的行：打 warning，从 before 恢复原行；有 response_format 的行再只套语法掩码
+    #    （语法优先：输出必须能解析），其余这一步不带约束采样；重算 best。
+    # 6. best 仍非有限的行记为失败（setdefault：processor 的报错优先），原因加上 "after penalties and constraints"。
+    # [ZH-END]
+    maskable = [i for i, (seq, st) in enumerate(zip(seqs, states))
+                if st.processors or (st.min_tokens_blocked is not None and seq.num_output_tokens < st.params.min_tokens)]
+    before = logits[maskable] if maskable else None  # (C, V) copy, to undo masks that leave nothing
+    for i, (seq, st) in enumerate(zip(seqs, states)):
+        error = apply_constraints(logits, i, seq, st)
+        if error is not None:
+            failed[i] = error
+    best = logits.amax(dim=-1)  # (B,): NaN if the row has one, +inf if it has one, -inf if nothing is left
+    if maskable:
+        empty = [j for j in (best[maskable] == _NEG_INF).nonzero().flatten().tolist() if maskable[j] not in failed]
+        if empty:
+            rows = [maskable[j] for j in empty]
+            log.warning("constraints of %s allow no token; sampling those rows with their response_format "
+                        "alone, or unconstrained", [seqs[i].request_id for i in rows])
+            logits[rows] = before[empty]
+            for i in rows:  # the grammar wins: the output must stay parseable
+                if states[i].grammar is not None:
+                    states[i].grammar(seqs[i].output_token_ids, logits[i])
+            best[rows] = logits[rows].amax(dim=-1)
+    bad = ~torch.isfinite(best)
+    if bool(bad.any()):
+        for i in bad.nonzero().flatten().tolist():
+            failed.setdefault(i, non_finite(logits[i]) + " after penalties and constraints")
+
+def apply_constraints(logits: torch.Tensor, i: int, seq: Sequence, st: RequestState) -> str | None:
+    """Constrain row i in place; the error text if one of the request's processors failed."""
+    # [ZH-START]
+    # 1. 有 bias：logits[i].index_add_(bias_ids, bias_values)。
+    # 2. 输出数 < min_tokens：把 min_tokens_blocked（stop token 和 EOS）填成 -inf。
+    # 3. 依次调用 processors(output_token_ids, row)，row 是 logits[i] 的视图；返回了别的张量就 copy_ 回 row。
+    # 4. processor 抛异常 → 返回 "logits processor <类名> raised <异常>"（最长 500 字符），由调用方把该行记为失败。
+    # 5. 一切正常返回 None。
+    # [ZH-END]
+    if st.bias_ids is not None:
+        logits[i].index_add_(0, st.bias_ids, st.bias_values)
+    if st.min_tokens_blocked is not None and seq.num_output_tokens < st.params.min_tokens:
+        logits[i].index_fill_(0, st.min_tokens_blocked, _NEG_INF)
+    if st.processors:
+        output = seq.output_token_ids
+        row = logits[i]
+        for processor in st.processors:
+            try:
+                result = processor(output, row)
+                if result is not None and result is not row:
+                    row.copy_(result)
+            except Exception as e:  # custom processors run in-process: theirs is the request's failure
+                return f"logits processor {type(processor).__name__} raised {exception_text(e)}"
+    return None
+
+
+def non_finite(row: torch.Tensor) -> str:
+    """What is wrong with a row whose best value is not finite (rare: only failed rows get here)."""
+    if bool(row.isnan().any()):
+        return "logits hold NaN"
+    if bool((row == float("inf")).any()):
+        return "logits hold +inf"
+    return "logits allow no token (all are -inf)"
+
+
+def exception_text(e: Exception) -> str:
+    try:
+        text = f"{type(e).__name__}: {e}"
+    except Exception:  # its __str__ failed too
+        text = type(e).__name__
+    return text[:MAX_ERROR_CHARS]
