@@ -20,7 +20,7 @@
  */
 // [ZH-START]
 // 本文件在整体架构中的位置：CPU 上 decode 步（T <= 8 行、权重全部打包量化）的"一次调用"路径。
-//   DecoderModel.forward ──词嵌入──▶ CpuDecode（cpu_decode.py）──ctypes 一次──▶ decode_layers（本文件）
+//   DecoderModel.forward ─词嵌入→ CpuDecode（cpu_decode.py）─ctypes 一次→ decode_layers（本文件）
 //     每层：rms_norm（残差相加）→ qkv quant_matmul（+ bias）→ qk_norm_rope_store（写 KV）
 //           → paged_attention_rows → o_proj → rms_norm → gate_up → silu_mul → down
 //     最后 final norm，输出 (T, C) 交给 LM head。
@@ -91,8 +91,8 @@ int decode_layers(const decode_model *m, void *residual, void *out, int64_t T, c
     // [ZH-START]
     // 1. 一次 malloc 本步的临时区：normed (T, C)、qkv (T, (H + 2KVH) D)、attn (T, H D)、
     //    x (T, C，o_proj / down 的输出)、gate_up (T, 2I)、act (T, I)；失败返回 -1。
-    // 2. 逐层按逐算子路径的顺序调用各入口（第 0 层的 input norm 不做残差相加，residual 就是词嵌入）；
-    //    任何一步返回非 0 就释放临时区并原样返回该错误码。
+    // 2. 逐层按逐算子路径的顺序调用各入口（第 0 层的 input norm 不做残差相加，
+    //    residual 就是词嵌入）；任何一步返回非 0 就释放临时区并原样返回该错误码。
     // 3. 最后 rms_norm(residual += x) 用 final norm 写进 out。
     // [ZH-END]
     const int64_t C = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim, I = m->inter;

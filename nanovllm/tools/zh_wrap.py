@@ -6,8 +6,8 @@ between two wide characters (CJK text, full-width punctuation), never before clo
 not fit moves to the front of the paragraph's next line, or onto a new line at the paragraph's
 hanging indent, so the author's other breaks stay where they are. A paragraph is a line and the
 lines after it at its hanging indent, up to a line that ends a sentence. Diagram lines are left
-to a human: box-drawing characters, a leading arrow, aligned columns (three spaces inside a
-line), anything inside a ``` fence, and lines indented deeper than any open list item.
+to a human: box-drawing characters, a leading arrow, two arrows outside a list item's text (a
+flow), aligned columns (three spaces inside a line), anything inside a ``` fence.
 Only whitespace at the break points changes; a second run changes nothing.
 """
 from __future__ import annotations
@@ -16,19 +16,23 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-from nanovllm.tools.zh_blocks import Block, display_width
+from nanovllm.tools.zh_blocks import CJK, Block, display_width
 
 CLOSING = set("，。、；：？！）」』》】〉”’…—～·,.;:?!)]}%")
 """Characters a line must not start with: they close or end what comes before them."""
 OPENING = set("（「『《【〈“‘([{")
 """Characters a line must not end with: they open what comes after them."""
 FULL_PUNCT = set("，。、；：？！（）「」『』《》【】〈〉“”‘’…—～·")
-SENTENCE_END = ("。", "！", "？", "；", "：", ".", "!", "?", ";", ":")
+SENTENCE_END = ("。", "！", "？")
 DIAGRAM = re.compile(r"[\u2500-\u259f\u25b2-\u25c4\u25bc\u25be]")  # box drawing, blocks, ▲▶▼◀
 LEADING_ARROW = re.compile(r"(->|<-|=>|→|←|↑|↓|⇒|⇐|↔|\||\+-|`{3})")
+ARROW = re.compile(r"->|→|⇒|─▶|=>")
+OPERATORS = {"=", "+", "-", "*", "/", "//", "%", "×", "<", ">", "<=", ">=", "==", "!=", "|", "&"}
+CODE_SPAN = re.compile(r'`[^`]*`|"[^"]*"')
 MARKER = re.compile(r"(\d+\.|[a-z]\.|[-*•]|\(\d+\)|（\d+）)\s+")
 """A list item's marker and the spaces after it: continuation lines hang under its text."""
-NEAR = 12
+PUNCT_BONUS, SPACE_BONUS = 30, 16
+"""Columns a break after punctuation (or at a space) may give up to beat one inside a run of CJK text."""
 SHORT = 20
 
 
@@ -65,7 +69,6 @@ def wrap_block(lines: list[str], block: Block, prefix: str, max_width: int) -> l
 
 def _parse(raw: list[str], prefix: str) -> list[_Line] | None:
     parsed: list[_Line] = []
-    open_indents = [0]  # where a plain line may start: the left edge and the open list items' text
     fenced = False
     for line in raw:
         body = line.strip()[len(prefix):]
@@ -82,13 +85,18 @@ def _parse(raw: list[str], prefix: str) -> list[_Line] | None:
             parsed.append(_Line(indent, text, True, indent, False, line))
             continue
         marker = MARKER.match(text)
-        if marker:
-            open_indents = [k for k in open_indents if k <= indent] + [indent + marker.end()]
         before = parsed[-1] if parsed else None
-        verbatim = (fenced or bool(DIAGRAM.search(text)) or bool(LEADING_ARROW.match(text)) or "   " in text
-                    or (not marker and indent not in open_indents))
+        verbatim = fenced or bool(DIAGRAM.search(text)) or bool(LEADING_ARROW.match(text)) or "   " in text
+        # A plain line hangs its continuation lines deeper ("输入线程：..." then lines indented under it).
+        hangs = (before is not None and not before.joins and not MARKER.match(before.text)
+                 and before.hanging == before.indent < indent and not before.text.endswith(("：", ":")))
         joins = (not verbatim and not marker and not text.startswith("【") and before is not None
-                 and not before.verbatim and indent == before.hanging and not before.text.endswith(SENTENCE_END))
+                 and not before.verbatim and (indent == before.hanging or hangs)
+                 and not before.text.endswith(SENTENCE_END))
+        if not (marker or joins) and len(ARROW.findall(text)) >= 2:
+            verbatim = True  # a flow drawn on one line; in a list item's text, arrows are prose
+        if joins and hangs:
+            before.hanging = indent
         hanging = indent + marker.end() if marker else (before.hanging if joins else indent)
         parsed.append(_Line(indent, text, verbatim, hanging, joins, line))
     return parsed
@@ -119,20 +127,20 @@ def _wrap_paragraph(para: list[_Line], lead: int, max_width: int) -> list[_Line]
 
 def _split(text: str, width: int, last: bool = False) -> tuple[str, str]:
     """(the longest head of `text` that fits `width` columns ending at a break point, the rest);
-    ("text", "") when it fits or has no break point that fits. A break at a space or after
-    punctuation is preferred to one inside a run of CJK text when it costs at most NEAR columns;
-    on a paragraph's `last` line, one that leaves at least SHORT columns on the new line is."""
+    ("text", "") when it fits or has no break point that fits. A break after punctuation or at a
+    space is preferred to one inside a run of CJK text (PUNCT_BONUS, SPACE_BONUS); on a
+    paragraph's `last` line, one that leaves at least SHORT columns on the new line is."""
     if display_width(text) <= width:
         return text, ""
-    found: list[tuple[str, str, int, bool]] = []  # (head, tail, head's width, at a space or punctuation)
-    used, in_code = 0, False
+    found: list[tuple[str, str, int, int]] = []  # (head, tail, head's width, bonus)
+    protected = _protected(text)
+    used = 0
     for k, c in enumerate(text):
-        if k and _may_break(text, k, in_code):
+        if k and not protected[k] and _may_break(text, k):
             head, tail = text[:k].rstrip(" "), text[k:].lstrip(" ")
             if head and tail and not _looks_special(tail):
-                found.append((head, tail, used, c == " " or text[k - 1] in FULL_PUNCT))
-        if c == "`":
-            in_code = not in_code
+                bonus = PUNCT_BONUS if text[k - 1] in FULL_PUNCT else SPACE_BONUS if c == " " else 0
+                found.append((head, tail, used, bonus))
         used += 2 if _wide(c) else 1
         if used > width:
             break
@@ -141,18 +149,26 @@ def _split(text: str, width: int, last: bool = False) -> tuple[str, str]:
         found = [f for f in found if total - f[2] >= SHORT and f[2] >= width // 2] or found
     if not found:
         return text, ""
-    good = [f for f in found if f[3]]
-    best = good[-1] if good and good[-1][2] >= found[-1][2] - NEAR else found[-1]
+    best = max(reversed(found), key=lambda f: f[2] + f[3])  # ties: the later break
     return best[0], best[1]
 
 
-def _may_break(text: str, k: int, in_code: bool) -> bool:
+def _protected(text: str) -> list[bool]:
+    """Per character: inside a `code span` or an ASCII "quoted string" (no break there)."""
+    inside = [False] * (len(text) + 1)
+    for span in CODE_SPAN.finditer(text):
+        if span.group(0)[0] == "`" or not CJK.search(span.group(0)):
+            inside[span.start() + 1:span.end()] = [True] * (span.end() - span.start() - 1)
+    return inside
+
+
+def _may_break(text: str, k: int) -> bool:
     """May a line end just before text[k]?"""
-    if in_code:
-        return False
     a, b = text[k - 1], text[k]
     if b == " ":
-        return a != " "
+        before, after = text[:k].rsplit(" ", 1)[-1], text[k + 1:].split(" ", 1)[0]
+        return (a != " " and after != "" and not after[0].isdigit() and not a.isdigit()  # "rank 0", "50 ms", "64 个"
+                and before not in OPERATORS and after not in OPERATORS)  # and so does "a + b"
     if a == " ":
         return False  # the break is at the space itself
     if b in CLOSING or a in OPENING or a == b == "—" or a == b == "…":
@@ -163,8 +179,9 @@ def _may_break(text: str, k: int, in_code: bool) -> bool:
 
 
 def _looks_special(tail: str) -> bool:
-    """Would a line starting with `tail` read as a list item or a diagram on the next run?"""
-    return bool(MARKER.match(tail) or LEADING_ARROW.match(tail) or tail.startswith("【"))
+    """Would a line starting with `tail` read as a list item or a diagram on the next run, or open
+    with an operator that belongs to the line before?"""
+    return bool(MARKER.match(tail) or LEADING_ARROW.match(tail) or tail[0] in "【/=+×|")
 
 
 def _join(head: str, tail: str) -> str:
