@@ -32,7 +32,7 @@ from nanovllm.engine.sequence import Sequence
 
 class SchedulerPolicy(ABC):
     # [ZH-START]
-    # 职责：抽象基类，只规定 key(seq) -> tuple，给出顺序。
+    # 职责：抽象基类，只规定 `key(seq) -> tuple`，给出顺序。
     # 不做的事：不看 KV 块、不看 token 预算，也不修改 Sequence。
     # 和谁打交道：只被 Scheduler 调用（入 waiting 堆时一次，每步给 running 排序时一次）。
     # 约束：键在请求存活期间不能变（只基于 arrival、priority、num_prompt_tokens、params），

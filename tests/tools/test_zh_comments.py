@@ -312,3 +312,19 @@ def test_wrap_keeps_numbers_with_units_and_formulas_whole_and_follows_a_hanging_
     assert "50 ms" in joined and "预算 = 帧长 + 每个 token 40 字节" in joined  # no break inside either
     assert all(ln.startswith("#     ") for ln in lines[1:])  # the continuation hangs where the author put it
     assert wrap_text(wrapped, blocks_of(wrapped), "#", 60) == wrapped
+
+
+def test_every_block_draws_with_one_arrow():
+    """The glossary's notation (docs/zh/README.md): `→` and `─label→`, never `──▶` or `->`
+    (inside a `code span` an arrow is code, e.g. a return annotation)."""
+    found = []
+    for path in zh.source_files(ROOT):
+        if "tests" in path.relative_to(ROOT).parts or path.parent.name == "tools":
+            continue
+        text = path.read_text(encoding="utf-8")
+        for block in zb.find_blocks(str(path), text, zb.COMMENT_PREFIX[path.suffix])[0]:
+            for n, line in enumerate(block.text, block.start + 1):
+                prose = re.sub(r"`[^`]*`", "", line)
+                if "▶" in prose or "->" in prose:
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert found == []
