@@ -99,6 +99,17 @@ def test_check_passes_on_the_repo():
     assert "Chinese blocks" in summary
 
 
+NOT_YET_WRAPPED = ("nanovllm/layers/sampler.py", "nanovllm/structured/")
+"""Files being split and edited while the rest was rewrapped; `zh_comments wrap` them next."""
+
+
+def test_every_block_line_fits_the_width():
+    """What `check --strict-width` refuses: a block line over MAX_WIDTH columns (`zh_comments
+    wrap` fixes prose; a diagram is redrawn by hand)."""
+    wide = [str(p) for p in zh.too_wide(ROOT) if not p.path.startswith(NOT_YET_WRAPPED)]
+    assert wide == []
+
+
 @pytest.fixture
 def module_copy(tmp_path) -> tuple[Path, list[str]]:
     """A copy of block_manager.py at its package path in tmp, and its lines."""
@@ -205,8 +216,8 @@ def test_a_block_line_over_the_width_is_warned_of_and_refused_when_strict(module
     assert zh.too_wide(path, max_width=210) == []
     assert zh.main(["check", str(path)]) == 0  # a warning by default
     out = capsys.readouterr()
-    assert f"warning: {path}:{i + 2}: Chinese block line is 210 columns wide, over 120" in out.err
-    assert "1 line(s) over 120 columns" in out.out
+    assert f"warning: {path}:{i + 2}: Chinese block line is 210 columns wide, over 100" in out.err
+    assert "1 line(s) over 100 columns" in out.out
     assert zh.main(["check", "--strict-width", str(path)]) == 1
     assert zh.main(["check", "--strict-width", "--max-width", "210", str(path)]) == 0
 
