@@ -2,7 +2,8 @@
 
 A line over the width is broken at the last point that fits: a space outside a `code span`, or
 between two wide characters (CJK text, full-width punctuation), never before closing punctuation
-（，。、；：）」 and the like) nor after opening punctuation, never inside an ASCII word. What does
+（，。、；：）」 and the like) nor after opening punctuation, never inside an ASCII word, between a
+number and its unit ("50 ms", "64 个") or around an operator ("a + b"). What does
 not fit moves to the front of the paragraph's next line, or onto a new line at the paragraph's
 hanging indent, so the author's other breaks stay where they are. A paragraph is a line and the
 lines after it at its hanging indent, up to a line that ends a sentence. Diagram lines are left
@@ -34,6 +35,7 @@ MARKER = re.compile(r"(\d+\.|[a-z]\.|[-*•]|\(\d+\)|（\d+）)\s+")
 PUNCT_BONUS, SPACE_BONUS = 30, 16
 """Columns a break after punctuation (or at a space) may give up to beat one inside a run of CJK text."""
 SHORT = 20
+"""Columns a paragraph's last line should leave on the new line it spills onto (no one-word lines)."""
 
 
 def _wide(c: str) -> bool:
@@ -196,6 +198,7 @@ def _join(head: str, tail: str) -> str:
 def wrap_text(text: str, blocks: list[Block], prefix: str, max_width: int) -> str:
     """`text` with the prose of every block rewrapped; code lines and diagram lines unchanged."""
     lines = text.splitlines()
+    eol = "\r\n" if "\r\n" in text else "\n"  # the file's own line ending, kept
     for block in sorted(blocks, key=lambda b: b.start, reverse=True):
         lines[block.start:block.end - 1] = wrap_block(lines, block, prefix, max_width)
-    return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
+    return eol.join(lines) + (eol if text.endswith(("\n", "\r")) else "")

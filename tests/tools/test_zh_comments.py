@@ -279,6 +279,8 @@ def test_wrap_changes_only_whitespace_at_the_breaks_and_twice_is_once():
     assert zb.strip_text(wrapped, new) == zb.strip_text(WRAP_SAMPLE, old)
     assert wrap_text(wrapped, blocks_of(wrapped), "#", 60) == wrapped
     assert wrap_text(WRAP_SAMPLE, blocks_of(WRAP_SAMPLE), "#", 400) == WRAP_SAMPLE  # nothing over: nothing moves
+    crlf = WRAP_SAMPLE.replace("\n", "\r\n")
+    assert wrap_text(crlf, blocks_of(crlf), "#", 60) == wrapped.replace("\n", "\r\n")  # line endings kept
 
 
 def test_wrap_keeps_the_repository_code_and_text_and_is_idempotent(tmp_path):
