@@ -97,8 +97,8 @@ def _parse(raw: list[str], prefix: str) -> list[_Line] | None:
                  and not before.text.endswith(SENTENCE_END))
         if not (marker or joins) and len(ARROW.findall(text)) >= 2:
             verbatim = True  # a flow drawn on one line; in a list item's text, arrows are prose
-        if joins and hangs:
-            before.hanging = indent
+        if hangs and not verbatim and not marker:
+            before.hanging = indent  # even when a sentence ends there: the author's hanging indent
         hanging = indent + marker.end() if marker else (before.hanging if joins else indent)
         parsed.append(_Line(indent, text, verbatim, hanging, joins, line))
     return parsed

@@ -341,3 +341,10 @@ def test_every_block_draws_with_one_arrow():
                 if "▶" in prose or "->" in prose:
                     found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert found == []
+
+
+def test_wrap_spills_at_the_hanging_indent_the_author_used_below_a_finished_sentence():
+    text = "\n".join([START, "# 【边界】" + "不编译语法" * 12 + "。", "#        " + "续行" * 10 + "。", END, ""])
+    lines = wrap_text(text, blocks_of(text), "#", 60).splitlines()[1:-1]
+    assert len(lines) == 4 and all(ln.startswith("#" + " " * 8) and ln[9] != " " for ln in lines[1:])
+    assert lines[3] == "#        " + "续行" * 10 + "。"  # its own paragraph, untouched
