@@ -192,7 +192,7 @@ class Output:
         # 1. 每个输出变成一个 OutputRow(id, 打包的新 token, finished, reason, prompt 数, output 数,
         #    cached 数, error)，token 打包是每请求一次 C 调用，没有逐 token 的 Python 循环。
         # 2. 连同引擎实例 id、started、rejected 组成 StepOutput 帧：通常一帧；超过帧大小上限
-        #    （一步开始了很多带长 stop 字符串的请求）就用 frames_within
+        #    （一步开始了很多带长 stop string 的请求）就用 frames_within
         #    按顺序拆成几帧，started 仍在前。
         # [ZH-END]
         rows = [p.OutputRow(o.request_id, p.pack_token_ids(o.new_token_ids), o.finished, o.finish_reason,

@@ -34,12 +34,12 @@ outgrow the budgets; a prompt stays packed (4 bytes a token) until its request i
 #     ─PUSH→ detok_proc → 客户端
 #   两个 PULL：input 只收 tokenizer_proc 的请求；control 收 tokenizer_proc 与 detok_proc 推来的
 #   abort 和 DetokHello
-# 整个服务的 socket（→ 数据方向；⇒ 中止 / 控制路径，引擎再忙也读）：
+# 整个服务的 socket（→ 数据方向；⇒ abort / 控制路径，引擎再忙也读）：
 #   客户端 DEALER(请求) ─GenerateReq / AbortReq→ ROUTER 分词进程
 #   分词进程 PUSH ─TokenizedReq→ PULL input   引擎进程
 #   分词进程 PUSH ═AbortReq⇒ PULL control 引擎进程（客户端的取消）
 #   引擎进程 PUSH ─StepOutput / EngineStatus 心跳→ PULL 反分词进程
-#   反分词进程 PUSH ═AbortReq（停止串命中、客户端消失）/ DetokHello⇒ PULL control 引擎进程
+#   反分词进程 PUSH ═AbortReq（stop string 命中、客户端消失）/ DetokHello⇒ PULL control 引擎进程
 #   反分词进程 ROUTER ─StreamOutput→ DEALER(流) 客户端；客户端 ping 也走这条连接反方向
 # 三个线程，让 socket I/O 与 msgpack 编解码和模型计算重叠（torch 计算时释放 GIL）：
 #   输入线程：收帧、解码、检查、建采样参数 → inbox（保持到达顺序）；未准入的请求
@@ -317,7 +317,7 @@ class EngineStage:
         #    谁都能重复发，resync 可能有几千条。
         # 2. 条目 = 每个 live 请求的 ResyncEntry(id, meta, 已输出 token, False, None, 计数...,
         #    None) + FinishedRing 里最近结束的。
-        # 3. 每 256 条（RESYNC_CHUNK）一帧，超过帧大小上限（meta 里的长 stop 字符串）
+        # 3. 每 256 条（RESYNC_CHUNK）一帧，超过帧大小上限（meta 里的长 stop string）
         #    的再用 frames_within 对半拆，最后一帧 last=True；没有条目也发一个空的最后帧。
         # 4. 经 _emit 进 outbox，与 step 同一管道，所以 resync 与后续 step 的顺序有保证。
         # [ZH-END]

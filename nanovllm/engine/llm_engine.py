@@ -93,7 +93,7 @@ class LLMEngine:
     # [ZH-START]
     # 职责：装配 ModelRunner、BlockManager、Scheduler（含策略）、Sampler 的每请求状态；
     # 校验并接收请求；一步步推进整个批，把结果整理成 RequestOutput。
-    # 不做的事：不 tokenize / detokenize、不匹配 stop 字符串、不碰网络（三个进程阶段的事）；
+    # 不做的事：不 tokenize / detokenize、不匹配 stop string、不碰网络（三个进程阶段的事）；
     # 不自己跑主循环——由调用方（engine_proc 的 step 线程，或 LLM.generate）反复调 step()。
     # 和谁打交道：上游 engine_proc / LLM；下游 Scheduler、BlockManager、
     # ModelRunner（runner.sampler）。

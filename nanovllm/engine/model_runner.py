@@ -126,10 +126,10 @@ class ModelRunner:
     # （Triton / 编译好的 C 核 / torch 算子）；算出 KV 块数；把调度结果执行成一步前向 + 采样。
     # 【边界】不决定调度谁、不分配块（Scheduler / BlockManager 的事，它只照块表读写 slot）；
     # 不管请求生命周期、不做停止判定、不做 detokenize；不知道引擎层的 max_model_len，
-    # 自己用 resolve_max_model_len 重算同一个默认值（用于块表宽度和 CUDA graph）。
+    # 自己用 resolve_max_model_len 重算同一个默认值（用于块表宽度和 CUDA 图）。
     # 【协作者】LLMEngine 调 run() 并读 num_blocks / sampler / device；
     # PagedAttention 各层从这里拿到 k_cache / v_cache 视图和 cpu_kernel / triton_ops；
-    # DecodeGraphs 负责 decode 步的 CUDA graph；WorkerProcesses + StepChannel 负责张量并行。
+    # DecodeGraphs 负责 decode 步的 CUDA 图；WorkerProcesses + StepChannel 负责张量并行。
     # [ZH-END]
     def __init__(self, config: Config, model_config: ModelConfig, model_path: str, rank: int = 0):
         # [ZH-START]
@@ -430,7 +430,7 @@ class ModelRunner:
         # 1. Triton 路径（CUDA，或测试里 TRITON_INTERPRET）：build_gpu_batch 生成设备上的
         #    input_ids、positions 和 int32 元数据（pinned 内存异步上传）。
         #    只有 decode 行、有 graphs 且 graphs.can_run(num_decode, 块表宽度)（能落进某个档位、
-        #    块表不比捕获时宽）时重放 CUDA graph，否则 eager 调 model。
+        #    块表不比捕获时宽）时重放 CUDA 图，否则 eager 调 model。
         # 2. CPU 路径：build_cpu_batch；每个 prefill 分块都交给编译好的分块内核，只有 cpu_kernel 为
         #    None（走 torch 注意力）时才额外生成 mask 和 slot 列表。eager 前向得到 hidden (T, C)。
         # 3. 没有 sample_rows → 返回 None（纯 prefill 分块的步）。

@@ -63,7 +63,7 @@ class Scheduler:
     # 职责：维护两个队列——waiting（按 policy 键的最小堆）和 running（列表）；每步分 token 预算、
     # 向 BlockManager 要块、块不够时抢占；步后推进序列进度，按 eos / stop_token_ids / min_tokens /
     # max_tokens / max_model_len 判断结束。
-    # 不做的事：不跑模型、不采样（ModelRunner、Sampler 的事）；不匹配 stop 字符串（在
+    # 不做的事：不跑模型、不采样（ModelRunner、Sampler 的事）；不匹配 stop string（在
     # detokenize.py）；不持有请求表（那是 LLMEngine.requests）。
     # 和谁打交道：被 LLMEngine 调用（add / finish / schedule / postprocess）；调用 BlockManager
     # （match_prefix / can_allocate / allocate / can_append / blocks_short / append_slots / commit
@@ -240,7 +240,7 @@ class Scheduler:
         #    _num_dead_waiting -= 1，继续。
         # 2. hits = block_manager.match_prefix(seq)：前缀缓存命中的块。
         # 3. num_new = min(num_tokens - 命中块数 × block_size, budget)：剩下的 token 本步算多少，
-        #    超出预算的部分以后作为 running 分块继续算（chunked prefill）。
+        #    超出预算的部分以后作为 running 分块继续算（prefill 分块）。
         # 4. can_allocate(num_new, hits, keep_free) 不满足 → break：严格按 policy 顺序接纳，
         #    不跳过堆顶去接纳后面的小请求。keep_free = watermark_blocks（kv_watermark 与
         #    preempt_ratio 取大）：有序列在跑时接纳后至少留这么多空闲块；引擎空闲时为 0，

@@ -56,8 +56,8 @@ def _store_kvcache_kernel(
 ):
     # [ZH-START]
     # 网格 (N,)，一个 program 负责一个新 token：
-    # 1. row = program_id(0)，slot = slot_mapping[row]（转 int64 防溢出）；slot < 0（CUDA
-    #    graph 填充行）直接返回。
+    # 1. row = program_id(0)，slot = slot_mapping[row]（转 int64 防溢出）；slot < 0（CUDA 图的
+    #    填充行）直接返回。
     # 2. offs_h 覆盖 BLOCK_H = next_pow2(KVH) 个 head，offs_d 覆盖 BLOCK_D = next_pow2(D)，
     #    多出的部分用 mask 挡住。
     # 3. 按 stride 读出这一行的 key / value，形状 [BLOCK_H, BLOCK_D]（最后一维连续）。
@@ -323,7 +323,7 @@ def _default_num_splits(batch: int, num_kv_heads: int, max_context_len: int) -> 
     # [ZH-START]
     # 1. B × KVH >= 128：program 已足够占满 GPU，不切分，返回 1。
     # 2. 否则每 512 个 token 切一段：min(16, ceil(max_context_len / 512))，至少 1。
-    # 3. 只依赖形状、不读 context_lens，所以同一个 CUDA graph 每次重放切分数不变。
+    # 3. 只依赖形状、不读 context_lens，所以同一个 CUDA 图每次重放切分数不变。
     # [ZH-END]
     if batch * num_kv_heads >= _DECODE_PROGRAMS_WITHOUT_SPLIT:
         return 1
@@ -343,7 +343,7 @@ def paged_decode_attention(
     # 1. check_decode_inputs；显式给的 num_splits < 1 抛 ValueError。
     # 2. 从 q 取 B、H、D，从 cache 取 block_size、KVH；out = empty_like(q)；B == 0 直接返回。
     # 3. max_context_len = 块表宽度 × block_size：所有上下文的上界，不用把 context_lens 读回
-    #    host（无同步，可进 CUDA graph）。
+    #    host（无同步，可进 CUDA 图）。
     # 4. num_splits 默认由 _default_num_splits 决定；
     #    split_len = ceil(ceil(max_context_len / num_splits) / 32) * 32，是 BLOCK_N 的整数倍。
     # 5. num_splits > 1：分配 fp32 的 partial_out [B, H, S, D] 和 partial_lse [B, H, S]；

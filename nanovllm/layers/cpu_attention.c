@@ -23,11 +23,11 @@
 // 本文件在整体架构中的位置：引擎一步（step）之内的注意力计算，CPU 路径。
 //
 //   scheduler → step_input（块表、每行上下文长度）→ model_runner → 每层 Attention
-//       → qk_norm_rope_store（cpu_ops.c：新 token 的 K/V 先写进分页缓存）
+//       → qk_norm_rope_store（cpu_ops.c：新 token 的 K/V 先写进 KV cache）
 //       → paged_attention_rows（decode 行）/ paged_attention_chunk（prefill 分块）
 //          （本文件：读缓存做注意力）→ o_proj → ... → sampler
 //
-// 核心思路：KV 缓存按块（block）分页存放，布局 [num_blocks, block_size, KVH, D]。
+// 核心思路：KV cache 按物理块（block）分页存放，布局 [num_blocks, block_size, KVH, D]。
 // torch 的做法要先把每条序列的块 gather 成一份连续的填充副本；这里直接按块表
 // 原地读取，每行（一个查询 token 的全部 head）只遍历一次上下文，用 online softmax
 // 逐块累加，所以 K/V 每块只从内存读一次。
@@ -217,7 +217,7 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
                               float *restrict m, float *restrict l, int64_t L, int64_t H, int64_t KVH, int64_t D_rt,
                               int64_t BS, int64_t BSP, float scale, const int64_t HD, const int BF) {
     // [ZH-START]
-    // 一行（一个查询 token）的注意力，online softmax，按缓存块推进：
+    // 一行（一个查询 token）的注意力，online softmax，按物理块推进：
     // 1. bf16 时先把这一行的 q（H*D 个元素）展开成 fp32 放进 qf；fp32 直接用原指针。
     // 2. 每个 head 的运行最大值 m[h] = -inf、分母 l[h] = 0，累加器 acc 清零。
     // 3. 对上下文的第 b 块（块号 table[b]，本块有 n = min(BS, L - t0) 个 token）：
