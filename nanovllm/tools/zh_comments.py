@@ -10,7 +10,8 @@ code can follow upstream and an English-only tree is one `strip` away (docs/arch
     python -m nanovllm.tools.zh_comments strip FILE            one stripped file on stdout
     python -m nanovllm.tools.zh_comments stats [PATH]          levels present in each core module
     python -m nanovllm.tools.zh_comments stale [PATH]          blocks older than their code (warns;
-                                                               still-right ones: zh_reviewed.txt)
+                                                               still-right ones: zh_reviewed.txt;
+                                                               form-only commits: zh_format_commits.txt)
     python -m nanovllm.tools.zh_comments wrap [PATH ...]       rewrap block prose to --max-width;
                                                                diagram lines are left to a human
 
