@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.detokenize import IncrementalDetokenizer
+from nanovllm.engine.heap import release_free_heap
 from nanovllm.engine.llm_engine import LLMEngine, RequestOutput
 from nanovllm.engine.policy import SchedulerPolicy
 from nanovllm.models.tokenizer import load_tokenizer
@@ -17,6 +18,7 @@ class LLM:
     def __init__(self, model: str = "default", scheduler_policy: str | SchedulerPolicy | None = None, **config):
         self.engine = LLMEngine(Config(model=model, **config), scheduler_policy=scheduler_policy)
         self.tokenizer = load_tokenizer(self.engine.model_path)
+        release_free_heap()  # the tokenizer's load temporaries (engine/heap.py)
 
     def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[dict]:

@@ -22,14 +22,12 @@ new one.
 """
 # [ZH-START]
 # 【模块定位】客户端的协议逻辑，不做任何 I/O；同步 Client 和 AsyncClient 共用它。
-#   客户端 API ─请求帧→ 分词进程
-#   反分词进程 ─StreamOutput / Pong / EngineStatus→ ClientState.handle → 各流的 Delta
+#   客户端 API ──请求帧──▶ 分词进程
+#   反分词进程 ──StreamOutput / Pong / EngineStatus──▶ ClientState.handle ──▶ 各流的 Delta
 # 重发与续传都在这里（两个客户端的注释说"见 client_state"，指的就是本模块）：
-#   - 引擎挂了：在途请求不算失败，先停放（parked）；新引擎实例起来后（最多等
-#     engine_restart_wait_s），带着已收到的输出 token 和字符数重发，
-#     新引擎从那里接着算，流从断开处继续；
-#   - 分词进程重启（Pong 里换了实例 id）：还没收到回答的请求全部标成重发再发一次，
-#     收过第一份的引擎会忽略；
+#   - 引擎挂了：在途请求不算失败，先停放（parked）；新引擎实例起来后（最多等 engine_restart_wait_s），
+#     带着已收到的输出 token 和字符数重发，新引擎从那里接着算，流从断开处继续；
+#   - 分词进程重启（Pong 里换了实例 id）：还没收到回答的请求全部标成重发再发一次，收过第一份的引擎会忽略；
 #   - 反分词进程重启：用 Resume 告诉它每个流已经收到多少 token 和字符；
 #   - 反分词进程沉默超过 stage_timeout：在途请求以明确的错误结束。
 # 每个流用自己的线上 id（'<request id>#<n>'），旧流的迟到输出不会串到复用同一 request id 的新流上。
@@ -156,6 +154,9 @@ class InFlight:
     """Times it was sent to a new engine after an engine death (`MAX_ENGINE_RESENDS`)."""
     kept_since: float | None = None
     """When it began waiting for an engine (kept across refusals, cleared by output)."""
+    digest: str | None = None
+    """`protocol.frame_digest` of the frame last sent for it, until it is answered: a frame the
+    tokenizer cannot read comes back named by it (`ClientState.unanswered`)."""
 
     def frame(self) -> bytes:
         """The request as a resend; with output received, asking the engine to continue from it."""
@@ -195,8 +196,7 @@ class Parked:
 class Reaction:
     """What one incoming frame (or a heartbeat) means for the client."""
     # [ZH-START]
-    # 处理一帧（或一次心跳）的结果：要交给各流的 Delta、
-    # 要发给分词进程的帧（to_tokenizer），以及统计。
+    # 处理一帧（或一次心跳）的结果：要交给各流的 Delta、要发给分词进程的帧（to_tokenizer），以及统计。
     # [ZH-END]
     deltas: list[Delta] = field(default_factory=list)
     """To route to their streams (by wire id)."""
@@ -212,8 +212,7 @@ class ClientState:
     # [ZH-START]
     # 【职责】客户端眼中的服务状态：引擎是否活着、各进程的实例 id、反分词进程是否在回 ping；
     # 在途请求 inflight（线上 id → 已收到的输出，用来续传）和停放的请求 parked（等下一个引擎实例）。
-    # 【边界】不碰 socket：handle 把一帧变成 Reaction（要交给各流的 Delta、
-    # 要发给分词进程的帧），由调用方发送。
+    # 【边界】不碰 socket：handle 把一帧变成 Reaction（要交给各流的 Delta、要发给分词进程的帧），由调用方发送。
     # 只在一个线程里用（同步客户端的 I/O 线程，或 asyncio 事件循环），所以不加锁。
     # [ZH-END]
 
@@ -235,35 +234,53 @@ class ClientState:
         """How long a request in flight when its engine died waits for a new engine to continue it
         (0: it fails with the engine)."""
         self.parked: dict[str, Parked] = {}
+        self.unanswered: dict[str, str] = {}
+        """Frame digest -> wire id, for each request sent and not answered yet: a frame the
+        tokenizer could not read (so cannot name by its request id) fails its request at once."""
 
     @property
     def ready(self) -> bool:
         """The detokenizer answers our pings: it knows our routing id, outputs can reach us."""
         return self.detok_instance is not None and self.detok_responsive
 
-    def sent(self, wire_id: str, resend_frame: bytes) -> bool:
-        """Register a new request; False if it must not be sent now: the engine is known dead, so
-        it waits (as a request that reached no engine) for the next one, within
-        `engine_restart_wait_s` and its own timeout, instead of failing at once."""
+    def sent(self, wire_id: str, resend_frame: bytes, frame: bytes | None = None) -> bool:
+        """Register a new request (`frame`: what is sent now, if not `resend_frame`); False if it
+        must not be sent now: the engine is known dead, so it waits (as a request that reached no
+        engine) for the next one, within `engine_restart_wait_s` and its own timeout, instead of
+        failing at once."""
         self.inflight[wire_id] = InFlight(resend_frame)
         if self.engine_alive is False and self._park(wire_id, ENGINE_DEAD, False, unsent=True):
             return False
+        self._sending(wire_id, frame if frame is not None else resend_frame)
         return True
 
     def forget(self, wire_id: str) -> None:
-        self.inflight.pop(wire_id, None)
-        self.parked.pop(wire_id, None)
+        self._answered(self.inflight.pop(wire_id, None))
+        parked = self.parked.pop(wire_id, None)
+        self._answered(parked.progress if parked else None)
+
+    def _sending(self, wire_id: str, frame: bytes) -> bytes:
+        """`frame` goes to the tokenizer for request `wire_id`: note its digest until an answer."""
+        progress = self.inflight[wire_id]
+        self._answered(progress)
+        progress.digest = p.frame_digest(frame)
+        self.unanswered[progress.digest] = wire_id
+        return frame
+
+    def _answered(self, progress: InFlight | None) -> None:
+        if progress is not None and progress.digest is not None:
+            self.unanswered.pop(progress.digest, None)
+            progress.digest = None
 
     def handle(self, frame: bytes) -> Reaction:
         # [ZH-START]
         # 按消息类型分派，返回 Reaction，不做 I/O：
         # 1. 解不开的帧：记警告后丢弃。
-        # 2. StreamOutput：每行变成 Delta 并更新续传进度（_track）；随后 _unpark，
-        #    把停放的请求发给新引擎。
-        # 3. ErrorOutput：带 request_id 的结束那个流，不带的只记日志。
+        # 2. StreamOutput：每行变成 Delta 并更新续传进度（_track）；随后 _unpark，把停放的请求发给新引擎。
+        # 3. ErrorOutput：带 request_id 的结束那个流；不带的，若 frame_digest 对上本客户端发出、尚未得到回答的
+        #    请求帧（unanswered），结束那个请求的流，否则只记日志。
         # 4. Pong：_on_pong（反分词进程在回应；分词进程换了实例就重发没回答的请求）。
-        # 5. EngineStatus：记下引擎状态和实例，更新"引擎是否活着"（loading
-        #    时记为未知），再 _unpark。
+        # 5. EngineStatus：记下引擎状态和实例，更新"引擎是否活着"（loading 时记为未知），再 _unpark。
         # 6. StatsOutput：把统计交给调用方。
         # [ZH-END]
         try:
@@ -277,8 +294,11 @@ class ClientState:
             self._unpark(reaction)  # one refused for want of an engine while a new one is known up
             return reaction
         if isinstance(msg, p.ErrorOutput):
-            if msg.request_id is not None:
-                delta = self._track(Delta(msg.request_id, "", [], "error", error=msg.message))
+            # A frame the tokenizer could not read has no request id it can name: the digest of
+            # the frame finds the request this client sent in it.
+            wire_id = msg.request_id or self.unanswered.get(msg.frame_digest or "")
+            if wire_id is not None:
+                delta = self._track(Delta(wire_id, "", [], "error", error=msg.message))
                 return Reaction([delta] if delta is not None else [])
             log.warning("service error: %s", msg.message)
             return Reaction()
@@ -319,7 +339,8 @@ class ClientState:
         if msg.role == "tokenizer":
             if self.tokenizer_instance is not None and msg.instance_id != self.tokenizer_instance:
                 # It may have died holding requests it had not passed on: send those again.
-                reaction.to_tokenizer = [f.frame() for f in self.inflight.values() if not f.answered]
+                reaction.to_tokenizer = [self._sending(wire_id, f.frame()) for wire_id, f in list(self.inflight.items())
+                                         if not f.answered]
                 if reaction.to_tokenizer:
                     log.info("tokenizer restarted: sending %d unanswered request(s) again", len(reaction.to_tokenizer))
             self.tokenizer_instance = msg.instance_id
@@ -358,6 +379,7 @@ class ClientState:
         if progress is None or not self.engine_restart_wait_s:
             return False
         del self.inflight[wire_id]
+        self._answered(progress)  # sent again (`_sending`) when it goes to the next engine
         if progress.kept_since is None:
             progress.kept_since = time.monotonic()
         self.parked[wire_id] = Parked(progress, None if unsent else self.engine_instance, why,
@@ -386,8 +408,7 @@ class ClientState:
         #       - 没到过引擎（unsent）：等满 engine_restart_wait_s 就报错，否则直接重新发出；
         #       - 已重发 MAX_ENGINE_RESENDS 次：报错——它可能就是把引擎搞挂的那个请求；
         #       - 否则 resends 加一，带着已收到的输出重新发出（_resume_in_flight）。
-        #    b. 停放时就属于当前实例、且已听到它的死讯：这个实例其实还活着，
-        #       反分词进程已丢掉这些请求，只能报错。
+        #    b. 停放时就属于当前实例、且已听到它的死讯：这个实例其实还活着，反分词进程已丢掉这些请求，只能报错。
         #    c. 属于当前实例但还没听到死讯：继续等（反分词进程先让请求失败，稍后才宣布引擎死亡）。
         # 3. 有请求重新发出时记一条 INFO 日志。
         # [ZH-END]
@@ -422,7 +443,7 @@ class ClientState:
         it again (`_on_pong`), continued from the output received, not started over."""
         parked.progress.answered = False
         self.inflight[wire_id] = parked.progress
-        reaction.to_tokenizer.append(parked.frame())
+        reaction.to_tokenizer.append(self._sending(wire_id, parked.frame()))
 
     def _set_engine_alive(self, alive: bool | None, reason: str = "") -> list[Delta]:
         """None: not known (a detokenizer that just started, an engine loading) - not a death."""
@@ -439,6 +460,7 @@ class ClientState:
         deltas = [Delta(wire_id, "", [], "error", error=why, engine_dead=engine_dead)
                   for wire_id in list(self.inflight) if not (engine_dead and self._park(wire_id, why, True))]
         self.inflight.clear()
+        self.unanswered.clear()  # the parked send a new frame (`_sending`) when they go again
         return deltas
 
     def _track(self, delta: Delta, unsent: bool = False) -> Delta | None:
@@ -450,6 +472,7 @@ class ClientState:
         progress = self.inflight.get(delta.request_id)
         if progress is None:
             return delta
+        self._answered(progress)
         progress.answered, progress.kept_since = True, None
         progress.tokens += len(delta.token_ids)
         progress.chars += len(delta.text)

@@ -18,6 +18,7 @@ engine (control); client --Resume--> detokenizer.
 """
 from __future__ import annotations
 
+import hashlib
 import sys
 from array import array
 from dataclasses import MISSING, dataclass, field, fields
@@ -598,10 +599,20 @@ class ErrorOutput(Message):
     TOLERANT = True
     message: str
     request_id: str | None = None
+    frame_digest: str | None = None
+    """For a frame read without a request id (not msgpack, over the limits, another protocol
+    version): its `frame_digest`, by which the sender knows which request it was."""
 
     def validate(self) -> None:
         check_str("message", self.message, MAX_ERROR_LEN)
         check_opt_str("request_id", self.request_id, MAX_ENGINE_ID_LEN)
+        check_opt_str("frame_digest", self.frame_digest, 32)
+
+
+def frame_digest(frame: bytes) -> str:
+    """A short digest of a frame's bytes: the tokenizer names a frame it could not read by it, and
+    the client that sent the frame finds the request it carried."""
+    return hashlib.blake2b(frame, digest_size=8).hexdigest()
 
 
 @_message("pong")

@@ -34,6 +34,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.heap import release_free_heap
 from nanovllm.engine.hooks import PostStepHook, PostStepHooks, StepMetrics
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.policy import SchedulerPolicy, make_policy
@@ -432,6 +433,7 @@ def start_word_index(model_path: str, vocab_size: int, device: torch.device) -> 
                 index.ll_tokenizer = ll_tokenizer(tokenizer, vocab_size)
             except Exception:
                 index.ll_tokenizer = None
+            release_free_heap()  # the tokenizer loaded for the index is dropped: return its pages
             future.set_result(index)
         except BaseException as e:  # handed to whoever waits on the future
             future.set_exception(e)

@@ -43,6 +43,7 @@ from nanovllm.config import Config
 from nanovllm.distributed import (StepChannel, TensorParallel, check_can_init, init_tensor_parallel,
                                   shutdown_tensor_parallel, validate_tensor_parallel)
 from nanovllm.engine.cuda_graphs import DecodeGraphs
+from nanovllm.engine.heap import release_free_heap
 from nanovllm.engine.kv_budget import gpu_kv_cache_bytes, num_blocks_for
 from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.engine.step_input import StepInput, build_cpu_batch, build_gpu_batch
@@ -215,6 +216,8 @@ class ModelRunner:
             self.set_cpu_ops(CpuOps.load() if supported else None)
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        if self.device.type == "cpu":
+            release_free_heap()  # the load's temporaries: resident memory drops to what is kept
         if self.device.type == "cuda" and not config.enforce_eager and not config.null_model:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_blocks_per_seq,
                                        self.model_config.hidden_size, self.dtype, self.device)

@@ -7,9 +7,9 @@ import pytest
 from nanovllm_client.http.chat_output import ChatOutputParser
 
 
-def parse(pieces, tools=True, reasoning=True):
+def parse(pieces, tools=True, reasoning=True, max_calls=None):
     """(content, reasoning, [(name, arguments)]) from the events, as a client assembles them."""
-    parser = ChatOutputParser(tools=tools, reasoning=reasoning)
+    parser = ChatOutputParser(tools=tools, reasoning=reasoning, max_calls=max_calls)
     events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
     content = "".join(e.text for e in events if e.kind == "content")
     thought = "".join(e.text for e in events if e.kind == "reasoning")
@@ -79,3 +79,21 @@ def test_arguments_stream_as_they_arrive():
     assert [(e.kind, e.text) for e in parser.feed('ty": "Oslo"}')] == [("arguments", 'ty": "Oslo"}')]
     assert parser.feed("}\n</tool_call>") == [] and parser.finish() == []
     assert json.loads(parser.calls[0].arguments) == {"city": "Oslo"}
+
+
+ONE_CALL_CASES = [
+    # parallel_tool_calls false: the first complete call, nothing after it
+    ("<tool_call>" + WEATHER + "</tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call> bye",
+     ("", "", [("get_weather", '{"city": "Paris", "unit": "c}\\"{"}')])),
+    ('Checking. <tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call><tool_call>{"name": "g", "arguments": {}}',
+     ("Checking. ", "", [("f", '{"x": 1}')])),
+    ('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": [1]}}', ("", "", [("a", "{}")])),
+    ("No call at all.", ("No call at all.", "", [])),
+]
+
+
+@pytest.mark.parametrize("text, want", ONE_CALL_CASES)
+def test_one_call_at_most_whole_and_in_pieces(text, want):
+    assert parse([text], max_calls=1) == want
+    for size in (1, 3, 7):
+        assert parse([text[i:i + size] for i in range(0, len(text), size)], max_calls=1) == want

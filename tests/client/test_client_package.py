@@ -272,3 +272,24 @@ def test_the_server_distribution_carries_the_client_package_its_stages_import(se
     for module in ("nanovllm_client/protocol.py", "nanovllm/service/stage.py", "engine_proc/server.py",
                    "nanovllm/supervisor.py"):
         assert module in names, module
+
+
+def test_a_frame_the_tokenizer_could_not_read_fails_the_request_it_carried():
+    """The tokenizer names an unreadable frame by its digest; the request whose frame (first
+    send or resend) has that digest fails, and only while unanswered."""
+    state = state_with("a", "b")  # sent as their resend frames: those are what the digests name
+    resend_a = state.inflight["a"].resend_frame
+    unreadable = p.ErrorOutput("frame is not valid msgpack", frame_digest=p.frame_digest(resend_a))
+    # A digest of no frame of ours: logged, nothing fails.
+    assert state.handle(p.ErrorOutput("x", frame_digest="0" * 16).encode()).deltas == []
+    assert failures(state.handle(unreadable.encode()).deltas) == [("a", "error", False)]
+    assert set(state.inflight) == {"b"} and set(state.unanswered.values()) == {"b"}
+    answer(state, "b")  # answered: its frame was read, the digest is forgotten
+    assert not state.unanswered
+    # A tokenizer restart sends "c" again: that frame's digest names it now.
+    state = state_with("c")
+    state.handle(p.Pong("tokenizer", "t1").encode())
+    frames = state.handle(p.Pong("tokenizer", "t2").encode()).to_tokenizer
+    assert list(state.unanswered.items()) == [(p.frame_digest(frames[0]), "c")]
+    deltas = state.handle(p.ErrorOutput("over the limits", frame_digest=p.frame_digest(frames[0])).encode()).deltas
+    assert failures(deltas) == [("c", "error", False)] and not state.unanswered

@@ -101,6 +101,13 @@ def test_mapping_names_and_refusals():
                            "max_tokens": 5, "stop": ["x"], "logit_bias": {"42": -100.0}, "ignore_eos": True,
                            "priority": 2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 1}
     assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    # What a router fills in (smg: "logprobs": false on chat, "echo": false on completions) asks for nothing.
+    assert parse_completion({"model": "m", "prompt": "a", "echo": False, "logprobs": None}).kwargs == {}
+    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": False,
+                       "top_logprobs": None}).kwargs == {}
+    with pytest.raises(ApiError) as e:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+    assert e.value.status == 400 and e.value.param == "logprobs"
     schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}
     call = parse_completion({"model": "m", "prompt": "a", "response_format": schema})
     assert json.loads(call.kwargs["response_format"]) == schema  # JSON text, as the wire carries it
@@ -109,6 +116,8 @@ def test_mapping_names_and_refusals():
                         ({"model": "m", "prompt": "a", "response_format": {"schema": {}}}, "response_format"),
                         ({"model": "m", "prompt": "a", "response_format": too_big}, "response_format"),
                         ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs"),
+                        ({"model": "m", "prompt": "a", "logprobs": 0}, "logprobs"),
+                        ({"model": "m", "prompt": "a", "echo": True}, "echo"),
                         ({"model": "m", "prompt": "a", "n": 2}, "n"),
                         ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),
                         ({"model": "m", "prompt": "a", "temperature": float("nan")}, "temperature"),
@@ -136,6 +145,22 @@ def test_mapping_names_and_refusals():
     assert forced["type"] == "grammar" and '{"const":"get_weather"}' in forced["grammar"]
     call = parse_chat({"model": "m", "messages": turns[:1], "tools": [weather], "tool_choice": "none"})
     assert not call.tools and "tools" not in call.kwargs
+    one = parse_chat({"model": "m", "messages": turns[:1], "tools": [weather], "parallel_tool_calls": False})
+    assert one.max_tool_calls == 1 and not one.forced
+    assert parse_chat({"model": "m", "messages": turns[:1], "tools": [weather]}).max_tool_calls is None
+    # A forced call's grammar holds one call; a schema's own references are moved with it.
+    located = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Place"}, "near": {"$ref": "#"}},
+               "$defs": {"Place": {"type": "string", "enum": ["Paris", {"$ref": "#/not-a-ref"}]}}}
+    forced = parse_chat({"model": "m", "messages": turns[:1], "parallel_tool_calls": False, "tool_choice": "required",
+                         "tools": [weather, {"type": "function", "function": {"name": "f", "parameters": located}}]})
+    assert forced.forced and forced.max_tool_calls == 1
+    grammar = json.loads(forced.kwargs["response_format"])["grammar"]
+    assert grammar.startswith('start: "<tool_call>\\n" call "\\n</tool_call>"\n')  # exactly one call
+    defs = json.loads(grammar.split("%json ", 1)[1])["$defs"]
+    assert defs["tool_0"] == city
+    assert defs["tool_1"]["properties"] == {"at": {"$ref": "#/$defs/tool_1/$defs/Place"},
+                                            "near": {"$ref": "#/$defs/tool_1"}}
+    assert defs["tool_1"]["$defs"]["Place"]["enum"][1] == {"$ref": "#/not-a-ref"}  # data, not a reference
     for extra, param in [({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
                          ({"tools": [{"type": "retrieval"}]}, "tools"),
                          ({"tools": weather}, "tools"),
@@ -144,7 +169,10 @@ def test_mapping_names_and_refusals():
                          ({"tool_choice": "required"}, "tool_choice"),
                          ({"tools": [weather], "tool_choice": "required", "response_format": {"type": "json_object"}},
                           "tool_choice"),
-                         ({"tools": [weather], "parallel_tool_calls": False}, "parallel_tool_calls")]:
+                         ({"tools": [weather], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+                         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                             "type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}}}],
+                           "tool_choice": "required"}, "tools")]:
         with pytest.raises(ApiError) as e:
             parse_chat({"model": "m", "messages": turns[:1], **extra})
         assert e.value.param == param, extra

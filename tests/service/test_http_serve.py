@@ -240,6 +240,60 @@ def test_a_tool_call_round_trip_through_the_openai_sdk(front):
     assert final.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
 
 
+def test_parallel_tool_calls_false_returns_one_call(front):
+    """Two calls written (the output held to that form by a regex: a random-weight model calls no
+    tool by itself): every call by default, the first alone with parallel_tool_calls false,
+    streamed and not."""
+    _, _, port, _, model = front
+    _, sdk = _sdk(port)
+    two = ('<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "Paris"\\}\\}\n</tool_call>\n'
+           '<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "Oslo"\\}\\}\n</tool_call>')
+    args = dict(model=model, messages=[{"role": "user", "content": "Weather in Paris and Oslo?"}], tools=[WEATHER],
+                max_tokens=96, temperature=0, response_format={"type": "regex", "regex": two})
+    both = sdk.chat.completions.create(**args).choices[0]
+    assert [json.loads(c.function.arguments)["city"] for c in both.message.tool_calls] == ["Paris", "Oslo"]
+    one = sdk.chat.completions.create(parallel_tool_calls=False, **args).choices[0]
+    assert one.finish_reason == "tool_calls" and not one.message.content
+    [call] = one.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    chunks = list(sdk.chat.completions.create(parallel_tool_calls=False, stream=True, **args))
+    assert _streamed_call(chunks) == ("get_weather", call.function.arguments, "tool_calls")
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_a_forced_call_with_references_in_its_schema(front):
+    """A tool whose parameters use $defs and $ref, forced (required, one call, parallel_tool_calls
+    false): the arguments follow the referenced schemas; a reference outside the schema is a 400."""
+    _, _, port, _, model = front
+    openai, sdk = _sdk(port)
+    params = {"type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}, "days": {"$ref": "#/$defs/Days"}},
+              "required": ["place", "days"], "additionalProperties": False,
+              "$defs": {"Place": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                                  "required": ["city"], "additionalProperties": False},
+                        "Days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+    forecast = {"type": "function", "function": {"name": "forecast", "parameters": params}}
+    messages = [{"role": "user", "content": "Forecast for Paris?"}]
+    out = sdk.chat.completions.create(model=model, messages=messages, tools=[WEATHER, forecast], max_tokens=64,
+                                      tool_choice={"type": "function", "function": {"name": "forecast"}},
+                                      parallel_tool_calls=False, temperature=0)
+    assert out.choices[0].finish_reason == "tool_calls", out
+    [call] = out.choices[0].message.tool_calls
+    assert call.function.name == "forecast"
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    far = {"type": "function", "function": {"name": "far", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "https://example.com/x.json"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model=model, messages=messages, tools=[far], tool_choice="required", max_tokens=8)
+    assert e.value.body["param"] == "tools" and "$ref" in e.value.body["message"]
+    # A reference to nothing: the stage's compiler refuses the grammar, named as the tools' fault.
+    dangling = {"type": "function", "function": {"name": "dangling", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/Nope"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model=model, messages=messages, tools=[dangling], tool_choice="required",
+                                    max_tokens=8, stream=True)
+    assert e.value.body["param"] == "tools" and "Nope" in e.value.body["message"]
+
+
 def test_reasoning_content_apart_from_the_answer(front):
     """A `<think>` that opens the output is reasoning_content, streamed and not (the output is
     held to that form by a regex: a random-weight model does not think by itself)."""

@@ -138,6 +138,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
 
     async def generate(request: Request, route: str, parse: Callable[[Any], Call], chat: bool) -> Response:
+        call: Call | None = None
         try:
             authorized(request)
             call = parse(await read_json(request))
@@ -166,6 +167,9 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             return _error(e)
         except Exception as e:  # noqa: BLE001 — the service's refusal, answered in OpenAI's shape
             err = _service_error(e)
+            if call is not None and call.forced and err.param == "response_format":  # the forced call's grammar
+                err = bad(f"the forced tool call's grammar (from the tools' parameter schemas) was refused: {e}",
+                          "tools")
             metrics.count(route, err.status)
             return _error(err)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -194,7 +198,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         metrics.completion_tokens += body_usage["completion_tokens"]
         out = "".join(text)
         if chat:  # the same parser a stream goes through, fed the whole text
-            parser = chat_output.ChatOutputParser(tools=call.tools)
+            parser = chat_output.ChatOutputParser(tools=call.tools, max_calls=call.max_tool_calls)
             parsed = parser.feed(out) + parser.finish()
             choice = {"index": 0, "message": chat_output.message(parsed, parser.calls),
                       "finish_reason": chat_output.finish_reason(_finish(reason), parser.calls), "logprobs": None}
@@ -241,7 +245,7 @@ async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, 
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
     finished = False
-    parser = chat_output.ChatOutputParser(tools=call.tools) if chat else None
+    parser = chat_output.ChatOutputParser(tools=call.tools, max_calls=call.max_tool_calls) if chat else None
     try:
         if chat:
             yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],

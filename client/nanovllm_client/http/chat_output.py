@@ -92,11 +92,14 @@ class ChatOutputParser:
     """Feed text deltas in order (`feed`), then `finish()`; each returns the events to send.
 
     `tools`: tool calls are parsed (the request offered tools). `reasoning`: a `<think>` that
-    opens the output (after blank space) starts reasoning, up to `</think>`."""
+    opens the output (after blank space) starts reasoning, up to `</think>`. `max_calls`: once
+    that many calls are complete, the rest of the output is dropped (`parallel_tool_calls`
+    false: 1); None, no limit."""
     tools: bool
     reasoning: bool = True
+    max_calls: int | None = None
     calls: list[ToolCall] = field(default_factory=list)
-    _state: str = "start"  # start, reasoning, content, call_head, call_args, call_tail, bare_tail, bare_next
+    _state: str = "start"  # start, reasoning, content, call_head, call_args, call_tail, bare_tail, bare_next, done
     _buf: str = ""
     _value: _ValueEnd | None = None
     _lstrip: bool = False  # blank space right after </think> is not content
@@ -120,6 +123,8 @@ class ChatOutputParser:
         elif self._state == "call_head":  # a call never closed: its text was content after all
             if not self._whole_call(rest, events):
                 events.append(Event("content", rest if self._bare else CALL_OPEN + rest))
+        elif self._state == "done":  # after the last call allowed: dropped
+            pass
         elif self._state == "call_args":  # cut off mid-arguments (max_tokens): as far as it went
             events.append(Event("arguments", rest, index=len(self.calls) - 1))
             self.calls[-1].arguments += rest
@@ -130,6 +135,9 @@ class ChatOutputParser:
 
     def _step(self, events: list[Event]) -> bool:
         state, buf = self._state, self._buf
+        if state == "done":
+            self._buf = ""
+            return False
         if state == "start":
             stripped = buf.lstrip()
             if not stripped:
@@ -176,7 +184,7 @@ class ChatOutputParser:
             return True
         if state == "bare_tail":  # up to the call object's closing brace
             at = buf.find("}")
-            self._state, self._buf = ("bare_next", buf[at + 1:]) if at >= 0 else ("bare_tail", "")
+            self._state, self._buf = (self._after_call("bare_next"), buf[at + 1:]) if at >= 0 else ("bare_tail", "")
             return at >= 0
         if state == "bare_next":  # another call after ";", or the end
             rest = buf.lstrip().lstrip(";").lstrip()
@@ -189,9 +197,13 @@ class ChatOutputParser:
             if at < 0:
                 self._buf = buf[len(buf) - _held(buf, (CALL_CLOSE,)):]
                 return False
-            self._state, self._buf, self._lstrip = "content", buf[at + len(CALL_CLOSE):], True
+            self._state, self._buf, self._lstrip = self._after_call("content"), buf[at + len(CALL_CLOSE):], True
             return True
         return False
+
+    def _after_call(self, state: str) -> str:
+        """The state after a complete call: `state`, or "done" once `max_calls` are complete."""
+        return "done" if self.max_calls is not None and len(self.calls) >= self.max_calls else state
 
     def _until(self, tag: str, kind: str, next_state: str, events: list[Event]) -> bool:
         buf = self._buf
@@ -220,6 +232,8 @@ class ChatOutputParser:
         body, self._buf, self._state = buf[:at], buf[at + len(CALL_CLOSE):], "content"
         if not self._whole_call(body, events):  # not a call we can read: it stays text
             self._emit("content", CALL_OPEN + body + CALL_CLOSE, events)
+        else:
+            self._state = self._after_call("content")
         return True
 
     def _whole_call(self, body: str, events: list[Event]) -> bool:

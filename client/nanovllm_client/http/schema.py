@@ -31,8 +31,11 @@ _INT = {"top_k": (-1, 1 << 20), "min_tokens": (0, 1 << 20), "seed": (-(1 << 63),
         "priority": (-(1 << 20), 1 << 20)}
 # Accepted and without effect on the output by definition (no silent loss of meaning).
 _NOOP = {"model", "stream", "stream_options", "user", "n"}
-# Any other field (logprobs, tools, ...) is refused with a 400 naming it.
-_COMMON = set(_FLOAT) | set(_INT) | _NOOP | {"response_format",
+# Accepted only when they ask for nothing: routers (SGLang's smg) fill in the defaults, e.g.
+# "logprobs": false on every chat request. Any other value is refused with a 400 naming it.
+_OFF = {"logprobs", "top_logprobs", "echo"}
+# Any other field is refused with a 400 naming it.
+_COMMON = set(_FLOAT) | set(_INT) | _NOOP | _OFF | {"response_format",
     "max_tokens", "stop", "ignore_eos", "logit_bias", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
@@ -49,6 +52,12 @@ class Call:
     kwargs: dict[str, Any] = field(default_factory=dict)
     tools: bool = False
     """The request offers tools: the output is parsed for tool calls."""
+    max_tool_calls: int | None = None
+    """`parallel_tool_calls: false`: 1, the first call is returned and the rest of the output
+    dropped; None: every call the model writes."""
+    forced: bool = False
+    """`tool_choice` forces a call: `response_format` is the call's grammar (its compile errors
+    name the tools, not response_format)."""
 
 
 def _number(name: str, value: Any, lo: float, hi: float) -> float:
@@ -115,6 +124,9 @@ def _common(body: dict, allowed: set[str], max_len_name: str) -> tuple[str, bool
     if unknown:
         name = str(unknown[0])[:64]
         raise bad(f"'{name}' is not supported by this server", name)
+    for name in sorted(_OFF & set(body)):
+        if body[name] is not None and body[name] is not False:
+            raise bad(f"'{name}' is not supported by this server (only null or false)", name)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required and must be a string", "model")
@@ -194,15 +206,58 @@ def _forced(choice: Any, tools: list[dict] | None) -> list[dict] | None:
 
 
 def _call_grammar(tools: list[dict]) -> str:
-    """A response_format forcing one call of one of `tools`, in the form the chat templates ask
-    for, its arguments following the tool's parameter schema (structured output enforces it)."""
-    schema = {"anyOf": [{"type": "object", "properties": {
-        "name": {"const": t["function"]["name"]}, "arguments": t["function"].get("parameters") or {"type": "object"}},
-        "required": ["name", "arguments"], "additionalProperties": False} for t in tools],
-        "x-guidance": {"whitespace_flexible": False}}  # compact JSON: no run of blank space to the token limit
+    """A response_format forcing exactly one call of one of `tools`, in the form the chat
+    templates ask for, its arguments following the tool's parameter schema (structured output
+    enforces it).
+
+    Each tool's parameter schema sits under `$defs` of the grammar's schema (`tool_<i>`) and the
+    call's arguments refer to it: a schema's own references (`#/$defs/...`, `#/definitions/...`,
+    `#` itself) point into its document, so each is moved under that place (`_relocated`)."""
+    defs = {}
+    options = []
+    for i, t in enumerate(tools):
+        where = f"/$defs/tool_{i}"
+        params = t["function"].get("parameters") or {"type": "object"}
+        params = {k: v for k, v in params.items() if k not in ("$id", "$schema")}  # its document is this one now
+        defs[f"tool_{i}"] = _relocated(params, where, i)
+        options.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                         "arguments": {"$ref": "#" + where}},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    schema = {"anyOf": options, "$defs": defs,
+              "x-guidance": {"whitespace_flexible": False}}  # compact JSON: no run of blank space to the token limit
     grammar = ('start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json '
                + json.dumps(schema, separators=(",", ":")))
     return json.dumps({"type": "grammar", "grammar": grammar}, separators=(",", ":"))
+
+
+_LITERALS = {"const", "enum", "default", "examples"}
+"""Schema keywords whose values are data, not schemas: a "$ref" in them is left as it is."""
+_NAMED = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+"""Schema keywords whose values map names (any, "enum" too) to schemas."""
+
+
+def _relocated(schema: Any, where: str, tool: int) -> Any:
+    """`schema` with each local reference `#<pointer>` made `#<where><pointer>`; any other
+    reference (a URL, a relative `$id` name) is refused: the grammar has nothing to fetch it from."""
+    if isinstance(schema, list):
+        return [_relocated(v, where, tool) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str):
+            if not value.startswith("#"):
+                raise bad(f"tools[{tool}].function.parameters: \"$ref\": {value[:100]!r} cannot be used in a "
+                          "forced call (tool_choice): only references within the schema (\"#/$defs/...\") can",
+                          "tools")
+            out[key] = "#" + where + value[1:]
+        elif key in _LITERALS:
+            out[key] = value
+        elif key in _NAMED and isinstance(value, dict):
+            out[key] = {name: _relocated(v, where, tool) for name, v in value.items()}
+        else:
+            out[key] = _relocated(value, where, tool)
+    return out
 
 
 def _tools(body: dict) -> tuple[list[dict] | None, list[dict] | None]:
@@ -210,9 +265,6 @@ def _tools(body: dict) -> tuple[list[dict] | None, list[dict] | None]:
     forces a call of. They reach the model only through its chat template, so every one must be
     a function with a usable name."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if body.get("parallel_tool_calls") is not None and not _bool("parallel_tool_calls", body["parallel_tool_calls"]):
-        raise bad("'parallel_tool_calls' false is not supported: every call the model writes is returned",
-                  "parallel_tool_calls")
     if tools is None:
         return None, _forced(choice, None)
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
@@ -256,12 +308,17 @@ def parse_chat(body: Any) -> Call:
         raise bad("the body must be a JSON object")
     model, stream, usage, kw = _common(body, CHAT_FIELDS, "max_completion_tokens")
     tools, forced = _tools(body)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else _bool("parallel_tool_calls", parallel)
     if tools is not None:
         kw["tools"] = tools
     if forced:
         if "response_format" in kw:
             raise bad("'tool_choice' that forces a call cannot be combined with 'response_format'", "tool_choice")
-        kw["response_format"] = _call_grammar(forced)
+        try:
+            kw["response_format"] = _call_grammar(forced)
+        except RecursionError:
+            raise bad("the forced tools' parameter schemas nest too deep", "tools") from None
         if len(kw["response_format"]) > MAX_RESPONSE_FORMAT_CHARS:
             raise bad("the forced tools' parameter schemas are too large", "tool_choice")
     messages = body.get("messages")
@@ -295,4 +352,6 @@ def parse_chat(body: Any) -> Call:
                 raise bad(f"messages[{i}].tool_call_id must be a string of at most 256 characters", "messages")
             message["tool_call_id"] = m["tool_call_id"]
         out.append(message)
-    return Call(model, stream, usage, out, kw, tools=tools is not None)
+    # parallel_tool_calls false: one call at most. A forced call is one already (its grammar).
+    return Call(model, stream, usage, out, kw, tools=tools is not None,
+                max_tool_calls=None if parallel or tools is None else 1, forced=bool(forced))
