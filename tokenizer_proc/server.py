@@ -220,8 +220,8 @@ class TokenizerStage:
         # 1. 计数，记下该客户端最近活动时间。
         # 2. intake.accept：不是恰好一帧（"multipart"）、解不开（"bad_frame"：协议版本、类型、字段、
         #    大小与嵌套都在 decode 里查）、或不是 generate / abort / ping（"wrong_type"）→ 已计数，
-        #    把返回的 ErrorOutput 回给客户端（能认出 request_id 就带上；认不出时带上这一帧的 frame_digest，
-        #    客户端据此找到是哪个请求）。
+        #    把返回的 ErrorOutput 回给客户端（能认出 request_id 就带上；认不出时带上这一帧的
+        #    frame_digest，客户端据此找到是哪个请求）。
         # 3. 按类型分发：
         #    GenerateReq → _on_generate；
         #    AbortReq → 换成引擎侧 id "<客户端身份 hex>:<request_id>"，
