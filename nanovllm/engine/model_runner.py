@@ -183,8 +183,9 @@ class ModelRunner:
         #    NANOVLLM_TRITON_FUSED=0 时不给，走 torch 算子）；CPU 上 dtype 为 fp32/bf16 且
         #    head_dim <= 256 时加载 CpuAttentionKernel 和融合算子 CpuOps，否则（或无编译器、
         #    NANOVLLM_CPU_KERNELS=0 时 load() 返回 None）走 torch 算子。
-        # 7. num_blocks = _num_kv_blocks()，再 _allocate_kv_cache() 分配真正的 cache。
-        # 8. CUDA 且非 enforce_eager：DecodeGraphs 捕获 decode CUDA 图（档位 1、2、4、8，
+        # 7. num_blocks = _num_kv_blocks()，再 _allocate_kv_cache() 分配真正的 cache；
+        #    CPU 上随后 release_free_heap()（malloc_trim），把加载时的临时内存还给操作系统。
+        # 8. CUDA、非 enforce_eager 且不是 null model：DecodeGraphs 捕获 decode CUDA 图（档位 1、2、4、8，
         #    之后每 16 一档，最后一档固定是 max_num_seqs，见 cuda_graphs.graph_batch_sizes），
         #    块表缓冲宽 max_blocks_per_seq。
         # [ZH-END]
