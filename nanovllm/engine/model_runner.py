@@ -185,9 +185,9 @@ class ModelRunner:
         #    NANOVLLM_CPU_KERNELS=0 时 load() 返回 None）走 torch 算子。
         # 7. num_blocks = _num_kv_blocks()，再 _allocate_kv_cache() 分配真正的 cache；
         #    CPU 上随后 release_free_heap()（malloc_trim），把加载时的临时内存还给操作系统。
-        # 8. CUDA、非 enforce_eager 且不是 null model：DecodeGraphs 捕获 decode CUDA 图（档位 1、2、
-        #    4、8，之后每 16 一档，最后一档固定是 max_num_seqs，见 cuda_graphs.graph_batch_sizes），
-        #    块表缓冲宽 max_blocks_per_seq。
+        # 8. CUDA、非 enforce_eager 且不是 null model：DecodeGraphs 捕获 decode CUDA 图
+        #    （档位 1、2、4、8，之后每 16 一档，最后一档固定是 max_num_seqs，
+        #    见 cuda_graphs.graph_batch_sizes），块表缓冲宽 max_blocks_per_seq。
         # [ZH-END]
         config, size = self.config, self.config.tensor_parallel_size
         if self.device.type == "cuda":

@@ -175,6 +175,8 @@ def _may_break(text: str, k: int) -> bool:
         return False  # the break is at the space itself
     if b in CLOSING or a in OPENING or a == b == "—" or a == b == "…":
         return False
+    if a == "、" and b.isdigit() and text[k - 2:k - 1].isdigit():
+        return False  # "1、2、4、8" is one list
     if _wide(a) and _wide(b):
         return True
     return a in FULL_PUNCT or b in FULL_PUNCT  # one side narrow: only next to full-width punctuation

@@ -316,13 +316,15 @@ def test_wrap_on_the_command_line_names_what_it_changed_and_what_is_left(tmp_pat
 
 
 def test_wrap_keeps_numbers_with_units_and_formulas_whole_and_follows_a_hanging_indent():
-    prose = "等待" * 14 + "最多阻塞 50 ms，预算 = 帧长 + 每个 token 40 字节，" + "然后继续读取下一帧" * 3 + "，"
+    prose = ("等待" * 14 + "最多阻塞 50 ms，预算 = 帧长 + 每个 token 40 字节，" + "然后继续读取下一帧" * 3
+             + "，档位 1、2、4、8、16、32、48、64、80、96，")
     text = "\n".join([START, "#   输入线程：" + prose, "#     " + "续行" * 10 + "。", END, ""])
     wrapped = wrap_text(text, blocks_of(text), "#", 60)
     lines = wrapped.splitlines()[1:-1]
     assert all(zb.display_width(ln) <= 60 for ln in lines)
     joined = " ".join(ln[1:].strip() for ln in lines)
     assert "50 ms" in joined and "预算 = 帧长 + 每个 token 40 字节" in joined  # no break inside either
+    assert "1、2、4、8、16、32、48、64、80、96" in joined  # nor inside a list of numbers
     assert all(ln.startswith("#     ") for ln in lines[1:])  # the continuation hangs where the author put it
     assert wrap_text(wrapped, blocks_of(wrapped), "#", 60) == wrapped
 
