@@ -36,7 +36,8 @@ forward runs: the model runner calls `prepare` with the rows to sample before it
 # [ZH-START]
 # 【模块定位】引擎一步的最后一段：把 LM head 的 logits 变成下一个 token。
 #   scheduler → step_input → model runner → 解码层 / PagedAttention → compute_logits (B, V)
-#     → 【Sampler】→ list[int]（每条序列一个 token id）→ Scheduler.postprocess → detokenizer → 客户端
+#     →【Sampler】→ list[int]（每条序列一个 token id）→ Scheduler.postprocess → 反分词进程
+#     → 客户端
 # 只在 rank 0 运行。每一步的顺序：原始分布的 logprobs → 惩罚项（repetition / presence / frequency）
 # → 每请求的约束（logit_bias、min_tokens 前屏蔽 EOS / stop token、logits processors）
 # → greedy 取 argmax，其余按温度缩放、top_k / top_p / min_p 过滤，再用逆 CDF 抽样。
@@ -69,9 +70,11 @@ log = logging.getLogger(__name__)
 class TokenLogprobs:
     """Log-probabilities of one generated token under the raw model distribution."""
     # [ZH-START]
-    # 【职责】一个已生成 token 在原始模型分布（惩罚、约束、温度之前）下的 logprob、排名和前几名候选。
+    # 【职责】一个已生成 token 在原始模型分布（惩罚、约束、温度之前）
+    # 下的 logprob、排名和前几名候选。
     # 【边界】纯数据，不参与采样决策。
-    # 【协作者】token_logprobs() 生成，存进 RequestState.logprobs，LLMEngine 经 take_logprobs 取走放进 RequestOutput。
+    # 【协作者】token_logprobs() 生成，存进 RequestState.logprobs，LLMEngine 经 take_logprobs
+    # 取走放进 RequestOutput。
     # [ZH-END]
     token_id: int
     logprob: float
@@ -88,7 +91,8 @@ class RequestState:
     # 【职责】采样器为每个请求跨步保存的东西：SamplingParams、logits processors、预先建好的张量
     # （min_tokens 期间要屏蔽的 id、logit_bias 的 id 与值）、有种子时自己的 Generator、
     # 尚未上报的 logprobs、以及采样失败的原因。
-    # 【边界】不保存 token 序列（在 Sequence 里），不管请求何时开始结束（LLMEngine 调 add / remove）。
+    # 【边界】不保存 token 序列（在 Sequence 里），不管请求何时开始结束（LLMEngine
+    # 调 add / remove）。
     # 【协作者】Sampler._new_state 创建；plain_greedy 决定整批能否走 greedy 快路径。
     # [ZH-END]
     params: SamplingParams
@@ -116,10 +120,12 @@ class Sampler:
     # [ZH-START]
     # 【职责】整批采样，每行用自己请求的参数；管理每请求状态（add_request / remove_request），
     # 暂存 logprobs 和失败原因供引擎取走（take_logprobs / take_error）。
-    # 【边界】不算 logits（ModelRunner / LM head）；不判定请求结束（EOS、max_tokens、SAMPLE_FAILED 都由
-    # Scheduler 处理）；不管 stop string（detokenizer 的事）；不抛异常结束整批，失败只落在单行上。
+    # 【边界】不算 logits（ModelRunner / LM head）；不判定请求结束（EOS、max_tokens、
+    # SAMPLE_FAILED 都由 Scheduler 处理）；不管 stop string（反分词进程的事）；
+    # 不抛异常结束整批，失败只落在单行上。
     # 【协作者】ModelRunner.run 调 __call__(logits, seqs)；LLMEngine.add_request 传入由
-    # build_logits_processors 建好的 processors；sample_rows / apply_penalties_ / filter_candidates / draw 是它的整批算子。
+    # build_logits_processors 建好的 processors；
+    # sample_rows / apply_penalties_ / filter_candidates / draw 是它的整批算子。
     # [ZH-END]
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0):
         self.vocab_size = vocab_size
@@ -171,9 +177,10 @@ class Sampler:
         # 1. blocked = stop_token_ids + （除非 ignore_eos）模型的 EOS id 列表。
         # 2. logit_bias 里有 id >= vocab_size 就抛 ValueError（add_request 时就拒绝，不等到采样）。
         # 3. 非 greedy 且给了 seed：建一个只属于这个请求的 Generator(seed)。
-        # 4. 组装 RequestState：只有 min_tokens > 0 时才建 min_tokens_blocked 张量；有 bias 才建 bias_ids / bias_values，
-        #    都放在采样器的设备上，之后每步直接 index_fill_ / index_add_；processors 里的 StructuredOutput
-        #    另记为 grammar（约束冲突时语法优先）。
+        # 4. 组装 RequestState：只有 min_tokens > 0 时才建 min_tokens_blocked 张量；
+        #    有 bias 才建 bias_ids / bias_values，都放在采样器的设备上，
+        #    之后每步直接 index_fill_ / index_add_；processors 里的 StructuredOutput 另记为
+        #    grammar（约束冲突时语法优先）。
         # [ZH-END]
         dev = self.device
         blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
@@ -215,15 +222,19 @@ class Sampler:
         """
         # [ZH-START]
         # 0. 先 masks.wait()：等 prepare 在前向期间启动的语法掩码算完。
-        # 1. 为每条序列取 RequestState（直接调用 runner、没经引擎 add 的序列用它自己的 params 临时建一份）。
-        # 2. 整批都是 plain_greedy（greedy 且无惩罚、processor、logprobs、bias、min_tokens）→ _greedy 快路径：
-        #    不复制、不算 softmax、不取随机数。
+        # 1. 为每条序列取 RequestState（直接调用 runner、没经引擎 add 的序列用它自己的
+        #    params 临时建一份）。
+        # 2. 整批都是 plain_greedy（greedy 且无惩罚、processor、logprobs、bias、
+        #    min_tokens）→ _greedy 快路径：不复制、不算 softmax、不取随机数。
         # 3. logits.float()（compute_logits 已是 float32，此处不复制，下面原地修改）。
-        # 4. 要 logprobs 的行先算 raw_logprobs = log_softmax，形状 (R, V)——取的是惩罚和约束之前的原始分布。
-        # 5. 有惩罚的行：apply_penalties_(这些行, prompt+输出 ids, 输出 ids, 各行的三个系数)；若取的是子集副本就写回 logits。
-        # 6. _constrain：bias、min_tokens 屏蔽、processors；出错或留下非有限值的行记进 failed {行号: 原因}。
-        # 7. 有失败行：tokens 先全填 SAMPLE_FAILED，只把好的行交给 _choose，失败行不参与抽样、不干扰别人；
-        #    否则整批 _choose。
+        # 4. 要 logprobs 的行先算 raw_logprobs = log_softmax，形状 (R, V)——
+        #    取的是惩罚和约束之前的原始分布。
+        # 5. 有惩罚的行：apply_penalties_(这些行, prompt+输出 ids, 输出 ids, 各行的三个系数)；
+        #    若取的是子集副本就写回 logits。
+        # 6. _constrain：bias、min_tokens 屏蔽、processors；出错或留下非有限值的行记进
+        #    failed {行号: 原因}。
+        # 7. 有失败行：tokens 先全填 SAMPLE_FAILED，只把好的行交给 _choose，失败行不参与抽样、
+        #    不干扰别人；否则整批 _choose。
         # 8. _check_ids：抽到的 id 不在 [0, vocab_size)（logits 比词表宽时可能发生）的行也算失败。
         # 9. 没失败的行把 logprobs 记进各自的 state。
         # 10. _report：转成 list，失败行改成 SAMPLE_FAILED 并记下 state.error、打 warning。
@@ -274,7 +285,8 @@ class Sampler:
         #    全是 -inf 时才落在 -inf 上，所以只检查这 B 个值就能发现坏行，不必扫 (B, V)。
         # 3. 有限且 < vocab_size 的保留，否则换成 SAMPLE_FAILED，tolist()——整步只有这一次设备同步。
         # 4. 没有失败直接返回。
-        # 5. 有失败（少见）：对非有限行用 _non_finite 写原因，再 _check_ids 标出越界 id，最后 _report。
+        # 5. 有失败（少见）：对非有限行用 _non_finite 写原因，
+        #    再 _check_ids 标出越界 id，最后 _report。
         # [ZH-END]
         tokens = logits.argmax(dim=-1)  # (B,)
         # argmax lands on a NaN or +inf when its row has one, and on -inf only when the row holds
@@ -307,13 +319,16 @@ class Sampler:
                    failed: dict[int, str]) -> None:
         """Apply each row's constraints; rows that fail them, or are left non-finite, go into `failed`."""
         # [ZH-START]
-        # 1. maskable = 有 processors，或 min_tokens 仍生效（输出数 < min_tokens）的行：只有它们可能把整行屏蔽光。
+        # 1. maskable = 有 processors，或 min_tokens 仍生效（输出数 < min_tokens）的行：
+        #    只有它们可能把整行屏蔽光。
         # 2. 先复制这些行 before (C, V)，以便撤销"什么都不剩"的屏蔽。
         # 3. 逐行 _apply_constraints；返回错误文本的行记进 failed。
         # 4. best = 每行 amax (B,)：NaN 表示有 NaN，+inf 表示有 +inf，-inf 表示一个 token 都不剩。
-        # 5. maskable 中未失败、best 为 -inf 的行：打 warning，从 before 恢复原行；有 response_format 的行再只套语法掩码
-        #    （语法优先：输出必须能解析），其余这一步不带约束采样；重算 best。
-        # 6. best 仍非有限的行记为失败（setdefault：processor 的报错优先），原因加上 "after penalties and constraints"。
+        # 5. maskable 中未失败、best 为 -inf 的行：打 warning，从 before 恢复原行；
+        #    有 response_format 的行再只套语法掩码（语法优先：输出必须能解析），
+        #    其余这一步不带约束采样；重算 best。
+        # 6. best 仍非有限的行记为失败（setdefault：processor 的报错优先），
+        #    原因加上 "after penalties and constraints"。
         # [ZH-END]
         maskable = [i for i, (seq, st) in enumerate(zip(seqs, states))
                     if st.processors or (st.min_tokens_blocked is not None and seq.num_output_tokens < st.params.min_tokens)]
@@ -345,8 +360,10 @@ class Sampler:
         # [ZH-START]
         # 1. 有 bias：logits[i].index_add_(bias_ids, bias_values)。
         # 2. 输出数 < min_tokens：把 min_tokens_blocked（stop token 和 EOS）填成 -inf。
-        # 3. 依次调用 processors(output_token_ids, row)，row 是 logits[i] 的视图；返回了别的张量就 copy_ 回 row。
-        # 4. processor 抛异常 → 返回 "logits processor <类名> raised <异常>"（最长 500 字符），由调用方把该行记为失败。
+        # 3. 依次调用 processors(output_token_ids, row)，row 是 logits[i] 的视图；
+        #    返回了别的张量就 copy_ 回 row。
+        # 4. processor 抛异常 → 返回 "logits processor <类名> raised <异常>"（最长 500 字符），
+        #    由调用方把该行记为失败。
         # 5. 一切正常返回 None。
         # [ZH-END]
         if st.bias_ids is not None:
@@ -368,7 +385,8 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         # [ZH-START]
         # 1. tokens = empty (B,)。
-        # 2. 按参数把行分三组：greedy（is_greedy）、filtered（0 < top_k < V、top_p < 1 或 min_p > 0）、plain（只有温度）。
+        # 2. 按参数把行分三组：greedy（is_greedy）、filtered（0 < top_k < V、
+        #    top_p < 1 或 min_p > 0）、plain（只有温度）。
         # 3. greedy 组直接 argmax。
         # 4. plain 和 filtered 各调一次 sample_rows（带各行的 Generator 和共享 Generator）：
         #    分开是为了不让只有温度的行陪着做整词表排序。
@@ -422,10 +440,12 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     Each row takes one uniform number: from its own generator if it has one, else from `shared`.
     """
     # [ZH-START]
-    # 1. 温度先转 float64，clamp 到 dtype 的 [tiny, max]，再转回 logits 的 dtype：1e-40 这种会变成 0 的温度不会除出 inf / NaN。
-    # 2. scaled = (logits - 行最大值) / 温度，形状 (R, V)：最优 token 变成 0，极小温度把其余推向 -inf，等价于 greedy。
-    # 3. 任何一行有过滤：top_k 为 0 或 >= V 的行按 V 处理，filter_candidates 得到候选 (R, W) 和对应 token id；
-    #    否则候选就是 scaled，ids 为 None。
+    # 1. 温度先转 float64，clamp 到 dtype 的 [tiny, max]，再转回 logits 的 dtype：
+    #    1e-40 这种会变成 0 的温度不会除出 inf / NaN。
+    # 2. scaled = (logits - 行最大值) / 温度，形状 (R, V)：最优 token 变成 0，极小温度把其余推向
+    #    -inf，等价于 greedy。
+    # 3. 任何一行有过滤：top_k 为 0 或 >= V 的行按 V 处理，filter_candidates 得到候选 (R, W) 和对应
+    #    token id；否则候选就是 scaled，ids 为 None。
     # 4. uniform (R,) float64 从共享 Generator 取；有种子的行再用自己的 Generator 取一个数覆盖，
     #    所以它的结果不受同批其他请求影响。
     # 5. choice = draw(candidates, uniform)；有过滤时经 ids.gather 映射回真实 token id，返回 (R,)。
@@ -472,13 +492,15 @@ def apply_penalties_(logits: torch.Tensor, token_ids: list[list[int]], output_id
     the tokens seen, not to the vocabulary.
     """
     # [ZH-START]
-    # 1. seen (R, L)：每行 prompt + 输出的 id，长度不足用本行第一个 id 补齐（同一值重复写入无影响）。
+    # 1. seen (R, L)：每行 prompt + 输出的 id，长度不足用本行第一个 id
+    #    补齐（同一值重复写入无影响）。
     # 2. repetition：取出这些位置的值，正的除以惩罚、负的乘以惩罚，scatter_ 回去；
     #    每个出现过的 token 只被惩罚一次，代价与 token 数成正比，与词表大小无关。
     # 3. 没有输出 token，或所有行 presence 和 frequency 都为 0，到此返回。
     # 4. out (R, Lo)：输出 ids 用 V 补齐后排序（补齐值排在最后）；real = out < V；
     #    first = 每组相同 id 中的第一个。
-    # 5. weight = -(frequency × real + presence × first)：出现 c 次的 token 共减 presence + c × frequency，补齐位为 0。
+    # 5. weight = -(frequency × real + presence × first)：出现 c 次的 token 共减
+    #    presence + c × frequency，补齐位为 0。
     # 6. scatter_add_ 到 out.clamp(max=V - 1)（补齐位加 0，无影响），原地返回 logits。
     # [ZH-END]
     dev = logits.device
@@ -513,7 +535,8 @@ def filter_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     # [ZH-START]
     # 1. W = 各行 top_k 的最大值（没有 top_k 的行记为 V）。
     # 2. 探测：若 W == V、V > 256，且每行的 k 要么 <= 256 要么是 V（没有 top_k），
-    #    先只取 topk(256) 调 _filter；每个无 top_k 行的保留集合都在这 256 个内结束，就直接返回，省掉整词表排序。
+    #    先只取 topk(256) 调 _filter；每个无 top_k 行的保留集合都在这 256 个内结束，
+    #    就直接返回，省掉整词表排序。
     # 3. 否则 W < V 时 topk(W)，W == V 时整词表降序 sort，再 _filter。
     # 4. 返回候选 logits 与 token id，都是 (R, W)，降序排列，被过滤的位置为 -inf。
     # [ZH-END]
@@ -532,13 +555,16 @@ def _filter(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, top_k
     """Mask sorted candidates (R, W); None if a row's set may extend past the W candidates."""
     # [ZH-START]
     # 1. 每行第 k 个之后的候选置 -inf（top_k）。
-    # 2. norm = 候选的 logsumexp (R, 1)；没有 top_k 的行改用整词表的 logsumexp（候选可能只是探测的 256 个）。
+    # 2. norm = 候选的 logsumexp (R, 1)；没有 top_k 的行改用整词表的 logsumexp（候选可能
+    #    只是探测的 256 个）。
     #    即 top_p / min_p 都在 top_k 重新归一化后的分布上判断。
     # 3. probs = exp(values - norm)，(R, W)。
-    # 4. top_p：某 token 之前的累计概率已 >= top_p 就丢掉；top_p == 1 的行不做此判断（舍入后的 cumsum 可能提前到 1）。
+    # 4. top_p：某 token 之前的累计概率已 >= top_p 就丢掉；top_p == 1 的行不做此判断（舍入后的
+    #    cumsum 可能提前到 1）。
     # 5. min_p：概率 < min_p × 最优 token 概率的丢掉。
     # 6. 第 0 列（最可能的 token）永远保留，哪怕 top_p 小到 1e-50。
-    # 7. W < V 时，若某个无 top_k 的行连最后一个候选都保留着，它的集合可能延续到 W 之外 → 返回 None 让调用方整词表排序。
+    # 7. W < V 时，若某个无 top_k 的行连最后一个候选都保留着，它的集合可能延续到 W 之外 → 返回 None
+    #    让调用方整词表排序。
     # 8. 返回 (丢弃位置填 -inf 的 values, ids)。
     # [ZH-END]
     dev, vocab, width = logits.device, logits.shape[1], values.shape[1]
@@ -588,7 +614,8 @@ def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[i
     # 1. chosen_lp = 选中 token 的 logprob，(R, 1)。
     # 2. rank = 严格大于它的个数 + 1（1 表示最可能）。
     # 3. n = 各行要的 top 数的最大值；n > 0 时 topk(n)，否则用空张量。
-    # 4. 每行组装 TokenLogprobs(token, logprob, rank, 前 k 个 id, 前 k 个 logprob)，k 是该行自己要的个数。
+    # 4. 每行组装 TokenLogprobs(token, logprob, rank, 前 k 个 id, 前 k 个 logprob)，
+    #    k 是该行自己要的个数。
     # [ZH-END]
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # (R, 1)
     ranks = (logprobs > chosen_lp).sum(dim=-1) + 1

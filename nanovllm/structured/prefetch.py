@@ -9,10 +9,13 @@ worker could not compute (it raised) is computed again, and its error reported, 
 thread: the result is the same either way, only the thread differs.
 """
 # [ZH-START]
-# 【模块定位】把语法掩码移出关键路径：第 t 步要用的掩码只取决于到 t-1 步为止的输出，前向开始前就已确定。
+# 【模块定位】把语法掩码移出关键路径：第 t 步要用的掩码只取决于到 t-1 步为止的输出，
+#   前向开始前就已确定。
 #   ModelRunner.run：Sampler.prepare(本步采样的序列) → MaskPrefetcher.start（工作线程填 bitmask）
-#     → 模型前向（与掩码计算重叠；llguidance 的 Rust 代码和 torch 都释放 GIL）→ Sampler.__call__ 先 wait 再套掩码。
-# 工作线程里算失败（抛异常）的就不管了：采样时在 step 线程上重算一遍，错误照常记到该请求上——结果与不重叠时完全相同。
+#     → 模型前向（与掩码计算重叠；llguidance 的 Rust 代码和 torch 都释放 GIL）
+#     → Sampler.__call__ 先 wait 再套掩码。
+# 工作线程里算失败（抛异常）的就不管了：采样时在 step 线程上重算一遍，错误照常记到该请求上——
+# 结果与不重叠时完全相同。
 # enabled=False 时不预取，掩码都在采样时算（对照测量、精确性测试用）。
 # [ZH-END]
 from __future__ import annotations
@@ -24,9 +27,12 @@ from typing import Any, Sequence
 class MaskPrefetcher:
     """Fills the grammar masks of one step on a worker thread, while that step's forward runs."""
     # [ZH-START]
-    # 【职责】一个工作线程（惰性创建）+ 至多一个未完成的批任务：start 提交本步所有带语法请求的 prepare，wait 等它完成。
-    # 【边界】不决定掩码内容（StructuredOutput.prepare）；不吞掉请求的错误（工作线程的异常丢弃，由采样时重算报告）。
-    # 【协作者】Sampler 持有一个（sampler.masks），Sampler.prepare 调 start，Sampler.__call__ 调 wait。
+    # 【职责】一个工作线程（惰性创建）+ 至多一个未完成的批任务：start 提交本步所有带语法请求的
+    # prepare，wait 等它完成。
+    # 【边界】不决定掩码内容（StructuredOutput.prepare）；不吞掉请求的错误（工作线程的异常丢弃，
+    # 由采样时重算报告）。
+    # 【协作者】Sampler 持有一个（sampler.masks），Sampler.prepare 调 start，
+    # Sampler.__call__ 调 wait。
     # [ZH-END]
 
     def __init__(self, enabled: bool = True):
