@@ -15,9 +15,10 @@ depth of a handler, and the next frame to that client must already find it gone.
 """
 # [ZH-START]
 # 【模块定位】反分词进程向客户端投递的部分：每个客户端按顺序收到什么，内存有界。
-#   本轮 drain 引擎 socket 得到的增量先进 outbox，同一请求的多步合并成一个增量，每个客户端发一个 StreamOutput；
-#   客户端 socket 放不下时帧按序排队在这里：每个客户端最多 max_pending_frames 帧，全体合计最多 max_pending_bytes 字节，
-#   超过字节预算先放弃排队最多的客户端；放弃过的客户端记一段时间，它回来时好告诉它哪些流丢了。
+#   本轮 drain 引擎 socket 得到的增量先进 outbox，同一请求的多步合并成一个增量，每个客户端发一个
+#   StreamOutput；客户端 socket 放不下时帧按序排队在这里：每个客户端最多 max_pending_frames 帧，
+#   全体合计最多 max_pending_bytes 字节，超过字节预算先放弃排队最多的客户端；
+#   放弃过的客户端记一段时间，它回来时好告诉它哪些流丢了。
 # 不碰 socket：帧经由 loop 给的 send 可调用对象发出（stage 里是 ROUTER，测试里是假的）；
 #   决定放弃客户端时调用 give_up，由 stage 去做整体的事（在引擎里 abort 它的请求）。
 # [ZH-END]
@@ -44,8 +45,10 @@ class ClientInfo:
     # [ZH-START]
     # 【职责】一个客户端的投递信息：最近一次收到它消息的时间、是否听到过它、
     # socket 暂时放不下而按序排队的帧及其字节数。
-    # 【边界】不保存请求（在途请求由 RequestStreams 按客户端索引）；队列长度受 max_pending_frames 限制。
-    # 【协作者】Delivery 创建和清理；stage 的 on_client_frames 通过 Delivery.heard_from 更新 last_seen。
+    # 【边界】不保存请求（在途请求由 RequestStreams 按客户端索引）；
+    # 队列长度受 max_pending_frames 限制。
+    # 【协作者】Delivery 创建和清理；stage 的 on_client_frames 通过
+    # Delivery.heard_from 更新 last_seen。
     # [ZH-END]
     last_seen: float
     heard: bool = False
@@ -61,7 +64,8 @@ class Delivery:
     # [ZH-START]
     # 【职责】客户端表（ClientInfo）、本轮 outbox、排队帧及两个预算、放弃过的客户端（gone）。
     # 【边界】不碰 socket、不认识请求状态：发送经由 send，放弃客户端经由 give_up 交给 stage 处理。
-    # 【协作者】DetokStage（给出 send / give_up，调用 stage_delta / send / flush_*）；DetokMetrics（排队字节）。
+    # 【协作者】DetokStage（给出 send / give_up，调用 stage_delta / send / flush_*）；
+    # DetokMetrics（排队字节）。
     # [ZH-END]
     def __init__(self, send: Send, give_up: Callable[[bytes, str], None], metrics: Any,
                  max_pending_frames: int = 1000, max_pending_bytes: int = 256 << 20):
@@ -129,8 +133,9 @@ class Delivery:
         # [ZH-START]
         # 1. 该客户端这一轮还没有这个请求的增量：直接记下。
         # 2. 已有且那个已是终止增量（客户端刚好复用了同一个 rid）：先把该客户端的积累发出，再记下。
-        # 3. 否则合并（DeltaRow 不可变，用 _replace 换成新行）：文本、打包的 token 直接拼接（顺序不变），
-        #    终止字段（finish_reason、usage、error）取新的，engine_dead 任一为真即真。
+        # 3. 否则合并（DeltaRow 不可变，用 _replace 换成新行）：文本、
+        #    打包的 token 直接拼接（顺序不变），终止字段（finish_reason、usage、error）取新的，
+        #    engine_dead 任一为真即真。
         # 4. 一个客户端积累超过 MAX_ROWS 个增量就立即发出，帧永远合法。
         # [ZH-END]
         box = self._outbox.setdefault(client, {})
@@ -162,8 +167,9 @@ class Delivery:
         # 1. outbox 里有该客户端本轮积累的增量：先发出（flush_client），顺序不乱。
         # 2. _send_frame：该客户端已有排队帧 → 追加到队尾，保证顺序；否则经 send 发送。
         # 3. 管道满（NO_ROOM）：排队（_queue）。
-        # 4. socket 不存在（ROUTER_MANDATORY 下的 EHOSTUNREACH）：本实例从没收到过它的消息（刚重启，它的请求先随引擎的
-        #    step / resync 到了，它还在重连）→ 也排队，来不来由客户端超时决定；收到过它的消息 → give_up。
+        # 4. socket 不存在（ROUTER_MANDATORY 下的 EHOSTUNREACH）：本实例从没收到过它的消息（刚重启，
+        #    它的请求先随引擎的 step / resync 到了，它还在重连）→ 也排队，来不来由客户端超时决定；
+        #    收到过它的消息 → give_up。
         # [ZH-END]
         if identity in self._outbox:  # what this pass already holds for it goes first
             self.flush_client(identity)
@@ -199,8 +205,9 @@ class Delivery:
         # [ZH-START]
         # 1. 帧追加到客户端的 pending，字节数记进它的 pending_bytes 和全体合计 pending_bytes。
         # 2. 超过 max_pending_frames（默认 1000）：认为客户端卡住了 → give_up，内存保持有界。
-        # 3. 全体合计超过 max_pending_bytes（默认 256 MiB）：放弃排队字节最多的客户端（通常就是最慢的那个），
-        #    直到合计回到预算内——一个不读的客户端不能让反分词进程的内存无限增长，也不会挤掉只积压了一点的客户端。
+        # 3. 全体合计超过 max_pending_bytes（默认 256 MiB）：放弃排队字节最多的客户端（通常就是最慢
+        #    的那个），直到合计回到预算内——一个不读的客户端不能让反分词进程的内存无限增长，
+        #    也不会挤掉只积压了一点的客户端。
         # [ZH-END]
         info.pending.append(frame)
         self._held(info, len(frame))
@@ -226,7 +233,8 @@ class Delivery:
     def flush_pending(self) -> None:
         # [ZH-START]
         # 1. 对每个有积压的客户端，按序发队头，成功才出队。
-        # 2. NO_ROOM：这个客户端还是满的，换下一个；socket 不存在 → 听到过它才 give_up（否则它可能还在重连，继续等）。
+        # 2. NO_ROOM：这个客户端还是满的，换下一个；socket 不存在 → 听到过它才 give_up（否则它可能
+        #    还在重连，继续等）。
         # [ZH-END]
         for identity, info in list(self.clients.items()):
             while info.pending:

@@ -11,10 +11,11 @@ do about it (end requests, tell every client, count a rejected frame).
 """
 # [ZH-START]
 # 【模块定位】反分词进程眼中的引擎：跟随哪个实例、它是否活着。
-#   引擎每 0.25 秒心跳，每条消息都带实例 id；跟随第一个听到的实例，别的实例的输出（死去引擎的残留或伪造）丢弃；
-#   心跳里出现新实例 = 旧实例死了（重启）：旧实例的请求结束。
+#   引擎每 0.25 秒心跳，每条消息都带实例 id；跟随第一个听到的实例，别的实例的输出（死去引擎的残留或
+#   伪造）丢弃；心跳里出现新实例 = 旧实例死了（重启）：旧实例的请求结束。
 #   跟随的引擎自己说要死、连接断开、或安静超过 timeout_s 且 socket 里没有它未读的帧 → 判死。
-# 不碰 socket：每个方法更新状态，返回 EngineEvent，告诉 loop 该做什么（结束请求、通知所有客户端、记拒绝帧）。
+# 不碰 socket：每个方法更新状态，返回 EngineEvent，告诉 loop 该做什么（结束请求、
+# 通知所有客户端、记拒绝帧）。
 # [ZH-END]
 from __future__ import annotations
 
@@ -45,10 +46,11 @@ class EngineEvent(NamedTuple):
 
 class EngineWatch:
     # [ZH-START]
-    # 【职责】跟随的引擎实例、alive（None：还没听到就绪的引擎 / 加载中）、状态、运行时长、统计、最近一次听到它的时间；
-    # 判断重启和死亡，返回 EngineEvent。
+    # 【职责】跟随的引擎实例、alive（None：还没听到就绪的引擎 / 加载中）、状态、运行时长、统计、
+    # 最近一次听到它的时间；判断重启和死亡，返回 EngineEvent。
     # 【边界】不发送、不持有请求；"socket 里有没有未读帧" 由 loop 查（overdue 之后）。
-    # 【协作者】DetokStage 把引擎消息、连接事件、超时检查交给它，按 EngineEvent 结束请求、广播 EngineStatus、记拒绝帧。
+    # 【协作者】DetokStage 把引擎消息、连接事件、超时检查交给它，按 EngineEvent 结束请求、
+    # 广播 EngineStatus、记拒绝帧。
     # [ZH-END]
     def __init__(self, timeout_s: float, metrics: Any):
         self.timeout_s, self.metrics = timeout_s, metrics
@@ -95,8 +97,8 @@ class EngineWatch:
         """A live message from engine `instance_id` (`state` from its heartbeat; outputs mean it is
         at least ready): a new instance means the old one died."""
         # [ZH-START]
-        # 1. 实例 id 与跟随的不同：若之前跟随过别的实例，记一次引擎重启，事件要求旧实例的所有请求以 "engine restarted"
-        #    报错（fail，spare = 新实例）；改为跟随新实例。
+        # 1. 实例 id 与跟随的不同：若之前跟随过别的实例，记一次引擎重启，事件要求旧实例的所有请求以
+        #    "engine restarted" 报错（fail，spare = 新实例）；改为跟随新实例。
         # 2. 没带状态（来自输出）时，有输出说明至少是 ready：沿用 ready / draining，否则设为 ready。
         # 3. alive = loading 时为 None（加载中不算死），否则 True；(alive, state) 有变化就记日志，
         #    事件要求向所有客户端广播 EngineStatus。

@@ -11,11 +11,12 @@ resumes refused, for the loop to answer.
 """
 # [ZH-START]
 # 【模块定位】反分词进程重启后不丢流：引擎的 resync 和客户端的 resume。
-#   新的反分词进程向引擎要回全部在途请求（DetokHello → Resync，带着每个请求至今的输出），在 RequestStreams 里重建、
-#   输出先累积；
+#   新的反分词进程向引擎要回全部在途请求（DetokHello → Resync，带着每个请求至今的输出），
+#   在 RequestStreams 里重建、输出先累积；
 #   客户端说出每条流已收到多少（Resume），流从那里继续；resume 期限内没人认领的在引擎里 abort。
 #   resync 完成前先到的 Resume 存在这里，所有客户端合计有行数上限。
-# 不碰 socket：每个调用返回 Outcome（给客户端的增量、给引擎的 abort）或被拒的 Resume，由 loop 去回答。
+# 不碰 socket：每个调用返回 Outcome（给客户端的增量、给引擎的 abort）
+# 或被拒的 Resume，由 loop 去回答。
 # [ZH-END]
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ Refusals = list[tuple[bytes, str]]
 
 class Recovery:
     # [ZH-START]
-    # 【职责】resync 重建（RequestStreams.resynced 在最后一帧置位）、客户端 Resume 的频率限制和应用、resume 期限、
-    # resync 前先到的 Resume。
-    # 【边界】不碰 socket；请求状态本身在 RequestStreams；被拒的 Resume 只作为返回值，由 stage 计数并回 ErrorOutput。
+    # 【职责】resync 重建（RequestStreams.resynced 在最后一帧置位）、
+    # 客户端 Resume 的频率限制和应用、resume 期限、resync 前先到的 Resume。
+    # 【边界】不碰 socket；请求状态本身在 RequestStreams；被拒的 Resume 只作为返回值，
+    # 由 stage 计数并回 ErrorOutput。
     # 【协作者】DetokStage（交给它 Resync、Resume、超时检查，按结果投递和 abort）；RequestStreams。
     # [ZH-END]
     def __init__(self, streams: RequestStreams, resume_window_s: float, max_early_rows: int = MAX_EARLY_RESUME_ROWS):
@@ -61,8 +63,8 @@ class Recovery:
         """A client's Resume: applied once the resync is complete, held until then, refused as a
         flood within RESUME_INTERVAL_S of its last. What to send and abort, and the resumes refused."""
         # [ZH-START]
-        # 1. 同一客户端 1 秒内（RESUME_INTERVAL_S）第二个 Resume：拒绝（正常客户端每遇到一个新的反分词进程只发一次；
-        #    一个 65,536 行的 Resume 要花 0.1–0.3 秒处理）。
+        # 1. 同一客户端 1 秒内（RESUME_INTERVAL_S）第二个 Resume：拒绝（正常客户端每遇到一个新的
+        #    反分词进程只发一次；一个 65,536 行的 Resume 要花 0.1–0.3 秒处理）。
         # 2. 已 resync：立刻 resume；还没 resync：hold 保存，返回它挤掉或放不下的 Resume。
         # [ZH-END]
         if now - self.last_resume.get(identity, float("-inf")) < RESUME_INTERVAL_S:
@@ -97,15 +99,19 @@ class Recovery:
         """Continue each listed stream from what the client has; abort what it no longer wants."""
         # [ZH-START]
         # 1. mine = 该客户端的全部请求（按客户端 rid 索引），waiting = 其中等待 resume 的。
-        # 2. 对客户端报上的每一行 [rid, 已收 token 数, 已收字符数]（同一 rid 重复列出只处理第一次）：
-        #    a. 不在 waiting 里：若客户端已收到过 token 而我们根本没有这个请求 → 错误增量（引擎已不持有它，
-        #       标 engine_dead）；跳过；
-        #    b. 在 waiting 里：清除等待标记，增量 = all_text[已收字符数:] 和 all_ids[已收 token 数:]，
-        #       已结束则带上 final；客户端报的比引擎至今报告的还多（引擎重启后续写的流：
-        #       新引擎会把续写起点之前的输出随第一个新 token 再报告一次），多出的部分记为 skip_tokens / skip_chars，
-        #       advance 以后从输出里截掉，不重复发送；释放累积缓冲；已结束就 finished。
-        # 3. 等待中但客户端没提到的请求：客户端已不要了 → _drop_unclaimed（未结束就在引擎里 abort）。
-        # 4. 增量都在 Outcome 里给这个客户端，调用方作为 StreamOutput 发出（超过帧大小上限就按顺序拆成几帧）。
+        # 2. 对客户端报上的每一行 [rid, 已收 token 数, 已收字符数]（同一 rid
+        #    重复列出只处理第一次）：
+        #    a. 不在 waiting 里：若客户端已收到过 token 而我们根本没有这个请求 → 错误增量（引擎已不
+        #       持有它，标 engine_dead）；跳过；
+        #    b. 在 waiting 里：清除等待标记，增量 = all_text[已收字符数:] 和 all_ids[已收 token
+        #       数:]，已结束则带上 final；客户端报的比引擎至今报告的还多（引擎重启后续写的流：
+        #       新引擎会把续写起点之前的输出随第一个新 token 再报告一次），多出的部分记为
+        #       skip_tokens / skip_chars，advance 以后从输出里截掉，不重复发送；
+        #       释放累积缓冲；已结束就 finished。
+        # 3. 等待中但客户端没提到的请求：客户端已不要了 → _drop_unclaimed（未结束
+        #    就在引擎里 abort）。
+        # 4. 增量都在 Outcome 里给这个客户端，调用方作为 StreamOutput 发出（超过帧大小上限
+        #    就按顺序拆成几帧）。
         # [ZH-END]
         streams, out = self.streams, Outcome()
         mine = {streams.requests[rid].client_request_id: rid for rid in streams.by_client.get(identity, ())}
@@ -164,8 +170,8 @@ class Recovery:
         refused to stay within `max_early_rows`, with why. The largest held go first, or this one
         if none is larger: a client resuming a few streams is never crowded out by a bigger one."""
         # [ZH-START]
-        # 1. 先去掉该客户端之前那份；合计放不下这份时，丢掉比它大的、最大的那几份（各自的客户端收到拒绝原因），
-        #    它自己最大就拒绝它自己并返回。
+        # 1. 先去掉该客户端之前那份；合计放不下这份时，丢掉比它大的、最大的那几份（各自的客户端收到
+        #    拒绝原因），它自己最大就拒绝它自己并返回。
         # 2. 放得下就记下；返回被拒的 (客户端, 原因) 列表，由 stage 计数并回 ErrorOutput。
         # [ZH-END]
         refused = []

@@ -28,21 +28,24 @@ is followed, restarts and death).
 """
 # [ZH-START]
 # 【模块定位】服务的最后一站，也是唯一向客户端发输出的进程。
-#   客户端 ──▶ 分词进程 ──▶ 引擎进程 ──PUSH──▶【反分词进程 detok_proc】──ROUTER──▶ 客户端 DEALER
-#   反方向只有一条：反分词进程 ──PUSH──▶ 引擎进程的 control socket
+#   客户端 → 分词进程 → 引擎进程 ─PUSH→【反分词进程 detok_proc】─ROUTER→ 客户端 DEALER
+#   反方向只有一条：反分词进程 ─PUSH→ 引擎进程的 control socket
 #   （abort：stop 命中 / 客户端消失；DetokHello），引擎再忙也读它
 # 把引擎每一步的输出变成文本增量（nanovllm.detokenize）。每读空一次引擎 socket，每个客户端合成一个
-# StreamOutput：跟得上时就是一步；落后时是这期间积下的几步，同一请求的几步合并成一个增量。按客户端路由 id 发出。
+# StreamOutput：跟得上时就是一步；落后时是这期间积下的几步，同一请求的几步合并成一个增量。
+# 按客户端路由 id 发出。
 # 它同时是服务的故障探测器：
-#   客户端每秒 ping；停止 ping 或 socket 消失（ROUTER_MANDATORY → EHOSTUNREACH）→ 在引擎里 abort 它的请求；
-#   引擎每 0.25 秒心跳；它说要死、连接断开、安静超过 engine_timeout_s 或换了实例 → 旧实例的请求全部报错，
-#   并通知所有客户端。
+#   客户端每秒 ping；停止 ping 或 socket 消失（ROUTER_MANDATORY 下的 EHOSTUNREACH）
+#   → 在引擎里 abort 它的请求；
+#   引擎每 0.25 秒心跳；它说要死、连接断开、安静超过 engine_timeout_s 或换了实例 → 旧实例的请求全部
+#   报错，并通知所有客户端。
 # 不读的客户端的帧在帧数和字节预算内排队，超过就 abort 它的请求；重启后不丢流（DetokHello → Resync，
 # 再由客户端 Resume）。
-# 本模块只是 loop 和接线：socket、poll 循环、hello 和超时的计时；状态都在不碰 socket 的类里，由 loop 的同一个线程运行：
-#   RequestStreams（streams.py：在途请求、反分词、stop string）、Recovery（recovery.py：重启后的 resync / resume）、
-#   Delivery（delivery.py：客户端、本轮 outbox、预算内的排队帧）、EngineWatch（engine_watch.py：跟随哪个引擎、
-#   重启与死亡）。
+# 本模块只是 loop 和接线：socket、poll 循环、hello 和超时的计时；状态都在不碰 socket 的类里，
+# 由 loop 的同一个线程运行：
+#   RequestStreams（streams.py：在途请求、反分词、stop string）、Recovery（recovery.py：
+#   重启后的 resync / resume）、Delivery（delivery.py：客户端、本轮 outbox、预算内的排队帧）、
+#   EngineWatch（engine_watch.py：跟随哪个引擎、重启与死亡）。
 # [ZH-END]
 from __future__ import annotations
 
@@ -85,12 +88,15 @@ swapped out, starved of CPU): the time beyond it counts toward no client's silen
 class DetokStage:
     # [ZH-START]
     # 【职责】loop 和接线：持有 socket（引擎 PULL、客户端 ROUTER、引擎 control PUSH）和 poll 循环，
-    # 把引擎消息交给 EngineWatch / RequestStreams，把它们的结果（增量、abort、EngineEvent）交给 Delivery 和引擎；
-    # 回答客户端的 ping / stats / resume；放弃客户端时协调三者；hello 重发、resume 期限、超时检查的计时。
-    # 【边界】请求状态、投递队列、引擎存活都不在这里，各在自己的类里（都不碰 socket）；只有这个类收发帧。
+    # 把引擎消息交给 EngineWatch / RequestStreams，把它们的结果（增量、abort、EngineEvent）
+    # 交给 Delivery 和引擎；回答客户端的 ping / stats / resume；放弃客户端时协调三者；hello 重发、
+    # resume 期限、超时检查的计时。
+    # 【边界】请求状态、投递队列、引擎存活都不在这里，各在自己的类里（都不碰
+    # socket）；只有这个类收发帧。
     # 【协作者】RequestStreams、Recovery、Delivery、EngineWatch；engine_proc（PULL 收输出，
     # PUSH 向它的 control socket 发 abort / DetokHello）；
-    # 客户端 DEALER（ROUTER，同一路由 id 两条连接）；PeerMonitor 看引擎连接；DetokMetrics、Notifier。
+    # 客户端 DEALER（ROUTER，同一路由 id 两条连接）；PeerMonitor 看引擎连接；
+    # DetokMetrics、Notifier。
     # [ZH-END]
     def __init__(self, tokenizer: Any, stream_endpoint: str, detok_endpoint: str, control_endpoint: str,
                  client_timeout_s: float = 5.0, engine_timeout_s: float = 3.0,
@@ -125,16 +131,17 @@ class DetokStage:
         # [ZH-START]
         # 1. poller 注册引擎 PULL、客户端 ROUTER 和引擎连接的监视 socket；notifier.ready。
         # 2. 循环，直到 flush.serving 返回 False：
-        #    a. stop 被置位后 flush 进入 draining，最多再花 1 秒把已排队的帧发给客户端（流活在引擎里，
-        #       新的反分词进程会 resync）；没有待发帧就退出；看门狗 tick、更新指标和 systemd 状态行；
-        #       有待发帧时 poll 10 ms，否则 100 ms；
+        #    a. stop 被置位后 flush 进入 draining，最多再花 1 秒把已排队的帧发给客户端（流活在引擎
+        #       里，新的反分词进程会 resync）；没有待发帧就退出；看门狗 tick、更新指标和 systemd
+        #       状态行；有待发帧时 poll 10 ms，否则 100 ms；
         #    b. 引擎有帧 → _drain_engine（逐条 on_engine_frames），之后 delivery.flush_outbox；
         #       客户端有帧 → _drain_clients；
-        #    c. 监视 socket 有事件且引擎已不在连接 → EngineWatch.connection_closed（听到过它且未判死才算死），
-        #       崩溃毫秒级发现；
-        #    d. 有待发帧 → delivery.flush_pending；check_timeouts(now)：客户端 / 引擎超时、hello 重发、
-        #       resume 期限、gone 过期。
-        # 3. 退出前再 flush_outbox 一次，把最后一轮的增量发出去；关闭所有 socket，再关 security（CURVE 认证）。
+        #    c. 监视 socket 有事件且引擎已不在连接 → EngineWatch.connection_closed（听到过它且未判死
+        #       才算死），崩溃毫秒级发现；
+        #    d. 有待发帧 → delivery.flush_pending；check_timeouts(now)：客户端 / 引擎超时、
+        #       hello 重发、resume 期限、gone 过期。
+        # 3. 退出前再 flush_outbox 一次，把最后一轮的增量发出去；关闭所有 socket，
+        #    再关 security（CURVE 认证）。
         # [ZH-END]
         poller = zmq.Poller()
         poller.register(self.from_engine, zmq.POLLIN)
@@ -187,11 +194,11 @@ class DetokStage:
 
     def on_engine_frames(self, frames: list[bytes]) -> None:
         # [ZH-START]
-        # 1. accept：恰好一帧、能解码、是 EngineStatus / StepOutput / Resync 之一；否则已按原因计数，
-        #    丢弃（引擎没有回复通道）。
+        # 1. accept：恰好一帧、能解码、是 EngineStatus / StepOutput / Resync 之一；
+        #    否则已按原因计数，丢弃（引擎没有回复通道）。
         # 2. EngineWatch.heard（心跳超时计时）。
-        # 3. EngineStatus → on_engine_status；StepOutput → 只有来自当前跟随的引擎实例（EngineWatch.outputs）才 on_step；
-        #    Resync → on_resync。
+        # 3. EngineStatus → on_engine_status；StepOutput → 只有来自当前跟随的引擎实例
+        #    （EngineWatch.outputs）才 on_step；Resync → on_resync。
         # [ZH-END]
         self.metrics.frame_received()
         msg = accept(frames, ENGINE_MESSAGES, self.rejects, "on the engine socket", "the detokenizer's engine socket")
@@ -227,10 +234,11 @@ class DetokStage:
 
     def on_step(self, step: p.StepOutput) -> None:
         # [ZH-START]
-        # 1. RequestStreams.step：started 行建请求，rejected 行成错误增量，outputs 行推进成增量；返回 Outcome。
+        # 1. RequestStreams.step：started 行建请求，rejected 行成错误增量，
+        #    outputs 行推进成增量；返回 Outcome。
         # 2. 新请求的客户端交给 Delivery 认识（它的静默从现在起计时，发不出去的帧可以排队）。
-        # 3. 增量放进 Delivery 的 outbox（stage_delta）：同一轮 drain 里同一请求的多步合并成一个增量，
-        #    这一轮处理完后 flush_outbox 给每个客户端发一个 StreamOutput。
+        # 3. 增量放进 Delivery 的 outbox（stage_delta）：同一轮 drain 里同一请求的多步合并成一个
+        #    增量，这一轮处理完后 flush_outbox 给每个客户端发一个 StreamOutput。
         #    原本认识、放入途中被放弃的客户端（它的请求已随之结束），剩下的增量不再放入；
         #    本来就不认识的客户端（例如只有一个被拒请求的）增量照样全部放入。
         # 4. Outcome 里的 abort（stop string 命中、孤儿输出）发给引擎。
@@ -261,7 +269,8 @@ class DetokStage:
 
     def _abort_in_engine(self, request_id: str) -> None:
         # [ZH-START]
-        # 1. 把 AbortReq(request_id) 用 NOBLOCK 推给引擎的 control socket（引擎再忙也读它，abort 不排在请求后面）。
+        # 1. 把 AbortReq(request_id) 用 NOBLOCK 推给引擎的 control socket（引擎再忙也读它，
+        #    abort 不排在请求后面）。
         # 2. zmq.Again 说明没有引擎连着：引擎不在，也就没有要 abort 的请求，记一行日志即可，
         #    绝不阻塞反分词进程的主循环。
         # [ZH-END]
@@ -275,8 +284,10 @@ class DetokStage:
     def on_resync(self, msg: p.Resync) -> None:
         # [ZH-START]
         # 1. 不是给本实例的回答、已经 resync 过、或不是当前跟随的引擎发来的：忽略。
-        # 2. Recovery.resync 重建条目（累积输出、等待 resume）；客户端交给 Delivery 认识；需要的 abort 发给引擎。
-        # 3. 最后一帧：把 resync 完成前先到的 Resume（Recovery.take_early）逐个应用——客户端还在的才应用。
+        # 2. Recovery.resync 重建条目（累积输出、等待 resume）；客户端交给 Delivery 认识；
+        #    需要的 abort 发给引擎。
+        # 3. 最后一帧：把 resync 完成前先到的 Resume（Recovery.take_early）逐个应用——
+        #    客户端还在的才应用。
         # [ZH-END]
         if (msg.detok_instance != self.instance_id or self.streams.resynced
                 or not self._act(self.engine.outputs(msg.instance_id))):
@@ -307,16 +318,18 @@ class DetokStage:
 
     def on_client_frames(self, identity: bytes, frames: list[bytes], key: str | None = None) -> None:
         # [ZH-START]
-        # 0. 开了 CURVE 而路由 id 不属于发送者的钥匙（claimed_id）：别的钥匙占了这个 id 的连接，发给这个 id 的输出
-        #    都会落到它手里——记 "claimed_id"、回错误，并 client_gone 放弃这个 id 的客户端（它的请求在引擎里 abort）。
+        # 0. 开了 CURVE 而路由 id 不属于发送者的钥匙（claimed_id）：别的钥匙占了这个 id 的连接，
+        #    发给这个 id 的输出都会落到它手里——记 "claimed_id"、回错误，并 client_gone 放弃这个 id
+        #    的客户端（它的请求在引擎里 abort）。
         # 1. 计数；Delivery.heard_from 更新（或新建）ClientInfo.last_seen——任何消息都算心跳。
-        # 2. _tell_if_given_up：我们放弃过的客户端又出现了，告诉它哪些流已丢。必须在建好 ClientInfo 之后：
-        #    因不读而被放弃的客户端管道多半还是满的，发不出去的帧要进它的 pending 排队，而不是被丢掉。
-        # 3. accept：不是恰好一帧、解不开、或不是 Ping / StatsReq / Resume → 已按原因计数，把返回的 ErrorOutput 发回
-        #    （类型不对的还告诉它请求应发到分词进程的端点）。
-        # 4. Ping → 回 Pong；本实例第一次听到它且引擎活着：再发 EngineStatus（EngineWatch.announcement）
-        #    说出跟随的引擎实例——客户端若记得另一个实例，就知道引擎重启过
-        #    （看到旧引擎死掉的反分词进程可能也一起死了）。
+        # 2. _tell_if_given_up：我们放弃过的客户端又出现了，告诉它哪些流已丢。必须在建好 ClientInfo
+        #    之后：因不读而被放弃的客户端管道多半还是满的，发不出去的帧要进它的 pending
+        #    排队，而不是被丢掉。
+        # 3. accept：不是恰好一帧、解不开、或不是 Ping / StatsReq / Resume → 已按原因计数，
+        #    把返回的 ErrorOutput 发回（类型不对的还告诉它请求应发到分词进程的端点）。
+        # 4. Ping → 回 Pong；本实例第一次听到它且引擎活着：
+        #    再发 EngineStatus（EngineWatch.announcement）说出跟随的引擎实例——
+        #    客户端若记得另一个实例，就知道引擎重启过（看到旧引擎死掉的反分词进程可能也一起死了）。
         #    StatsReq → StatsOutput；Resume → on_resume。
         # [ZH-END]
         self.metrics.frame_received()
@@ -365,11 +378,12 @@ class DetokStage:
 
     def client_gone(self, identity: bytes, why: str) -> None:
         # [ZH-START]
-        # 1. Recovery 忘掉它（先到的 Resume、上次 Resume 的时间）；Delivery.forget 移除 ClientInfo、outbox 和排队帧；
-        #    不认识的客户端直接返回。
+        # 1. Recovery 忘掉它（先到的 Resume、上次 Resume 的时间）；Delivery.forget 移除 ClientInfo、
+        #    outbox 和排队帧；不认识的客户端直接返回。
         # 2. RequestStreams.drop_client：它的每个请求丢掉指标、移除状态、记下客户端 rid；
         #    还没结束的在引擎里 abort（释放 KV 块）。
-        # 3. Delivery.remember_gone 记 (时间, 原因, 丢掉的 rid 列表)，最多 4096 个客户端，它回来时好告诉它。
+        # 3. Delivery.remember_gone 记 (时间, 原因, 丢掉的 rid 列表)，
+        #    最多 4096 个客户端，它回来时好告诉它。
         # [ZH-END]
         self.recovery.forget_client(identity)
         if self.delivery.forget(identity) is None:
@@ -388,7 +402,8 @@ class DetokStage:
         # 1. 客户端超过 client_timeout_s（默认 5 秒）没有任何消息 → client_gone。
         # 2. EngineWatch.overdue（听到过引擎、未判死、超过 engine_timeout_s 没有消息），
         #    且 socket 里也没有没读的帧（那是我们忙，不是它静默）→ 判死（引擎挂起）。
-        # 3. 还没 resync：每 0.5 秒（HELLO_INTERVAL_S）向引擎发一次 DetokHello，直到 Resync 到来；没有引擎时跳过。
+        # 3. 还没 resync：每 0.5 秒（HELLO_INTERVAL_S）向引擎发一次 DetokHello，
+        #    直到 Resync 到来；没有引擎时跳过。
         # 4. 过了 resume 期限：还在等 resume 的请求一律丢掉（未结束的在引擎里 abort）。
         # 5. gone 里超过 600 秒的记录从最旧的开始删除。
         # [ZH-END]

@@ -13,13 +13,13 @@ and the request ids to abort in the engine (as vLLM's OutputProcessor returns re
 """
 # [ZH-START]
 # 【模块定位】反分词进程的在途请求：把引擎的输出行变成每个客户端的文本增量。
-#   请求随引擎 step 的 started 行（meta 比它的第一个 token 先到，同一条有序管道）开始，每步一个 OutputRow 推进
-#   （增量反分词、stop string），以一个终止增量结束。
+#   请求随引擎 step 的 started 行（meta 比它的第一个 token 先到，同一条有序管道）开始，
+#   每步一个 OutputRow 推进（增量反分词、stop string），以一个终止增量结束。
 #   stop string 在这里命中也要在引擎里结束它；终止增量要等引擎的最后一行确认它已丢掉这个请求才发，
-#   这样客户端复用同一个 id 时引擎里一定没有旧请求。本 stage 重启后由 resync 重建的请求（recovery.py）在这里累积输出，
-#   等客户端的 Resume 说出已收到多少。
-# 不碰 socket：每个调用返回 Outcome——每个客户端的增量、要在引擎里 abort 的请求 id（如 vLLM OutputProcessor 的
-# reqs_to_abort）。
+#   这样客户端复用同一个 id 时引擎里一定没有旧请求。本 stage 重启后由 resync
+#   重建的请求（recovery.py）在这里累积输出，等客户端的 Resume 说出已收到多少。
+# 不碰 socket：每个调用返回 Outcome——每个客户端的增量、要在引擎里 abort 的请求 id（如 vLLM
+# OutputProcessor 的 reqs_to_abort）。
 # [ZH-END]
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def _terminal(reason: str, num_prompt: int, num_output: int, num_cached: int) ->
 
 class Final(NamedTuple):
     # [ZH-START]
-    # 【职责】一个请求的终止字段：finish_reason、usage（prompt / 输出 / 命中缓存的 token 数）、错误文本；
-    # delta() 把它们和最后一段文本、token 拼成一行终止 DeltaRow。
+    # 【职责】一个请求的终止字段：finish_reason、usage（prompt / 输出 / 命中缓存的 token 数）、
+    # 错误文本；delta() 把它们和最后一段文本、token 拼成一行终止 DeltaRow。
     # 【边界】不可变的值，不做 I/O；出错或 resync 等待期间，由调用方决定何时把它发出去。
     # 【协作者】finished()/error 路径创建；RequestStreams.advance 与 fail 用它结束一条流。
     # [ZH-END]
@@ -66,8 +66,8 @@ class Final(NamedTuple):
 class RequestState:
     # [ZH-START]
     # 【职责】本进程为一个在途请求保存的状态：所属客户端、客户端侧的请求 id（流的 wire id）、
-    # IncrementalDetokenizer、持有它的引擎实例；resync 重建后等待 Resume 期间累积的全部 token / 文本 / 终止字段；
-    # 最近的 token 计数。
+    # IncrementalDetokenizer、持有它的引擎实例；resync 重建后等待 Resume 期间累积的全部
+    # token / 文本 / 终止字段；最近的 token 计数。
     # 【边界】不保存 prompt 或采样参数（这些在引擎里）；不直接发送任何东西。
     # 【协作者】RequestStreams.start 创建，advance 每步推进，resume 在客户端报到后放出累积内容。
     # [ZH-END]
@@ -103,7 +103,8 @@ class RequestState:
 class Outcome:
     """What a call on `RequestStreams` asks the loop to do."""
     # [ZH-START]
-    # 【职责】RequestStreams 一次调用的结果：每个客户端按序的增量、要在引擎里 abort 的请求 id、新出现请求的客户端。
+    # 【职责】RequestStreams 一次调用的结果：每个客户端按序的增量、要在引擎里 abort 的请求 id、
+    # 新出现请求的客户端。
     # 【边界】只是数据；由 DetokStage 投递（step 的进 outbox 合并，其余立即发出）和发送 abort。
     # [ZH-END]
     deltas: dict[bytes, list[p.DeltaRow]] = field(default_factory=dict)
@@ -119,12 +120,14 @@ class Outcome:
 
 class RequestStreams:
     # [ZH-START]
-    # 【职责】全部在途请求（requests，按客户端索引 by_client）：开始、逐行推进（反分词、stop string 等引擎确认）、
-    # 结束与遗忘、整批报错（引擎死 / 重启）、客户端走了时丢掉它的请求、孤儿输出的一次性 abort。
+    # 【职责】全部在途请求（requests，按客户端索引 by_client）：开始、逐行推进（反分词、
+    # stop string 等引擎确认）、结束与遗忘、整批报错（引擎死 / 重启）、客户端走了时丢掉它的请求、
+    # 孤儿输出的一次性 abort。
     # 【边界】不碰 socket、不管客户端投递和引擎存活：结果放进 Outcome 交给 loop；指标照记；
-    #   resync 重建和 Resume 的应用在 Recovery（recovery.py），它用这里的 start / advance / finished / forget。
-    # 【协作者】DetokStage（把引擎 step、客户端离开、引擎事件交给它，按 Outcome 投递增量、发 abort）；Recovery；
-    #   IncrementalDetokenizer；DetokMetrics。
+    #   resync 重建和 Resume 的应用在 Recovery（recovery.py），
+    #   它用这里的 start / advance / finished / forget。
+    # 【协作者】DetokStage（把引擎 step、客户端离开、引擎事件交给它，按 Outcome 投递增量、
+    #   发 abort）；Recovery；IncrementalDetokenizer；DetokMetrics。
     # [ZH-END]
     def __init__(self, tokenizer: Any, metrics: Any):
         self.tokenizer, self.metrics = tokenizer, metrics
@@ -141,7 +144,8 @@ class RequestStreams:
     def step(self, step: p.StepOutput) -> Outcome:
         # [ZH-START]
         # 1. started 行：为每个新请求 start，建好反分词器，客户端记进 Outcome.clients。
-        # 2. rejected 行：按 meta.client / meta.client_request_id 生成错误增量（引擎拒绝的请求从这里告诉客户端）。
+        # 2. rejected 行：按 meta.client / meta.client_request_id 生成错误增量（引擎拒绝的请求
+        #    从这里告诉客户端）。
         # 3. outputs 行：逐行 advance，得到的增量按客户端放进 Outcome；整步的反分词耗时记一次指标。
         # [ZH-END]
         out = Outcome()
@@ -161,11 +165,11 @@ class RequestStreams:
     def start(self, request_id: str, meta: p.RequestMeta, engine: str, out: Outcome,
               resumed: bool = False) -> RequestState:
         # [ZH-START]
-        # 1. 用 RequestMeta 建 IncrementalDetokenizer：prompt_tail（prompt 最后几个 token）、skip_special_tokens、stop、
-        #    include_stop、min_tokens。
-        # 2. 建 RequestState(客户端身份, 客户端 rid, 反分词器, 引擎实例) 记进 requests 和 by_client；
-        #    续写的流（meta.have_tokens / have_chars，客户端已有的输出）记为 skip_tokens / skip_chars：
-        #    引擎会随第一个新 token 把它们再报告一次，advance 截掉。
+        # 1. 用 RequestMeta 建 IncrementalDetokenizer：prompt_tail（prompt 最后几个 token）、
+        #    skip_special_tokens、stop、include_stop、min_tokens。
+        # 2. 建 RequestState(客户端身份, 客户端 rid, 反分词器, 引擎实例) 记进 requests 和
+        #    by_client；续写的流（meta.have_tokens / have_chars，客户端已有的输出）
+        #    记为 skip_tokens / skip_chars：引擎会随第一个新 token 把它们再报告一次，advance 截掉。
         # 3. 指标记录开始时间（resync 重建的额外记下恢复时间）；客户端记进 out.clients。
         # [ZH-END]
         detok = IncrementalDetokenizer(
@@ -184,23 +188,27 @@ class RequestStreams:
         """The delta `row` makes for its client, with the request's state (None, None: nothing to
         send; it is held, or it is not ours). Aborts it needs go in `out`."""
         # [ZH-START]
-        # 1. 一行 OutputRow：id、打包的 token、finished、reason、prompt / output / cached 数、error。
+        # 1. 一行 OutputRow：id、打包的 token、finished、reason、
+        #    prompt / output / cached 数、error。
         # 2. 本地不认识这个请求（已结束、客户端已走、或比 resync 还早）：若引擎仍在生成且已 resync，
         #    就 abort 这个孤儿一次；返回 (None, None)。
         # 3. 解包 token，text = detok.add(token, finished)。
-        # 4. 反分词器命中 stop string：把终止字段（"stop"、此刻的 usage）存进 state.stopped（命中在引擎最后一行上、
-        #    或重启后 resync 里引擎已因旧 abort 结束的请求，也照 "stop" 结束）；引擎还没结束就把它放进 out.aborts，
+        # 4. 反分词器命中 stop string：把终止字段（"stop"、此刻的 usage）
+        #    存进 state.stopped（命中在引擎最后一行上、或重启后 resync 里引擎已因旧 abort
+        #    结束的请求，也照 "stop" 结束）；引擎还没结束就把它放进 out.aborts，
         #    这一行的文本照常发出，但终止增量要等引擎的最后一行（它确认已丢掉这个请求）到了才发——
         #    这样客户端收到终止增量后复用同一个 id，引擎里一定已经没有旧请求。
-        #    已 stopped 的请求：引擎之后的非最后行不发送（超过 1 秒就再 abort 一次，防止上次没送到）；
-        #    最后一行到了才结束。
-        # 5. 已结束：final = state.stopped，或 Final(finish_reason, Usage(prompt_tokens, completion_tokens,
-        #    cached_tokens))，有错误（或 reason 为 error）加 error。
-        # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，返回 (state, None)。
-        # 7. 有 skip_tokens / skip_chars（resume 时客户端已有、引擎将再报告的续写前缀）：先从 token 和文本开头截掉，
-        #    截完什么都不剩且没结束就返回 (state, None)。
-        # 8. 否则组装增量 DeltaRow(客户端 rid, text, token_ids（原样打包）)，已结束就由 final.delta 带上终止字段；
-        #    已结束就 finished（计指标、遗忘该请求）；返回 (state, 增量)，调用方按 state.client 路由。
+        #    已 stopped 的请求：引擎之后的非最后行不发送（超过 1 秒就再 abort 一次，
+        #    防止上次没送到）；最后一行到了才结束。
+        # 5. 已结束：final = state.stopped，或 Final(finish_reason, Usage(prompt_tokens,
+        #    completion_tokens, cached_tokens))，有错误（或 reason 为 error）加 error。
+        # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，
+        #    返回 (state, None)。
+        # 7. 有 skip_tokens / skip_chars（resume 时客户端已有、引擎将再报告的续写前缀）：
+        #    先从 token 和文本开头截掉，截完什么都不剩且没结束就返回 (state, None)。
+        # 8. 否则组装增量 DeltaRow(客户端 rid, text, token_ids（原样打包）)，已结束就由 final.delta
+        #    带上终止字段；已结束就 finished（计指标、遗忘该请求）；返回 (state, 增量)，
+        #    调用方按 state.client 路由。
         # [ZH-END]
         request_id, packed_ids, finished, finish_reason, num_prompt, num_output, num_cached, error = row
         state = self.requests.get(request_id)
@@ -294,10 +302,10 @@ class RequestStreams:
     def fail(self, why: str, spare: str | None = None) -> Outcome:
         """End every request with an error (`why`), but those held by engine instance `spare`."""
         # [ZH-START]
-        # 1. 遍历所有请求（持有它的引擎实例是 spare 的除外），生成错误增量（engine_dead=True），按客户端放进 Outcome，
-        #    并 finished(..., "error")。
-        #    例外：已被 stop string 结束、只差引擎确认、且不在等客户端 resume 的请求——文本已完整发出，
-        #    照 "stop" 结束（发它的 stopped 终止增量）。
+        # 1. 遍历所有请求（持有它的引擎实例是 spare 的除外），生成错误增量（engine_dead=True），
+        #    按客户端放进 Outcome，并 finished(..., "error")。
+        #    例外：已被 stop string 结束、只差引擎确认、且不在等客户端 resume 的请求——
+        #    文本已完整发出，照 "stop" 结束（发它的 stopped 终止增量）。
         # 2. 调用方把每个客户端的增量立即发出（排在该客户端本轮已积累的增量之后）。
         # [ZH-END]
         out = Outcome()

@@ -11,10 +11,12 @@ overtook its request on the control socket ends that request the moment it arriv
 """
 # [ZH-START]
 # 【模块定位】引擎 stage 的请求记账，纯状态：没有 socket、没有线程。
-#   主线程把输入线程收下的请求交给 queue、把 abort 交给 abort、把引擎每步的输出交给 record，再让 admit 准入放得下的；
-#   detokenizer 要知道的（开始、拒绝、结束）都记进同一个 StepMessages（带名字的行），由输出线程编码发出。
-#   准入闸门：引擎里最多 max_live 个、max_live_bytes 字节的请求，每个客户端不超过它的份额（ClientShares）；
-#   abort 把 backlog 里的请求立即拿出来；比请求先到的 abort 先记下，请求一到就结束它。
+#   主线程把输入线程收下的请求交给 queue、把 abort 交给 abort、把引擎每步的输出交给 record，
+#   再让 admit 准入放得下的；反分词进程要知道的（开始、拒绝、结束）都记进同一个 StepMessages（带
+#   名字的行），由输出线程编码发出。
+#   准入闸门：引擎里最多 max_live 个、max_live_bytes 字节的请求，
+#   每个客户端不超过它的份额（ClientShares）；abort 把 backlog 里的请求立即拿出来；
+#   比请求先到的 abort 先记下，请求一到就结束它。
 # [ZH-END]
 from __future__ import annotations
 
@@ -45,10 +47,12 @@ class Queued:
     """A request received and not yet admitted: its sampling parameters built by the input
     thread (off the step loop), its prompt still packed."""
     # [ZH-START]
-    # 【职责】收到、还没准入的一个请求：输入线程已建好它的采样参数（或记下为什么建不了），prompt 仍是打包的字节，
-    # 带着它的字节额度 nbytes（帧长 + 每个 prompt token 40 字节），从排队一直记到请求结束。
+    # 【职责】收到、还没准入的一个请求：输入线程已建好它的采样参数（或记下为什么建不了），
+    # prompt 仍是打包的字节，带着它的字节额度 nbytes（帧长 + 每个 prompt token 40 字节），
+    # 从排队一直记到请求结束。
     # 【边界】不做校验以外的事；准入、拒绝、abort 都由 Admission 决定。
-    # 【协作者】EngineStage._queued 创建；inbox / Admission.backlog 保存；Admission 的 admit、_add、abort 和 dequeued 回调使用它的 nbytes。
+    # 【协作者】EngineStage._queued 创建；inbox / Admission.backlog 保存；Admission 的 admit、_add、
+    # abort 和 dequeued 回调使用它的 nbytes。
     # [ZH-END]
     req: p.TokenizedReq
     params: Any
@@ -69,10 +73,12 @@ class StepMessages:
     here (a request aborted before admission ends at once). The admission code adds to it; the
     output thread turns it into `StepOutput` frames."""
     # [ZH-START]
-    # 【职责】主线程一轮要告诉 detokenizer 的全部：准入的请求（StartedRow，meta 总在它的第一个输出之前）、
-    # 被拒的（RejectedRow，带原因）、输出（引擎这一步的，加上未准入就被 abort、当场结束的）。
+    # 【职责】主线程一轮要告诉反分词进程的全部：准入的请求（StartedRow，
+    # meta 总在它的第一个输出之前）、被拒的（RejectedRow，带原因）、输出（引擎这一步的，
+    # 加上未准入就被 abort、当场结束的）。
     # 【边界】只是容器：不编码、不发送；输出线程把它变成一个或几个 StepOutput 帧。
-    # 【协作者】EngineStage.run_once 创建；Admission 的 queue / admit / abort 往里加；Output.loop 里 StreamHold 与 encode_step 取用。
+    # 【协作者】EngineStage.run_once 创建；Admission 的 queue / admit / abort 往里加；Output.loop 里
+    # StreamHold 与 encode_step 取用。
     # [ZH-END]
     started: list[p.StartedRow] = field(default_factory=list)
     rejected: list[p.RejectedRow] = field(default_factory=list)
@@ -84,12 +90,14 @@ class StepMessages:
 
 class Admission:
     # [ZH-START]
-    # 【职责】请求在引擎 stage 里的一生：backlog（收到、未准入，保持到达顺序）→ live（已加入引擎，记着 meta 和已输出 token）
-    # → FinishedRing（结束后保留一分钟，供重启的 detokenizer resync）；字节额度、客户端份额、提前到达的 abort、
-    # stage 自己 abort 的原因（abort_notes）。
+    # 【职责】请求在引擎 stage 里的一生：backlog（收到、未准入，保持到达顺序）
+    # → live（已加入引擎，记着 meta 和已输出 token）
+    # → FinishedRing（结束后保留一分钟，供重启的反分词进程 resync）；
+    # 还管字节额度、客户端份额、提前到达的 abort、stage 自己 abort 的原因（abort_notes）。
     # 【边界】不碰 socket、不开线程、不编码：要发的都放进调用方给的 StepMessages；
     # 输入线程那边的排队计数由 dequeued 回调退回（它在锁里）。只有主线程调用它。
-    # 【协作者】EngineStage.run_once / drain；LLMEngine（add_request、abort）；ClientShares；ledger 的 LiveRequest / FinishedRing。
+    # 【协作者】EngineStage.run_once / drain；LLMEngine（add_request、abort）；ClientShares；
+    # ledger 的 LiveRequest / FinishedRing。
     # [ZH-END]
 
     def __init__(self, max_live: int, max_live_bytes: int, shares: ClientShares, rejects: RejectLog,
@@ -126,12 +134,14 @@ class Admission:
     def queue(self, queued: Queued, sent: StepMessages, draining: bool = False) -> None:
         # [ZH-START]
         # 1. draining 且这个 id 没见过：计数减一，以 DRAINING 原因记进 sent.rejected。
-        # 2. id 已在 live / backlog 中，或是 resend 且在最近一分钟结束的请求里：忽略（第一次的那个有效）；
-        #    不是 resend 的重复记为 "duplicate" 拒绝帧。计数减一。
-        # 3. 这个客户端排队的已达 --max-queued-per-client：若它在引擎里的还没到 --max-live-per-client
-        #    （一批请求同时到，还没来得及准入），先 admit 再数一次；仍满 → 拒绝并说出限额。
+        # 2. id 已在 live / backlog 中，或是 resend 且在最近一分钟结束的请求里：
+        #    忽略（第一次的那个有效）；不是 resend 的重复记为 "duplicate" 拒绝帧。计数减一。
+        # 3. 这个客户端排队的已达 --max-queued-per-client：若它在引擎里的还没到
+        #    --max-live-per-client（一批请求同时到，还没来得及准入），先 admit 再数一次；
+        #    仍满 → 拒绝并说出限额。
         #    否则放进 backlog（OrderedDict，保持到达顺序）。
-        # 4. 它的 abort 已经先到（early_aborts 里，且不超过 EARLY_ABORT_S）：立即 abort：请求刚加入就结束，开始和结束在同一条输出里发出。
+        # 4. 它的 abort 已经先到（early_aborts 里，且不超过 EARLY_ABORT_S）：立即 abort：
+        #    请求刚加入就结束，开始和结束在同一条输出里发出。
         # [ZH-END]
         req = queued.req
         rid = req.request_id
@@ -167,7 +177,8 @@ class Admission:
         `max_live_bytes` (one is always admitted when none is live, whatever its size), passing
         over those whose client has its share live: they wait, the clients behind them do not."""
         # [ZH-START]
-        # 1. live 不到 max_live 个时，取 backlog 里最早的、其客户端还没占满 live 份额的请求（_next_admissible）；没有就停。
+        # 1. live 不到 max_live 个时，取 backlog 里最早的、其客户端还没占满 live
+        #    份额的请求（_next_admissible）；没有就停。
         # 2. 已有 live 请求且加上它会超过 max_live_bytes：停（没有 live 时总放一个，不管多大）。
         # 3. 移出 backlog、退回客户端的排队份额和输入线程的排队计数（dequeued），_add 加入引擎。
         # [ZH-END]
@@ -191,13 +202,14 @@ class Admission:
     def _add(self, queued: Queued, sent: StepMessages) -> None:
         # [ZH-START]
         # 1. 采样参数已由输入线程建好（queued.params）；建失败的（queued.error）直接走第 3 步。
-        # 2. 此时才把打包的 prompt 解成 list，engine.add_request(id, prompt ids, params, priority, output_prefix)；
-        #    output_prefix 是续写时客户端已收到的输出（引擎死后发给新引擎），它随第一个新 token 一起再报告一次。
-        # 3. 失败：ValueError / TypeError 是请求本身的问题（参数、超过 max_model_len、永远放不进 KV cache、词表外 id），
-        #    其他异常额外记 traceback；都作为 RejectedRow(id, meta, 错误) 发出，
-        #    并以 "error" 条目记进 FinishedRing，resync 时也知道它已结束。
-        # 4. 成功：_go_live 记进 live（连同它的字节额度），sent.started 加 StartedRow(id, meta)——detokenizer 在同一条有序管道上
-        #    先拿到 meta，再拿到第一个 token。
+        # 2. 此时才把打包的 prompt 解成 list，engine.add_request(id, prompt ids, params, priority,
+        #    output_prefix)；output_prefix 是续写时客户端已收到的输出（引擎死后发给新引擎），
+        #    它随第一个新 token 一起再报告一次。
+        # 3. 失败：ValueError / TypeError 是请求本身的问题（参数、超过 max_model_len、
+        #    永远放不进 KV cache、词表外 id），其他异常额外记 traceback；都作为 RejectedRow(id,
+        #    meta, 错误) 发出，并以 "error" 条目记进 FinishedRing，resync 时也知道它已结束。
+        # 4. 成功：_go_live 记进 live（连同它的字节额度），sent.started 加 StartedRow(id, meta)——
+        #    反分词进程在同一条有序管道上先拿到 meta，再拿到第一个 token。
         # [ZH-END]
         req, error = queued.req, queued.error
         if error is None:
@@ -222,7 +234,8 @@ class Admission:
     def abort(self, request_id: str, sent: StepMessages) -> None:
         # [ZH-START]
         # 1. 不在 backlog：在 live 里就 engine.abort(id)（幂等；最终输出由下一步产生）；
-        #    也不在 live、不在 FinishedRing：请求还没到（abort 走 control socket 超过了它），_remember_early_abort 记下。
+        #    也不在 live、不在 FinishedRing：请求还没到（abort 走 control socket 超过了它），
+        #    _remember_early_abort 记下。
         # 2. 在 backlog（从未准入）：移出、计数和字节额度退回；记进 live 并加入 started，再合成一个
         #    RequestOutput(finished=True, reason="abort", prompt 长度) 放进 sent.outputs 并 record——
         #    开始和结束在同一条输出里发出，客户端立刻得到终止增量，abort 不必等准入。
@@ -260,7 +273,8 @@ class Admission:
         # 2. 已结束且 abort_notes 里有它的原因（例如 drain 超时）→ 把原因写进 out.error。
         # 3. 追加新 token，更新 (prompt, output, cached) 计数。
         # 4. 已结束：移出 live、退回它的字节额度、shares.ended 让它的客户端少算一个在引擎里的请求，
-        #    把完整的 ResyncEntry(id, meta, 打包的全部 token, True, reason, 计数..., error) 记进 FinishedRing。
+        #    把完整的 ResyncEntry(id, meta, 打包的全部 token, True, reason, 计数..., error)
+        #    记进 FinishedRing。
         # [ZH-END]
         live = self.live.get(out.request_id)
         if live is None:

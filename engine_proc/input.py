@@ -6,9 +6,11 @@ for admission (the socket then fills and the tokenizer holds its clients back); 
 socket it reads whatever the load, so an abort never waits behind the requests that fill the queue.
 """
 # [ZH-START]
-# 【模块定位】引擎 stage 的输入线程：读 input socket（tokenizer 推来的请求）和 control socket（abort、DetokHello），
-# 检查每一帧，在这里（不占主线程）建好采样参数、编译 response_format（引擎自己的编译钩子），按到达顺序经 inbox 交给主线程。排队未准入的达到 max_queued 个或
-# max_queued_bytes 字节就停止读请求（socket 填满，tokenizer 挡住客户端）；control 一直读，abort 不会排在请求后面。
+# 【模块定位】引擎 stage 的输入线程：读 input socket（分词进程推来的请求）
+# 和 control socket（abort、DetokHello），检查每一帧，在这里（不占主线程）建好采样参数、
+# 编译 response_format（引擎自己的编译钩子），按到达顺序经 inbox 交给主线程。排队未准入的达到
+# max_queued 个或 max_queued_bytes 字节就停止读请求（socket 填满，分词进程挡住客户端）；
+# control 一直读，abort 不会排在请求后面。
 # [ZH-END]
 from __future__ import annotations
 
@@ -34,9 +36,12 @@ left unread for a moment (a flood of aborts during a long step cannot grow the i
 class Input:
     # [ZH-START]
     # 【职责】输入线程的全部状态：两个 PULL socket 和它们的 poller、inbox（本线程放、主线程取）、
-    # 排队计数（num_queued / queued_bytes：在 inbox 或 backlog 里、未准入的请求；num_control：inbox 里未取的控制消息），计数在锁里改。
-    # 【边界】不碰引擎、不做准入：请求何时离开排队由 Admission 经 dequeued 回调告诉它；主线程取走控制消息时调 took_control。
-    # 【协作者】EngineStage（建它、起线程、停机时置 stopping 并关 socket）；Admission（dequeued）；intake.accept / drain。
+    # 排队计数（num_queued / queued_bytes：在 inbox 或 backlog 里、未准入的请求；num_control：
+    # inbox 里未取的控制消息），计数在锁里改。
+    # 【边界】不碰引擎、不做准入：请求何时离开排队由 Admission 经 dequeued 回调告诉它；
+    # 主线程取走控制消息时调 took_control。
+    # 【协作者】EngineStage（建它、起线程、停机时置 stopping 并关 socket）；Admission（dequeued）；
+    # intake.accept / drain。
     # [ZH-END]
 
     def __init__(self, in_sock: zmq.Socket, control_sock: zmq.Socket, make_sampling, max_queued: int,
@@ -72,7 +77,8 @@ class Input:
     def loop(self) -> None:
         # [ZH-START]
         # 1. 直到 stopping：反复 _receive()。
-        # 2. 任何异常只记为 "internal" 拒绝帧：出了 bug 也只损失这一帧，输入线程（连带整个引擎）不会因此挂掉。
+        # 2. 任何异常只记为 "internal" 拒绝帧：出了 bug 也只损失这一帧，
+        #    输入线程（连带整个引擎）不会因此挂掉。
         # [ZH-END]
         while not self.stopping.is_set():
             try:
@@ -82,10 +88,13 @@ class Input:
 
     def _receive(self) -> None:
         # [ZH-START]
-        # 1. 已排队未准入的请求 >= max_queued 个，或其字节额度 >= max_queued_bytes：这一轮不读 input socket，
-        #    让它填满（这条管道的 HWM 只有 64 帧），tokenizer 就会停下来挡住客户端；poll 只等 10 ms 就重看额度。
-        # 2. control socket 一直读（abort、DetokHello 很小），除非 inbox 里还有 MAX_CONTROL_BACKLOG 条没被主线程取走。
-        # 3. poll：control 可读 → _receive_control（一次最多 256 帧）；input 可读 → _receive_request（一帧）。
+        # 1. 已排队未准入的请求 >= max_queued 个，或其字节额度 >= max_queued_bytes：这一轮不读 input
+        #    socket，让它填满（这条管道的 HWM 只有 64 帧），分词进程就会停下来挡住客户端；
+        #    poll 只等 10 ms 就重看额度。
+        # 2. control socket 一直读（abort、DetokHello 很小），除非 inbox 里还有
+        #    MAX_CONTROL_BACKLOG 条没被主线程取走。
+        # 3. poll：control 可读 → _receive_control（一次最多 256 帧）；
+        #    input 可读 → _receive_request（一帧）。
         # [ZH-END]
         full = self.num_queued >= self.max_queued or self.queued_bytes >= self.max_queued_bytes
         self._poller.modify(self.in_sock, 0 if full else zmq.POLLIN)
@@ -107,10 +116,12 @@ class Input:
 
     def _receive_request(self) -> None:
         # [ZH-START]
-        # 1. 收一条，经 _accept（intake.accept）只接受 TokenizedReq（abort 和 DetokHello 走 control socket），否则按原因计数后丢弃（对面只有 stage，没有回复通道）。
-        # 2. _queued：在这里（不占主线程）建好采样参数（allowed_token_ids 存成 4 字节一个的 array），
-        #    有 response_format 就经 check_format 编译（按文本缓存；帧可能没经过 tokenizer 的编译，编译不过即拒绝），
-        #    丢掉解出来的 sampling 大 list；prompt 保持打包；额度 = 帧长 + 每个 prompt token 40 字节。
+        # 1. 收一条，经 _accept（intake.accept）只接受 TokenizedReq（abort 和 DetokHello 走 control
+        #    socket），否则按原因计数后丢弃（对面只有 stage，没有回复通道）。
+        # 2. _queued：在这里（不占主线程）建好采样参数（allowed_token_ids 存成 4 字节一个的
+        #    array），有 response_format 就经 check_format 编译（按文本缓存；帧可能没经过分词进程
+        #    的编译，编译不过即拒绝），丢掉解出来的 sampling 大 list；prompt 保持打包；
+        #    额度 = 帧长 + 每个 prompt token 40 字节。
         #    在锁内把 num_queued 加一、queued_bytes 加上额度。
         # 3. 放进 inbox，保持到达顺序。
         # [ZH-END]

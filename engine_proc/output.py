@@ -4,9 +4,9 @@ steps a heartbeat every `heartbeat_s`. `StreamHold` (--stream-interval) holds a 
 so that, past its first, it streams several per row.
 """
 # [ZH-START]
-# 【模块定位】引擎 stage 的输出线程：主线程交来的 StepMessages、状态消息、resync 按顺序编码、推给 detokenizer；
-# 编码在这里做，不占主线程；两步之间每 heartbeat_s 发一次心跳。StreamHold（--stream-interval）按请求攒 token，
-# 第一个之后每行发几个。
+# 【模块定位】引擎 stage 的输出线程：主线程交来的 StepMessages、状态消息、resync 按顺序编码、
+# 推给反分词进程；编码在这里做，不占主线程；两步之间每 heartbeat_s 发一次心跳。
+# StreamHold（--stream-interval）按请求攒 token，第一个之后每行发几个。
 # [ZH-END]
 from __future__ import annotations
 
@@ -40,9 +40,10 @@ class StreamHold:
     resync, a status. Interval 1 holds nothing.
     """
     # [ZH-START]
-    # 【职责】输出线程里按请求攒 token：第一个输出立即发（TTFT 不变），之后每攒够 interval 个 token 才发一行，
-    # 结束的输出连同攒着的一起立即发；输出线程发任何别的消息（心跳、resync、状态）之前先把攒着的全部发出，
-    # 所以顺序不变，且攒着的 token 最多等一个心跳周期（heartbeat_s）。interval = 1 时什么都不攒。
+    # 【职责】输出线程里按请求攒 token：第一个输出立即发（TTFT 不变），之后每攒够 interval 个 token
+    # 才发一行，结束的输出连同攒着的一起立即发；输出线程发任何别的消息（心跳、resync、状态）
+    # 之前先把攒着的全部发出，所以顺序不变，且攒着的 token 最多等一个心跳周期（heartbeat_s）。
+    # interval = 1 时什么都不攒。
     # 【边界】只在输出线程里用（不加锁）；不改 token、不改计数——合并后的行用最后一个输出的计数，
     # token 按顺序拼接；不管 started / rejected 行（它们总是立即发）。
     # 【协作者】Output.loop：每个 StepMessages 调 take，发心跳 / Message / 退出前调 flush；
@@ -100,9 +101,12 @@ def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
 
 class Output:
     # [ZH-START]
-    # 【职责】输出线程的全部状态：outbox（主线程放、本线程取）、StreamHold、推送 socket、心跳节奏、放弃时间 give_up_at。
-    # 【边界】只在输出线程里跑（give_up_at 由主线程在停机时设置）；不碰引擎、不做准入；编码与打包都在这里。
-    # 【协作者】EngineStage（_emit 往 outbox 放，_shutdown 放 STOP 并设 give_up_at）；StreamHold；detok_proc 收它推出的帧。
+    # 【职责】输出线程的全部状态：outbox（主线程放、本线程取）、StreamHold、推送 socket、心跳节奏、
+    # 放弃时间 give_up_at。
+    # 【边界】只在输出线程里跑（give_up_at 由主线程在停机时设置）；不碰引擎、不做准入；
+    # 编码与打包都在这里。
+    # 【协作者】EngineStage（_emit 往 outbox 放，_shutdown 放 STOP 并设 give_up_at）；StreamHold；
+    # detok_proc 收它推出的帧。
     # [ZH-END]
 
     def __init__(self, sock: zmq.Socket, instance_id: str, heartbeat: Callable[[], p.EngineStatus],
@@ -122,11 +126,13 @@ class Output:
         # 1. next_heartbeat = 现在 + heartbeat_s（默认 0.25 秒）。
         # 2. 从 outbox 取一项，最多等到下次心跳；超时就生成一个 EngineStatus(alive=True) 作为心跳。
         # 3. 取到 STOP → 先发出 StreamHold 攒着的输出，退出线程。
-        # 4. Message（心跳、状态、resync）：先发出攒着的输出（顺序不变），是 EngineStatus 就重置心跳计时，再 encode 发送。
-        # 5. StepMessages：输出先过 StreamHold.take（--stream-interval 攒 token），再交给 encode_step
-        #    （打包在这个线程做，不占主线程）；什么都不用发就不发帧。过了放弃时间的帧发不出去就丢，但队列照样清空。
-        # 6. 引擎很忙、一直有 step 时，到点也额外发一次心跳（之前同样先发攒着的），detokenizer 才能持续拿到统计并确认存活；
-        #    攒着的 token 因此最多等一个心跳周期。
+        # 4. Message（心跳、状态、resync）：先发出攒着的输出（顺序不变），是 EngineStatus
+        #    就重置心跳计时，再 encode 发送。
+        # 5. StepMessages：输出先过 StreamHold.take（--stream-interval 攒 token），
+        #    再交给 encode_step（打包在这个线程做，不占主线程）；什么都不用发就不发帧。
+        #    过了放弃时间的帧发不出去就丢，但队列照样清空。
+        # 6. 引擎很忙、一直有 step 时，到点也额外发一次心跳（之前同样先发攒着的），
+        #    反分词进程才能持续拿到统计并确认存活；攒着的 token 因此最多等一个心跳周期。
         # [ZH-END]
         next_heartbeat = time.monotonic() + self.heartbeat_s
         while True:
@@ -166,7 +172,8 @@ class Output:
         stopping, give up after `SHUTDOWN_SEND_S` so a vanished detokenizer cannot hold us."""
         # [ZH-START]
         # 1. NOBLOCK 推一帧，成功返回 True。
-        # 2. zmq.Again（到达 HWM，detokenizer 慢）：超过 _give_up_at 返回 False；否则 poll POLLOUT 100 ms 再试。
+        # 2. zmq.Again（到达 HWM，反分词进程慢）：超过 _give_up_at 返回 False；
+        #    否则 poll POLLOUT 100 ms 再试。
         # [ZH-END]
         while True:
             try:
@@ -182,10 +189,11 @@ class Output:
         loop). One frame, unless it would exceed the frame limit (a step that starts many requests
         whose meta carries long stop strings): then several, in order, started rows first."""
         # [ZH-START]
-        # 1. 每个输出变成一个 OutputRow(id, 打包的新 token, finished, reason, prompt 数, output 数, cached 数, error)，
-        #    token 打包是每请求一次 C 调用，没有逐 token 的 Python 循环。
+        # 1. 每个输出变成一个 OutputRow(id, 打包的新 token, finished, reason, prompt 数, output 数,
+        #    cached 数, error)，token 打包是每请求一次 C 调用，没有逐 token 的 Python 循环。
         # 2. 连同引擎实例 id、started、rejected 组成 StepOutput 帧：通常一帧；超过帧大小上限
-        #    （一步开始了很多带长 stop 字符串的请求）就用 frames_within 按顺序拆成几帧，started 仍在前。
+        #    （一步开始了很多带长 stop string 的请求）就用 frames_within
+        #    按顺序拆成几帧，started 仍在前。
         # [ZH-END]
         rows = [p.OutputRow(o.request_id, p.pack_token_ids(o.new_token_ids), o.finished, o.finish_reason,
                             o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, error_text(o)) for o in step.outputs]

@@ -30,27 +30,32 @@ outgrow the budgets; a prompt stays packed (4 bytes a token) until its request i
 """
 # [ZH-START]
 # 【模块定位】服务的中间站：把 LLMEngine.step() 包成一个独立进程。
-#   客户端 → tokenizer_proc ─PUSH→【engine_proc：准入、调度循环、模型一步】─PUSH→ detok_proc → 客户端
-#   两个 PULL：input 只收 tokenizer 的请求；control 收 tokenizer 与 detok_proc 推来的 abort 和 DetokHello
-# 整个服务的 socket（──▶ 数据方向；═══▶ 中止 / 控制路径，引擎再忙也读）：
-#   客户端 DEALER(请求) ──GenerateReq / AbortReq──▶ ROUTER 分词进程
-#   分词进程 PUSH ──TokenizedReq──▶ PULL input   引擎进程
-#   分词进程 PUSH ═══AbortReq═════▶ PULL control 引擎进程（客户端的取消）
-#   引擎进程 PUSH ──StepOutput / EngineStatus 心跳──▶ PULL 反分词进程
-#   反分词进程 PUSH ═══AbortReq（停止串命中、客户端消失）/ DetokHello═══▶ PULL control 引擎进程
-#   反分词进程 ROUTER ──StreamOutput──▶ DEALER(流) 客户端；客户端 ping 也走这条连接反方向
+#   客户端 → tokenizer_proc ─PUSH→【engine_proc：准入、调度循环、模型一步】
+#     ─PUSH→ detok_proc → 客户端
+#   两个 PULL：input 只收 tokenizer_proc 的请求；control 收 tokenizer_proc 与 detok_proc 推来的
+#   abort 和 DetokHello
+# 整个服务的 socket（→ 数据方向；⇒ abort / 控制路径，引擎再忙也读）：
+#   客户端 DEALER(请求) ─GenerateReq / AbortReq→ ROUTER 分词进程
+#   分词进程 PUSH ─TokenizedReq→ PULL input   引擎进程
+#   分词进程 PUSH ═AbortReq⇒ PULL control 引擎进程（客户端的取消）
+#   引擎进程 PUSH ─StepOutput / EngineStatus 心跳→ PULL 反分词进程
+#   反分词进程 PUSH ═AbortReq（stop string 命中、客户端消失）/ DetokHello⇒ PULL control 引擎进程
+#   反分词进程 ROUTER ─StreamOutput→ DEALER(流) 客户端；客户端 ping 也走这条连接反方向
 # 三个线程，让 socket I/O 与 msgpack 编解码和模型计算重叠（torch 计算时释放 GIL）：
-#   输入线程：收帧、解码、检查、建采样参数 → inbox（保持到达顺序）；未准入的请求（inbox 与 backlog 里的合计）
-#     满 max_queued 个或 max_queued_bytes 字节时
-#     停止读 input socket，但 control 一直读：abort 不会排在塞满队列的请求后面。代价是 abort 可能比它的请求先到，
-#     所以引擎没见过的 id 的 abort 记 EARLY_ABORT_S 秒，请求一到就立即结束它；
+#   输入线程：收帧、解码、检查、建采样参数 → inbox（保持到达顺序）；未准入的请求
+#     （inbox 与 backlog 里的合计）满 max_queued 个或 max_queued_bytes 字节时停止读 input socket，
+#     但 control 一直读：abort 不会排在塞满队列的请求后面。
+#     代价是 abort 可能比它的请求先到，所以引擎没见过的 id 的 abort 记 EARLY_ABORT_S 秒，
+#     请求一到就立即结束它；
 #   主线程：应用请求与 abort，跑一步，把原始输出交给 outbox；
-#   输出线程：每步编码一个 StepOutput 推出去；空闲时每 heartbeat_s 发 EngineStatus 心跳，退出前最后发 alive=False。
+#   输出线程：每步编码一个 StepOutput 推出去；空闲时每 heartbeat_s 发 EngineStatus 心跳，
+#   退出前最后发 alive=False。
 # 每个已接受的请求都记账（meta + 已输出 token），结束后再保留一分钟（FinishedRing），
-# 重启的 detokenizer 发 DetokHello 就能拿回全部（Resync），客户端的流得以继续。
-# 内存按字节也有上限：每个请求记一笔额度 = 帧长 + 每个 token 40 字节（ledger.request_bytes）；token 数是
-# prompt 加上 output_ids——续传的请求（Resume）带着已输出的 token，这部分也计入，
-# 排队的不超过 max_queued_bytes、准入的不超过 max_live_bytes；prompt 在准入前一直保持打包（4 字节一个）。
+# 重启的反分词进程发 DetokHello 就能拿回全部（Resync），客户端的流得以继续。
+# 内存按字节也有上限：每个请求记一笔额度 = 帧长 + 每个 token 40 字节（ledger.request_bytes）；
+# token 数是 prompt 加上 output_ids——续传的请求（Resume）带着已输出的 token，这部分也计入，
+# 排队的不超过 max_queued_bytes、准入的不超过 max_live_bytes；
+# prompt 在准入前一直保持打包（4 字节一个）。
 # [ZH-END]
 from __future__ import annotations
 
@@ -89,14 +94,16 @@ not reading (or gone) before it gives up and exits."""
 
 class EngineStage:
     # [ZH-START]
-    # 【职责】引擎进程的外壳：sockets 与三个线程的接线——输入线程收帧、建采样参数进 inbox（inbox 与 backlog 里
-    # 未准入的请求满 max_queued 个或 max_queued_bytes 字节就停止读输入）；主线程把 inbox 交给 Admission（准入、abort、记账），跑一步，把 StepMessages
-    # 交给输出线程（Output）；DetokHello 的 resync 节奏；心跳里的统计；draining 与关停。
-    # 【边界】请求记账在 Admission、编码与发送在 Output，这里只接线；不分词也不反分词；不直接回复客户端
-    # （没有回复通道，拒绝理由作为 RejectedRow 随 step 发给 detokenizer）；只有主线程碰 engine 对象，
-    # 唯一例外是输入线程经 _compile_format 调线程安全的 engine.compile_response_format（编译钩子）。
-    # 【协作者】tokenizer_proc（请求推到 input PULL，abort 推到 control PULL）与 detok_proc（abort、DetokHello 推到 control）；
-    # Admission、Output、LLMEngine；EngineMetrics、Notifier（systemd）。
+    # 【职责】引擎进程的外壳：sockets 与三个线程的接线——输入线程收帧、建采样参数进 inbox（inbox 与
+    # backlog 里未准入的请求满 max_queued 个或 max_queued_bytes 字节就停止读输入）；主线程把 inbox
+    # 交给 Admission（准入、abort、记账），跑一步，把 StepMessages 交给输出线程（Output）；
+    # DetokHello 的 resync 节奏；心跳里的统计；draining 与关停。
+    # 【边界】请求记账在 Admission、编码与发送在 Output，这里只接线；不分词也不反分词；
+    # 不直接回复客户端（没有回复通道，拒绝理由作为 RejectedRow 随 step 发给反分词进程）；
+    # 只有主线程碰 engine 对象，唯一例外是输入线程经 _compile_format 调线程安全的
+    # engine.compile_response_format（编译钩子）。
+    # 【协作者】tokenizer_proc（请求推到 input PULL，abort 推到 control PULL）与 detok_proc（abort、
+    # DetokHello 推到 control）；Admission、Output、LLMEngine；EngineMetrics、Notifier（systemd）。
     # [ZH-END]
     def __init__(self, engine: Any | None, make_sampling, input_endpoint: str, output_endpoint: str,
                  control_endpoint: str, heartbeat_s: float = 0.25, max_live: int = 4096, max_queued: int = 4096,
@@ -159,10 +166,13 @@ class EngineStage:
         stage was made without one (heartbeats say "loading" meanwhile). Returns the exit code."""
         # [ZH-START]
         # 1. 启动输入、输出线程（此时已能收帧和发 "loading" 心跳）。
-        # 2. 还没有引擎就调 load_engine() 加载；失败（模型不存在、配置错误）→ _shutdown("cannot start ...") 告诉所有人，返回 1。
-        # 3. 挂上指标的 post-step 钩子，状态设为 ready；先 notifier.ready（监管者先知道），再发一次存活状态。
+        # 2. 还没有引擎就调 load_engine() 加载；失败（模型不存在、
+        #    配置错误）→ _shutdown("cannot start ...") 告诉所有人，返回 1。
+        # 3. 挂上指标的 post-step 钩子，状态设为 ready；
+        #    先 notifier.ready（监管者先知道），再发一次存活状态。
         # 4. stop 未置位就不断 run_once()；置位后 drain() 得到关停原因。
-        # 5. 循环里任何异常 = 引擎坏了：记 traceback，退出码 1，原因 "engine crashed: ..."（supervisor 会重启本进程）。
+        # 5. 循环里任何异常 = 引擎坏了：记 traceback，退出码 1，
+        #    原因 "engine crashed: ..."（supervisor 会重启本进程）。
         # 6. _shutdown(reason) 最后发 alive=False，返回退出码。
         # [ZH-END]
         self._stop = stop
@@ -200,11 +210,12 @@ class EngineStage:
         abort the rest, saying why. Returns the shutdown reason."""
         # [ZH-START]
         # 1. 状态设为 draining；deadline = _start_drain_clock()（默认 30 秒，只在第一次确定）。
-        # 2. 发一次 draining 状态：客户端看到后不再发新请求；新到的请求在 Admission.queue 里回 DRAINING。
+        # 2. 发一次 draining 状态：客户端看到后不再发新请求；
+        #    新到的请求在 Admission.queue 里回 DRAINING。
         # 3. 只要还有 live 或 backlog 且未到期限，就继续 run_once()，让在途请求正常跑完。
         # 4. 全部结束 → 返回 "engine shut down after draining"。
-        # 5. 到期仍有剩余：为每个请求在 Admission.abort_notes 记下原因，经 input.put_control 放入 AbortReq；
-        #    再 run_once() 3 次，让这些 abort 的最终输出（带原因）发出去。
+        # 5. 到期仍有剩余：为每个请求在 Admission.abort_notes 记下原因，经 input.put_control 放入
+        #    AbortReq；再 run_once() 3 次，让这些 abort 的最终输出（带原因）发出去。
         # [ZH-END]
         self._set_state("draining")
         deadline = self._start_drain_clock()
@@ -231,13 +242,17 @@ class EngineStage:
         # [ZH-START]
         # 1. 任一 I/O 线程已死 → RuntimeError（无法再收发，按引擎崩溃处理）。
         # 2. notifier.tick() 放在主循环里：一步卡死时看门狗就停了，systemd 能发现。
-        # 3. idle = 引擎没有未完成请求且 backlog 为空：此时 _take_inbox 最多阻塞 50 ms 等消息，否则不等。
+        # 3. idle = 引擎没有未完成请求且 backlog 为空：此时 _take_inbox 最多阻塞
+        #    50 ms 等消息，否则不等。
         # 4. _take_inbox：按到达顺序应用请求（进 backlog）、abort、DetokHello。
-        # 5. Admission.admit：backlog 中最早的请求依次加入引擎，直到 live 达到 max_live 个或 max_live_bytes 字节（没有 live 时总放一个）；
-        #    客户端已有 --max-live-per-client 个在引擎里的，它的请求先跳过，后面别的客户端的照常准入。
+        # 5. Admission.admit：backlog 中最早的请求依次加入引擎，直到 live 达到 max_live 个或
+        #    max_live_bytes 字节（没有 live 时总放一个）；客户端已有 --max-live-per-client
+        #    个在引擎里的，它的请求先跳过，后面别的客户端的照常准入。
         # 6. 引擎有未完成请求就 step()，每个输出由 Admission.record 记账。
-        # 7. 本步输出追加到 sent.outputs（其中已有未准入就被 abort 的请求的终止输出）；有输出才计一步。
-        # 8. 汇总 stats（引擎统计 + live / queued / 步数 / 拒绝帧数）存进 latest_stats（心跳会带上），更新指标和 systemd 状态行（含 KV cache 占用率）。
+        # 7. 本步输出追加到 sent.outputs（其中已有未准入就被 abort
+        #    的请求的终止输出）；有输出才计一步。
+        # 8. 汇总 stats（引擎统计 + live / queued / 步数 / 拒绝帧数）
+        #    存进 latest_stats（心跳会带上），更新指标和 systemd 状态行（含 KV cache 占用率）。
         # 9. sent（StepMessages：started / rejected / outputs）非空就交给输出线程（编码在那边做）。
         # 10. 有待答的 hello 且距上次 resync 已满 1 秒 → _send_resync。
         # [ZH-END]
@@ -267,10 +282,13 @@ class EngineStage:
 
     def _take_inbox(self, block: bool, sent: StepMessages) -> None:
         # [ZH-START]
-        # 1. block 时第一条消息最多等 0.05 秒，否则不等；取到一条后改为不等，把 inbox 里现有的一次取完。
+        # 1. block 时第一条消息最多等 0.05 秒，否则不等；取到一条后改为不等，
+        #    把 inbox 里现有的一次取完。
         # 2. Queued（输入线程包好的请求）→ Admission.queue（被拒的直接记进 sent.rejected）。
-        # 3. AbortReq → Admission.abort（abort 来自 control socket，可能比它的请求先到：那时它记下这个 id，请求到了再结束）。
-        # 4. DetokHello → 记下最新的 detokenizer 实例 id；与上次服务过的实例不同就计一次 detokenizer 重启。
+        # 3. AbortReq → Admission.abort（abort 来自 control socket，可能比它的请求先到：
+        #    那时它记下这个 id，请求到了再结束）。
+        # 4. DetokHello → 记下最新的反分词进程实例 id；
+        #    与上次服务过的实例不同就计一次反分词进程重启。
         # [ZH-END]
         timeout = 0.05 if block else 0.0
         while True:
@@ -295,10 +313,12 @@ class EngineStage:
         hello only: a resync can be thousands of entries, and a hello is a few bytes anyone who
         reaches the engine's port could repeat (a real detokenizer repeats its hello until answered)."""
         # [ZH-START]
-        # 1. 清掉待答 hello，下次最早 1 秒后（RESYNC_INTERVAL_S）：hello 只有几个字节，谁都能重复发，resync 可能有几千条。
-        # 2. 条目 = 每个 live 请求的 ResyncEntry(id, meta, 已输出 token, False, None, 计数..., None) + FinishedRing 里最近结束的。
-        # 3. 每 256 条（RESYNC_CHUNK）一帧，超过帧大小上限（meta 里的长 stop 字符串）的再用 frames_within 对半拆，
-        #    最后一帧 last=True；没有条目也发一个空的最后帧。
+        # 1. 清掉待答 hello，下次最早 1 秒后（RESYNC_INTERVAL_S）：hello 只有几个字节，
+        #    谁都能重复发，resync 可能有几千条。
+        # 2. 条目 = 每个 live 请求的 ResyncEntry(id, meta, 已输出 token, False, None, 计数...,
+        #    None) + FinishedRing 里最近结束的。
+        # 3. 每 256 条（RESYNC_CHUNK）一帧，超过帧大小上限（meta 里的长 stop string）
+        #    的再用 frames_within 对半拆，最后一帧 last=True；没有条目也发一个空的最后帧。
         # 4. 经 _emit 进 outbox，与 step 同一管道，所以 resync 与后续 step 的顺序有保证。
         # [ZH-END]
         self._hello, self._next_resync_at = None, time.monotonic() + RESYNC_INTERVAL_S
@@ -324,9 +344,11 @@ class EngineStage:
         a slow detokenizer). Without a timeout the wait ends once the drain's time is up (the item
         is dropped: nobody is reading); with one, `queue.Full` says it could not be queued."""
         # [ZH-START]
-        # 1. 往 outbox（最多 64 项）放；默认每次最多等 0.1 秒，然后重试——detokenizer 慢，引擎就跟着等，但不丢。
+        # 1. 往 outbox（最多 64 项）放；默认每次最多等 0.1 秒，然后重试——反分词进程慢，
+        #    引擎就跟着等，但不丢。
         # 2. 给了 timeout 时 queue.Full 直接抛给调用方。
-        # 3. 没给 timeout：stop 已置位就启动 drain 计时（同时定下放弃时间）；超过 output.give_up_at 说明没人在读，丢弃这一项返回。
+        # 3. 没给 timeout：stop 已置位就启动 drain 计时（同时定下放弃时间）；超过 output.give_up_at
+        #    说明没人在读，丢弃这一项返回。
         # [ZH-END]
         while True:
             try:

@@ -20,14 +20,17 @@ rebuilds a request by feeding all of its output tokens at once.
 # [ZH-START]
 # 【模块定位】增量反分词 + stop string：一个请求的输出 token 进，可以发给用户的文本出。
 # 在服务里的位置：
-#   客户端 → tokenizer_proc → engine_proc（每步产出新 token id）→ 【detok_proc 用本模块】→ 客户端（文本增量）
-# 离线 LLM.generate（nanovllm/llm.py）也用同一份实现，所以两边在同样的位置切文本、在同样的 token 停下。
+#   客户端 → tokenizer_proc → engine_proc（每步产出新 token id）
+#     →【detok_proc 用本模块】→ 客户端（文本增量）
+# 离线 LLM.generate（nanovllm/llm.py）也用同一份实现，所以两边在同样的位置切文本、
+# 在同样的 token 停下。
 # 核心思路：
 #   1. 两个偏移 surr / read：新文本 = decode(ids[surr:]) 去掉 decode(ids[surr:read])，重叠窗口让
 #      SentencePiece 这类"解码开头会吞空格"的分词器也正确；
 #   2. 解码结果以 U+FFFD 结尾说明是半个 UTF-8 字符，先不输出，等补全它的 token；
 #   3. prompt 最后 8 个 token 作为左侧上下文，第一个输出 token 也按真实上下文解码；
-#   4. 每个 stop string 一个 KMP 自动机，只推进新解码出的字符；可能是 stop string 开头的尾部文本先扣住不发。
+#   4. 每个 stop string 一个 KMP 自动机，只推进新解码出的字符；可能是 stop string
+#      开头的尾部文本先扣住不发。
 # token 一个一个地解码，与调用方怎么分批无关：重启的 detok_proc 一次喂入全部输出也得到同样文本。
 # [ZH-END]
 from __future__ import annotations
@@ -74,10 +77,11 @@ class _StopMatcher:
     1024 characters per request).
     """
     # [ZH-START]
-    # 【职责】所有 stop string 的 KMP 自动机：每个 stop string 的状态 = 文本结尾匹配到它的最长前缀长度；
-    # 只访问状态非零的 stop string，失败链接按需延长；hold = 最大状态，即必须扣住不发的字符数。
-    # 【边界】不保存文本，也不决定释放多少文本（由 IncrementalDetokenizer._release 决定）；不关心 min_tokens，
-    # 只按 report 参数决定是否报告命中。
+    # 【职责】所有 stop string 的 KMP 自动机：每个 stop string 的状态 = 文本结尾匹配到它的
+    # 最长前缀长度；只访问状态非零的 stop string，失败链接按需延长；hold = 最大状态，
+    # 即必须扣住不发的字符数。
+    # 【边界】不保存文本，也不决定释放多少文本（由 IncrementalDetokenizer._release 决定）；
+    # 不关心 min_tokens，只按 report 参数决定是否报告命中。
     # 【协作者】IncrementalDetokenizer 在有 stop 时建一个，每次有新文本就调 scan。
     # [ZH-END]
 
@@ -95,7 +99,8 @@ class _StopMatcher:
     def _fallback(self, index: int, k: int) -> int:
         """Longest proper prefix of stops[index][:k] that is also its suffix (KMP failure link)."""
         # [ZH-START]
-        # 1. pi 是 stops[index] 的前缀函数，只算到目前用到的长度（长 stop string 不用一开始就全算）。
+        # 1. pi 是 stops[index] 的前缀函数，只算到目前用到的长度（长 stop string
+        #    不用一开始就全算）。
         # 2. 还不够 k 项时按标准 KMP 递推补齐：沿 pi 回退直到字符相等或回到 0。
         # 3. 返回 pi[k - 1]：stops[index][:k] 的最长真前缀且同时是后缀的长度，即失败链接。
         # [ZH-END]
@@ -113,9 +118,12 @@ class _StopMatcher:
         wins when several end there."""
         # [ZH-START]
         # 1. 逐字符处理 text，consumed 从 1 计数。
-        # 2. starting = 以这个字符开头的 stop string；既没有活跃状态、也没有以它开头的，就跳过（只花一次字典查找）。
-        # 3. 对活跃的 stop string 和新开头的 stop string：k = 当前状态，失配就沿 _fallback 回退，相等则 k + 1。
-        # 4. k == len(stop) 表示完整匹配：记下 done（同一位置多个命中时取最长的那个），再回退 k 以便继续匹配。
+        # 2. starting = 以这个字符开头的 stop string；既没有活跃状态、也没有以它开头的，
+        #    就跳过（只花一次字典查找）。
+        # 3. 对活跃的 stop string 和新开头的 stop string：k = 当前状态，失配就沿 _fallback
+        #    回退，相等则 k + 1。
+        # 4. k == len(stop) 表示完整匹配：记下 done（同一位置多个命中时取最长的那个），
+        #    再回退 k 以便继续匹配。
         # 5. 只保留 k > 0 的状态，替换旧的状态表。
         # 6. report 为真且本字符有命中：返回 (consumed, 命中的 stop string)，后面的字符不再处理。
         # 7. 全部处理完：hold = 最大状态（0 表示没有要扣住的），返回 None。
@@ -150,7 +158,8 @@ class _HeldText:
     """Decoded text not yet released, kept as chunks so that releasing it copies each character
     once (a single string would be re-copied on every append)."""
     # [ZH-START]
-    # 【职责】已解码但还不能发出的文本，按块存在 deque 里，take(n) 取走前 n 个字符时每个字符只复制一次。
+    # 【职责】已解码但还不能发出的文本，按块存在 deque 里，take(n) 取走前 n
+    # 个字符时每个字符只复制一次。
     # 【边界】不知道为什么要扣住文本（由 stop string 决定）。
     # 【协作者】IncrementalDetokenizer._release 往里 push、从前面 take。
     # [ZH-END]
@@ -170,7 +179,8 @@ class _HeldText:
         """Remove and return the first `n` characters."""
         # [ZH-START]
         # 1. length 先减去 n。
-        # 2. 循环：看第一块还剩多少（减去已取的 _start）；剩余比 n 多就切出 n 个字符、推进 _start，结束。
+        # 2. 循环：看第一块还剩多少（减去已取的 _start）；剩余比 n 多就切出 n
+        #    个字符、推进 _start，结束。
         # 3. 否则整块剩余都取走，弹出这一块，_start 归零，n 减去取走的数量，继续下一块。
         # 4. 拼接各段返回。
         # [ZH-END]
@@ -206,19 +216,20 @@ class IncrementalDetokenizer:
     # 并遵守 min_tokens 和 include_stop_str_in_output。
     # 【边界】不通知引擎停止（detok_proc 发现 stopped 后自己发 abort）；不处理 token id 的转发和
     # finish_reason / usage；一次只服务一个请求，不跨请求共享状态。
-    # 【协作者】detok_proc.streams.RequestStreams.start 为每个请求建一个，advance 每步调 add；离线 LLM 同样使用；
-    # tokenizer.decode 是唯一依赖的分词器接口。
+    # 【协作者】detok_proc.streams.RequestStreams.start 为每个请求建一个，advance 每步调 add；
+    # 离线 LLM 同样使用；tokenizer.decode 是唯一依赖的分词器接口。
     # [ZH-END]
 
     def __init__(self, tokenizer: Any, *, prompt_tail: Sequence[int] = (), skip_special_tokens: bool = True,
                  stop: Sequence[str] = (), include_stop_str_in_output: bool = False, min_tokens: int = 0):
         # [ZH-START]
         # 1. stop 统一成列表，必须都是非空字符串；min_tokens 必须是 >= 0 的整数，否则 ValueError。
-        # 2. context = prompt_tail 的最后 PROMPT_CONTEXT_TOKENS = 8 个 token，先解码成 context_text。
-        # 3. context_text 以 U+FFFD 结尾（prompt 停在一个字符中间）：输出的前几个字节会被并进上下文而消失，
-        #    所以这种情况下干脆不要上下文。
-        # 4. _ids 从上下文开始，之后追加输出 token；_num_context 记上下文长度；surr = 0，read = len(context)；
-        #    _window_prefix = context_text，即 decode(ids[surr:read]) 的缓存。
+        # 2. context = prompt_tail 的最后 PROMPT_CONTEXT_TOKENS = 8 个 token，
+        #    先解码成 context_text。
+        # 3. context_text 以 U+FFFD 结尾（prompt 停在一个字符中间）：输出的前几个字节会被并进上下文
+        #    而消失，所以这种情况下干脆不要上下文。
+        # 4. _ids 从上下文开始，之后追加输出 token；_num_context 记上下文长度；surr = 0，
+        #    read = len(context)；_window_prefix = context_text，即 decode(ids[surr:read]) 的缓存。
         # 5. 有 stop 才建 _StopMatcher；_held 放扣住的文本，_released 放已发出的文本片段。
         # [ZH-END]
         stop = [stop] if isinstance(stop, str) else list(stop)
@@ -279,10 +290,10 @@ class IncrementalDetokenizer:
         changes nothing."""
         # [ZH-START]
         # 1. 已经命中 stop：返回 ""，什么都不变；之前已有 finished=True 的调用：抛 RuntimeError。
-        # 2. 逐个 token 处理：追加到 _ids → _decode_next(final=False) 得到新文本 → _release 过 stop string → 收集释放的文本；
-        #    一旦 stopped 就停止，后面的 token 不再消费。
-        # 3. finished 且未停止：标记 _finished，用 _decode_next(final=True) 把最后不完整的字符（以 U+FFFD）也解出来并 _release；
-        #    仍未停止就把 _held 里扣住的文本全部放出。
+        # 2. 逐个 token 处理：追加到 _ids → _decode_next(final=False) 得到新文本 → _release 过 stop
+        #    string → 收集释放的文本；一旦 stopped 就停止，后面的 token 不再消费。
+        # 3. finished 且未停止：标记 _finished，用 _decode_next(final=True) 把最后不完整的字符（以
+        #    U+FFFD）也解出来并 _release；仍未停止就把 _held 里扣住的文本全部放出。
         # 4. 把本次释放的文本拼起来，记进 _released，返回它。
         # [ZH-END]
         if self.stopped:
@@ -314,8 +325,10 @@ class IncrementalDetokenizer:
         # 1. read == len(ids)：没有新 token，返回 ""。
         # 2. prefix = decode(ids[surr:read])（窗口没动时用缓存 _window_prefix，不重复解码）。
         # 3. full = decode(ids[surr:])。
-        # 4. full 比 prefix 还短，或 full 以 U+FFFD 结尾且不是 final：字符还没完整，返回 ""，窗口保持不动等下一个 token。
-        # 5. 否则窗口前移：surr = 旧 read，read = len(ids)，清掉前缀缓存；返回 full[len(prefix):] 作为新文本。
+        # 4. full 比 prefix 还短，或 full 以 U+FFFD 结尾且不是 final：字符还没完整，返回 ""，
+        #    窗口保持不动等下一个 token。
+        # 5. 否则窗口前移：surr = 旧 read，read = len(ids)，清掉前缀缓存；
+        #    返回 full[len(prefix):] 作为新文本。
         # [ZH-END]
         ids = self._ids
         if self._read == len(ids):
@@ -336,9 +349,11 @@ class IncrementalDetokenizer:
         # 1. 没有 stop string 或新文本为空：原样返回。
         # 2. can_stop = 已有输出 token 数 >= min_tokens；不满足时 scan 仍推进状态，但不报告命中。
         # 3. hit = _matcher.scan(new, report=can_stop)。
-        # 4. 没命中：new 放进 _held，只释放 "_held 长度 - hold" 个字符，尾部可能是 stop string 开头的 hold 个字符继续扣住。
-        # 5. 命中 (consumed, stop)：只把 new[:consumed] 放进 _held（stop string 之后的文本丢弃），记 stop_reason；
-        #    释放的长度 = _held 长度 - len(stop)（include_stop_str_in_output 时不减），然后清空 _held 并返回。
+        # 4. 没命中：new 放进 _held，只释放 "_held 长度 - hold" 个字符，尾部可能是 stop string
+        #    开头的 hold 个字符继续扣住。
+        # 5. 命中 (consumed, stop)：只把 new[:consumed] 放进 _held（stop string 之后的文本丢弃），
+        #    记 stop_reason；释放的长度 = _held 长度 - len(stop)（include_stop_str_in_output
+        #    时不减），然后清空 _held 并返回。
         # [ZH-END]
         if self._matcher is None or not new:
             return new

@@ -9,9 +9,10 @@ calls back from. A chat without tools renders exactly as before.
 """
 # [ZH-START]
 # 【模块定位】把对话（可带 tools）经模型自己的 chat 模板渲染成 prompt 文本，供 RequestBuilder 分词。
-# 模板认识 tools（Qwen2.5/3、Llama 3.x、Hermes）：原样交给模板；模板不认识（SmolLM2、纯 ChatML）会悄悄丢掉，
-# 所以改为把工具说明写进 system 消息（Hermes/Qwen 格式），历史调用写成 assistant 里的 <tool_call> JSON，
-# 工具结果写成 user 里的 <tool_response>——正是 HTTP 前端解析工具调用的格式。没有 tools 的对话渲染结果不变。
+# 模板认识 tools（Qwen2.5/3、Llama 3.x、Hermes）：原样交给模板；模板不认识（SmolLM2、纯 ChatML）
+# 会悄悄丢掉，所以改为把工具说明写进 system 消息（Hermes/Qwen 格式），历史调用写成 assistant 里的
+# <tool_call> JSON，工具结果写成 user 里的 <tool_response>——正是 HTTP 前端解析工具调用的格式。
+# 没有 tools 的对话渲染结果不变。
 # [ZH-END]
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ class RateLimit:
     # 每个请求花一个令牌；没有令牌的请求被拒绝，错误里说出限额。rate = 0 表示不限。
     # 【边界】不碰 socket、不读时钟：现在的时间由调用者传入，所以单元测试不必等待真实时间。
     # 桶补满的客户端被忘掉（补满的桶和没有桶一样），内存只留最近一秒左右发过请求的客户端。
-    # 【协作者】TokenizerStage._on_generate 在分词之前调用 refusal；_count_clients 每秒调用 forget_idle。
+    # 【协作者】TokenizerStage._on_generate 在分词之前调用 refusal；_count_clients
+    # 每秒调用 forget_idle。
     # [ZH-END]
 
     def __init__(self, rate: float = 0.0):

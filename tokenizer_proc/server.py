@@ -17,14 +17,15 @@ on whatever the load. With no engine connected at all, requests are refused afte
 """
 # [ZH-START]
 # 【模块定位】服务的第一站：客户端请求的"前门"。
-#   客户端 DEALER ──▶【分词进程 tokenizer_proc：校验、套 chat 模板、分词】──PUSH──▶ 引擎进程 ──▶ 反分词进程 ──▶ 客户端
-# 每个请求在这里被检查（出错直接回给发送者，进程继续服务别人）、转成 TokenizedReq 推给引擎的 input socket；
-# abort 推给引擎的 control socket：引擎再忙也读它，abort 不会排在请求后面（比请求先到的 abort 由引擎记住，
-# 请求一到就结束它）。
+#   客户端 DEALER →【分词进程 tokenizer_proc：校验、套 chat 模板、分词】─PUSH→ 引擎进程
+#     → 反分词进程 → 客户端
+# 每个请求在这里被检查（出错直接回给发送者，进程继续服务别人）、转成 TokenizedReq 推给引擎的 input
+# socket；abort 推给引擎的 control socket：引擎再忙也读它，abort 不会排在请求后面（比请求先到的
+# abort 由引擎记住，请求一到就结束它）。
 # 本进程不保存任何请求状态：重启只会丢掉还没推给引擎的请求，而客户端发现分词进程实例换了会重发它们。
-# 背压：引擎管道满时请求在 pending 里等，最多 PENDING_MAX_FRAMES 个或 PENDING_MAX_BYTES 字节；再来的新请求
-# 立即以 HOLDING_FULL（"overloaded"）拒绝。本进程从不停止读客户端：负载再高，ping 照样回答（健康探针不会超时），
-# abort 照样转发；完全没有引擎连接时，请求在 1 秒宽限后被拒绝。
+# 背压：引擎管道满时请求在 pending 里等，最多 PENDING_MAX_FRAMES 个或 PENDING_MAX_BYTES 字节；
+# 再来的新请求立即以 HOLDING_FULL（"overloaded"）拒绝。本进程从不停止读客户端：负载再高，
+# ping 照样回答（健康探针不会超时），abort 照样转发；完全没有引擎连接时，请求在 1 秒宽限后被拒绝。
 # [ZH-END]
 from __future__ import annotations
 
@@ -74,11 +75,12 @@ CLAIMED_ID = ("refused: this routing id belongs to another CURVE key (a client's
 
 class TokenizerStage:
     # [ZH-START]
-    # 【职责】从客户端 ROUTER 收消息（intake.accept 检查帧），过载与每客户端限额（pending 份额、请求速率）先挡，
-    # 再交 RequestBuilder 校验、分词，把 TokenizedReq 推给引擎的 input、abort 推给引擎的 control；
-    # 回答 ping（带上引擎是否已连接）。
-    # 【边界】不保存请求状态（只有等待管道空位的 pending 帧队列，以及供存活客户端计数用的最近活动时间）；
-    # 不发送输出（那是 detok_proc）；不判断 prompt 能否放进 KV cache（引擎 add_request 判断）。
+    # 【职责】从客户端 ROUTER 收消息（intake.accept 检查帧），过载与每客户端限额（pending 份额、
+    # 请求速率）先挡，再交 RequestBuilder 校验、分词，把 TokenizedReq 推给引擎的 input、
+    # abort 推给引擎的 control；回答 ping（带上引擎是否已连接）。
+    # 【边界】不保存请求状态（只有等待管道空位的 pending 帧队列，以及供存活客户端计数用的最近活动
+    # 时间）；不发送输出（那是 detok_proc）；不判断 prompt 能否放进 KV cache（引擎
+    # add_request 判断）。
     # 【协作者】客户端的 DEALER；engine_proc 的两个 PULL（input、control，经 pipeline_push）；
     # PeerMonitor 看引擎是否连着；
     # RequestBuilder；RateLimit；Notifier 向 systemd 报 READY / 看门狗；TokenizerMetrics 记指标。
@@ -128,9 +130,11 @@ class TokenizerStage:
 
     def run(self, stop) -> None:
         # [ZH-START]
-        # 1. poller 注册客户端 ROUTER（POLLIN）和引擎 PUSH（先不关心事件）；notifier.ready 报告已在服务。
+        # 1. poller 注册客户端 ROUTER（POLLIN）和引擎 PUSH（先不关心事件）；
+        #    notifier.ready 报告已在服务。
         # 2. 循环，直到 flush.serving 返回 False：
-        #    a. stop 被置位后 flush 进入 draining（新请求回 DRAINING 错误，已接收的继续推给引擎，最多一秒）；
+        #    a. stop 被置位后 flush 进入 draining（新请求回 DRAINING 错误，
+        #       已接收的继续推给引擎，最多一秒）；
         #    b. draining 且 pending 已空，或一秒已过：退出；
         #    c. notifier.tick（看门狗）、每秒刷新一次存活客户端数；
         #    d. pending 非空时等引擎 PUSH 可写；客户端 ROUTER 始终可读（ping、abort 从不被挡住；
@@ -176,7 +180,8 @@ class TokenizerStage:
         # 1. intake.drain：每轮最多 256 条、50 毫秒，免得一个繁忙客户端饿死循环里的其他工作。
         # 2. NOBLOCK 收一条（recv_from_client）：ROUTER 加上的客户端路由 id、各帧，
         #    开了 CURVE 时还有 ZAP 认证的公钥（User-Id），交给 _on_client_message。
-        #    pending 满了也照样读（满时新请求在 _on_generate 被拒绝），所以 ping 和 abort 永远不被忙碌的引擎挡住。
+        #    pending 满了也照样读（满时新请求在 _on_generate 被拒绝），所以 ping 和 abort
+        #    永远不被忙碌的引擎挡住。
         # [ZH-END]
         keyed = self.security.enabled  # CURVE: each message carries its sender's key (ZAP's User-Id)
         drain(lambda: recv_from_client(self.frontend, keyed), lambda message: self._on_client_message(*message),
@@ -200,8 +205,8 @@ class TokenizerStage:
         frame an error reply, never the stage."""
         # [ZH-START]
         # 1. 调 _handle 处理一条客户端消息。
-        # 2. 任何未预料的异常：记为 "internal" 拒绝（带 traceback），给这个客户端回一个 ErrorOutput；
-        #    进程照常运行：处理某一帧时出的 bug，代价只是这一帧得到一个错误回复。
+        # 2. 任何未预料的异常：记为 "internal" 拒绝（带 traceback），给这个客户端回一个
+        #    ErrorOutput；进程照常运行：处理某一帧时出的 bug，代价只是这一帧得到一个错误回复。
         # [ZH-END]
         try:
             self._handle(identity, frames, key)
@@ -215,8 +220,8 @@ class TokenizerStage:
         # 1. 计数，记下该客户端最近活动时间。
         # 2. intake.accept：不是恰好一帧（"multipart"）、解不开（"bad_frame"：协议版本、类型、字段、
         #    大小与嵌套都在 decode 里查）、或不是 generate / abort / ping（"wrong_type"）→ 已计数，
-        #    把返回的 ErrorOutput 回给客户端（能认出 request_id 就带上；认不出时带上这一帧的 frame_digest，
-        #    客户端据此找到是哪个请求）。
+        #    把返回的 ErrorOutput 回给客户端（能认出 request_id 就带上；认不出时带上这一帧的
+        #    frame_digest，客户端据此找到是哪个请求）。
         # 3. 按类型分发：
         #    GenerateReq → _on_generate；
         #    AbortReq → 换成引擎侧 id "<客户端身份 hex>:<request_id>"，
@@ -240,11 +245,13 @@ class TokenizerStage:
 
     def _on_generate(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> None:
         # [ZH-START]
-        # 1. draining 中：回 DRAINING 错误增量；pending 已满（_holding_full）：回 HOLDING_FULL（overloaded）错误增量，
-        #    不分词——过载时不花 CPU 在注定放不下的请求上；这个客户端在 pending 里已有 --max-pending-per-client 个：
-        #    回 CLIENT_HOLDING_FULL，别的客户端不受影响；这个客户端（钥匙，没有则路由 id）超过
-        #    --max-request-rate-per-client（RateLimit 令牌桶）：回限速错误，说出还要等多久。
-        # 2. requests.build()（RequestBuilder）：RequestRejected → 回它的文本；其他异常（分词器或模板意外失败）
+        # 1. draining 中：回 DRAINING 错误增量；pending 已满（_holding_full）：
+        #    回 HOLDING_FULL（overloaded）错误增量，不分词——过载时不花 CPU 在注定放不下的请求上；
+        #    这个客户端在 pending 里已有 --max-pending-per-client 个：回 CLIENT_HOLDING_FULL，
+        #    别的客户端不受影响；这个客户端（钥匙，没有则路由 id）超过 --max-request-rate-per-client
+        #    （RateLimit 令牌桶）：回限速错误，说出还要等多久。
+        # 2. requests.build()（RequestBuilder）：RequestRejected → 回它的文本；
+        #    其他异常（分词器或模板意外失败）
         #    → 记 "internal"，回 "could not tokenize"。
         # 3. 记录分词耗时，_forward 把 TokenizedReq 帧排队推给引擎。
         # [ZH-END]
@@ -301,13 +308,15 @@ class TokenizerStage:
 
     def _flush_pending(self) -> None:
         # [ZH-START]
-        # 1. 按顺序取队头 (入队时间, 客户端身份, request_id, 帧)，NOBLOCK 推给引擎；成功就出队，继续下一个。
-        # 2. zmq.Again（管道满或没有引擎）：已等时间 < 上限就返回，继续持有；已等时间从"入队"和"引擎上次收下一帧"
-        #    两者中较晚的算起——排在长队后面的请求不因前面的等待被算作引擎停滞；
-        #    上限 = 引擎连着时 10 秒（ENGINE_STALL_S），没连着时 1 秒（ENGINE_RECONNECT_GRACE_S，给重启的引擎重连）。
+        # 1. 按顺序取队头 (入队时间, 客户端身份, request_id, 帧)，NOBLOCK 推给引擎；
+        #    成功就出队，继续下一个。
+        # 2. zmq.Again（管道满或没有引擎）：已等时间 < 上限就返回，继续持有；
+        #    已等时间从"入队"和"引擎上次收下一帧" 两者中较晚的算起——排在长队后面的请求不因前面的等待
+        #    被算作引擎停滞；上限 = 引擎连着时 10 秒（ENGINE_STALL_S），
+        #    没连着时 1 秒（ENGINE_RECONNECT_GRACE_S，给重启的引擎重连）。
         # 3. 超过上限：丢弃队头，回错误增量：引擎连着（只是忙、队列满）→ ENGINE_BUSY，
-        #    不标 engine_dead（客户端不能因此认为引擎死了）；没连着 → NO_ENGINE 并标 engine_dead 和 unsent
-        #    （请求没到过任何引擎，客户端可以原样再发）。
+        #    不标 engine_dead（客户端不能因此认为引擎死了）；没连着 → NO_ENGINE 并标 engine_dead 和
+        #    unsent（请求没到过任何引擎，客户端可以原样再发）。
         # [ZH-END]
         while self.pending:
             queued_at, identity, request_id, frame = self.pending[0]

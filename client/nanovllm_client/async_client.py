@@ -12,11 +12,12 @@ socket is empty; sends are NOBLOCK and only a full pipe makes a sender wait for 
 """
 # [ZH-START]
 # 【模块定位】asyncio 客户端库（uvloop 下同样可用），与同步 Client 同处流水线两端：
-#   协程 ──▶【AsyncClient：DEALER】──请求──▶ 分词进程 ──▶ 引擎进程 ──▶ 反分词进程 ──增量──▶【DEALER：AsyncClient】
-#        ──▶ _readable（描述符回调）──▶ 每条流的 asyncio.Queue ──▶ AsyncStream（async for）──▶ 协程
+#   协程 →【AsyncClient：DEALER】─请求→ 分词进程 → 引擎进程 → 反分词进程
+#        ─增量→【DEALER：AsyncClient】→ _readable（描述符回调）→ 每条流的 asyncio.Queue
+#        → AsyncStream（async for）→ 协程
 # 与同步 Client 的区别：没有后台线程，所有 socket 操作都在事件循环里完成。
-# 协议状态（ClientState：在途请求、stage 健康、重启后的重发与续传）和帧处理（ClientBase._take_frame、
-# _route）与同步 Client 共用，两者在 stage 重启时行为一致。
+# 协议状态（ClientState：在途请求、stage 健康、重启后的重发与续传）
+# 和帧处理（ClientBase._take_frame、_route）与同步 Client 共用，两者在 stage 重启时行为一致。
 # 为什么不用 zmq.asyncio：它每收一帧都要建一个 future 并重新布置 poller，开销比解码这一帧还大；
 # 这里用普通 socket，把它的 zmq.FD 交给 loop.add_reader，描述符触发时 NOBLOCK 读到空为止。
 # 注意 zmq.FD 是边沿触发的：任何读取 EVENTS 的操作都会"吃掉"边沿，所以读 EVENTS 一律经 _events，
@@ -71,12 +72,13 @@ def _shared_context() -> zmq.Context:
 class AsyncStream:
     """Async iterator over one request's deltas; `cancel()` (or dropping it unfinished) aborts it."""
     # [ZH-START]
-    # 【职责】一个请求的异步增量迭代器：从本流的 asyncio.Queue 取 Delta，看到终止增量就结束并释放请求 id，
-    # 出错时（raise_on_error）抛 EngineDeadError / RequestError；整个请求只有一个截止计时器
-    # （call_later 到点往队列里放 _TIMED_OUT），不为每个增量建 wait_for。
+    # 【职责】一个请求的异步增量迭代器：从本流的 asyncio.Queue 取 Delta，
+    # 看到终止增量就结束并释放请求 id，出错时（raise_on_error）抛 EngineDeadError / RequestError；
+    # 整个请求只有一个截止计时器（call_later 到点往队列里放 _TIMED_OUT），不为每个增量建 wait_for。
     # 【边界】不碰 socket（收帧、发 abort 都经 AsyncClient）；不拼接文本（generate 用 merge 拼）。
     # 【协作者】AsyncClient.stream 创建它；队列由 AsyncClient._route 填充；cancel / 被回收时经
-    # AsyncClient._abort_wire_nowait 发 abort。计时器只持有队列不持有流，所以丢掉的流仍会被回收并 abort。
+    # AsyncClient._abort_wire_nowait 发 abort。计时器只持有队列不持有流，
+    # 所以丢掉的流仍会被回收并 abort。
     # [ZH-END]
 
     def __init__(self, client: AsyncClient, request_id: str, wire_id: str, deltas: asyncio.Queue, deadline: float,
@@ -101,8 +103,8 @@ class AsyncStream:
         # 2. 队列里有就直接 get_nowait（省一次协程切换），否则 await get()。
         # 3. 取到 _TIMED_OUT（截止计时器放的）→ cancel（发 abort）并抛 RequestTimeoutError。
         # 4. 把 wire id 换回调用方的 request_id。
-        # 5. 终止增量：标记结束、停计时器、_end_stream 释放 id；finish_reason 为 "error" 且 raise_on_error 时，
-        #    引擎死亡抛 EngineDeadError，否则抛 RequestError。
+        # 5. 终止增量：标记结束、停计时器、_end_stream 释放 id；finish_reason 为 "error" 且
+        #    raise_on_error 时，引擎死亡抛 EngineDeadError，否则抛 RequestError。
         # [ZH-END]
         if self._done:
             raise StopAsyncIteration
@@ -143,14 +145,15 @@ class AsyncClient(ClientBase):
     """`async with AsyncClient(url) as c: async for d in await c.stream("hi"): ...`"""
     # [ZH-START]
     # 【职责】异步客户端：对外提供 stream / generate / abort / server_stats / wait_engine / close；
-    # 对内在事件循环上持有两个 DEALER，描述符回调 _readable 收帧并分发增量，_heartbeat 任务定时 ping 两个 stage，
-    # _recheck 任务兜底；发送一律 NOBLOCK，管道满时发送方等待 _readable 的唤醒（背压）。
+    # 对内在事件循环上持有两个 DEALER，描述符回调 _readable 收帧并分发增量，_heartbeat 任务定时 ping
+    # 两个 stage，_recheck 任务兜底；发送一律 NOBLOCK，管道满时发送方等待 _readable 的唤醒（背压）。
     # 【边界】协议逻辑在 ClientState（与同步 Client 共用）；不重试失败的请求（引擎死不算失败：
     # ClientState 在新引擎实例起来后把在途请求连同已收到的输出重发，由新引擎续写）；不是线程安全的，
     # 只能在创建它的事件循环里用（从别的线程 abort 请求用 abort_nowait）。同一进程的所有 AsyncClient
     # 共用一个 zmq.Context（一个 I/O 线程），64 个客户端不会唤醒 64 个 I/O 线程。
-    # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping）；detok_proc（Ping / StatsReq / Resume，收 StreamOutput /
-    # Pong / EngineStatus / StatsOutput）；AsyncStream；ClientBase 提供地址、id 分配、超时和帧处理。
+    # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping）；
+    # detok_proc（Ping / StatsReq / Resume，收 StreamOutput / Pong / EngineStatus / StatsOutput）；
+    # AsyncStream；ClientBase 提供地址、id 分配、超时和帧处理。
     # [ZH-END]
 
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
@@ -194,15 +197,17 @@ class AsyncClient(ClientBase):
         """Start a request; `async for` over the result. See `build_request` for arguments."""
         # [ZH-START]
         # 1. build_request 校验参数（采样值、提示三选一等），不合法当场抛 ValueError，不上网络。
-        # 2. _wait_ready：等反分词进程应答 ping，最多 connect_timeout，否则抛 ServiceUnavailableError——
-        #    反分词进程不认识我们的路由 id 之前，输出会被它丢掉。
-        # 3. 正在 draining → 立即拒绝（ServiceDrainingError）；引擎已知死亡：不等新引擎（engine_restart_wait_s 为 0）
-        #    就拒绝（EngineDeadError），否则请求留着（sent 返回 False），新引擎起来时由 _unpark 发出。
-        # 4. _claim 分配 wire id（调用方 id + 序号，复用同一 id 的新旧流不会串），编码请求帧和重发帧。
+        # 2. _wait_ready：等反分词进程应答 ping，最多 connect_timeout，
+        #    否则抛 ServiceUnavailableError——反分词进程不认识我们的路由 id 之前，输出会被它丢掉。
+        # 3. 正在 draining → 立即拒绝（ServiceDrainingError）；引擎已知死亡：
+        #    不等新引擎（engine_restart_wait_s 为 0）就拒绝（EngineDeadError），否则请求留着（sent
+        #    返回 False），新引擎起来时由 _unpark 发出。
+        # 4. _claim 分配 wire id（调用方 id + 序号，复用同一 id 的新旧流不会串），
+        #    编码请求帧和重发帧。
         # 5. 先建队列登记到 _streams、在 ClientState 记下重发帧（和所发请求帧的摘要），再发送：
         #    第一个增量到达时一定有人接。
-        # 6. _send 发往分词进程，管道满时在这里等（背压）；等待中被取消或客户端关闭 → _end_stream 撤销第 5 步的
-        #    登记（请求从未发出，同一 id 可以再用），再把异常抛出去。返回 AsyncStream。
+        # 6. _send 发往分词进程，管道满时在这里等（背压）；等待中被取消或客户端关闭 → _end_stream
+        #    撤销第 5 步的登记（请求从未发出，同一 id 可以再用），再把异常抛出去。返回 AsyncStream。
         # [ZH-END]
         req = build_request(prompt, **kwargs)
         await self._wait_ready()
@@ -308,8 +313,8 @@ class AsyncClient(ClientBase):
         # [ZH-START]
         # 1. NOBLOCK 发送；成功就结束。
         # 2. zmq.Again（管道满，对端 HWM 到顶）：客户端已关闭则抛 ServiceUnavailableError；
-        #    否则建一个 future 挂到该 socket 的 _send_waiters，await 它——_readable 看到 POLLOUT 时唤醒，
-        #    close 时以异常唤醒；醒来后回到 1 重试。
+        #    否则建一个 future 挂到该 socket 的 _send_waiters，await 它——_readable 看到 POLLOUT
+        #    时唤醒，close 时以异常唤醒；醒来后回到 1 重试。
         # 3. 发送本身也会读 EVENTS、吃掉描述符的边沿，所以最后经 _events 再看一眼，有帧就安排读取。
         # [ZH-END]
         while True:
@@ -362,7 +367,8 @@ class AsyncClient(ClientBase):
         #    不是每个客户端一个：64 个空闲客户端各自每秒醒 10 次要占 3% 个核）。
         # 2. 对两个 socket 各调一次 _readable：有帧就读，管道有空位就唤醒等待的发送方；
         #    出了异常只记日志——它是所有唤醒的兜底，不能因一次失败而停掉。
-        #    不管描述符的边沿被谁吃掉，帧最多晚 0.1 s 被读，发送方最多晚 0.1 s 得知有空位；看一眼约 1 us。
+        #    不管描述符的边沿被谁吃掉，帧最多晚 0.1 s 被读，发送方最多晚 0.1 s
+        #    得知有空位；看一眼约 1 us。
         # [ZH-END]
         for sock in (self._tok, self._out):
             try:
@@ -377,10 +383,11 @@ class AsyncClient(ClientBase):
         heartbeat (the service gives up on a client after 5 s without a ping) or the consumers."""
         # [ZH-START]
         # 1. 客户端已关闭或 socket 已关 → 直接返回。
-        # 2. 最多读 READ_BATCH（64）帧：每帧前先看 EVENTS 有没有 POLLIN（比 recv 抛 Again 便宜），没有就停；
-        #    每帧交给 _on_frame（_take_frame → 需要的重发另起任务发送 → _route 分发增量）。
-        # 3. 读满 64 帧还没读空 → call_soon 再来一次，先让出事件循环：积压再多，心跳（服务 5 s 收不到 ping
-        #    就放弃这个客户端）和消费者协程也能运行。
+        # 2. 最多读 READ_BATCH（64）帧：每帧前先看 EVENTS 有没有 POLLIN（比 recv 抛 Again 便宜），
+        #    没有就停；每帧交给 _on_frame（_take_frame → 需要的重发另起任务发送 →
+        #    _route 分发增量）。
+        # 3. 读满 64 帧还没读空 → call_soon 再来一次，先让出事件循环：积压再多，心跳（服务 5 s
+        #    收不到 ping 就放弃这个客户端）和消费者协程也能运行。
         # 4. 有发送方在等这个 socket，且 EVENTS 显示 POLLOUT（管道有空位）→ 唤醒它们全部。
         #    第 3 步已安排了下一次读取时，这里直接读 EVENTS、不经 _events，免得再安排一次
         #    （积压不断时，安排的读取会每轮翻倍）。

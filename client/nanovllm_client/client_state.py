@@ -22,12 +22,14 @@ new one.
 """
 # [ZH-START]
 # 【模块定位】客户端的协议逻辑，不做任何 I/O；同步 Client 和 AsyncClient 共用它。
-#   客户端 API ──请求帧──▶ 分词进程
-#   反分词进程 ──StreamOutput / Pong / EngineStatus──▶ ClientState.handle ──▶ 各流的 Delta
+#   客户端 API ─请求帧→ 分词进程
+#   反分词进程 ─StreamOutput / Pong / EngineStatus→ ClientState.handle → 各流的 Delta
 # 重发与续传都在这里（两个客户端的注释说"见 client_state"，指的就是本模块）：
-#   - 引擎挂了：在途请求不算失败，先停放（parked）；新引擎实例起来后（最多等 engine_restart_wait_s），
-#     带着已收到的输出 token 和字符数重发，新引擎从那里接着算，流从断开处继续；
-#   - 分词进程重启（Pong 里换了实例 id）：还没收到回答的请求全部标成重发再发一次，收过第一份的引擎会忽略；
+#   - 引擎挂了：在途请求不算失败，先停放（parked）；新引擎实例起来后（最多等
+#     engine_restart_wait_s），带着已收到的输出 token 和字符数重发，
+#     新引擎从那里接着算，流从断开处继续；
+#   - 分词进程重启（Pong 里换了实例 id）：还没收到回答的请求全部标成重发再发一次，
+#     收过第一份的引擎会忽略；
 #   - 反分词进程重启：用 Resume 告诉它每个流已经收到多少 token 和字符；
 #   - 反分词进程沉默超过 stage_timeout：在途请求以明确的错误结束。
 # 每个流用自己的线上 id（'<request id>#<n>'），旧流的迟到输出不会串到复用同一 request id 的新流上。
@@ -196,7 +198,8 @@ class Parked:
 class Reaction:
     """What one incoming frame (or a heartbeat) means for the client."""
     # [ZH-START]
-    # 处理一帧（或一次心跳）的结果：要交给各流的 Delta、要发给分词进程的帧（to_tokenizer），以及统计。
+    # 处理一帧（或一次心跳）的结果：要交给各流的 Delta、
+    # 要发给分词进程的帧（to_tokenizer），以及统计。
     # [ZH-END]
     deltas: list[Delta] = field(default_factory=list)
     """To route to their streams (by wire id)."""
@@ -212,7 +215,8 @@ class ClientState:
     # [ZH-START]
     # 【职责】客户端眼中的服务状态：引擎是否活着、各进程的实例 id、反分词进程是否在回 ping；
     # 在途请求 inflight（线上 id → 已收到的输出，用来续传）和停放的请求 parked（等下一个引擎实例）。
-    # 【边界】不碰 socket：handle 把一帧变成 Reaction（要交给各流的 Delta、要发给分词进程的帧），由调用方发送。
+    # 【边界】不碰 socket：handle 把一帧变成 Reaction（要交给各流的 Delta、
+    # 要发给分词进程的帧），由调用方发送。
     # 只在一个线程里用（同步客户端的 I/O 线程，或 asyncio 事件循环），所以不加锁。
     # [ZH-END]
 
@@ -276,11 +280,13 @@ class ClientState:
         # [ZH-START]
         # 按消息类型分派，返回 Reaction，不做 I/O：
         # 1. 解不开的帧：记警告后丢弃。
-        # 2. StreamOutput：每行变成 Delta 并更新续传进度（_track）；随后 _unpark，把停放的请求发给新引擎。
-        # 3. ErrorOutput：带 request_id 的结束那个流；不带的，若 frame_digest 对上本客户端发出、尚未得到回答的
-        #    请求帧（unanswered），结束那个请求的流，否则只记日志。
+        # 2. StreamOutput：每行变成 Delta 并更新续传进度（_track）；随后 _unpark，
+        #    把停放的请求发给新引擎。
+        # 3. ErrorOutput：带 request_id 的结束那个流；不带的，若 frame_digest 对上本客户端发出、
+        #    尚未得到回答的请求帧（unanswered），结束那个请求的流，否则只记日志。
         # 4. Pong：_on_pong（反分词进程在回应；分词进程换了实例就重发没回答的请求）。
-        # 5. EngineStatus：记下引擎状态和实例，更新"引擎是否活着"（loading 时记为未知），再 _unpark。
+        # 5. EngineStatus：记下引擎状态和实例，更新"引擎是否活着"（loading
+        #    时记为未知），再 _unpark。
         # 6. StatsOutput：把统计交给调用方。
         # [ZH-END]
         try:
@@ -408,7 +414,8 @@ class ClientState:
         #       - 没到过引擎（unsent）：等满 engine_restart_wait_s 就报错，否则直接重新发出；
         #       - 已重发 MAX_ENGINE_RESENDS 次：报错——它可能就是把引擎搞挂的那个请求；
         #       - 否则 resends 加一，带着已收到的输出重新发出（_resume_in_flight）。
-        #    b. 停放时就属于当前实例、且已听到它的死讯：这个实例其实还活着，反分词进程已丢掉这些请求，只能报错。
+        #    b. 停放时就属于当前实例、且已听到它的死讯：这个实例其实还活着，
+        #       反分词进程已丢掉这些请求，只能报错。
         #    c. 属于当前实例但还没听到死讯：继续等（反分词进程先让请求失败，稍后才宣布引擎死亡）。
         # 3. 有请求重新发出时记一条 INFO 日志。
         # [ZH-END]

@@ -4,8 +4,9 @@ Used by the three stages (through `nanovllm.service.notify`) and by the HTTP fro
 here, torch-free, in the client distribution the front is part of.
 """
 # [ZH-START]
-# 【模块定位】服务管理器通知协议（sd_notify）的唯一实现：三个 stage（经 nanovllm.service.notify 转出）
-# 和 HTTP 前端共用。放在 client 包里是因为 HTTP 前端属于 client 发行包、不能依赖服务端代码；本模块不引入 torch。
+# 【模块定位】服务管理器通知协议（sd_notify）的唯一实现：三个 stage（经 nanovllm.service.notify
+# 转出）和 HTTP 前端共用。放在 client 包里是因为 HTTP 前端属于 client 发行包、不能依赖服务端代码；
+# 本模块不引入 torch。
 # 【关键约束】MSG_DONTWAIT：管理器不读（队列满，默认 10 个数据报）时丢掉这一行而不阻塞发送方的循环。
 # [ZH-END]
 from __future__ import annotations

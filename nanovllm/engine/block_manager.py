@@ -13,10 +13,10 @@ copy and returns the other block at once, so no duplicate stays resident. A requ
 # 【模块定位】分页 KV cache 的块分配器：只管块号（block id）和元数据，不碰任何 K/V 张量。
 # 在引擎一步之内的位置：
 #   LLMEngine.step
-#     ├─ Scheduler.schedule ──能否分配 / 追加？──▶ BlockManager ──▶ 写好 seq.block_table
+#     ├─ Scheduler.schedule ─能否分配 / 追加？→ BlockManager → 写好 seq.block_table
 #     ├─ ModelRunner.run：按 block_table 把本步 K/V 写进 kv_cache[block_id]，并读出来做 attention
-#     └─ Scheduler.postprocess ──▶ BlockManager.commit：把刚写满的块登记进前缀缓存
-# 整个服务：client → tokenizer → engine（本模块在这里）→ detokenizer → client。
+#     └─ Scheduler.postprocess → BlockManager.commit：把刚写满的块登记进前缀缓存
+# 整个服务：客户端 → 分词进程 → 引擎进程（本模块在这里）→ 反分词进程 → 客户端。
 # 三个核心结构：
 #   - blocks[i]：第 i 个物理块的元数据（ref_count、hash、token_ids）；
 #   - free_block_ids：OrderedDict 当 O(1) 的 LRU 用，最早释放的块最先被拿走；
@@ -62,8 +62,8 @@ class BlockManager:
     # 职责：块的分配、引用计数和释放，外加前缀缓存（查询 match_prefix，登记 commit）。
     # 不做的事：不决定谁先跑、谁被抢占（Scheduler 决定）；不读写 K/V 张量（ModelRunner 做）；
     # 不算内存能放几块（num_blocks 由 ModelRunner 按内存预算算好传进来）。
-    # 和谁打交道：调度时被 Scheduler 调用；LLMEngine 用 blocks_for / num_total_blocks 拒绝永远放不下的请求，
-    # 并读 num_free_blocks、prefix_cache_queries / prefix_cache_hits 出指标。
+    # 和谁打交道：调度时被 Scheduler 调用；LLMEngine 用 blocks_for / num_total_blocks
+    # 拒绝永远放不下的请求，并读 num_free_blocks、prefix_cache_queries / prefix_cache_hits 出指标。
     # 它直接修改 Sequence 的 block_table、num_computed_tokens、num_cached_tokens、
     # num_registered_blocks、block_hashes 这几个字段。
     # [ZH-END]
@@ -119,11 +119,12 @@ class BlockManager:
 
     def can_allocate(self, num_new_tokens: int, hits: list[int], keep_free: int = 0) -> bool:
         # [ZH-START]
-        # 1. fresh = blocks_for(命中块数 × block_size + num_new_tokens) - 命中块数：要从空闲表新拿的块。
+        # 1. fresh = blocks_for(命中块数 × block_size + num_new_tokens) - 命中块数：
+        #    要从空闲表新拿的块。
         # 2. revived = 命中块里 ref_count == 0 的个数：命中了，但此刻还躺在空闲表里，
         #    allocate 会把它们从空闲表摘走，同样占空闲名额。
-        # 3. fresh + revived + keep_free <= num_free_blocks 才能分配（keep_free：调度器要求分配后仍空着的块数，
-        #    即 kv_watermark；默认 0）。
+        # 3. fresh + revived + keep_free <= num_free_blocks 才能分配（keep_free：
+        #    调度器要求分配后仍空着的块数，即 kv_watermark；默认 0）。
         # [ZH-END]
         fresh = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # hits that sit in the free list
@@ -134,8 +135,8 @@ class BlockManager:
         # [ZH-START]
         # 调用方先用 can_allocate 确认空闲块够，这里不再检查。
         # 1. 每个命中块 _ref：ref_count += 1；原来是 0 的先从 free_block_ids 摘掉（O(1)）。
-        # 2. seq.block_table = hits 的副本；num_computed_tokens = num_cached_tokens = 命中块数 × block_size
-        #    （这些 token 的 K/V 已在缓存里，不用再算）。
+        # 2. seq.block_table = hits 的副本；num_computed_tokens = num_cached_tokens =
+        #    命中块数 × block_size（这些 token 的 K/V 已在缓存里，不用再算）。
         # 3. num_registered_blocks = 命中块数：它们本来就在前缀缓存里，commit 不必再登记。
         # 4. 指标：prefix_cache_queries += seq.num_tokens，prefix_cache_hits += 命中的 token 数。
         # 5. append_slots(seq, num_new_tokens)：为本步要算的新 token 补足新块。
@@ -156,9 +157,10 @@ class BlockManager:
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         # [ZH-START]
-        # 1. blocks_short：装下 num_computed_tokens + num_new_tokens 个 token 要的块数 - len(block_table)，
-        #    最少为 0（decode 时通常是 0，跨过块边界那一步是 1）。
-        # 2. 差几块就调几次 _take_free_block，从空闲表头（最早释放的）取块，追加到 block_table 末尾。
+        # 1. blocks_short：装下 num_computed_tokens + num_new_tokens 个 token
+        #    要的块数 - len(block_table)，最少为 0（decode 时通常是 0，跨过块边界那一步是 1）。
+        # 2. 差几块就调几次 _take_free_block，从空闲表头（最早释放的）取块，
+        #    追加到 block_table 末尾。
         # 调用方（Scheduler）事先用 can_append / can_allocate 确认过块够。
         # [ZH-END]
         for _ in range(self.blocks_short(seq, num_new_tokens)):
@@ -173,9 +175,9 @@ class BlockManager:
         # 2. num_full = num_computed_tokens // block_size：K/V 已写满的块数。
         # 3. 对还没登记的块 i ∈ [num_registered_blocks, num_full)：
         #    a. 算链式哈希 block_hash 和块内 token（tuple）；
-        #    b. hash_to_block_id 里已有另一块 existing 且 token 完全相同（同一步两个序列算了同样的前缀）：
-        #       _ref(existing)，block_table[i] 改指向它，_unref 自己那块（没人引用就立刻回空闲表）
-        #       ——只多算一步，不留重复块；
+        #    b. hash_to_block_id 里已有另一块 existing 且 token 完全相同（同一步两个序列算了同样的
+        #       前缀）：_ref(existing)，block_table[i] 改指向它，_unref 自己那块（没人引用就立刻回
+        #       空闲表）——只多算一步，不留重复块；
         #    c. 否则把 hash、token_ids 记到自己那块上，hash_to_block_id[block_hash] = 自己的块号。
         # 4. num_registered_blocks = max(原值, num_full)。
         # [ZH-END]
@@ -226,7 +228,8 @@ class BlockManager:
         # 1. seq.block_hashes 缓存已算好的哈希；长度不到 i + 1 就从 j = len(block_hashes) 往后补算。
         # 2. 第 j 块：h = xxh64(第 j-1 块哈希的 8 字节小端表示，j == 0 时为空)，
         #    再 update 本块 token 的 int64 字节（array("q")）。
-        #    第 0 块的种子是请求的 cache_salt（没有则为空）：加盐的链从第一块起就与别的盐、与不加盐的链分开。
+        #    第 0 块的种子是请求的 cache_salt（没有则为空）：
+        #    加盐的链从第一块起就与别的盐、与不加盐的链分开。
         # 3. 链式的好处：哈希相同意味着整段前缀都相同（碰撞由调用方比较 token_ids 兜底）。
         # 4. 返回 block_hashes[i]。每块在序列生命周期里只算一次（token 只追加，不修改）。
         # [ZH-END]
@@ -240,8 +243,8 @@ class BlockManager:
     def _take_free_block(self) -> int:
         # [ZH-START]
         # 1. popitem(last=False)：取出空闲表里最早释放的块（LRU），O(1)。
-        # 2. 它还带着哈希、且 hash_to_block_id 仍指向它 → 删掉这条映射（真正的淘汰：内容马上要被覆盖）；
-        #    若映射已指向别的块（同样的内容后来登记在另一块上），不能删。
+        # 2. 它还带着哈希、且 hash_to_block_id 仍指向它 → 删掉这条映射（真正的淘汰：
+        #    内容马上要被覆盖）；若映射已指向别的块（同样的内容后来登记在另一块上），不能删。
         # 3. hash、token_ids 清空，ref_count = 1（归调用方的序列），返回块号。
         # [ZH-END]
         block_id, _ = self.free_block_ids.popitem(last=False)

@@ -11,11 +11,13 @@ table buffer is as wide as the longest allowed sequence, so the decode kernel's 
 function of shapes only) is fixed per graph.
 """
 # [ZH-START]
-# 【模块定位】GPU 上纯解码步的 CUDA 图：录制一次，之后每步只需一次 replay，而不是每个算子各启动一次。
-#   ModelRunner._execute ──纯解码步且 can_run──▶ DecodeGraphs.run ──▶ 重放档位 batch 的图
-#                        ──prefill / 混合步 / 没有合适档位──▶ eager 前向
+# 【模块定位】GPU 上纯解码步的 CUDA 图：录制一次，之后每步只需一次 replay，
+# 而不是每个算子各启动一次。
+#   ModelRunner._execute ─纯解码步且 can_run→ DecodeGraphs.run → 重放对应档位的图
+#                        ─prefill / 混合步 / 没有合适档位→ eager 前向
 # 档位（graph_batch_sizes）：1、2、4、8，之后每 16 一档，最后一档固定是 max_num_seqs。
-# B 条序列落进不小于 B 的最小档位，多出的行填槽位 -1（写 KV 时跳过）、上下文长度 0（注意力输出全零）。
+# B 条序列落进不小于 B 的最小档位，多出的行填槽位 -1（写 KV 时跳过）、
+# 上下文长度 0（注意力输出全零）。
 # CPU 上从不走这里。
 # [ZH-END]
 from __future__ import annotations
@@ -45,7 +47,8 @@ def padded_batch_size(batch: int, sizes: list[int]) -> int | None:
 class DecodeGraphs:
     # [ZH-START]
     # 【职责】按档位录制并重放解码的 CUDA 图。图只认固定地址的输入缓冲区（input_ids、positions、
-    # slot_mapping、context_lens、block_tables，行数都按最大档位），所以每步先把张量拷进缓冲区再 replay。
+    # slot_mapping、context_lens、block_tables，行数都按最大档位），
+    # 所以每步先把张量拷进缓冲区再 replay。
     # 块表缓冲宽 max_blocks_per_seq，这样解码内核的切分数（只取决于形状）在每张图里固定。
     # [ZH-END]
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
@@ -97,7 +100,7 @@ class DecodeGraphs:
         # 2. 前 n 行拷入本步的 input_ids、positions、slot_mapping、context_lens；n..batch 的填充行
         #    设槽位 -1、上下文 0。
         # 3. 块表只拷本步实际宽度 width；右边的旧值位于所有上下文之外，永远不会被读到。
-        # 4. 重放 batch 档的图，返回 hidden[:n]（下一步会覆盖，调用方要在那之前用完）。
+        # 4. 重放这个档位的图，返回 hidden[:n]（下一步会覆盖，调用方要在那之前用完）。
         # [ZH-END]
         n = input_ids.shape[0]
         batch = padded_batch_size(n, self.sizes)

@@ -10,11 +10,13 @@ orders admission and preemption.
 # [ZH-START]
 # 【模块定位】引擎的"一步 API"：add_request / abort / step，把各部件装成一台能一步步推进的机器。
 # 整个服务：
-#   client → tokenizer_proc → engine_proc（在 step 线程上调用本模块的 LLMEngine）→ detok_proc → client
+#   客户端 → tokenizer_proc → engine_proc（在 step 线程上调用本模块的 LLMEngine）
+#     → detok_proc → 客户端
 # 离线使用时 nanovllm.LLM 在进程内循环调用 step()，不经过任何进程和 ZeroMQ。
 # 一次 step() 内部：
 #   _aborted 里的终止输出 → Scheduler.schedule()（向 BlockManager 要块）
-#   → ModelRunner.run()（前向 + Sampler 采样）→ Scheduler.postprocess()（追加 token、判断结束、commit）
+#   → ModelRunner.run()（前向 + Sampler 采样）
+#   → Scheduler.postprocess()（追加 token、判断结束、commit）
 #   → 每个有新 token 或刚结束的请求一条 RequestOutput → post-step hooks（指标）
 # 约定：每个请求恰好有一条 finished=True 的输出（stop / length / abort / error）。
 # [ZH-END]
@@ -53,7 +55,8 @@ from nanovllm.sampling_params import SamplingParams, show
 class StepStats:
     """What the last step computed."""
     # [ZH-START]
-    # 上一步算了什么：prefill / decode 的 token 数、序列数、采样出的 token 数、首次被调度的序列的排队时间。
+    # 上一步算了什么：prefill / decode 的 token 数、序列数、采样出的 token 数、
+    # 首次被调度的序列的排队时间。
     # 只用于指标（_metrics → post-step hooks），不影响调度。
     # [ZH-END]
     num_prefill_tokens: int = 0
@@ -69,7 +72,7 @@ class StepStats:
 class RequestOutput:
     # [ZH-START]
     # step() 交给调用方的一条输出：只带本步新增的 token（new_token_ids，增量）和计数，不带文本——
-    # 文本在 detokenizer 阶段（或离线 LLM 里）才解码。finished 为真时 finish_reason 必有值，
+    # 文本在反分词进程（或离线 LLM 里）才解码。finished 为真时 finish_reason 必有值，
     # error 只在 "error" 时有值；logprobs 每个新 token 一项（请求要了才有）。
     # engine_proc 把一步的所有 RequestOutput 打包成一个 StepOutput 帧发给 detok_proc。
     # [ZH-END]
@@ -89,11 +92,12 @@ class RequestOutput:
 
 class LLMEngine:
     # [ZH-START]
-    # 职责：装配 ModelRunner、BlockManager、Scheduler（含策略）、Sampler 的每请求状态；校验并接收请求；
-    # 一步步推进整个 batch，把结果整理成 RequestOutput。
-    # 不做的事：不 tokenize / detokenize、不匹配 stop 字符串、不碰网络（三个进程阶段的事）；
+    # 职责：装配 ModelRunner、BlockManager、Scheduler（含策略）、Sampler 的每请求状态；
+    # 校验并接收请求；一步步推进整个批，把结果整理成 RequestOutput。
+    # 不做的事：不 tokenize / detokenize、不匹配 stop string、不碰网络（三个进程阶段的事）；
     # 不自己跑主循环——由调用方（engine_proc 的 step 线程，或 LLM.generate）反复调 step()。
-    # 和谁打交道：上游 engine_proc / LLM；下游 Scheduler、BlockManager、ModelRunner（runner.sampler）。
+    # 和谁打交道：上游 engine_proc / LLM；下游 Scheduler、BlockManager、
+    # ModelRunner（runner.sampler）。
     # requests：request_id → Sequence，只放活着的请求（abort 时立刻移出）；
     # _aborted：已 abort、等下一步报告终止输出的序列。
     # [ZH-END]
@@ -103,11 +107,13 @@ class LLMEngine:
         # 2. 解析模型路径，读 HF config.json 得到 ModelConfig，定下 max_model_len。
         # 3. ModelRunner：加载权重、按内存预算分配 KV cache，给出块数 runner.num_blocks。
         # 4. BlockManager(runner.num_blocks, block_size, enable_prefix_caching)。
-        # 5. eos_token_ids = 模型 config 的 eos + generation_config.json 里额外的 eos（去重，GGUF 不读）。
-        # 6. Scheduler：max_num_seqs、max_num_batched_tokens、max_model_len、eos，策略 make_policy(scheduler_policy)。
+        # 5. eos_token_ids = 模型 config 的 eos + generation_config.json 里额外的
+        #    eos（去重，GGUF 不读）。
+        # 6. Scheduler：max_num_seqs、max_num_batched_tokens、max_model_len、eos，
+        #    策略 make_policy(scheduler_policy)。
         # 7. 请求表、_aborted、到达计数 _arrivals、last_step / num_steps、post-step hooks 初始化。
-        # 8. start_word_index：先在本线程 import 加载 tokenizer 要用的 transformers 模块
-        #    （两个线程同时 import transformers 的惰性模块不安全），再由后台线程加载 tokenizer、
+        # 8. start_word_index：先在本线程 import 加载分词器要用的 transformers 模块
+        #    （两个线程同时 import transformers 的惰性模块不安全），再由后台线程加载分词器、
         #    建 string banned_words 用的词表字节索引（WordIndex）：加载要几秒，不能卡在
         #    add_request 所在的 step 线程上。
         # 9. _grammar_cache 先留空、配 _grammar_lock：response_format 的编译结果按文本缓存，
@@ -165,15 +171,21 @@ class LLMEngine:
         # [ZH-START]
         # 1. params 缺省为 SamplingParams()。
         # 2. 校验（都在改动任何状态之前，失败抛 ValueError 说明原因）：request_id 没被占用；
-        #    priority 是 int（bool 不算）；_validate_prompt：prompt 非空、长度 < max_model_len、每个 id 在 [0, vocab_size)。
-        # 3. longest = min(len(prompt) + max_tokens, max_model_len)；blocks_for(longest) 超过整个 cache 的块数
+        #    priority 是 int（bool 不算）；_validate_prompt：prompt 非空、长度 < max_model_len、
+        #    每个 id 在 [0, vocab_size)。
+        # 3. longest = min(len(prompt) + max_tokens, max_model_len)；blocks_for(longest)
+        #    超过整个 cache 的块数
         #    → ValueError：这种请求永远放不下，接进来只会被反复抢占。
-        # 4. build_logits_processors 为它构造 logits 处理器，runner.sampler.add_request 登记采样状态。
-        # 5. 创建 Sequence（arrival = _arrivals，随后 _arrivals += 1），放进 requests，scheduler.add 入 waiting 堆。
-        # 6. 续写（output_prefix，引擎死后客户端把已收到的输出发回来）：先校验（比 max_tokens 少、prompt + 前缀 < max_model_len、
-        #    id 在词表内），再接到 token_ids 后面——它们算输出（num_prompt_tokens 不变），和被抢占的序列一样整段 prefill；
-        #    采样器里有种子的 Generator 前进 len(prefix) 个数（每个 token 恰好一个），所以续写与没中断时一样（只差 prefill 与 decode 的舍入差异，与抢占后重算相同）；
-        #    num_sent_tokens = 0：第一个新 token 和前缀一起报告。
+        # 4. build_logits_processors 为它构造 logits 处理器，
+        #    runner.sampler.add_request 登记采样状态。
+        # 5. 创建 Sequence（arrival = _arrivals，随后 _arrivals += 1），放进 requests，
+        #    scheduler.add 入 waiting 堆。
+        # 6. 续写（output_prefix，引擎死后客户端把已收到的输出发回来）：先校验（比 max_tokens 少、
+        #    prompt + 前缀 < max_model_len、id 在词表内），再接到 token_ids 后面——
+        #    它们算输出（num_prompt_tokens 不变），和被抢占的序列一样整段 prefill；采样器里有种子的
+        #    Generator 前进 len(prefix) 个数（每个 token 恰好一个），所以续写与没中断时一样（只差
+        #    prefill 与 decode 的舍入差异，与抢占后重算相同）；num_sent_tokens = 0：
+        #    第一个新 token 和前缀一起报告。
         # [ZH-END]
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -228,8 +240,10 @@ class LLMEngine:
         """Stop a request and free its KV blocks now; idempotent. True if it was live."""
         # [ZH-START]
         # 1. 从 requests 弹出；不存在（未知 id 或已结束）→ 返回 False（幂等）。
-        # 2. scheduler.finish(seq, "abort")：KV 块立刻释放、标记 FINISHED；队列里的条目之后惰性清理。
-        # 3. runner.sampler.remove_request：采样状态马上删——同一个 request_id 可能在下一步之前就被复用。
+        # 2. scheduler.finish(seq, "abort")：KV 块立刻释放、标记 FINISHED；
+        #    队列里的条目之后惰性清理。
+        # 3. runner.sampler.remove_request：采样状态马上删——同一个 request_id
+        #    可能在下一步之前就被复用。
         # 4. 追加到 _aborted：下一次 step() 开头为它产出唯一的终止输出（finish_reason="abort"）。
         # 5. 返回 True。整个过程 O(1)，不扫描任何队列。
         # [ZH-END]
@@ -251,13 +265,15 @@ class LLMEngine:
         # [ZH-START]
         # 1. 先为 _aborted 里的每个序列生成终止输出，清空 _aborted。
         # 2. scheduled = scheduler.schedule()。
-        # 3. 统计：decode token 数 = num_computed_tokens >= num_prompt_tokens（prompt 已算完）的项数，各 1 个；
-        #    prefill token 数 = 本步 token 总数 - decode 数。抢占后重新接纳的序列从 0 重算，算作 prefill。
+        # 3. 统计：decode token 数 = num_computed_tokens >= num_prompt_tokens（prompt 已算完）
+        #    的项数，各 1 个；prefill token 数 = 本步 token 总数 - decode 数。
+        #    抢占后重新接纳的序列从 0 重算，算作 prefill。
         # 4. 有调度项时：sampled = runner.run(scheduled)（前向 + 采样），
         #    generated = scheduler.postprocess(scheduled, sampled)。
         # 5. 记 last_step = StepStats(...)。
-        # 6. 对每个调度项：有未报告的输出 token（num_output_tokens > num_sent_tokens）或已结束 → _output 产出一条；
-        #    已结束的从 requests 删除并 runner.sampler.remove_request。prompt 中间分块的项本步没有输出。
+        # 6. 对每个调度项：有未报告的输出 token（num_output_tokens > num_sent_tokens）
+        #    或已结束 → _output 产出一条；已结束的从 requests 删除并 runner.sampler.remove_request。
+        #    prompt 中间分块的项本步没有输出。
         # 7. num_steps += 1；有 hook 就把本步耗时和指标快照（_metrics）交给它们。
         # 8. 返回 outputs。
         # [ZH-END]
@@ -289,9 +305,12 @@ class LLMEngine:
         # [ZH-START]
         # 1. new = 还没报告的输出 token：token_ids[num_prompt_tokens + num_sent_tokens:]；
         #    然后 num_sent_tokens = num_output_tokens。
-        # 2. logprobs = sampler.take_logprobs（取走即清）；请求要了 logprobs 但状态已没了（abort）→ []。
-        # 3. finish_reason == "error" 时 error = sampler.take_error(...)，取不到就写 "sampling failed"。
-        # 4. 组装 RequestOutput：新 token、是否结束及原因、prompt / 输出 / 前缀缓存命中的 token 数、logprobs、error。
+        # 2. logprobs = sampler.take_logprobs（取走即清）；请求要了 logprobs
+        #    但状态已没了（abort）→ []。
+        # 3. finish_reason == "error" 时 error = sampler.take_error(...)，
+        #    取不到就写 "sampling failed"。
+        # 4. 组装 RequestOutput：新 token、是否结束及原因、prompt / 输出 / 前缀缓存命中的 token
+        #    数、logprobs、error。
         # [ZH-END]
         new = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
         seq.num_sent_tokens = seq.num_output_tokens
@@ -334,9 +353,9 @@ class LLMEngine:
         its request later only copies the result: ValueError naming the problem if it does not
         compile. False (nothing done) while the vocabulary view is still being built."""
         # [ZH-START]
-        # 引擎侧的编译钩子（engine_proc 输入线程调用，不占 step 循环）：词表视图还在后台建 → 返回 False，
-        # 由 add_request 在 step 循环上编译（同一个缓存）；否则经 GrammarCache 编译或命中缓存，
-        # 编译不过抛 ValueError（带原因，输入线程据此拒绝请求），成功返回 True。
+        # 引擎侧的编译钩子（engine_proc 输入线程调用，不占 step 循环）：词表视图还在后台建 → 返回
+        # False，由 add_request 在 step 循环上编译（同一个缓存）；否则经 GrammarCache
+        # 编译或命中缓存，编译不过抛 ValueError（带原因，输入线程据此拒绝请求），成功返回 True。
         # [ZH-END]
         if not self._word_index.done():
             return False

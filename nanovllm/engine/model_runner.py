@@ -127,10 +127,10 @@ class ModelRunner:
     # （Triton / 编译好的 C 核 / torch 算子）；算出 KV 块数；把调度结果执行成一步前向 + 采样。
     # 【边界】不决定调度谁、不分配块（Scheduler / BlockManager 的事，它只照块表读写 slot）；
     # 不管请求生命周期、不做停止判定、不做 detokenize；不知道引擎层的 max_model_len，
-    # 自己用 resolve_max_model_len 重算同一个默认值（用于块表宽度和 CUDA graph）。
+    # 自己用 resolve_max_model_len 重算同一个默认值（用于块表宽度和 CUDA 图）。
     # 【协作者】LLMEngine 调 run() 并读 num_blocks / sampler / device；
     # PagedAttention 各层从这里拿到 k_cache / v_cache 视图和 cpu_kernel / triton_ops；
-    # DecodeGraphs 负责 decode 步的 CUDA graph；WorkerProcesses + StepChannel 负责张量并行。
+    # DecodeGraphs 负责 decode 步的 CUDA 图；WorkerProcesses + StepChannel 负责张量并行。
     # [ZH-END]
     def __init__(self, config: Config, model_config: ModelConfig, model_path: str, rank: int = 0):
         # [ZH-START]
@@ -139,10 +139,12 @@ class ModelRunner:
         #    resolve_dtype：auto 时 CPU 看指令集（AMX-BF16 / AVX512-BF16 → bf16，否则 fp32；
         #    设了 NANOVLLM_AUTO_DTYPE 就按它，好在一台机器上复现另一类 CPU 的结果），
         #    GPU 用模型自带 dtype，模型是 fp32 则改用 bf16。
-        # 3. max_model_len 按同一规则解析；workers / channel / graphs 先置空，tp 先是单卡 TensorParallel()。
-        # 4. 调 _start() 真正加载；任何异常（BaseException，含 Ctrl-C）都先 _shutdown(workers_serving=False)
-        #    把已拉起的 worker 直接终止，再把异常抛出去。
-        # 5. 成功后挂 weakref.finalize(_shutdown, ..., True)：close()、对象回收或进程退出时都会道别一次。
+        # 3. max_model_len 按同一规则解析；workers / channel / graphs 先置空，
+        #    tp 先是单卡 TensorParallel()。
+        # 4. 调 _start() 真正加载；任何异常（BaseException，含 Ctrl-C）
+        #    都先 _shutdown(workers_serving=False) 把已拉起的 worker 直接终止，再把异常抛出去。
+        # 5. 成功后挂 weakref.finalize(_shutdown, ..., True)：close()、
+        #    对象回收或进程退出时都会道别一次。
         # [ZH-END]
         mc = model_config
         validate_tensor_parallel(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, config.tensor_parallel_size)
@@ -166,21 +168,26 @@ class ModelRunner:
 
     def _start(self, model_path: str) -> None:
         # [ZH-START]
-        # 1. CUDA：set_device，并记下 free_at_start = mem_get_info()[0]，这是 KV 预算里"本进程用了多少"的基线；
-        #    CPU：torch.set_num_threads(num_threads 或 可用核数 // TP size)，各 rank 平分核。
-        # 2. TP size > 1：rank 0 先 check_can_init()，再 WorkerProcesses.start + wait_ready（worker 起不来立刻报错）；
-        #    然后所有 rank 调 init_tensor_parallel，得到计算组 tp 和控制组 channel。
+        # 1. CUDA：set_device，并记下 free_at_start = mem_get_info()[0]，
+        #    这是 KV 预算里"本进程用了多少"的基线；CPU：torch.set_num_threads(num_threads 或
+        #    可用核数 // TP size)，各 rank 平分核。
+        # 2. TP size > 1：rank 0 先 check_can_init()，再 WorkerProcesses.start + wait_ready（worker
+        #    起不来立刻报错）；然后所有 rank 调 init_tensor_parallel，
+        #    得到计算组 tp 和控制组 channel。
         # 3. 只有 rank 0 建 Sampler(vocab_size, device, seed)，其他 rank 为 None。
         # 4. 在目标设备上构建 DecoderForCausalLM 并转成 dtype → load_weights 逐张量流式加载
         #    → pack_linear_weights（CPU 上给 oneDNN 预打包权重）→ eval()。
         # 5. 收集模型里所有 PagedAttention 层。
-        # 6. 选注意力路径：CUDA 上才 import triton_attention 模块并交给各层（CPU 上从不导入 triton），
-        #    同时给各模块融合 Triton 算子 gpu_ops（kernels/triton_fused.py；NANOVLLM_TRITON_FUSED=0 时不给，走 torch 算子）；
-        #    CPU 上 dtype 为 fp32/bf16 且 head_dim <= 256 时加载 CpuAttentionKernel 和融合算子 CpuOps，
-        #    否则（或无编译器、NANOVLLM_CPU_KERNELS=0 时 load() 返回 None）走 torch 算子。
-        # 7. num_blocks = _num_kv_blocks()，再 _allocate_kv_cache() 分配真正的 cache。
-        # 8. CUDA 且非 enforce_eager：DecodeGraphs 捕获 decode CUDA 图（档位 1、2、4、8，之后每 16 一档，
-        #    最后一档固定是 max_num_seqs，见 cuda_graphs.graph_batch_sizes），块表缓冲宽 max_blocks_per_seq。
+        # 6. 选注意力路径：CUDA 上才 import triton_attention 模块并交给各层（CPU 上从不导入
+        #    triton），同时给各模块融合 Triton 算子 gpu_ops（kernels/triton_fused.py；
+        #    NANOVLLM_TRITON_FUSED=0 时不给，走 torch 算子）；CPU 上 dtype 为 fp32/bf16 且
+        #    head_dim <= 256 时加载 CpuAttentionKernel 和融合算子 CpuOps，否则（或无编译器、
+        #    NANOVLLM_CPU_KERNELS=0 时 load() 返回 None）走 torch 算子。
+        # 7. num_blocks = _num_kv_blocks()，再 _allocate_kv_cache() 分配真正的 cache；
+        #    CPU 上随后 release_free_heap()（malloc_trim），把加载时的临时内存还给操作系统。
+        # 8. CUDA、非 enforce_eager 且不是 null model：DecodeGraphs 捕获 decode CUDA 图
+        #    （档位 1、2、4、8，之后每 16 一档，最后一档固定是 max_num_seqs，
+        #    见 cuda_graphs.graph_batch_sizes），块表缓冲宽 max_blocks_per_seq。
         # [ZH-END]
         config, size = self.config, self.config.tensor_parallel_size
         if self.device.type == "cuda":
@@ -286,7 +293,8 @@ class ModelRunner:
         # 2. CUDA：_measure_gpu_kv_blocks() 实测，再 tp.min_int 取所有 rank 的最小值
         #    （各 rank 必须持有同一组块 id，否则同一个 slot 在不同 rank 上含义不同）。
         # 3. CPU：预算 = kv_cache_memory_gib × 2^30 字节，块数 = 预算 // bytes_per_block；
-        #    bytes_per_block = 2(K 和 V) × 层数 × block_size × 本 rank 的 kv heads × head_dim × 元素字节数。
+        #    bytes_per_block = 2(K 和 V) × 层数 × block_size × 本 rank 的 kv
+        #    heads × head_dim × 元素字节数。
         # 4. 一块都放不下就抛 ValueError，告诉用户调大 kv_cache_memory_gib。
         # [ZH-END]
         if self.config.num_kvcache_blocks is not None:
@@ -306,8 +314,8 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         # [ZH-START]
         # 1. null model（基准测试用，没有注意力层）：块只记账、从不写入，不分配 cache。
-        # 2. 否则一次分配整块 cache：形状 (2, num_layers, num_blocks, block_size, local_kv_heads, head_dim)，
-        #    第 0 维 0 是 K、1 是 V；用 zeros，保证从未写过的 slot 也是有限值。
+        # 2. 否则一次分配整块 cache：形状 (2, num_layers, num_blocks, block_size, local_kv_heads,
+        #    head_dim)，第 0 维 0 是 K、1 是 V；用 zeros，保证从未写过的 slot 也是有限值。
         # 3. 第 i 个 PagedAttention 层拿到 kv_cache[0, i] / kv_cache[1, i] 两个视图，
         #    每个形状 (num_blocks, block_size, KVH, D)，与 Triton 核的布局相同，不发生拷贝。
         # [ZH-END]
@@ -327,15 +335,20 @@ class ModelRunner:
         #    num_seqs = max(1, min(max_num_batched_tokens // seq_len, max_num_seqs))，
         #    每条序列 blocks_per_seq = ceil(seq_len / block_size) 块。
         # 2. 临时把 num_blocks 设为 num_seqs × blocks_per_seq，分配一个只够这次预热的草稿 cache。
-        # 3. StepInput：num_seqs 条全 0 token 的 prefill，各 seq_len 个 token、从位置 0 开始、块连续编号；
-        #    sample_rows 取 max_num_seqs 行（i % rows），于是 logits 是 (max_num_seqs, V)，模拟满批采样。
-        # 4. reset_peak_memory_stats → _execute(step)；rank 0 再对 logits 做一次整词表 sort（top-p 的显存峰值）。
-        # 5. synchronize 后读 peak = max_memory_allocated、allocated = memory_allocated；草稿 cache 在重置峰值
-        #    之前就已分配，所以 peak - allocated 正好是激活显存。
-        # 6. 释放草稿 cache（kv_cache=None，各层 k/v 换成空张量）+ empty_cache，再读 free_now, total。
-        # 7. gpu_kv_cache_bytes：激活 = peak - allocated；本进程已用 = (free_at_start - free_now) + 激活；
-        #    预算 = min(utilization × total - 本进程已用, free_now - 激活)，最少为 0。
-        # 8. num_blocks_for：预算 // bytes_per_block；一块都不够就 ValueError，提示调 gpu_memory_utilization 等参数。
+        # 3. StepInput：num_seqs 条全 0 token 的 prefill，各 seq_len 个 token、从位置 0 开始、
+        #    块连续编号；sample_rows 取 max_num_seqs 行（i % rows），于是 logits 是
+        #    (max_num_seqs, V)，模拟满批采样。
+        # 4. reset_peak_memory_stats → _execute(step)；rank 0 再对 logits 做一次整词表
+        #    sort（top-p 的显存峰值）。
+        # 5. synchronize 后读 peak = max_memory_allocated、allocated = memory_allocated；
+        #    草稿 cache 在重置峰值之前就已分配，所以 peak - allocated 正好是激活显存。
+        # 6. 释放草稿 cache（kv_cache=None，各层 k/v 换成空张量）+ empty_cache，
+        #    再读 free_now, total。
+        # 7. gpu_kv_cache_bytes：激活 = peak - allocated；
+        #    本进程已用 = (free_at_start - free_now) + 激活；预算 = min(utilization × total -
+        #    本进程已用, free_now - 激活)，最少为 0。
+        # 8. num_blocks_for：预算 // bytes_per_block；一块都不够就 ValueError，
+        #    提示调 gpu_memory_utilization 等参数。
         # [ZH-END]
         cfg = self.config
         seq_len = min(self.max_model_len, cfg.max_num_batched_tokens)
@@ -374,14 +387,18 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> list[int]:
         # [ZH-START]
-        # 1. StepInput.from_scheduled(scheduled)：转成纯 list 数据，decode 行在前、prefill 分块在后。
-        # 2. 张量并行时先经 channel 广播 ["step", step.to_wire()]：worker 在 serve_steps 里收到后同步执行，
-        #    前向中的 all-reduce 才凑得齐所有 rank。
-        # 3. 本步没有任何序列要采样（都是没到末尾的 prefill 分块）：只做前向把 K/V 写进 cache，返回 []。
-        # 4. 否则 logits = _execute(step)，形状 (B, V)，B 为要采样的序列数，顺序与 scheduled 中的采样项一致。
-        #    （前向之前先 sampler.prepare(seqs)：有 response_format 的请求的语法掩码在工作线程上与前向并行计算。）
-        # 5. sampler(logits, [s.seq ...]) → 每条序列一个 token id；采样失败的行是 SAMPLE_FAILED(-1)，
-        #    由 Scheduler 以 finish_reason "error" 结束该请求。
+        # 1. StepInput.from_scheduled(scheduled)：转成纯 list 数据，
+        #    decode 行在前、prefill 分块在后。
+        # 2. 张量并行时先经 channel 广播 ["step", step.to_wire()]：worker 在 serve_steps
+        #    里收到后同步执行，前向中的 all-reduce 才凑得齐所有 rank。
+        # 3. 本步没有任何序列要采样（都是没到末尾的 prefill 分块）：只做前向把 K/V
+        #    写进 cache，返回 []。
+        # 4. 否则 logits = _execute(step)，形状 (B, V)，B 为要采样的序列数，
+        #    顺序与 scheduled 中的采样项一致。
+        #    （前向之前先 sampler.prepare(seqs)：有 response_format 的请求的语法掩码在工作线程
+        #    上与前向并行计算。）
+        # 5. sampler(logits, [s.seq ...]) → 每条序列一个 token id；采样失败的行是
+        #    SAMPLE_FAILED(-1)，由 Scheduler 以 finish_reason "error" 结束该请求。
         # [ZH-END]
         step = StepInput.from_scheduled(scheduled)
         if self.channel is not None:
@@ -398,7 +415,8 @@ class ModelRunner:
     def serve_steps(self) -> None:
         """Worker ranks: run each step rank 0 broadcasts, in lockstep, until it sends "exit"."""
         # [ZH-START]
-        # 1. worker rank 循环：channel.receive() 阻塞等 rank 0 的下一条消息（控制组超时一年，空闲等待不算故障）。
+        # 1. worker rank 循环：channel.receive() 阻塞等 rank 0 的下一条消息（控制组超时一年，
+        #    空闲等待不算故障）。
         # 2. 收到 ["exit"] 就返回（进程随后退出）。
         # 3. 收到 ["step", wire]：StepInput.from_wire 还原，在 inference_mode 下 _execute；
         #    本 rank 的 compute_logits 返回 None，不采样。
@@ -413,16 +431,18 @@ class ModelRunner:
     def _execute(self, step: StepInput) -> torch.Tensor | None:
         """Forward one step on this rank; logits of `step.sample_rows` on rank 0, None elsewhere."""
         # [ZH-START]
-        # 1. Triton 路径（CUDA，或测试里 TRITON_INTERPRET）：build_gpu_batch 生成设备上的 input_ids、positions
-        #    和 int32 元数据（pinned 内存异步上传）。
-        #    只有 decode 行、有 graphs 且 graphs.can_run(num_decode, 块表宽度)（能落进某个 batch 桶、
-        #    块表不比捕获时宽）时重放 CUDA graph，否则 eager 调 model。
-        # 2. CPU 路径：build_cpu_batch；每个 prefill 分块都交给编译好的分块内核，只有 cpu_kernel 为 None
-        #    （走 torch 注意力）时才额外生成 mask 和 slot 列表。eager 前向得到 hidden (T, C)。
+        # 1. Triton 路径（CUDA，或测试里 TRITON_INTERPRET）：build_gpu_batch 生成设备上的
+        #    input_ids、positions 和 int32 元数据（pinned 内存异步上传）。
+        #    只有 decode 行、有 graphs 且 graphs.can_run(num_decode, 块表宽度)（能落进某个档位、
+        #    块表不比捕获时宽）时重放 CUDA 图，否则 eager 调 model。
+        # 2. CPU 路径：build_cpu_batch；每个 prefill 分块都交给编译好的分块内核，只有 cpu_kernel 为
+        #    None（走 torch 注意力）时才额外生成 mask 和 slot 列表。eager 前向得到 hidden (T, C)。
         # 3. 没有 sample_rows → 返回 None（纯 prefill 分块的步）。
-        # 4. hidden[sample_rows] → (B, C) → compute_logits → rank 0 上 (B, V) float32，其他 rank 为 None。
-        #    sample_rows 恰为 0..T-1（纯 decode 步的常态）时直接用 hidden，不建索引；否则索引从 pinned 内存
-        #    异步上传——同步的 torch.tensor(..., device=cuda) 会让 host 在这里干等整个前向（图重放）跑完。
+        # 4. hidden[sample_rows] → (B, C) → compute_logits → rank 0 上 (B, V)
+        #    float32，其他 rank 为 None。
+        #    sample_rows 恰为 0..T-1（纯 decode 步的常态）时直接用 hidden，不建索引；
+        #    否则索引从 pinned 内存异步上传——同步的 torch.tensor(..., device=cuda) 会让 host
+        #    在这里干等整个前向（图重放）跑完。
         # [ZH-END]
         if self.triton_ops is not None:
             input_ids, positions, meta = build_gpu_batch(step, self.block_size, self.device)

@@ -16,9 +16,9 @@ change while the request lives (key on `arrival`, `priority`, `num_prompt_tokens
 # [ZH-START]
 # 【模块定位】调度策略：waiting 里谁先被接纳、running 里谁先分到 token 预算、显存不够时谁先被抢占。
 # 在引擎一步之内的位置：
-#   LLMEngine.step → Scheduler.schedule ──policy.key(seq)──▶ 排序（接纳 / 分预算 / 抢占）
+#   LLMEngine.step → Scheduler.schedule ─policy.key(seq)→ 排序（接纳 / 分预算 / 抢占）
 #                  → ModelRunner.run（含 Sampler）→ Scheduler.postprocess
-# 整个服务：client → tokenizer → engine（本模块在这里）→ detokenizer → client。
+# 整个服务：客户端 → 分词进程 → 引擎进程（本模块在这里）→ 反分词进程 → 客户端。
 # 只有一个排序键 key(seq)：键小的先接纳、后抢占；键大的后接纳、先抢占。
 # 一个键管两件事，两者就不会矛盾——最先接纳的最后被踢。
 #   FCFSPolicy：(arrival,)      PriorityPolicy：(-priority, arrival)
@@ -32,7 +32,7 @@ from nanovllm.engine.sequence import Sequence
 
 class SchedulerPolicy(ABC):
     # [ZH-START]
-    # 职责：抽象基类，只规定 key(seq) -> tuple，给出顺序。
+    # 职责：抽象基类，只规定 `key(seq) -> tuple`，给出顺序。
     # 不做的事：不看 KV 块、不看 token 预算，也不修改 Sequence。
     # 和谁打交道：只被 Scheduler 调用（入 waiting 堆时一次，每步给 running 排序时一次）。
     # 约束：键在请求存活期间不能变（只基于 arrival、priority、num_prompt_tokens、params），
@@ -68,7 +68,8 @@ class PriorityPolicy(SchedulerPolicy):
         # [ZH-START]
         # 1. 第一项取 -priority：堆是最小堆，-priority 越小即 priority 越大 → 越先接纳、越晚被抢占。
         # 2. 第二项 arrival：同优先级内先来先服务。
-        # 3. 返回 (-priority, arrival)。例：priority 5 的请求即使晚到，也排在所有 priority 0 的前面。
+        # 3. 返回 (-priority, arrival)。例：priority 5 的请求即使晚到，
+        #    也排在所有 priority 0 的前面。
         # [ZH-END]
         return (-seq.priority, seq.arrival)
 

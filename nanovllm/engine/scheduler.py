@@ -18,12 +18,13 @@ Finished sequences leave `running` on the next `schedule()`.
 # 【模块定位】连续批处理（continuous batching）的调度器：每一步决定哪些序列参与、各算几个 token。
 # 在引擎一步之内的位置：
 #   LLMEngine.step
-#     ├─ Scheduler.schedule()        → list[ScheduledSeq]（本模块；向 BlockManager 要块、必要时抢占）
-#     ├─ ModelRunner.run(scheduled)  → 每个到达序列末尾的项采样 1 个 token（Sampler 在里面）
-#     └─ Scheduler.postprocess()     → 推进进度、追加 token、判断结束（本模块；顺带 commit 前缀缓存）
-# 整个服务：client → tokenizer → engine（本模块在这里）→ detokenizer → client。
-# 每步一个 token 预算 max_num_batched_tokens：先给 running（decode 各 1 个 token，或未算完的 prompt 的
-# 下一块），剩下的再接纳 waiting（prompt 可跨步分块 prefill），所以 prefill 和 decode 混在同一个 batch。
+#     ├─ Scheduler.schedule()       → list[ScheduledSeq]（本模块；向 BlockManager 要块、必要时抢占）
+#     ├─ ModelRunner.run(scheduled) → 每个到达序列末尾的项采样 1 个 token（Sampler 在里面）
+#     └─ Scheduler.postprocess()    → 推进进度、追加 token、判断结束（本模块；顺带 commit 前缀缓存）
+# 整个服务：客户端 → 分词进程 → 引擎进程（本模块在这里）→ 反分词进程 → 客户端。
+# 每步一个 token 预算 max_num_batched_tokens：先给 running（decode 各 1 个 token，或未算完的 prompt
+# 的下一块），剩下的再接纳 waiting（prompt 可跨步做 prefill 分块），所以 prefill 和
+# decode 混在同一个批里。
 # 块不够时按 policy 抢占排在最后的 running 序列：块全还回去，以后重算（前缀缓存通常让重算很便宜）。
 # [ZH-END]
 from __future__ import annotations
@@ -43,7 +44,8 @@ from nanovllm.layers.sampler import SAMPLE_FAILED
 @dataclass(slots=True)
 class ScheduledSeq:
     # [ZH-START]
-    # 调度结果里的一项：序列 + 本步要为它算的新 token 数 num_new_tokens（decode 为 1，prefill 为一块）。
+    # 调度结果里的一项：序列 + 本步要为它算的新 token 数 num_new_tokens（decode
+    # 为 1，prefill 为一块）。
     # samples 为真：这一块算到了序列末尾（num_computed_tokens + num_new_tokens == num_tokens），
     # 本步要为它采样一个 token；prompt 中间的分块不采样。ModelRunner / StepInput 只读它，不改。
     # [ZH-END]
@@ -61,10 +63,11 @@ class Scheduler:
     # 职责：维护两个队列——waiting（按 policy 键的最小堆）和 running（列表）；每步分 token 预算、
     # 向 BlockManager 要块、块不够时抢占；步后推进序列进度，按 eos / stop_token_ids / min_tokens /
     # max_tokens / max_model_len 判断结束。
-    # 不做的事：不跑模型、不采样（ModelRunner、Sampler 的事）；不匹配 stop 字符串（在 detokenize.py）；
-    # 不持有请求表（那是 LLMEngine.requests）。
+    # 不做的事：不跑模型、不采样（ModelRunner、Sampler 的事）；不匹配 stop string（在
+    # detokenize.py）；不持有请求表（那是 LLMEngine.requests）。
     # 和谁打交道：被 LLMEngine 调用（add / finish / schedule / postprocess）；调用 BlockManager
-    # （match_prefix / can_allocate / allocate / can_append / blocks_short / append_slots / commit / free）和 policy.key。
+    # （match_prefix / can_allocate / allocate / can_append / blocks_short / append_slots / commit
+    # / free）和 policy.key。
     # num_waiting / num_running 在每次搬动时精确维护，从不现数（指标每步都要读）。
     # [ZH-END]
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -148,7 +151,8 @@ class Scheduler:
         # 3. preempt_blocks > 0（设了 preempt_ratio）时先 _make_room：块不够就一次抢占到留出这一份。
         #    然后 _schedule_running：按顺序给 running 序列分 token 和块，块不够就抢占。
         # 4. budget 减去已分出去的 token 数。
-        # 5. 本步没发生抢占才 _schedule_waiting 接纳新序列：刚因为块不够踢了人，再接纳只会互相抢占、来回抖动。
+        # 5. 本步没发生抢占才 _schedule_waiting 接纳新序列：刚因为块不够踢了人，
+        #    再接纳只会互相抢占、来回抖动。
         # 6. 返回 scheduled：前面是 running 的，后面是新接纳的。
         # [ZH-END]
         self.running = [s for s in self.running if not s.is_finished]
@@ -166,10 +170,13 @@ class Scheduler:
     def _schedule_running(self, scheduled: list[ScheduledSeq], budget: int) -> bool:
         """Schedule running sequences in policy order; returns whether any was preempted."""
         # [ZH-START]
-        # 1. 按顺序遍历 running[i]，直到走完或 budget 用完（预算外的 running 序列本步不跑，块照样占着）。
-        # 2. num_new = min(num_tokens - num_computed_tokens, budget)：decode 时是 1；prompt 没算完时是下一块。
+        # 1. 按顺序遍历 running[i]，直到走完或 budget 用完（预算外的 running
+        #    序列本步不跑，块照样占着）。
+        # 2. num_new = min(num_tokens - num_computed_tokens, budget)：decode 时是 1；
+        #    prompt 没算完时是下一块。
         # 3. 只要 block_manager.can_append(seq, num_new) 为假（空闲块不够）：
-        #    a. 从 running 末尾 pop 一个受害者（policy 排最后的；已调度的都在 i 之前，不会被选中），_preempt 它；
+        #    a. 从 running 末尾 pop 一个受害者（policy 排最后的；已调度的都在 i 之前，
+        #       不会被选中），_preempt 它；
         #    b. 受害者就是 seq 自己（它已经排最后）→ 返回 True，本步不再调度后面的序列。
         # 4. append_slots(seq, num_new) 补块，追加 ScheduledSeq，budget -= num_new，i += 1。
         # 5. 返回是否发生过抢占。
@@ -199,12 +206,14 @@ class Scheduler:
         Returns whether it preempted; `_schedule_running` then finds room for every sequence left
         (a lone sequence always fits). O(running)."""
         # [ZH-START]
-        # 1. 按 _schedule_running 的顺序和预算，算出每个 running 序列本步要补的块数 needs，求和 short。
+        # 1. 按 _schedule_running 的顺序和预算，算出每个 running 序列本步要补的块数
+        #    needs，求和 short。
         # 2. short <= 空闲块数 → 不用抢占，返回 False。
-        # 3. 否则从 running 末尾（policy 排最后的）逐个 _preempt，直到 short + preempt_blocks <= 空闲块数；
-        #    被抢占的序列若在 needs 里，short 减去它那份。policy 排第一的序列不为留余量而被抢占。
-        # 4. 返回 True：剩下的序列本步都装得下。通常步后还空着 preempt_blocks 块（滞回，不会每步抢一个）；
-        #    但只剩一个序列时循环就停了，这份余量不保证。
+        # 3. 否则从 running 末尾（policy 排最后的）逐个 _preempt，直到 short + preempt_blocks <=
+        #    空闲块数；被抢占的序列若在 needs 里，short 减去它那份。
+        #    policy 排第一的序列不为留余量而被抢占。
+        # 4. 返回 True：剩下的序列本步都装得下。通常步后还空着 preempt_blocks 块（滞回，
+        #    不会每步抢一个）；但只剩一个序列时循环就停了，这份余量不保证。
         # [ZH-END]
         needs = []
         for seq in self.running:  # what `_schedule_running` will take, in the same order
@@ -227,15 +236,18 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         # [ZH-START]
         # 循环条件：waiting 非空、budget > 0、len(running) < max_num_seqs。
-        # 1. 看堆顶 seq；已 FINISHED（排队时被 abort 的死条目）→ 弹出，_num_dead_waiting -= 1，继续。
+        # 1. 看堆顶 seq；已 FINISHED（排队时被 abort 的死条目）→ 弹出，
+        #    _num_dead_waiting -= 1，继续。
         # 2. hits = block_manager.match_prefix(seq)：前缀缓存命中的块。
         # 3. num_new = min(num_tokens - 命中块数 × block_size, budget)：剩下的 token 本步算多少，
-        #    超出预算的部分以后作为 running 分块继续算（chunked prefill）。
-        # 4. can_allocate(num_new, hits, keep_free) 不满足 → break：严格按 policy 顺序接纳，不跳过堆顶去接纳
-        #    后面的小请求。keep_free = watermark_blocks（kv_watermark 与 preempt_ratio 取大）：有序列在跑时
-        #    接纳后至少留这么多空闲块；引擎空闲时为 0，装得下的请求总能跑起来。
+        #    超出预算的部分以后作为 running 分块继续算（prefill 分块）。
+        # 4. can_allocate(num_new, hits, keep_free) 不满足 → break：严格按 policy 顺序接纳，
+        #    不跳过堆顶去接纳后面的小请求。keep_free = watermark_blocks（kv_watermark 与
+        #    preempt_ratio 取大）：有序列在跑时接纳后至少留这么多空闲块；引擎空闲时为 0，
+        #    装得下的请求总能跑起来。
         # 5. 弹出堆顶，allocate(seq, num_new, hits)，status = RUNNING；
-        #    第一次被调度时记 first_scheduled_time，并把排队时间追加到 queue_times（抢占后重新接纳不算）。
+        #    第一次被调度时记 first_scheduled_time，并把排队时间追加到 queue_times
+        #    （抢占后重新接纳不算）。
         # 6. num_waiting -= 1，num_running += 1，追加到 running 和 scheduled，budget -= num_new。
         # 7. 循环后 _drop_dead_if_most()：接纳让活条目变少，死条目可能过半。
         # [ZH-END]
@@ -267,7 +279,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         # [ZH-START]
         # 重算式抢占（recompute），不把 KV 换出到别处：
-        # 1. block_manager.free(seq)：块全部还回去，num_computed_tokens 归 0；已生成的 token 仍留在 token_ids 里。
+        # 1. block_manager.free(seq)：块全部还回去，num_computed_tokens 归 0；已生成的 token
+        #    仍留在 token_ids 里。
         # 2. status = WAITING，num_running -= 1。
         # 3. add(seq) 重新入堆，num_waiting += 1：键没变，FCFS 下它比后到的请求先被重新接纳。
         # 4. num_preemptions += 1（指标）。
@@ -289,8 +302,9 @@ class Scheduler:
         # sampled 只含"本步采样了的"项的 token，按 scheduled 顺序排列，所以用迭代器按需取。
         # 对 scheduled 里的每一项：
         # 1. num_computed_tokens += num_new_tokens；block_manager.commit(seq) 登记刚写满的块。
-        # 2. num_computed_tokens 仍 < num_tokens（prompt 的中间分块）→ 本步没采样，跳过。
-        # 3. token = next(samples)；等于 SAMPLE_FAILED → finish(seq, "error")（失败原因留在 Sampler 里）。
+        # 2. num_computed_tokens 仍 < num_tokens（还不是最后一个 prefill 分块）→ 本步没采样，跳过。
+        # 3. token = next(samples)；等于 SAMPLE_FAILED → finish(seq, "error")（失败原因
+        #    留在 Sampler 里）。
         # 4. 否则追加到 token_ids，num_appended += 1；_finish_reason 给出原因就 finish(seq, 原因)。
         # 5. 返回追加的 token 数（失败的不算）。
         # [ZH-END]
@@ -315,8 +329,10 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         # [ZH-START]
-        # 1. stopping = (token 在 eos_token_ids 里且没设 ignore_eos) 或 token 在 params.stop_token_ids 里。
-        # 2. stopping 且 num_output_tokens >= min_tokens → "stop"（token 已追加，它是输出的最后一个）。
+        # 1. stopping = (token 在 eos_token_ids 里且没设 ignore_eos) 或 token 在
+        #    params.stop_token_ids 里。
+        # 2. stopping 且 num_output_tokens >= min_tokens → "stop"（token 已追加，
+        #    它是输出的最后一个）。
         #    Sampler 在 min_tokens 之前已把这些 token 屏蔽，这里的 min_tokens 判断只是兜底。
         # 3. num_output_tokens >= max_tokens，或 num_tokens >= max_model_len → "length"。
         # 4. 都不满足 → None，继续生成。

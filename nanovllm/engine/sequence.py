@@ -1,15 +1,17 @@
 """A request's live state inside the engine: its tokens, its KV blocks and how far it has run."""
 # [ZH-START]
 # 【模块定位】一个请求在引擎里的"活状态"，各部件共享的那份数据。
-# 整个服务：client → tokenizer → engine（LLMEngine.add_request 在这里创建 Sequence）→ detokenizer → client。
+# 整个服务：客户端 → 分词进程 → 引擎进程（LLMEngine.add_request 在这里创建 Sequence）
+#   → 反分词进程 → 客户端。
 # 引擎一步之内谁碰它：
-#   Scheduler.schedule ──按 status 在 waiting 堆 / running 列表之间搬动──▶ BlockManager 改 block_table 等
+#   Scheduler.schedule ─按 status 在 waiting 堆 / running 列表之间搬动→ BlockManager
+#     改 block_table 等
 #   → StepInput.from_scheduled 读 token_ids、block_table、num_computed_tokens 组本步输入
 #   → Scheduler.postprocess 推进 num_computed_tokens、把采样出的 token 追加进 token_ids
 # 状态机：
-#   WAITING ──schedule 接纳──▶ RUNNING ──stop / length / error──▶ FINISHED
-#      ▲                          │
-#      └──────被抢占（_preempt）───┘        （任何状态下 abort 都直接进 FINISHED）
+#   WAITING ─schedule 接纳→ RUNNING ─stop / length / error→ FINISHED
+#      ▲                       │
+#      └────被抢占（_preempt）─┘        （任何状态下 abort 都直接进 FINISHED）
 # [ZH-END]
 from __future__ import annotations
 
@@ -31,22 +33,24 @@ class SequenceStatus(Enum):
 
 class Sequence:
     # [ZH-START]
-    # 职责：保存一个请求的全部可变状态——token（prompt + 已生成的输出）、调度状态、KV 块表和几个进度计数。
-    # 不做的事：除了 num_tokens 等几个只读属性，没有逻辑。不分配块、不做调度、不采样，这些由 BlockManager、
-    # Scheduler、Sampler 完成，它们直接读写这里的字段（所以字段名就是接口）。
-    # 和谁打交道：LLMEngine 创建它并在 requests 里按 request_id 索引；Scheduler、BlockManager 修改它；
-    # StepInput 读它组 batch；Sampler 读 num_output_tokens 判断 min_tokens。
+    # 职责：保存一个请求的全部可变状态——token（prompt + 已生成的输出）、调度状态、
+    # KV 块表和几个进度计数。
+    # 不做的事：除了 num_tokens 等几个只读属性，没有逻辑。不分配块、不做调度、不采样，
+    # 这些由 BlockManager、Scheduler、Sampler 完成，它们直接读写这里的字段（所以字段名就是接口）。
+    # 和谁打交道：LLMEngine 创建它并在 requests 里按 request_id 索引；Scheduler、
+    # BlockManager 修改它；StepInput 读它组批；Sampler 读 num_output_tokens 判断 min_tokens。
     # [ZH-END]
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
                  priority: int = 0):
         # [ZH-START]
-        # 1. token_ids 复制一份 prompt，之后的输出 token 直接追加在后面；num_prompt_tokens 记 prompt 长度，
-        #    所以输出就是 token_ids[num_prompt_tokens:]。
+        # 1. token_ids 复制一份 prompt，之后的输出 token 直接追加在后面；num_prompt_tokens 记 prompt
+        #    长度，所以输出就是 token_ids[num_prompt_tokens:]。
         # 2. arrival：LLMEngine 递增分配的到达序号（FCFS 的排序键）；arrival_time 记单调时钟，
         #    首次被调度时写 first_scheduled_time，两者之差就是排队时间（抢占后重新接纳不再改）。
-        # 3. priority 只在 "priority" 策略下起作用；status = WAITING，finish_reason = None，block_table 为空。
+        # 3. priority 只在 "priority" 策略下起作用；status = WAITING，
+        #    finish_reason = None，block_table 为空。
         # 4. 进度计数都从 0 开始：
-        #    num_computed_tokens：K/V 已在缓存里的 token 数，分块 prefill 时每步往前推；
+        #    num_computed_tokens：K/V 已在缓存里的 token 数，prefill 分块时每步往前推；
         #    num_cached_tokens：最近一次接纳时前缀缓存命中的 token 数；
         #    block_hashes：前面各满块的链式哈希，算一次存一次；
         #    num_registered_blocks：已登记进前缀缓存的前导块数；

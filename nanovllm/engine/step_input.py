@@ -10,7 +10,8 @@ sequence), then prefill chunks in scheduled order.
 # 【模块定位】把调度结果变成"一步的模型输入"，分两段：
 #   Scheduler → list[ScheduledSeq]
 #     → StepInput.from_scheduled()（只在 rank 0，产出纯 list，可 msgpack 广播给 TP worker）
-#     → build_cpu_batch()（torch / 编译 C 核路径）或 build_gpu_batch()（Triton 路径），每个 rank 各建一份
+#     → build_cpu_batch()（torch / 编译 C 核路径）或 build_gpu_batch()（Triton 路径），
+#       每个 rank 各建一份
 #     → input_ids (T,)、positions (T,)、AttentionMetadata → 模型前向 → PagedAttention
 # 批内行序固定：先是 decode 行（每条序列 1 个 token），再是各 prefill 分块（按调度顺序）。
 # 位置 p 的 token 写在 slot = block_table[p // block_size] * block_size + p % block_size。
@@ -50,7 +51,8 @@ class StepInput:
         # [ZH-START]
         # 1. 遍历 scheduled，pos = seq.num_computed_tokens（本次第一个新 token 的位置）。
         # 2. num_new_tokens == 1 → 当作 decode 行：记 token_ids[pos]、pos、seq.block_table；
-        #    places 记 (True, 它在 decode 行中的序号)。只剩 1 个 token 的 prefill 分块也走这里，算法相同。
+        #    places 记 (True, 它在 decode 行中的序号)。只剩 1 个 token 的 prefill
+        #    分块也走这里，算法相同。
         # 3. 否则是 prefill 分块：记 token_ids[pos:pos+n]、起始位置 pos、block_table；
         #    num_prefill_rows 累加 n，places 记 (False, 该分块最后一行在 prefill 行中的下标)。
         # 4. 全部遍历完 decode 行数 num_decode 才确定，再算 sample_rows：对 item.samples 为真的项，
@@ -100,14 +102,16 @@ def build_cpu_batch(step: StepInput, block_size: int, torch_attention: bool):
     lists only the torch attention path reads (the compiled kernel walks the block tables)."""
     # [ZH-START]
     # 1. input_ids / positions 先放 decode 行；每行 slot = table[pos // bs] * bs + pos % bs。
-    # 2. 有 decode 行时：块表用 0 补齐成 (B, max_blocks) long；decode_context_lens = pos + 1（含新 token）；
-    #    decode_rows = arange(B)（编译核约定：第 r 行读块表第 r 行）。
-    #    torch_attention 时再建 decode_mask (B, 1, 1, max_blocks * bs)：key 下标 < context_len 为 True。
+    # 2. 有 decode 行时：块表用 0 补齐成 (B, max_blocks) long；decode_context_lens = pos + 1（含新
+    #    token）；decode_rows = arange(B)（编译核约定：第 r 行读块表第 r 行）。
+    #    torch_attention 时再建 decode_mask (B, 1, 1, max_blocks * bs)：
+    #    key 下标 < context_len 为 True。
     # 3. 每个 prefill 分块（n 个新 token，pos = arange(start, start + n)）：
     #    PrefillSpan(start=它在批内的首行, q_len=n, num_cached=start, block_table=(nblocks,))。
     #    torch_attention 且 start > 0 时：
     #    context_slots = 位置 0..start+n-1 的 slot，
-    #    mask (n, start + n) = ctx <= pos，即带偏移的因果掩码；start == 0 时直接用 SDPA 的 is_causal。
+    #    mask (n, start + n) = ctx <= pos，即带偏移的因果掩码；start == 0 时直接用
+    #    SDPA 的 is_causal。
     # 4. 把分块的 token、位置、slot 追加到批尾。
     # 5. slot_mapping 转成 (T,) long；返回 input_ids (T,)、positions (T,)、meta，全部在 CPU 上。
     # [ZH-END]
@@ -146,8 +150,9 @@ def build_gpu_batch(step: StepInput, block_size: int, device: torch.device):
     # [ZH-START]
     # 1. upload()：先在 host 上建张量（CUDA 上用 pinned 内存），再 non_blocking 拷到设备，
     #    每个张量一次拷贝，不触发设备同步。
-    # 2. decode 行：input_ids / positions / slot 与 CPU 路径相同；块表补 0 成 (B, max_blocks) int32，
-    #    decode_context_lens = pos + 1（int32）。没有 mask：Triton 核按 context_len 自己截断。
+    # 2. decode 行：input_ids / positions / slot 与 CPU 路径相同；块表补 0 成 (B, max_blocks)
+    #    int32，decode_context_lens = pos + 1（int32）。没有 mask：
+    #    Triton 核按 context_len 自己截断。
     # 3. 有 prefill 时逐块追加 slot / token / 位置，并累积：
     #    cu_seqlens (P + 1,)：各块行偏移，从第一条 prefill 行算起（不含 decode 行）；
     #    gpu_prefill_context_lens (P,) = start + n；块表补 0 成 (P, max_blocks) int32；

@@ -18,12 +18,14 @@ interpreter, so CPU launches upcast bf16 tiles to fp32 before each dot.
 # 【模块定位】GPU 上的注意力实现（GPU 机器没有 flash-attn，所以用自己写的 Triton 核）。
 # 引擎一步内的位置：
 #   scheduler → step_input.build_gpu_batch（int32 元数据）→ model runner → 解码层
-#     → PagedAttention._forward_triton → 【本模块】store_kvcache / paged_prefill_attention / paged_decode_attention
+#     → PagedAttention._forward_triton
+#     →【本模块】store_kvcache / paged_prefill_attention / paged_decode_attention
 # 只在 CUDA 上由 ModelRunner 导入；CPU 测试在 TRITON_INTERPRET=1 下运行，并与 reference.py 里
 # 同名同签名的纯 torch 实现逐一比对。
 # 共同算法：按 tile 遍历上下文，在线 softmax（running max m、分母 l、fp32 累加器 acc），
 # 从不生成完整的分数矩阵；分数乘 scale * log2(e)，用 exp2 代替 exp。
-# 常量：decode 每 tile 32 个 key；prefill 每 tile 64 个 query × 32 个 key；tl.dot 的每个维度至少 16。
+# 常量：decode 每 tile 32 个 key；prefill 每 tile 64 个 query × 32 个 key；
+# tl.dot 的每个维度至少 16。
 # [ZH-END]
 
 import math
@@ -54,8 +56,10 @@ def _store_kvcache_kernel(
 ):
     # [ZH-START]
     # 网格 (N,)，一个 program 负责一个新 token：
-    # 1. row = program_id(0)，slot = slot_mapping[row]（转 int64 防溢出）；slot < 0（CUDA graph 填充行）直接返回。
-    # 2. offs_h 覆盖 BLOCK_H = next_pow2(KVH) 个 head，offs_d 覆盖 BLOCK_D = next_pow2(D)，多出的部分用 mask 挡住。
+    # 1. row = program_id(0)，slot = slot_mapping[row]（转 int64 防溢出）；slot < 0（CUDA 图的
+    #    填充行）直接返回。
+    # 2. offs_h 覆盖 BLOCK_H = next_pow2(KVH) 个 head，offs_d 覆盖 BLOCK_D = next_pow2(D)，
+    #    多出的部分用 mask 挡住。
     # 3. 按 stride 读出这一行的 key / value，形状 [BLOCK_H, BLOCK_D]（最后一维连续）。
     # 4. cache 偏移 = slot * (KVH * D) + h * D + d（cache 连续存放），写进 k_cache 和 v_cache。
     # [ZH-END]
@@ -91,8 +95,9 @@ def _attend_tile(
     # 4. DOT_FP32（解释器里的 bf16）时把 q、k、v 升到 fp32。
     # 5. scores [M, N] = q @ k^T * scale_log2e（input_precision="ieee"：fp32 输入不走 tf32）。
     # 6. 超出 kv_end 的 key，以及 CAUSAL 时 pos > query_pos 的 key，分数置 -inf。
-    # 7. 在线 softmax：m_new = max(m_i, 行最大分数)；m_safe 在 m_new 为 -inf 时取 0（避免 -inf - -inf = NaN）；
-    #    alpha = exp2(m_i - m_safe)，p = exp2(scores - m_safe)；l_i = l_i * alpha + sum(p)；acc = acc * alpha + p @ V。
+    # 7. 在线 softmax：m_new = max(m_i, 行最大分数)；m_safe 在 m_new 为 -inf 时取 0（避免
+    #    -inf - -inf = NaN）；alpha = exp2(m_i - m_safe)，p = exp2(scores - m_safe)；
+    #    l_i = l_i * alpha + sum(p)；acc = acc * alpha + p @ V。
     # 8. 返回 (acc [M, D], m_new, l_i)。
     # [ZH-END]
     pos = start + tl.arange(0, BLOCK_N)
@@ -139,15 +144,19 @@ def _decode_kernel(
     """One program: one sequence, one kv head with all its query heads, one split of the context."""
     # [ZH-START]
     # 网格 (B, KVH, num_splits)，一个 program = 一条序列 × 一个 kv head × 上下文的一段：
-    # 1. 读 context_len；本段负责位置 [split * split_len, min(context_len, split_start + split_len))。
-    # 2. 共享这个 kv head 的 GROUP 个 query head 组成 dot 的 M 维：heads = kv_head * GROUP + offs_g，
-    #    读出 q [BLOCK_G, BLOCK_D]（BLOCK_G >= 16，多出的行 mask 成 0），这样每个 K/V tile 只读一次。
+    # 1. 读 context_len；本段负责位置 [split * split_len, min(context_len,
+    #    split_start + split_len))。
+    # 2. 共享这个 kv head 的 GROUP 个 query head 组成 dot 的 M 维：
+    #    heads = kv_head * GROUP + offs_g，读出 q [BLOCK_G, BLOCK_D]（BLOCK_G >= 16，
+    #    多出的行 mask 成 0），这样每个 K/V tile 只读一次。
     # 3. 初始化 m = -inf、l = 0、acc = 0（都是 fp32）。
-    # 4. 以 BLOCK_N = 32 为步长遍历本段，调用 _attend_tile（CAUSAL=False：decode 的查询在最后一个位置，能看到全部上下文）。
+    # 4. 以 BLOCK_N = 32 为步长遍历本段，调用 _attend_tile（CAUSAL=False：
+    #    decode 的查询在最后一个位置，能看到全部上下文）。
     # 5. out = acc / l；l == 0（空段，或 context_len 为 0 的填充行）时除以 1，输出 0 而不是 NaN。
     # 6. WRITE_FINAL（只有 1 段）：直接按 q 的 dtype 写 out [B, H, D]。
-    #    否则写部分结果：partial_out [B, H, num_splits, D]（fp32），partial_lse [B, H, num_splits] = m + log2(l)
-    #    （以 2 为底的 log-sum-exp；空段为 -inf），由 _decode_reduce_kernel 合并。
+    #    否则写部分结果：partial_out [B, H, num_splits, D]（fp32），partial_lse [B, H,
+    #    num_splits] = m + log2(l)（以 2 为底的 log-sum-exp；空段为 -inf），
+    #    由 _decode_reduce_kernel 合并。
     # [ZH-END]
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -198,7 +207,8 @@ def _decode_reduce_kernel(
     # [ZH-START]
     # 网格 (B, H)，一个 program 合并一个 (序列, query head) 的所有段：
     # 1. 读出 num_splits 个 lse（补齐到 BLOCK_S 的部分为 -inf）。
-    # 2. lse_max = 最大值；权重 w = exp2(lse - lse_max)，即各段 softmax 质量的相对大小；全为 -inf 时减 0，权重全 0。
+    # 2. lse_max = 最大值；权重 w = exp2(lse - lse_max)，即各段 softmax 质量的相对大小；
+    #    全为 -inf 时减 0，权重全 0。
     # 3. 读出各段已归一化的部分输出 [S, D]。
     # 4. out = sum(w * partial) / sum(w)（总和为 0 时除以 1，输出 0），按 out 的 dtype 写回 [D]。
     # [ZH-END]
@@ -227,15 +237,18 @@ def _prefill_kernel(
 ):
     """One program: BLOCK_M new tokens of one sequence, one query head."""
     # [ZH-START]
-    # 网格 (cdiv(max_seqlen_q, 64), P, H)，一个 program = 一条序列的 BLOCK_M = 64 个新 token × 一个 query head：
+    # 网格 (cdiv(max_seqlen_q, 64), P, H)，一个 program = 一条序列的 BLOCK_M = 64 个新
+    # token × 一个 query head：
     # 1. q_start = cu_seqlens_q[b]，q_len = cu_seqlens_q[b + 1] - q_start；tile * 64 >= q_len 就返回
     #    （网格按最长序列开，短序列的多余 tile 什么都不做）。
-    # 2. context_len = context_lens[b]，prefix_len = context_len - q_len（本步之前已缓存的 token 数）。
+    # 2. context_len = context_lens[b]，prefix_len = context_len - q_len（本步之前
+    #    已缓存的 token 数）。
     # 3. 读 q tile [64, D]（行 q_start + offs_m），各行的绝对位置 query_pos = prefix_len + offs_m。
     # 4. 初始化 m = -inf、l = 0、acc = 0。
-    # 5. kv_end = min(context_len, prefix_len + (tile + 1) * 64)：比本 tile 最后一个查询更靠后的 key 对整个 tile 都不可见。
-    # 6. 从位置 0 起以 BLOCK_N = 32 遍历到 kv_end，调用 _attend_tile（kv_head = head // GROUP，CAUSAL=True），
-    #    缓存前缀和本步新 token 都从 cache 读（store_kvcache 已先写入）。
+    # 5. kv_end = min(context_len, prefix_len + (tile + 1) * 64)：比本 tile 最后一个查询更靠后的 key
+    #    对整个 tile 都不可见。
+    # 6. 从位置 0 起以 BLOCK_N = 32 遍历到 kv_end，调用 _attend_tile（kv_head = head // GROUP，
+    #    CAUSAL=True），缓存前缀和本步新 token 都从 cache 读（store_kvcache 已先写入）。
     # 7. out = acc / l（l == 0 时除以 1），按 mask 写回 q_len 范围内的行。
     # [ZH-END]
     tile = tl.program_id(0)
@@ -310,7 +323,7 @@ def _default_num_splits(batch: int, num_kv_heads: int, max_context_len: int) -> 
     # [ZH-START]
     # 1. B × KVH >= 128：program 已足够占满 GPU，不切分，返回 1。
     # 2. 否则每 512 个 token 切一段：min(16, ceil(max_context_len / 512))，至少 1。
-    # 3. 只依赖形状、不读 context_lens，所以同一个 CUDA graph 每次重放切分数不变。
+    # 3. 只依赖形状、不读 context_lens，所以同一个 CUDA 图每次重放切分数不变。
     # [ZH-END]
     if batch * num_kv_heads >= _DECODE_PROGRAMS_WITHOUT_SPLIT:
         return 1
@@ -329,12 +342,14 @@ def paged_decode_attention(
     # [ZH-START]
     # 1. check_decode_inputs；显式给的 num_splits < 1 抛 ValueError。
     # 2. 从 q 取 B、H、D，从 cache 取 block_size、KVH；out = empty_like(q)；B == 0 直接返回。
-    # 3. max_context_len = 块表宽度 × block_size：所有上下文的上界，不用把 context_lens 读回 host（无同步，可进 CUDA graph）。
-    # 4. num_splits 默认由 _default_num_splits 决定；split_len = ceil(ceil(max_context_len / num_splits) / 32) * 32，
-    #    是 BLOCK_N 的整数倍。
-    # 5. num_splits > 1：分配 fp32 的 partial_out [B, H, S, D] 和 partial_lse [B, H, S]；否则用 out 占位（WRITE_FINAL 时不读）。
-    # 6. 启动 _decode_kernel，网格 (B, KVH, S)：GROUP = H // KVH，BLOCK_G = max(16, next_pow2(GROUP))，
-    #    BLOCK_D = max(16, next_pow2(D))，BLOCK_N = 32，缩放 scale * log2(e)。
+    # 3. max_context_len = 块表宽度 × block_size：所有上下文的上界，不用把 context_lens 读回
+    #    host（无同步，可进 CUDA 图）。
+    # 4. num_splits 默认由 _default_num_splits 决定；
+    #    split_len = ceil(ceil(max_context_len / num_splits) / 32) * 32，是 BLOCK_N 的整数倍。
+    # 5. num_splits > 1：分配 fp32 的 partial_out [B, H, S, D] 和 partial_lse [B, H, S]；
+    #    否则用 out 占位（WRITE_FINAL 时不读）。
+    # 6. 启动 _decode_kernel，网格 (B, KVH, S)：GROUP = H // KVH，BLOCK_G = max(16,
+    #    next_pow2(GROUP))，BLOCK_D = max(16, next_pow2(D))，BLOCK_N = 32，缩放 scale * log2(e)。
     # 7. num_splits > 1 时再启动 _decode_reduce_kernel，网格 (B, H)，合并各段。
     # 8. 返回 out [B, H, D]。
     # [ZH-END]
@@ -386,8 +401,10 @@ def paged_prefill_attention(
     Pass `max_seqlen_q` (the longest q_len) to size the grid without a device-to-host sync.
     """
     # [ZH-START]
-    # 1. check_prefill_inputs；T、H、D 取自 q，block_size、KVH 取自 cache；P = len(cu_seqlens_q) - 1。
-    # 2. out = zeros_like(q)：cu_seqlens_q[-1] 之后的填充行不会被核写到，必须是 0；P 或 T 为 0 直接返回。
+    # 1. check_prefill_inputs；T、H、D 取自 q，block_size、KVH 取自 cache；
+    #    P = len(cu_seqlens_q) - 1。
+    # 2. out = zeros_like(q)：cu_seqlens_q[-1] 之后的填充行不会被核写到，必须是 0；
+    #    P 或 T 为 0 直接返回。
     # 3. 没给 max_seqlen_q 就从 cu_seqlens_q 算（会有一次设备到 host 同步）；< 1 抛 ValueError。
     # 4. 网格 (cdiv(max_seqlen_q, 64), P, H)，启动 _prefill_kernel：GROUP = H // KVH，
     #    BLOCK_M = 64，BLOCK_N = 32，BLOCK_D = max(16, next_pow2(D))，缩放 scale * log2(e)。

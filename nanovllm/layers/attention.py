@@ -19,9 +19,10 @@ lives in slot `block_table[p // block_size] * block_size + p % block_size`.
 #   scheduler → step_input（建 AttentionMetadata）→ model runner → 解码层
 #     qkv_proj → q/k norm + rotary → 【PagedAttention】→ o_proj → ... → LM head → sampler
 # 三条实现路径，由 ModelRunner 在启动时选定并写进每层：
-#   CPU + 编译 C 核（cpu_kernel）：decode 行逐行、prefill 分块按行 tile（chunk），都按块表原地读 K/V；
-#   CPU + torch 算子：decode 先 gather 整块再 SDPA，prefill 逐序列 SDPA；
-#   CUDA：triton_ops（kernels/triton_attention.py），store_kvcache + prefill varlen 一次 + decode 一次。
+#   CPU + 编译 C 核（cpu_kernel）：decode 行逐行、prefill 分块按行 tile（chunk），都按块表原地读
+#   K/V；CPU + torch 算子：decode 先 gather 整块再 SDPA，prefill 逐序列 SDPA；
+#   CUDA：triton_ops（kernels/triton_attention.py），store_kvcache + prefill varlen
+#   一次 + decode 一次。
 # 先把新 K/V 写进 cache 再做注意力，所以分块既能看到缓存的前缀，也能看到自己。
 # cache 每层形状 (num_blocks, block_size, num_kv_heads, head_dim)。
 # [ZH-END]
@@ -38,8 +39,9 @@ from torch import nn
 class PrefillSpan:
     """The new tokens of one sequence: rows [start, start + q_len) of the batch."""
     # [ZH-START]
-    # 【职责】描述批里一条序列的一个 prefill 分块：批内行 [start, start + q_len)，前面已缓存 num_cached 个 token，
-    # 以及各注意力路径各自需要的附加数据（torch 路径的 context_slots / mask，编译核的 block_table）。
+    # 【职责】描述批里一条序列的一个 prefill 分块：批内行 [start, start + q_len)，
+    # 前面已缓存 num_cached 个 token，以及各注意力路径各自需要的附加数据（torch 路径的
+    # context_slots / mask，编译核的 block_table）。
     # 【边界】只是数据，不做计算；CUDA 路径不用它（用 AttentionMetadata 的 gpu_* 字段）。
     # 【协作者】由 step_input.build_cpu_batch 填写，PagedAttention.forward 逐个读取。
     # [ZH-END]
@@ -90,11 +92,12 @@ class AttentionMetadata:
 class PagedAttention(nn.Module):
     # [ZH-START]
     # 【职责】一层的注意力：把本步新算出的 K/V 写进分页 cache 的 slot，再让每个查询 token 对其
-    # 序列的全部上下文（缓存前缀 + 本步新 token，因果）做注意力，支持 GQA（H 个 query head 共享 KVH 个 kv head）。
-    # 【边界】不做 qkv 投影、q/k norm、rotary（在 decoder 的 Attention 里）；不分配 cache、不管块表，
-    # k_cache / v_cache 只是 ModelRunner 赋进来的视图；不决定用哪条实现路径。
-    # 【协作者】ModelRunner 设置 k_cache / v_cache / cpu_kernel / triton_ops；decoder 的 Attention 每步调用
-    # forward；具体计算交给 torch SDPA、CpuAttentionKernel 或 triton_attention 模块。
+    # 序列的全部上下文（缓存前缀 + 本步新 token，因果）做注意力，支持 GQA（H 个 query head
+    # 共享 KVH 个 kv head）。
+    # 【边界】不做 qkv 投影、q/k norm、rotary（在 decoder 的 Attention 里）；不分配 cache、
+    # 不管块表，k_cache / v_cache 只是 ModelRunner 赋进来的视图；不决定用哪条实现路径。
+    # 【协作者】ModelRunner 设置 k_cache / v_cache / cpu_kernel / triton_ops；decoder 的 Attention
+    # 每步调用 forward；具体计算交给 torch SDPA、CpuAttentionKernel 或 triton_attention 模块。
     # [ZH-END]
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
@@ -118,12 +121,16 @@ class PagedAttention(nn.Module):
         #    融合 CPU 算子已经写过时（kv_stored=True）跳过。
         # 4. out = empty_like(q)，形状 (T, H, D)。
         # 5. decode 行 [0, num_decode)：没有编译核 → _decode（gather + SDPA）；
-        #    有 → kernel(q, 两个 cache, decode_block_tables, decode_rows, decode_context_lens, scale)。
+        #    有 → kernel(q, 两个 cache, decode_block_tables, decode_rows,
+        #    decode_context_lens, scale)。
         # 6. 逐个 prefill 分块，行 [start, start + q_len)：
         #    a. 有编译核：kernel.chunk(q 的这些行, 两个 cache, block_table, num_cached, scale)，
-        #       第 i 行看前 num_cached + i + 1 个位置，按行 tile 计算（cpu_attention.c 的 paged_attention_chunk）；
-        #    b. 没有编译核且 num_cached == 0：直接用本步的 k / v 行做因果 SDPA（_attend，mask=None）；
-        #    c. 没有编译核且有缓存前缀：从 cache 按 context_slots 取出 (num_cached + q_len) 行 K/V，用带偏移的 mask。
+        #       第 i 行看前 num_cached + i + 1 个位置，按行 tile 计算（cpu_attention.c 的
+        #       paged_attention_chunk）；
+        #    b. 没有编译核且 num_cached == 0：直接用本步的 k / v 行做因果
+        #       SDPA（_attend，mask=None）；
+        #    c. 没有编译核且有缓存前缀：从 cache 按 context_slots 取出 (num_cached + q_len) 行
+        #       K/V，用带偏移的 mask。
         # 7. 返回 out (T, H, D)。
         # [ZH-END]
         if self.triton_ops is not None:
@@ -154,13 +161,16 @@ class PagedAttention(nn.Module):
     def _forward_triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                         kv_stored: bool) -> torch.Tensor:
         # [ZH-START]
-        # 1. store_kvcache：新 K/V 按 slot_mapping 写入 cache；slot = -1 的行（CUDA graph 填充行）不写。
+        # 1. store_kvcache：新 K/V 按 slot_mapping 写入 cache；slot = -1 的行（CUDA 图的
+        #    填充行）不写。
         #    kv_stored 为 True（融合 Triton 算子 qk_norm_rope_store 已写过）时跳过。
-        # 2. num_decode == T（纯 decode 步，以及所有 CUDA graph 重放）：一次 paged_decode_attention 覆盖全部行，返回。
-        # 3. 否则对 q[num_decode:] 做一次 varlen 的 paged_prefill_attention：cu_seqlens / context_lens / 块表都是 int32，
-        #    max_seqlen_q 用 host 上已知的 gpu_max_prefill_len，避免设备到主机同步；结果 (T - B, H, D)。
-        # 4. 没有 decode 行就直接返回 prefill 结果；有则对 q[:num_decode] 再做 paged_decode_attention 得 (B, H, D)，
-        #    按批内行序 cat([decode, prefill])。
+        # 2. num_decode == T（纯 decode 步，以及所有 CUDA 图重放）：
+        #    一次 paged_decode_attention 覆盖全部行，返回。
+        # 3. 否则对 q[num_decode:] 做一次 varlen 的 paged_prefill_attention：
+        #    cu_seqlens / context_lens / 块表都是 int32，max_seqlen_q 用 host 上已知的
+        #    gpu_max_prefill_len，避免设备到主机同步；结果 (T - B, H, D)。
+        # 4. 没有 decode 行就直接返回 prefill 结果；有则对 q[:num_decode] 再做
+        #    paged_decode_attention 得 (B, H, D)，按批内行序 cat([decode, prefill])。
         # [ZH-END]
         ops, num_decode = self.triton_ops, meta.num_decode
         if not kv_stored:
@@ -179,11 +189,12 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # [ZH-START]
-        # 1. 取 batch B 和 max_blocks（decode_block_tables 的形状），L = max_blocks * block_size。
-        # 2. k_cache[decode_block_tables] 按块 gather：(B, max_blocks, block_size, KVH, D) → view 成 (B, L, KVH, D)，V 同理；
-        #    这是一份拷贝，每层每步都要做，正是编译核要省掉的开销。
+        # 1. 取批大小 B 和 max_blocks（decode_block_tables 的形状），L = max_blocks * block_size。
+        # 2. k_cache[decode_block_tables] 按块 gather：(B, max_blocks, block_size, KVH, D) → view 成
+        #    (B, L, KVH, D)，V 同理；这是一份拷贝，每层每步都要做，正是编译核要省掉的开销。
         # 3. SDPA：q (B, H, 1, D)，k / v 转成 (B, KVH, L, D)，attn_mask = decode_mask (B, 1, 1, L)
-        #    （超出 context_len 的位置和补 0 的块都被屏蔽），enable_gqa 让 H / KVH 个 query head 共享一个 kv head。
+        #    （超出 context_len 的位置和补 0 的块都被屏蔽），enable_gqa 让 H / KVH 个 query
+        #    head 共享一个 kv head。
         # 4. 去掉长度 1 的维度，返回 (B, H, D)。
         # [ZH-END]
         batch, max_blocks = meta.decode_block_tables.shape
@@ -205,8 +216,10 @@ class PagedAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Attention of one sequence's chunk: q (Q, H, D) over k/v (K, KVH, D)."""
         # [ZH-START]
-        # 1. 维度换成 SDPA 要的 batch=1 布局：q (Q, H, D) → (1, H, Q, D)；k / v (K, KVH, D) → (1, KVH, K, D)。
-        # 2. mask 为 None（新 prompt，Q == K）时用 is_causal=True；否则用传入的 (Q, K) 布尔 mask（带缓存前缀的因果掩码）。
+        # 1. 维度换成 SDPA 要的批大小为 1 的布局：q (Q, H, D) → (1, H, Q, D)；k / v (K, KVH,
+        #    D) → (1, KVH, K, D)。
+        # 2. mask 为 None（新 prompt，Q == K）时用 is_causal=True；否则用传入的 (Q, K) 布尔
+        #    mask（带缓存前缀的因果掩码）。
         # 3. scale = head_dim ** -0.5，enable_gqa=True。
         # 4. 换回 (Q, H, D) 返回。
         # [ZH-END]

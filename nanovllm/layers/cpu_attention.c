@@ -24,12 +24,12 @@
 // [ZH-START]
 // 本文件在整体架构中的位置：引擎一步（step）之内的注意力计算，CPU 路径。
 //
-//   scheduler -> step_input（块表、每行上下文长度）-> model_runner -> 每层 Attention
-//       -> qk_norm_rope_store（cpu_ops.c：新 token 的 K/V 先写进分页缓存）
-//       -> paged_attention_rows（decode 行）/ paged_attention_chunk（prompt 分块）
-//          （本文件：读缓存做注意力）-> o_proj -> ... -> sampler
+//   scheduler → step_input（块表、每行上下文长度）→ model_runner → 每层 Attention
+//       → qk_norm_rope_store（cpu_ops.c：新 token 的 K/V 先写进 KV cache）
+//       → paged_attention_rows（decode 行）/ paged_attention_chunk（prefill 分块）
+//          （本文件：读缓存做注意力）→ o_proj → ... → sampler
 //
-// 核心思路：KV 缓存按块（block）分页存放，布局 [num_blocks, block_size, KVH, D]。
+// 核心思路：KV cache 按物理块（block）分页存放，布局 [num_blocks, block_size, KVH, D]。
 // torch 的做法要先把每条序列的块 gather 成一份连续的填充副本；这里直接按块表
 // 原地读取，每行（一个查询 token 的全部 head）只遍历一次上下文，用 online softmax
 // 逐块累加，所以 K/V 每块只从内存读一次。
@@ -224,12 +224,13 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
                               int64_t h0, int64_t h1, int64_t BS, int64_t BSP, float scale, const int64_t HD,
                               const int BF) {
     // [ZH-START]
-    // 一行（一个查询 token）的注意力，online softmax，按缓存块推进：
+    // 一行（一个查询 token）的注意力，online softmax，按物理块推进：
     // 1. bf16 时先把这一行的 q（H*D 个元素）展开成 fp32 放进 qf；fp32 直接用原指针。
     // 2. 每个 head 的运行最大值 m[h] = -inf、分母 l[h] = 0，累加器 acc 清零。
     // 3. 对上下文的第 b 块（块号 table[b]，本块有 n = min(BS, L - t0) 个 token）：
     //    a. 算本块分数时预取下一块的 K 行，累加本块 V 时预取下一块的 V 行，都只预取到 L2
-    //       （块在内存里是分散的，硬件预取器每块都要重新起步；同样的预取放进 L1 实测比不预取还慢）；
+    //       （块在内存里是分散的，硬件预取器每块都要重新起步；同样的预取放进 L1
+    //       实测比不预取还慢）；
     //    b. 对每个 head 算 n 个分数 s = q·k * scale（GQA：第 h 个 head 读第 h / G 个 KV head）；
     //       G 为偶数时相邻两个 head 共用一个 KV head，成对计算（scores_pair / accumulate_pair），
     //       K、V 行只读取、展开一次，每个 head 的运算顺序不变，结果与逐个 head 计算逐位相同；
@@ -345,7 +346,8 @@ int paged_attention_rows(const void *q, int64_t q_row_stride, const void *k_cach
     // 3. paged_attention_items 用 schedule(dynamic, 1) 分工作项（各行上下文长短不一）：
     //    行数不少于线程数时一项是一整行，否则一项是一行的一个 head（或共用 KV head 的一对）；
     //    第 r 行读 block_tables 的第 row_table[r] 行，上下文长度 L = row_ctx[r]；
-    //    L == 0 时输出全零。这只是防御：CUDA 图不会走到 CPU 内核，CPU 上每行的上下文至少 1 个 token。
+    //    L == 0 时输出全零。这只是防御：CUDA 图不会走到 CPU 内核，
+    //    CPU 上每行的上下文至少 1 个 token。
     // 4. 按 head_dim 选编译期特化的版本（64、128，其余走运行时长度），
     //    再按 bf16 标志选元素类型，调用 attend_row。
     // [ZH-END]
@@ -425,18 +427,21 @@ static inline void chunk_tile(const void *q, int64_t q_row_stride, void *out, co
                               float *scratch, int64_t H, int64_t KVH, int64_t BS, int64_t KT, float scale,
                               const int64_t D, const int BF) {
     // [ZH-START]
-    // 一个 tile：第 r0 起的 nr 行 × 第 g 个 KV head，共 M = nr * G 个查询向量（行 i、组内 head j → m = i * G + j），
-    // 每 VL 个放进一个“通道组”，向量 m 占第 m % VL 个通道。
-    // 1. q 按组转置成 qT[D][VL]（不足 VL 的通道补零）；每个通道的可见上下文 limit = num_cached + r0 + m / G + 1；
-    //    每通道的运行最大值 -inf、exp 和 0，转置的累加器 oT[D][VL] 清零。
+    // 一个 tile：第 r0 起的 nr 行 × 第 g 个 KV head，共 M = nr * G 个查询向量（行 i、
+    // 组内 head j → m = i * G + j），每 VL 个放进一个“通道组”，向量 m 占第 m % VL 个通道。
+    // 1. q 按组转置成 qT[D][VL]（不足 VL 的通道补零）；每个通道的可见上下文
+    //    limit = num_cached + r0 + m / G + 1；每通道的运行最大值 -inf、exp 和 0，
+    //    转置的累加器 oT[D][VL] 清零。
     // 2. tile 的上下文到最后一行的 limit（L）为止，每次取 KT 个 key（整块，至少 KEYS 个）：
-    //    a. 这些 key 的 K、V 行（第 g 个 KV head）展开成 fp32 的 kw[i][D]、vw[i][D]，行数补到 NB 的倍数（补零）；
-    //       tile 的所有通道组共用这一份，每个 tile 里 K/V 每行只读、只展开一次；
+    //    a. 这些 key 的 K、V 行（第 g 个 KV head）展开成 fp32 的 kw[i][D]、vw[i][D]，
+    //       行数补到 NB 的倍数（补零）；tile 的所有通道组共用这一份，每个 tile 里 K/V
+    //       每行只读、只展开一次；
     //    b. 对每个通道组：只看组里最后一个通道还看得见的前 nv 个 key（更靠后的整组跳过）；
-    //       scores_lanes：每个 key 的分数是一个向量（每通道一个查询向量），Σ_d k[d] * qT[d]，每次 NB 个 key；
+    //       scores_lanes：每个 key 的分数是一个向量（每通道一个查询向量），
+    //       Σ_d k[d] * qT[d]，每次 NB 个 key；
     //    c. 靠近对角线的 key 块：位置 >= 通道 limit 的通道置 -inf（因果掩码，按通道比较）；
-    //    d. 逐通道 online softmax：新最大值、alpha = exp(旧 - 新)、p = exp(s - 新)（被掩的通道精确为 0），
-    //       exp 和 = exp 和 * alpha + Σ p；全是按通道的向量运算，没有水平求和；
+    //    d. 逐通道 online softmax：新最大值、alpha = exp(旧 - 新)、p = exp(s - 新)（被掩的通道精确
+    //       为 0），exp 和 = exp 和 * alpha + Σ p；全是按通道的向量运算，没有水平求和；
     //    e. values_lanes：oT[d] = oT[d] * alpha + Σ_i v_i[d] * p_i，每次 NB 个输出元素。
     // 3. 输出 out[行][head][d] = oT[d][通道] / exp 和，bf16 时这里才舍入一次。
     // [ZH-END]
@@ -513,12 +518,14 @@ int paged_attention_chunk(const void *q, int64_t q_row_stride, const void *k_cac
                           const int64_t *block_table, int64_t num_cached, int64_t q_len, void *out, int64_t H,
                           int64_t KVH, int64_t D, int64_t BS, float scale, int64_t bf16) {
     // [ZH-START]
-    // 入口（CpuAttentionKernel.chunk 经 ctypes 调用）：一条序列的一个 prompt 分块。
+    // 入口（CpuAttentionKernel.chunk 经 ctypes 调用）：一条序列的一个 prefill 分块。
     // 1. 工作项 = 行 tile（每 CHUNK_ROWS 行一个）× KV head；因果注意力下靠后的 tile 上下文更长，
     //    所以从最后一个 tile 开始分发（schedule(dynamic, 1)），大的先做，线程间更均衡。
     // 2. key tile 取整块：KT = 块大小的整数倍，至少 KEYS 个 key。
-    // 3. 每个 OpenMP 线程 malloc 一块临时区（qT、oT、每通道最大值和 exp 和、kw、vw、pT）；失败返回 -1。
-    // 4. 按 head_dim 选编译期特化（64、128，其余运行时），再按 bf16 标志选元素类型，调用 chunk_tile。
+    // 3. 每个 OpenMP 线程 malloc 一块临时区（qT、oT、每通道最大值和 exp 和、kw、
+    //    vw、pT）；失败返回 -1。
+    // 4. 按 head_dim 选编译期特化（64、128，其余运行时），
+    //    再按 bf16 标志选元素类型，调用 chunk_tile。
     // [ZH-END]
     if (D > 256) return -2;
     const int64_t G = H / KVH, KT = (KEYS + BS - 1) / BS * BS, KTP = (KT + NB - 1) / NB * NB;

@@ -13,9 +13,10 @@
  */
 // [ZH-START]
 // 本文件在整体架构中的位置：CPU 路径上解码器的逐元素运算，融合成每行一次遍历。
-//   Attention.forward ──qk_norm_rope_store──▶ q/k norm + 旋转 + 把 K/V 写进分页 cache（KV 写入就在这里）
-//                     ──▶ cpu_attention.c 的 paged_attention_rows / chunk 沿块表读回这些槽位
-//   RMSNorm.add_and_norm ──rms_norm──▶ 残差相加 + 归一化；MLP ──silu_mul──▶ SiLU(gate) × up
+//   Attention.forward ─qk_norm_rope_store→ q/k norm + 旋转 + 把 K/V 写进分页 cache
+//                     （KV 写入就在这里）
+//                     → cpu_attention.c 的 paged_attention_rows / chunk 沿块表读回这些槽位
+//   RMSNorm.add_and_norm ─rms_norm→ 残差相加 + 归一化；MLP ─silu_mul→ SiLU(gate) × up
 // 公式与被替换的 torch 模块相同；bf16 下舍入位置也相同（torch 每个算子的结果都舍入到 bf16，
 // 这里用 sround / vround 标出对应的位置）。
 // [ZH-END]
@@ -114,9 +115,11 @@ static inline void qk_norm_rope_store_rows(void *qkv, int64_t rows, int64_t row_
     // [ZH-START]
     // 每行（一个 token）：
     // 1. 按 positions[r] 取 cos / sin 表的那一行（各 D/2 个）。
-    // 2. H 个 query 头、KVH 个 key 头各自原地做 RMSNorm（给了权重时，Qwen3）和旋转（"rotate half"）。
-    // 3. slots[r] >= 0 时，把这一行的 K、V（各 KVH × D 个元素）memcpy 到 cache 的第 slots[r] 个槽位；
-    //    槽位为负的行跳过。cache 布局是 [槽位, KVH, D]，槽位 = 物理块号 × block_size + 块内偏移。
+    // 2. H 个 query 头、KVH 个 key 头各自原地做 RMSNorm（给了权重时，Qwen3）
+    //    和旋转（"rotate half"）。
+    // 3. slots[r] >= 0 时，把这一行的 K、V（各 KVH × D 个元素）memcpy 到 cache 的第 slots[r]
+    //    个槽位；槽位为负的行跳过。cache 布局是 [槽位, KVH, D]，
+    //    槽位 = 物理块号 × block_size + 块内偏移。
     // 行数 × 行宽够大时才按行分给 OpenMP 线程，否则 fork/join 得不偿失。
     // [ZH-END]
     const int64_t half = D / 2, kv_bytes = KVH * D * (BF ? 2 : 4);

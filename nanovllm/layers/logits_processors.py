@@ -19,7 +19,8 @@ leaves NaN or +inf in the row, ends its own request with an error (the sampler's
 """
 # [ZH-START]
 # 【模块定位】每个请求自己的输出约束，在采样器内部运行：
-#   model runner → compute_logits → Sampler：惩罚项 → 【logits processors】→ 温度 / top-k / top-p → 抽样
+#   模型执行器 → compute_logits → Sampler：惩罚项 →【logits processors】→ 温度 / top-k / top-p
+#     → 抽样
 # processor 看到一个请求的 logits (V,) 和它已生成的 token，返回（可原地修改的）logits；
 # 在这里设为 -inf 的 token，greedy 与否都不会被选中。
 # 决定只能依赖 output_token_ids：被抢占的请求会重算，必须得到同样的决定。
@@ -44,9 +45,11 @@ MAX_CACHED_MATCHERS = 256
 
 class LogitsProcessor(Protocol):
     # [ZH-START]
-    # 【职责】logits processor 的接口约定：(output_token_ids, logits (V,) float32) → 要采样的 logits。
+    # 【职责】logits processor 的接口约定：(output_token_ids, logits (V,)
+    # float32) → 要采样的 logits。
     # 【边界】只是 Protocol，不含实现；不得依赖输出以外的状态做决定。
-    # 【协作者】Sampler._apply_constraints 逐个调用；用户可通过 SamplingParams.logits_processors 传入自己的实现（仅进程内）。
+    # 【协作者】Sampler._apply_constraints 逐个调用；用户可通过 SamplingParams.logits_processors
+    # 传入自己的实现（仅进程内）。
     # [ZH-END]
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """logits (V,) float32 of one request -> the logits to sample from."""
@@ -55,7 +58,8 @@ class LogitsProcessor(Protocol):
 
 class AllowedTokenIds:
     # [ZH-START]
-    # 【职责】只允许列出的 token：构造时建好 (V,) 的布尔 blocked 掩码（列出的为 False），每步一次 masked_fill_ 填 -inf。
+    # 【职责】只允许列出的 token：构造时建好 (V,) 的布尔 blocked 掩码（列出的为 False），
+    # 每步一次 masked_fill_ 填 -inf。
     # 【边界】不检查 id 是否越界（build_logits_processors 已检查）；与输出内容无关，无状态。
     # 【协作者】由 build_logits_processors 根据 allowed_token_ids 创建，Sampler 每步调用。
     # [ZH-END]
@@ -69,8 +73,10 @@ class AllowedTokenIds:
 
 class BannedTokenSequences:
     # [ZH-START]
-    # 【职责】禁止 token id 序列出现在输出里：单 token 序列永远屏蔽；多 token 序列在输出已以其前缀结尾时屏蔽最后一个 token。
-    # 【边界】只处理 token id 序列，不管字符串（那是 BannedWords）；不保存状态，每步重新比较输出尾部。
+    # 【职责】禁止 token id 序列出现在输出里：单 token 序列永远屏蔽；多 token 序列在输出已以其前缀
+    # 结尾时屏蔽最后一个 token。
+    # 【边界】只处理 token id 序列，不管字符串（那是 BannedWords）；不保存状态，
+    # 每步重新比较输出尾部。
     # 【协作者】由 build_logits_processors 根据 banned_words 里的 id 列表创建。
     # [ZH-END]
     def __init__(self, sequences: list[list[int]], device: torch.device | str = "cpu"):
@@ -80,8 +86,8 @@ class BannedTokenSequences:
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         # [ZH-START]
         # 1. always 里的单 token 序列：index_fill_ 成 -inf。
-        # 2. 对每个多 token 序列 (prefix, last)：输出长度 >= len(prefix) 且最后 len(prefix) 个 token 等于 prefix，
-        #    就把 logits[last] 设为 -inf。
+        # 2. 对每个多 token 序列 (prefix, last)：输出长度 >= len(prefix) 且最后 len(prefix) 个 token
+        #    等于 prefix，就把 logits[last] 设为 -inf。
         # 3. 每步代价与所有前缀长度之和成正比。
         # [ZH-END]
         logits.index_fill_(0, self.always, float("-inf"))
@@ -96,10 +102,11 @@ class WordIndex:
     """For one vocabulary: which tokens contain, or start with the rest of, a banned string."""
     # [ZH-START]
     # 【职责】针对一个词表（每个 token 的字节 table）回答：哪些 token 的字节包含整个禁用字符串，
-    # 哪些 token 以字符串的"剩余部分"开头；并缓存编译好的 BannedWord（最多 4096 个）和 WordMatcher（最多 256 个），LRU 淘汰。
+    # 哪些 token 以字符串的"剩余部分"开头；并缓存编译好的 BannedWord（最多 4096 个）
+    # 和 WordMatcher（最多 256 个），LRU 淘汰。
     # 【边界】不跟踪任何请求的输出；不屏蔽 logits。token 字节表由引擎在后台线程建好后传入。
-    # 【协作者】LLMEngine 启动时在后台线程建一个（load_word_index），有字符串禁用词时经 _words() 取用；
-    # BannedWords 从它取 matcher，同一份禁用词列表的请求共享一个自动机。
+    # 【协作者】LLMEngine 启动时在后台线程建一个（load_word_index），有字符串禁用词时经 _words()
+    # 取用；BannedWords 从它取 matcher，同一份禁用词列表的请求共享一个自动机。
     # [ZH-END]
 
     def __init__(self, table: list[bytes], device: torch.device | str = "cpu"):
@@ -119,8 +126,8 @@ class WordIndex:
     def word(self, text: str) -> BannedWord:
         # [ZH-START]
         # 1. key = 字符串的 UTF-8 字节；已缓存就 move_to_end（LRU）后返回。
-        # 2. 对 k = 1..len-1：completing[k] = 字节以 key[k:] 开头的 token（输出已以前 k 个字节结尾时，它们会补全整个词），
-        #    用 _starting_with 在按字节排序的表上二分查找。
+        # 2. 对 k = 1..len-1：completing[k] = 字节以 key[k:] 开头的 token（输出已以前 k
+        #    个字节结尾时，它们会补全整个词），用 _starting_with 在按字节排序的表上二分查找。
         # 3. containing = 字节里完整包含 key 的 token（_containing）。
         # 4. 存成 BannedWord，超过 MAX_CACHED_WORDS = 4096 个就淘汰最久未用的。
         # [ZH-END]
@@ -165,7 +172,8 @@ class WordIndex:
         # [ZH-START]
         # 1. _blob 是所有 token 字节首尾相接的大串，_offsets 是每个 token 的起始偏移（前缀和）。
         # 2. 用 bytes.find 在 blob 里逐个找 needle（C 速度扫描，不在 Python 里遍历词表）。
-        # 3. 对每个命中位置，bisect 出它所在的 token；命中完全落在该 token 内（不跨到下一个 token）才算。
+        # 3. 对每个命中位置，bisect 出它所在的 token；命中完全落在该 token
+        #    内（不跨到下一个 token）才算。
         # 4. 从 pos + 1 继续找；最后去重排序返回。
         # [ZH-END]
         # One C-speed scan of all token bytes laid end to end, instead of a loop over the vocabulary.
@@ -203,8 +211,9 @@ class WordMatcher:
     links skip the chain's nodes that block nothing, so a step visits only nodes that do.
     """
     # [ZH-START]
-    # 【职责】一组禁用词字节上的 Aho-Corasick 自动机：状态 = 字典树节点（输出尾部中最长的、某个词的前缀），
-    # 每个节点附带"在此状态下会补全某个词的 token"，再用字典链接跳过不屏蔽任何东西的节点。
+    # 【职责】一组禁用词字节上的 Aho-Corasick 自动机：状态 = 字典树节点（输出尾部中最长的、
+    # 某个词的前缀），每个节点附带"在此状态下会补全某个词的 token"，
+    # 再用字典链接跳过不屏蔽任何东西的节点。
     # 【边界】不持有请求状态（状态是 int，由 BannedWords 保存），可被多个请求共享；不直接改 logits。
     # 【协作者】WordIndex.matcher 创建并缓存；BannedWords 每步调 advance / blocked。
     # [ZH-END]
@@ -215,9 +224,10 @@ class WordMatcher:
         # 2. 建字典树：对每个词逐字节向下走（没有子节点就新建），走到深度 k 的节点时，
         #    若 word.completing 有 k，就把那组 token 挂到该节点的 completing 上。
         # 3. blocks[node]：没有则 None，一组直接用，多组 torch.cat 成一个张量。
-        # 4. BFS 建失败链接：子节点沿父节点的 fail 链找第一个有同一字节子节点的节点，fail[child] 指向那个子节点，找不到指向根 0；
-        #    BFS 保证 fail 指向的更浅节点已处理过。
-        # 5. 同时建字典链接 next_blocking[node]：fail[node] 本身屏蔽东西就指向它，否则沿用 next_blocking[fail[node]]。
+        # 4. BFS 建失败链接：子节点沿父节点的 fail 链找第一个有同一字节子节点的节点，
+        #    fail[child] 指向那个子节点，找不到指向根 0；BFS 保证 fail 指向的更浅节点已处理过。
+        # 5. 同时建字典链接 next_blocking[node]：fail[node] 本身屏蔽东西就指向它，
+        #    否则沿用 next_blocking[fail[node]]。
         # [ZH-END]
         self.always = torch.cat([w.containing for w in words])
         """Tokens that hold a whole word: blocked in every state."""
@@ -289,8 +299,10 @@ class BannedWords:
     # [ZH-START]
     # 【职责】一个请求的禁用字符串 processor：屏蔽"会让输出字节里出现某个禁用词"的 token，
     # 不管模型用什么 token 切分拼出这个词。跨步保存自动机状态，每步只处理新 token 的字节。
-    # 【边界】只看输出 token（不看 prompt）；字节匹配，不做大小写或 Unicode 归一化；自动机本身属于 WordIndex 缓存。
-    # 【协作者】build_logits_processors 创建；WordIndex 提供 table（token → 字节）和共享的 WordMatcher；Sampler 每步调用。
+    # 【边界】只看输出 token（不看 prompt）；字节匹配，不做大小写或 Unicode 归一化；
+    # 自动机本身属于 WordIndex 缓存。
+    # 【协作者】build_logits_processors 创建；WordIndex 提供 table（token → 字节）
+    # 和共享的 WordMatcher；Sampler 每步调用。
     # [ZH-END]
 
     def __init__(self, words: list[str], index: WordIndex):
@@ -303,8 +315,8 @@ class BannedWords:
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         # [ZH-START]
         # 1. 先屏蔽 matcher.always（字节里包含整个禁用词的 token）。
-        # 2. n = 当前输出长度，seen = 上次处理到的长度；若输出变短，或位置 seen - 1 的 token 与上次记下的不同
-        #    （不是上次那个输出的延续），状态和 seen 归零，从头匹配。
+        # 2. n = 当前输出长度，seen = 上次处理到的长度；若输出变短，或位置 seen - 1 的 token
+        #    与上次记下的不同（不是上次那个输出的延续），状态和 seen 归零，从头匹配。
         # 3. 对 [seen, n) 的每个 token，用 table[token] 的字节推进自动机状态。
         # 4. 保存 state、_num_seen = n 和最后一个 token。
         # 5. matcher.blocked(state) 给出的每组 token 都填成 -inf，返回 logits。
@@ -331,10 +343,12 @@ def build_logits_processors(params: SamplingParams, vocab_size: int, device: tor
     `word_index` is called only when string banned words are present (it may load a tokenizer).
     """
     # [ZH-START]
-    # 1. 有 allowed_token_ids（SamplingParams 已存成 array('I')）：frombuffer 成一个 int64 张量，一次 max 检查都 < vocab_size
-    #    （否则 ValueError，说出第一个越界的 id），加 AllowedTokenIds——26 万个 id 也没有逐个的 Python 循环。
+    # 1. 有 allowed_token_ids（SamplingParams 已存成 array('I')）：frombuffer 成一个 int64 张量，
+    #    一次 max 检查都 < vocab_size（否则 ValueError，说出第一个越界的 id），加 AllowedTokenIds——
+    #    26 万个 id 也没有逐个的 Python 循环。
     # 2. banned_words 里的 token id 列表：检查后加一个 BannedTokenSequences。
-    # 3. banned_words 里的字符串：此时才调用 word_index()（可能要等后台线程建好字节表），加 BannedWords。
+    # 3. banned_words 里的字符串：此时才调用 word_index()（可能要等后台线程建好
+    #    字节表），加 BannedWords。
     # 4. 有 response_format：由 structured() 建一个 StructuredOutput（llguidance 语法掩码）。
     # 5. 最后追加请求自己的 logits_processors；顺序即 Sampler 调用的顺序。
     # [ZH-END]

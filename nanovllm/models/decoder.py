@@ -17,12 +17,13 @@ in the same order without Python between them. On CUDA it gives them `gpu_ops`
 neither is set (or neither takes the tensor) torch does it.
 """
 # [ZH-START]
-# 【模块定位】模型本身：一个 decoder-only transformer，Qwen3 / Llama / Qwen2 只差 ModelConfig 里的几个开关。
-# 在一步里的位置：ModelRunner.run ──input_ids、positions、AttentionMetadata──▶ DecoderForCausalLM
-#   ──▶ 每层 Attention.forward ──▶ PagedAttention（分页注意力就在这里被调用）──▶ hidden ──▶ compute_logits
+# 【模块定位】模型本身：一个 decoder-only transformer，Qwen3 / Llama / Qwen2 只差
+# ModelConfig 里的几个开关。
+# 在一步里的位置：ModelRunner.run ─input_ids、positions、AttentionMetadata→ DecoderForCausalLM
+#   → 每层 Attention.forward → PagedAttention（分页注意力就在这里被调用）→ hidden → compute_logits
 # 投影是打包的（q|k|v、gate|up），每层两个大 GEMM 代替五个小的；加载器把 HF 的分开张量拼进打包的行。
-# CPU 上 cpu_ops、CUDA 上 gpu_ops 提供三个融合算子（RMSNorm + 残差、q/k norm + 旋转 + 写 KV、SiLU 乘），
-# 都没有时退回 torch 算子。
+# CPU 上 cpu_ops、CUDA 上 gpu_ops 提供三个融合算子（RMSNorm + 残差、q/k norm + 旋转 + 写 KV、
+# SiLU 乘），都没有时退回 torch 算子。
 # [ZH-END]
 from __future__ import annotations
 
@@ -80,8 +81,10 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     # [ZH-START]
-    # 【职责】一层的自注意力：qkv 投影 → q/k norm（Qwen3）→ 旋转位置编码 → 写 KV、分页注意力 → o_proj。
-    # K/V 不在这里保存：PagedAttention 持有这一层的 k_cache / v_cache，按 meta.slot_mapping 写、按块表读。
+    # 【职责】一层的自注意力：qkv 投影 → q/k norm（Qwen3）→ 旋转位置编码 → 写 KV、分页注意力
+    # → o_proj。
+    # K/V 不在这里保存：PagedAttention 持有这一层的 k_cache / v_cache，
+    # 按 meta.slot_mapping 写、按块表读。
     # [ZH-END]
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
@@ -105,7 +108,8 @@ class Attention(nn.Module):
         # 2. 本步用融合算子（rope.cos 为 None）时：qk_norm_rope_store 原地做 q/k norm 和旋转，
         #    并把 K/V 写进 cache 的 slot_mapping 槽位（CPU 上就是 cpu_ops.c 里的写入）。
         # 3. 切成 q (T, H, D)、k / v (T, KVH, D)；不用融合算子时在这里用 torch 做 norm 和旋转。
-        # 4. self.attn(...)：PagedAttention 写 KV（融合路径已写过则 kv_stored=True 跳过）并读块表做注意力。
+        # 4. self.attn(...)：PagedAttention 写 KV（融合路径已写过则 kv_stored=True
+        #    跳过）并读块表做注意力。
         # 5. o_proj 投回 (T, C)。
         # [ZH-END]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
@@ -211,7 +215,8 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     # [ZH-START]
-    # 对外的模型：DecoderModel 加 lm_head；packed_modules 告诉加载器 HF 的哪个张量拼进哪个打包参数的第几块。
+    # 对外的模型：DecoderModel 加 lm_head；packed_modules 告诉加载器 HF 的哪个张量拼进
+    # 哪个打包参数的第几块。
     # compute_logits 只在张量并行的 rank 0 上返回 (B, V) 的 float logits。
     # [ZH-END]
     # HF tensor name fragment -> (packed parameter fragment, row block index)

@@ -42,7 +42,8 @@ def drain(recv: Callable[[], Any], handle: Callable[[Any], None], rejects: Rejec
     """Handle what `recv()` (a NOBLOCK receive) returns until it raises zmq.Again, within the budget."""
     # [ZH-START]
     # 1. 每轮最多 budget 条、最多 max_s 秒，NOBLOCK 收取，收空（zmq.Again）就返回。
-    # 2. 每条都包在 try 里：处理时出的任何 bug 都只让这一帧记为 "internal" 拒绝（带 traceback），不影响后面的帧。
+    # 2. 每条都包在 try 里：处理时出的任何 bug 都只让这一帧记为 "internal" 拒绝（带
+    #    traceback），不影响后面的帧。
     # [ZH-END]
     until = time.monotonic() + max_s
     for _ in range(budget):
@@ -67,7 +68,8 @@ def accept(frames: list[bytes], accepted: tuple[type[p.Message], ...], rejects: 
     # [ZH-START]
     # 1. 不是恰好一帧 → 记 "multipart"，返回说明的 ErrorOutput。
     # 2. protocol.decode 失败 → 记 "bad_frame"，ErrorOutput 带上错误文本和能认出的 request_id。
-    # 3. 类型不在 accepted 里 → 记 "wrong_type"，ErrorOutput 列出这个 socket 接受的类型（和 hint：该发到哪里）。
+    # 3. 类型不在 accepted 里 → 记 "wrong_type"，ErrorOutput 列出这个 socket 接受的类型（和
+    #    hint：该发到哪里）。
     # 4. 否则返回解出的消息。
     # [ZH-END]
     if len(frames) != 1:

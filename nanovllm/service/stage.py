@@ -131,7 +131,8 @@ def stop_event() -> threading.Event:
     #    它打断的代码可能正持有 logging 的锁。
     # 2. 另建一条管道作 wakeup fd，写端设为非阻塞（信号处理绝不能因管道满而卡住）：
     #    信号到达时 C 层就往里写一个字节（信号编号），不必等主线程执行到下一条字节码。
-    # 3. 守护线程阻塞读这条管道：读到 SIGINT / SIGTERM 就记一行日志并 stop.set()；两条路径谁先到都行，set 是幂等的。
+    # 3. 守护线程阻塞读这条管道：读到 SIGINT / SIGTERM 就记一行日志并 stop.set()；
+    #    两条路径谁先到都行，set 是幂等的。
     #    stage 在主循环下一次检查时才真正停下；卡住的停止在日志里表现为"收到信号，之后没有停止"。
     # [ZH-END]
     stop = threading.Event()

@@ -13,8 +13,9 @@
   so the request finishes with `stop`.
 """
 # [ZH-START]
-# 【模块定位】结构化输出：把请求的 response_format（json_object / json_schema / regex / grammar / choice）
-# 编译成 llguidance 语法，在采样器里逐步屏蔽不合语法的 token（作为一个 logits processor 运行）。
+# 【模块定位】结构化输出：
+# 把请求的 response_format（json_object / json_schema / regex / grammar / choice）编译成 llguidance
+# 语法，在采样器里逐步屏蔽不合语法的 token（作为一个 logits processor 运行）。
 # check_response_format 校验形状和大小/深度上限；grammar_text 按 JSON 文本缓存编译结果；
 # StructuredOutput 跟踪一个请求的输出 token，填 bitmask，把不允许的 logits 设为 -inf。
 # [ZH-END]
@@ -166,12 +167,16 @@ class StructuredOutput:
     applies it. Called for an output it has not prepared, it computes the mask itself: the mask
     is a function of the output alone, so both ways give the same logits."""
     # [ZH-START]
-    # 【职责】一个请求的语法约束：跟踪已生成 token（新 token 逐个 consume；输出变短或位置 seen-1 的 token 变了，
-    #        即不再延续已见的输出时 reset 重来，如续写），算出"下一个 token"的 blocked 掩码，把不允许的 logits 设为 -inf。
-    # 【边界】不编译语法（compile_format / GrammarCache 已编译并校验）；语法完成后只剩 EOS 可选，请求以 stop 结束。
-    #        prepare 可在掩码线程上提前算（与前向重叠），__call__ 遇到没准备好的输出就自己算——掩码只取决于输出，结果相同。
-    # 【协作者】build_logits_processors 在有 response_format 时创建；MaskPrefetcher 调 prepare；Sampler 每步调 __call__；
-    #        与其他约束冲突（合起来一个 token 都不剩）时 Sampler 只保留语法掩码（语法优先）。
+    # 【职责】一个请求的语法约束：跟踪已生成 token（新 token 逐个 consume；输出变短或位置 seen-1 的
+    #        token 变了，即不再延续已见的输出时 reset 重来，如续写），算出"下一个 token"的 blocked
+    #        掩码，把不允许的 logits 设为 -inf。
+    # 【边界】不编译语法（compile_format / GrammarCache 已编译并校验）；语法完成后只剩 EOS
+    #        可选，请求以 stop 结束。
+    #        prepare 可在掩码线程上提前算（与前向重叠），__call__ 遇到没准备好的输出就自己算——
+    #        掩码只取决于输出，结果相同。
+    # 【协作者】build_logits_processors 在有 response_format 时创建；MaskPrefetcher 调 prepare；
+    #        Sampler 每步调 __call__；与其他约束冲突（合起来一个 token 都不剩）
+    #        时 Sampler 只保留语法掩码（语法优先）。
     # [ZH-END]
 
     def __init__(self, grammar: str | Any, lltok: Any):

@@ -4,12 +4,16 @@ Annotations are comment blocks between two marker lines, kept apart from the cod
 code can follow upstream and an English-only tree is one `strip` away (docs/architecture.md):
 
     python -m nanovllm.tools.zh_comments check [PATH]          markers paired, Chinese text, headers;
-                                                               warns of block lines over 120 columns
+                                                               warns of block lines over 100 columns
+                                                               (refuses them with --strict-width)
     python -m nanovllm.tools.zh_comments strip SRC --out DEST  English-only copy of a tree
     python -m nanovllm.tools.zh_comments strip FILE            one stripped file on stdout
     python -m nanovllm.tools.zh_comments stats [PATH]          levels present in each core module
     python -m nanovllm.tools.zh_comments stale [PATH]          blocks older than their code (warns;
-                                                               still-right ones: zh_reviewed.txt)
+                                                               still-right ones: zh_reviewed.txt;
+                                                               form-only commits: zh_format_commits.txt)
+    python -m nanovllm.tools.zh_comments wrap [PATH ...]       rewrap block prose to --max-width;
+                                                               diagram lines are left to a human
 
 Level 1 is a file header (column 0, before the first statement), level 2 a block in a class
 body, level 3 a block in a function body (for C: inside a function). PATH defaults to the
@@ -27,12 +31,14 @@ from pathlib import Path
 from nanovllm.tools.zh_stale import REVIEWED, history_note, split_reviewed, work_tree_root
 from nanovllm.tools.zh_blocks import (COMMENT_PREFIX, Block, Problem, c_scopes, classify, find_blocks, python_scopes,
                                       strip_text, wide_lines)
+from nanovllm.tools.zh_wrap import wrap_text
 
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".hypothesis", "build", "dist", "node_modules"}
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MAX_WIDTH = 120
+MAX_WIDTH = 100
 """Columns a block line may take (CJK characters count two): wider ones are warned of by `check`,
-refused with `check --strict-width`."""
+refused with `check --strict-width` (as tests/tools/test_zh_comments.py runs it), and rewrapped
+by `wrap`, all but diagram lines, which a human redraws."""
 
 CORE_MODULES: dict[str, list[str]] = {
     "nanovllm/engine/block_manager.py": [f"BlockManager.{m}" for m in (
@@ -207,6 +213,22 @@ def strip_tree(src: Path, dest: Path) -> list[Problem]:
     return []
 
 
+def wrap_tree(targets: list[Path], max_width: int = MAX_WIDTH) -> tuple[list[Path], list[Problem]]:
+    """Rewrap the blocks of every source file under `targets` in place: (files changed, problems
+    of the files left alone because their markers are broken)."""
+    changed, problems = [], []
+    for path in (p for target in targets for p in source_files(target)):
+        text = path.read_text(encoding="utf-8")
+        blocks, found = find_blocks(str(path), text, COMMENT_PREFIX[path.suffix])
+        if found:
+            problems += found
+            continue
+        if (wrapped := wrap_text(text, blocks, COMMENT_PREFIX[path.suffix], max_width)) != text:
+            path.write_text(wrapped, encoding="utf-8")
+            changed.append(path)
+    return changed, problems
+
+
 def _target(path: Path, src: Path, dest: Path) -> Path:
     out = dest / path.relative_to(src)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -255,7 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         "path", nargs="?", type=Path, default=REPO_ROOT)
     sub.add_parser("stale", help="function blocks whose code changed in a later commit (warning only)").add_argument(
         "path", nargs="?", type=Path, default=REPO_ROOT)
+    wrap = sub.add_parser("wrap", help="rewrap block prose to --max-width in place (diagram lines untouched)")
+    wrap.add_argument("paths", nargs="*", type=Path, default=[REPO_ROOT])
+    wrap.add_argument("--max-width", type=int, default=MAX_WIDTH, help="columns a block line may take")
     args = parser.parse_args(argv)
+    if args.command == "wrap":
+        return _wrap(parser, args.paths, args.max_width)
     if not args.path.exists():
         parser.error(f"{args.path} does not exist")
     if args.command == "check":
@@ -283,6 +310,21 @@ def main(argv: list[str] | None = None) -> int:
     if not problems:
         (args.out.write_text(text, encoding="utf-8") if args.out else sys.stdout.write(text))
     return _report(problems, None)
+
+
+def _wrap(parser: argparse.ArgumentParser, paths: list[Path], max_width: int) -> int:
+    if missing := [str(p) for p in paths if not p.exists()]:
+        parser.error(f"{', '.join(missing)} does not exist")
+    if max_width < 40:
+        parser.error(f"--max-width {max_width} is too narrow to wrap Chinese prose into (40 or more)")
+    changed, problems = wrap_tree(paths, max_width)
+    for path in changed:
+        print(f"wrapped {path}")
+    left = [p for target in paths for p in too_wide(target, max_width)]
+    for p in left:
+        print(f"warning: {p} (a diagram or an unbreakable line: fix it by hand)", file=sys.stderr)
+    return _report(problems, f"zh_comments wrap: {len(changed)} file(s) rewrapped, "
+                             f"{len(left)} block line(s) still over {max_width} columns")
 
 
 def _report_stale(target: Path) -> int:

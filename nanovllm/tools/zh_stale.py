@@ -7,12 +7,16 @@ block. Lines not yet committed count as newer than any commit. It warns, never f
 that leaves the annotated behaviour alone is reported too, and an editor decides: a block that is
 out of date is edited (which makes it fresh), a block still right is listed in REVIEWED with the
 commit its code was read at, and is reported again once its code changes in another commit.
+Commits that only reformat blocks (`zh_comments wrap`, the diagram notation, the glossary's words)
+are listed in FORMAT_ONLY and blamed through, so a rewrap neither makes a block look newer than
+code it was never read against nor hides a change made on a branch merged beside it.
 Needs full history; in a shallow clone, or outside git, it says so and reports nothing.
 """
 from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +24,8 @@ from nanovllm.tools.zh_blocks import COMMENT_PREFIX, c_scopes, classify, find_bl
 
 REVIEWED = "nanovllm/tools/zh_reviewed.txt"
 """Blocks read against code newer than themselves and found right: `PATH FUNCTION COMMIT` per line."""
+FORMAT_ONLY = "nanovllm/tools/zh_format_commits.txt"
+"""Commits that changed blocks only in form, one full hash per line (`#` comments): blame looks through them."""
 
 
 @dataclass(frozen=True)
@@ -88,9 +94,19 @@ def history_note(root: Path) -> str | None:
     return None
 
 
-def blame_times(root: Path, rel: str) -> list[tuple[int, str]] | None:
-    """(commit time, commit) of each line of `rel`, 1-based as index + 1; None when untracked."""
-    out = _git(root, "blame", "-w", "--porcelain", "--", rel)
+def format_commits(root: Path) -> list[str]:
+    """The FORMAT_ONLY commits under `root` that this repository has (a rebased one is skipped)."""
+    path = root / FORMAT_ONLY
+    if not path.is_file():
+        return []
+    listed = [line.split("#", 1)[0].strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    return [c for c in listed if c and _git(root, "rev-parse", "--verify", "--quiet", f"{c}^{{commit}}")]
+
+
+def blame_times(root: Path, rel: str, ignore: Sequence[str] = ()) -> list[tuple[int, str]] | None:
+    """(commit time, commit) of each line of `rel`, 1-based as index + 1, looking through the
+    `ignore` commits; None when untracked."""
+    out = _git(root, "blame", "-w", "--porcelain", *(a for c in ignore for a in ("--ignore-rev", c)), "--", rel)
     if out is None:
         return None
     now = int(time.time()) + 1
@@ -109,7 +125,7 @@ def blame_times(root: Path, rel: str) -> list[tuple[int, str]] | None:
     return result
 
 
-def stale_in_file(root: Path, rel: str) -> list[Stale]:
+def stale_in_file(root: Path, rel: str, ignore: Sequence[str] = ()) -> list[Stale]:
     path = root / rel
     text = path.read_text(encoding="utf-8")
     blocks, problems = find_blocks(rel, text, COMMENT_PREFIX[path.suffix])
@@ -125,7 +141,7 @@ def stale_in_file(root: Path, rel: str) -> list[Stale]:
         if level != 3 or name not in by_name:
             continue
         if times is None:
-            times = blame_times(root, rel)
+            times = blame_times(root, rel, ignore)
             if times is None:
                 return []
         scope = by_name[name]
@@ -152,10 +168,11 @@ def split_reviewed(root: Path, files: list[Path], reviews: list[Review] | None =
     """(stale blocks not reviewed, the reviews that cover one, the reviews that cover none: their
     block or its code changed since, and the line can go)."""
     reviews = load_reviews(root) if reviews is None else reviews
+    ignore = format_commits(root)
     found, scanned = [], set()
     for path in files:
         scanned.add(rel := path.relative_to(root).as_posix())
-        found += stale_in_file(root, rel)
+        found += stale_in_file(root, rel, ignore)
     used = [r for r in reviews if any(r.covers(s) for s in found)]
     unused = [r for r in reviews if r.path in scanned and r not in used]
     return [s for s in found if not any(r.covers(s) for r in reviews)], used, unused

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from nanovllm.tools.zh_comments import main
-from nanovllm.tools.zh_stale import REVIEWED, history_note, load_reviews, read_reviews, split_reviewed, stale
+from nanovllm.tools.zh_stale import (FORMAT_ONLY, REVIEWED, format_commits, history_note, load_reviews, read_reviews,
+                                     split_reviewed, stale)
 
 START, END = "# [ZH-" + "START]", "# [ZH-" + "END]"  # split, so stripping this file leaves it alone
 CODE = f'''"""Module."""
@@ -142,3 +143,23 @@ def test_every_review_in_the_tree_names_an_existing_function():
         text = (root / r.path).read_text(encoding="utf-8")
         scopes = (python_scopes if r.path.endswith(".py") else c_scopes)(text)[1]
         assert r.name in {s.name for s in scopes}, f"{REVIEWED}:{r.line}: no {r.name} in {r.path}"
+
+
+def head(repo: Path) -> str:
+    return subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_a_rewrap_listed_as_format_only_does_not_freshen_a_stale_block(tmp_path):
+    repo = repo_with(tmp_path)
+    (repo / "m.py").write_text(CODE.replace("return a + b", "return a - b"), encoding="utf-8")
+    git(repo, "commit", "-qam", "code", when=1_700_000_100)
+    (repo / "m.py").write_text(CODE.replace("return a + b", "return a - b").replace("返回两数之和。", "返回\n    # 两数之和。"),
+                               encoding="utf-8")
+    git(repo, "commit", "-qam", "rewrap", when=1_700_000_200)
+    assert stale(repo, [repo / "m.py"]) == []  # the rewrap looks like an edit of the block
+    (repo / FORMAT_ONLY).parent.mkdir(parents=True)
+    (repo / FORMAT_ONLY).write_text(f"# form only\n{head(repo)}  # rewrap\n{'0' * 40}  # rebased away\n",
+                                    encoding="utf-8")
+    assert format_commits(repo) == [head(repo)]
+    assert [s.name for s in stale(repo, [repo / "m.py"])] == ["add"]  # blamed through it: still stale
