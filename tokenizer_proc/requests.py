@@ -6,10 +6,11 @@ the engine is here, in order (priority ceilings, sampling fields, stop strings, 
 themselves, the prompt's size before and after tokenizing, the engine's own frame checks).
 """
 # [ZH-START]
-# 【模块定位】分词进程对一个 GenerateReq 做的全部事情：检查、套 chat 模板、分词，得到给引擎的 TokenizedReq 帧，
-# 或抛出 RequestRejected 说明哪里不对。没有 socket，除了设置和 response_format 的编译缓存（GrammarCache）
-# 不保存任何状态；请求到引擎之前要过的检查都在这里，按顺序：
-# priority 上限、采样字段、stop string、采样参数本身、分词前后 prompt 的大小、引擎自己的帧检查。
+# 【模块定位】分词进程对一个 GenerateReq 做的全部事情：检查、套 chat 模板、分词，
+# 得到给引擎的 TokenizedReq 帧，或抛出 RequestRejected 说明哪里不对。没有 socket，
+# 除了设置和 response_format 的编译缓存（GrammarCache）不保存任何状态；
+# 请求到引擎之前要过的检查都在这里，按顺序：priority 上限、采样字段、stop string、采样参数本身、
+# 分词前后 prompt 的大小、引擎自己的帧检查。
 # [ZH-END]
 from __future__ import annotations
 
@@ -42,10 +43,13 @@ class RequestRejected(ValueError):
 
 class RequestBuilder:
     # [ZH-START]
-    # 【职责】把客户端的 GenerateReq 变成给引擎的 TokenizedReq 帧：校验（priority 上限、采样字段与参数、stop string）、
-    # 套 chat 模板、分词、检查长度，加上反分词进程需要的 meta；按客户端给前缀缓存加盐（--cache-salt-per-client）。
-    # 【边界】纯函数式：不碰 socket、不保存请求；出错只抛 RequestRejected，回复由 TokenizerStage 负责。
-    # 【协作者】TokenizerStage._on_generate 调 build；分词器（encode、apply_chat_template）；SamplingParams 做参数校验。
+    # 【职责】把客户端的 GenerateReq 变成给引擎的 TokenizedReq 帧：校验（priority 上限、
+    # 采样字段与参数、stop string）、套 chat 模板、分词、检查长度，加上反分词进程需要的 meta；
+    # 按客户端给前缀缓存加盐（--cache-salt-per-client）。
+    # 【边界】纯函数式：不碰 socket、不保存请求；出错只抛 RequestRejected，
+    # 回复由 TokenizerStage 负责。
+    # 【协作者】TokenizerStage._on_generate 调 build；分词器（encode、apply_chat_template）；
+    # SamplingParams 做参数校验。
     # [ZH-END]
 
     def __init__(self, tokenizer: Any, sampling_fields: set[str], make_sampling, max_prompt_tokens: int | None = None,
@@ -70,24 +74,28 @@ class RequestBuilder:
         what was wrong. `key`: the client's CURVE key, which salts its cache where it is set."""
         # [ZH-START]
         # 1. priority 超过 --max-priority，或超过这把客户端钥匙在 allow-list 文件里的 max-priority →
-        #    拒绝并说出是哪个上限；sampling 里有未知字段 → 拒绝并列出允许的字段；有服务尚不支持的字段（logprobs、
-        #    logits_processors）→ 拒绝。
-        # 2. stop = req.stop + sampling.stop（单个字符串或列表），两处合计受同一限制（最多 64 个、每个 1024 字符）。
-        # 3. 取出 skip_special_tokens、include_stop_str_in_output：这些是文本侧字段，交给反分词进程，不给引擎。
+        #    拒绝并说出是哪个上限；sampling 里有未知字段 → 拒绝并列出允许的字段；
+        #    有服务尚不支持的字段（logprobs、logits_processors）→ 拒绝。
+        # 2. stop = req.stop + sampling.stop（单个字符串或列表），
+        #    两处合计受同一限制（最多 64 个、每个 1024 字符）。
+        # 3. 取出 skip_special_tokens、include_stop_str_in_output：这些是文本侧字段，
+        #    交给反分词进程，不给引擎。
         # 4. 用 make_sampling(...) 试建一次 SamplingParams 做校验；
         #    ValueError / TypeError → "invalid sampling parameters"。
         #    有 response_format：_check_format 经 GrammarCache 按词表编译（按文本缓存，错误也缓存，
         #    同一格式只编译一次），编译不过就带着原因拒绝。
-        # 5. 开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(客户端 CURVE 公钥，没有则路由 id，
-        #    客户端自己给的盐)，前缀缓存只在同一客户端（同一把钥匙）内共享。
+        # 5. 开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(客户端 CURVE
+        #    公钥，没有则路由 id，客户端自己给的盐)，前缀缓存只在同一客户端（同一把钥匙）内共享。
         #    ids = _prompt_ids(req)。
-        # 6. meta = RequestMeta(client 身份, 客户端 rid, stop, skip_special_tokens, prompt_tail = prompt 最后 8 个
-        #    token（打包）, arrival = 时间, min_tokens, include_stop, have_tokens / have_chars = 续写时客户端已有的
-        #    token 数和字符数)，线上是按位置的数组；引擎原样转给反分词进程，用来建 IncrementalDetokenizer 和路由输出。
-        # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend, output_ids =
-        #    续写时客户端已收到的输出 token)，先用引擎自己的 validate 检查一遍，再编码、检查帧长：
-        #    引擎会丢掉的帧（它无法回答客户端：min_tokens 超过 2**31；超过 16 MiB 的帧，
-        #    引擎的 socket 会连同连接一起丢掉）在这里就拒绝，并说明原因；通过则返回编码好的帧。
+        # 6. meta = RequestMeta(client 身份, 客户端 rid, stop, skip_special_tokens,
+        #    prompt_tail = prompt 最后 8 个 token（打包）, arrival = 时间, min_tokens, include_stop,
+        #    have_tokens / have_chars = 续写时客户端已有的 token 数和字符数)，线上是按位置的数组；
+        #    引擎原样转给反分词进程，用来建 IncrementalDetokenizer 和路由输出。
+        # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend,
+        #    output_ids = 续写时客户端已收到的输出 token)，先用引擎自己的 validate 检查一遍，
+        #    再编码、检查帧长：引擎会丢掉的帧（它无法回答客户端：min_tokens 超过 2**31；
+        #    超过 16 MiB 的帧，引擎的 socket 会连同连接一起丢掉）在这里就拒绝，并说明原因；
+        #    通过则返回编码好的帧。
         # [ZH-END]
         self._check_priority(req.priority, key)
         unknown = set(req.sampling) - self.sampling_fields
@@ -161,8 +169,9 @@ class RequestBuilder:
     def _prompt_ids(self, req: p.GenerateReq) -> list[int]:
         # [ZH-START]
         # 1. 给了 prompt_token_ids：直接用。
-        # 2. 给了 messages：render_chat 经模型的 chat 模板渲染（带 tools 时见 chat.py），tools 不合法或模板失败 → 拒绝；
-        #    文本先过 _bounded，再 encode(add_special_tokens=False)（模板里已经带了特殊 token）。
+        # 2. 给了 messages：render_chat 经模型的 chat 模板渲染（带 tools 时见 chat.py），
+        #    tools 不合法或模板失败 → 拒绝；文本先过 _bounded，再 encode(add_special_tokens=False)
+        #    （模板里已经带了特殊 token）。
         # 3. 否则是 prompt 文本：_bounded 后 encode。
         # 4. 空 prompt → 拒绝；token 数 >= max_prompt_tokens（模型上下文长度）→ 拒绝：
         #    prompt 加至少一个输出 token 必须放得下。
@@ -190,7 +199,8 @@ class RequestBuilder:
         """Refuse, before tokenizing, text far longer than any prompt the model could take: a
         megabyte of text costs the stage seconds and hundreds of MB to turn into tokens."""
         # [ZH-START]
-        # 1. 字符数 > 64 × max_prompt_tokens：不可能是放得下的 prompt，分词前就拒绝（1 MB 文本分词要花几秒和几百 MB）。
+        # 1. 字符数 > 64 × max_prompt_tokens：不可能是放得下的 prompt，分词前就拒绝（1 MB
+        #    文本分词要花几秒和几百 MB）。
         # 2. 否则原样返回。
         # [ZH-END]
         if self.max_prompt_tokens is not None and len(text) > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:

@@ -8,8 +8,8 @@ any constraint if it has none; a row whose processor raised, or that holds NaN o
 reported as failed, never raised: `Sampler` ends that request alone.
 """
 # [ZH-START]
-# 【模块定位】采样器的"约束"一段：Sampler.__call__ 在惩罚之后、选 token 之前调 constrain_rows，逐行原地套上
-# logit_bias、min_tokens 前屏蔽 EOS / stop token、logits processors
+# 【模块定位】采样器的"约束"一段：Sampler.__call__ 在惩罚之后、选 token 之前调 constrain_rows，
+# 逐行原地套上 logit_bias、min_tokens 前屏蔽 EOS / stop token、logits processors
 # （允许的 id、禁用词、response_format 的语法、自定义）。
 # 约束冲突到一个 token 都不剩：有语法的行只留语法掩码（语法优先），没有的这一步不带约束采样；
 # processor 抛异常或留下 NaN / +inf 的行记进 failed，由 Sampler 只结束那个请求。
@@ -36,13 +36,15 @@ def constrain_rows(logits: torch.Tensor, seqs: list[Sequence], states: list[Requ
                    failed: dict[int, str]) -> None:
     """Apply each row's constraints; rows that fail them, or are left non-finite, go into `failed`."""
     # [ZH-START]
-    # 1. maskable = 有 processors，或 min_tokens 仍生效（输出数 < min_tokens）的行：只有它们可能把整行屏蔽光。
+    # 1. maskable = 有 processors，或 min_tokens 仍生效（输出数 < min_tokens）的行：
+    #    只有它们可能把整行屏蔽光。
     # 2. 先复制这些行 before (C, V)，以便撤销"什么都不剩"的屏蔽。
     # 3. 逐行 apply_constraints；返回错误文本的行记进 failed。
     # 4. best = 每行 amax (B,)：NaN 表示有 NaN，+inf 表示有 +inf，-inf 表示一个 token 都不剩。
-    # 5. maskable 中未失败、best 为 -inf 的行：打 warning，从 before 恢复原行；有 response_format 的行再只套语法掩码
-    #    （语法优先：输出必须能解析），其余这一步不带约束采样；重算 best。
-    # 6. best 仍非有限的行记为失败（setdefault：processor 的报错优先），原因加上 "after penalties and constraints"。
+    # 5. maskable 中未失败、best 为 -inf 的行：打 warning，从 before 恢复原行；有 response_format
+    #    的行再只套语法掩码（语法优先：输出必须能解析），其余这一步不带约束采样；重算 best。
+    # 6. best 仍非有限的行记为失败（setdefault：processor 的报错优先），
+    #    原因加上 "after penalties and constraints"。
     # [ZH-END]
     maskable = [i for i, (seq, st) in enumerate(zip(seqs, states))
                 if st.processors or (st.min_tokens_blocked is not None and seq.num_output_tokens < st.params.min_tokens)]
@@ -73,8 +75,10 @@ def apply_constraints(logits: torch.Tensor, i: int, seq: Sequence, st: RequestSt
     # [ZH-START]
     # 1. 有 bias：logits[i].index_add_(bias_ids, bias_values)。
     # 2. 输出数 < min_tokens：把 min_tokens_blocked（stop token 和 EOS）填成 -inf。
-    # 3. 依次调用 processors(output_token_ids, row)，row 是 logits[i] 的视图；返回了别的张量就 copy_ 回 row。
-    # 4. processor 抛异常 → 返回 "logits processor <类名> raised <异常>"（最长 500 字符），由调用方把该行记为失败。
+    # 3. 依次调用 processors(output_token_ids, row)，row 是 logits[i] 的视图；
+    #    返回了别的张量就 copy_ 回 row。
+    # 4. processor 抛异常 → 返回 "logits processor <类名> raised <异常>"（最长 500 字符），
+    #    由调用方把该行记为失败。
     # 5. 一切正常返回 None。
     # [ZH-END]
     if st.bias_ids is not None:

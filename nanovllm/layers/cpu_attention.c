@@ -238,7 +238,8 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
     //       s 变成 exp(s - mx)，l[h] = l[h] * alpha + sum(s)；
     //    d. acc[h] = acc[h] * alpha + sum_i s[i] * v_i。
     // 4. 输出 out[h] = acc[h] / l[h]，bf16 时这里才舍入一次。
-    // 只算 [h0, h1) 这些 head（h0 在成对时为偶数）：各 head 互不依赖，一行可以按 head 分给几个线程。
+    // 只算 [h0, h1) 这些 head（h0 在成对时为偶数）：各 head 互不依赖，
+    // 一行可以按 head 分给几个线程。
     // [ZH-END]
     const int64_t D = HD ? HD : D_rt, G = H / KVH, row = KVH * D;
     const int pair = G % 2 == 0;  /* heads h, h + 1 (h even) share a KV head: read it once for both */

@@ -27,13 +27,15 @@
  */
 // [ZH-START]
 // 本文件在整体架构中的位置：CPU 上 decode 步（T <= 8 行、权重全部打包量化）的"一次调用"路径。
-//   DecoderModel.forward ──词嵌入──▶ CpuDecode（cpu_decode.py）──ctypes 一次──▶ decode_layers（本文件）
+//   DecoderModel.forward ─词嵌入→ CpuDecode（cpu_decode.py）
+//     ─ctypes 一次→ decode_layers（本文件）
 //     每层：rms_norm（残差相加）→ qkv quant_matmul（+ bias）→ qk_norm_rope_store（写 KV）
 //           → paged_attention_rows → o_proj → rms_norm → gate_up → silu_mul → down
 //     最后 final norm，输出 (T, C) 交给 LM head。
 // 只调用同一个库里其他 .c 文件的入口函数（单线程版或在已有线程组里分工的版本），不复制它们的实现，
-// 所以结果与逐算子路径逐位相同；整步只起一次线程组，每层五个 barrier（逐算子路径每层起五次线程组）；
-// 省掉的是每层九次 Python 模块调用、ctypes 调用和张量分配（默认模型 30 层，约 6 ms / token）。
+// 所以结果与逐算子路径逐位相同；整步只起一次线程组，每层五个 barrier（逐算子路径每层起五次线程
+// 组）；省掉的是每层九次 Python 模块调用、ctypes 调用和张量分配（默认模
+// 型 30 层，约 6 ms / token）。
 // 每层的指针表（权重、norm、KV cache）在 Python 里建一次，每步只传本步数据。
 // [ZH-END]
 #include <omp.h>
@@ -124,14 +126,14 @@ int decode_layers(const decode_model *m, void *residual, void *out, int64_t T, c
                   const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *row_table,
                   const int64_t *context_lens, int64_t bf16) {
     // [ZH-START]
-    // 1. 先检查所有层的打包矩阵形状和 head_dim（不合要求返回 -2），再一次 malloc 本步的临时区（失败返回 -1）：
-    //    线程共用的 qkv (T, (H + 2KVH) D)、attn (T, H D)、x (T, C)、gate_up (T, 2I)，
+    // 1. 先检查所有层的打包矩阵形状和 head_dim（不合要求返回 -2），再一次 malloc 本步的临时区（失败
+    //    返回 -1）：线程共用的 qkv (T, (H + 2KVH) D)、attn (T, H D)、x (T, C)、gate_up (T, 2I)，
     //    以及每个线程私有的一份：残差 res、normed/act、量化后的输入、注意力临时区。
     // 2. 整步只起一次线程组；每层五个 barrier，只在数据依赖处：qkv 之后、注意力之后、o_proj 之后、
     //    gate_up 之后、down 之后。rms_norm、silu_mul 和输入量化每个线程各自重复算一份（几百个元素，
     //    比一次 barrier 便宜），残差也各存一份，所以不用在它们前后同步。
-    // 3. qkv 按 head 分工：算出某个 head 的 D 行输出的线程，接着做它的 bias、q/k norm、旋转和写 KV，
-    //    不必等别的线程；注意力按行（行数少于线程数时按 head）分工。
+    // 3. qkv 按 head 分工：算出某个 head 的 D 行输出的线程，接着做它的 bias、q/k norm、
+    //    旋转和写 KV，不必等别的线程；注意力按行（行数少于线程数时按 head）分工。
     // 4. 每个输出元素的算法、求和顺序与逐算子路径相同，怎么分给线程都不改变结果（逐位相同）；
     //    最后 0 号线程做 final norm 写进 out，并把残差写回 residual。
     // [ZH-END]

@@ -5,8 +5,9 @@ are read and before the per-request constraints. Work is proportional to the tok
 has seen, not to the vocabulary.
 """
 # [ZH-START]
-# 【模块定位】采样器的"惩罚"一段：repetition（prompt + 输出里出现过的 token）与 presence / frequency（只看输出），
-# 原地作用在要惩罚的行上；在原始 logprobs 之后、每请求约束之前由 Sampler.__call__ 调用。
+# 【模块定位】采样器的"惩罚"一段：repetition（prompt + 输出里出现过的 token）
+# 与 presence / frequency（只看输出），原地作用在要惩罚的行上；在原始 logprobs 之后、
+# 每请求约束之前由 Sampler.__call__ 调用。
 # 代价与 token 数成正比，与词表无关。
 # [ZH-END]
 from __future__ import annotations
@@ -38,13 +39,15 @@ def apply_penalties_(logits: torch.Tensor, token_ids: list[list[int]], output_id
     the tokens seen, not to the vocabulary.
     """
     # [ZH-START]
-    # 1. seen (R, L)：每行 prompt + 输出的 id，长度不足用本行第一个 id 补齐（同一值重复写入无影响）。
+    # 1. seen (R, L)：每行 prompt + 输出的 id，长度不足用本行第一个 id
+    #    补齐（同一值重复写入无影响）。
     # 2. repetition：取出这些位置的值，正的除以惩罚、负的乘以惩罚，scatter_ 回去；
     #    每个出现过的 token 只被惩罚一次，代价与 token 数成正比，与词表大小无关。
     # 3. 没有输出 token，或所有行 presence 和 frequency 都为 0，到此返回。
     # 4. out (R, Lo)：输出 ids 用 V 补齐后排序（补齐值排在最后）；real = out < V；
     #    first = 每组相同 id 中的第一个。
-    # 5. weight = -(frequency × real + presence × first)：出现 c 次的 token 共减 presence + c × frequency，补齐位为 0。
+    # 5. weight = -(frequency × real + presence × first)：出现 c 次的 token 共减
+    #    presence + c × frequency，补齐位为 0。
     # 6. scatter_add_ 到 out.clamp(max=V - 1)（补齐位加 0，无影响），原地返回 logits。
     # [ZH-END]
     dev = logits.device

@@ -39,14 +39,15 @@ This module holds the per-request state and the step's order; the parts live bes
 # [ZH-START]
 # 【模块定位】引擎一步的最后一段：把 LM head 的 logits 变成下一个 token。
 #   scheduler → step_input → model runner → 解码层 / PagedAttention → compute_logits (B, V)
-#     → 【Sampler】→ list[int]（每条序列一个 token id）→ Scheduler.postprocess → detokenizer → 客户端
+#     → 【Sampler】→ list[int]（每条序列一个 token id）→ Scheduler.postprocess
+#     → 反分词进程 → 客户端
 # 只在 rank 0 运行。每一步的顺序：原始分布的 logprobs → 惩罚项（repetition / presence / frequency）
 # → 每请求的约束（logit_bias、min_tokens 前屏蔽 EOS / stop token、logits processors）
 # → greedy 取 argmax，其余按温度缩放、top_k / top_p / min_p 过滤，再用逆 CDF 抽样。
 # 全是整批张量运算，Python 循环只遍历"有约束或有种子"的请求；全是普通 greedy 的批只是一次 argmax。
 # 某一行采样失败只结束该请求（返回 SAMPLE_FAILED = -1，原因留给 take_error），不影响同批其他行。
-# 本模块只管每请求状态和一步的顺序；各段在旁边的模块里：penalties（惩罚）、constraints（约束与语法优先）、
-# sampling_ops（过滤与抽样）、logprobs。
+# 本模块只管每请求状态和一步的顺序；各段在旁边的模块里：penalties（惩罚）、
+# constraints（约束与语法优先）、sampling_ops（过滤与抽样）、logprobs。
 # [ZH-END]
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ class RequestState:
     # 【职责】采样器为每个请求跨步保存的东西：SamplingParams、logits processors、预先建好的张量
     # （min_tokens 期间要屏蔽的 id、logit_bias 的 id 与值）、有种子时自己的 Generator、
     # 尚未上报的 logprobs、以及采样失败的原因。
-    # 【边界】不保存 token 序列（在 Sequence 里），不管请求何时开始结束（LLMEngine 调 add / remove）。
+    # 【边界】不保存 token 序列（在 Sequence 里），不管请求何时开始结束（LLMEngine
+    # 调 add / remove）。
     # 【协作者】Sampler._new_state 创建；plain_greedy 决定整批能否走 greedy 快路径。
     # [ZH-END]
     params: SamplingParams
@@ -113,12 +115,13 @@ class Sampler:
     # [ZH-START]
     # 【职责】整批采样，每行用自己请求的参数；管理每请求状态（add_request / remove_request），
     # 暂存 logprobs 和失败原因供引擎取走（take_logprobs / take_error）。
-    # 【边界】不算 logits（ModelRunner / LM head）；不判定请求结束（EOS、max_tokens、SAMPLE_FAILED 都由
-    # Scheduler 处理）；不管 stop string（detokenizer 的事）；不抛异常结束整批，失败只落在单行上。
+    # 【边界】不算 logits（ModelRunner / LM head）；不判定请求结束（EOS、max_tokens、
+    # SAMPLE_FAILED 都由 Scheduler 处理）；不管 stop string（detokenizer 的事）；
+    # 不抛异常结束整批，失败只落在单行上。
     # 【协作者】ModelRunner.run 调 __call__(logits, seqs)；LLMEngine.add_request 传入由
-    # build_logits_processors 建好的 processors；整批算子在旁边的模块：apply_penalties_（penalties）、
-    # constrain_rows（constraints）、sample_rows / filter_candidates / draw（sampling_ops）、
-    # token_logprobs（logprobs）。
+    # build_logits_processors 建好的 processors；整批算子在旁边的模块：
+    # apply_penalties_（penalties）、constrain_rows（constraints）、
+    # sample_rows / filter_candidates / draw（sampling_ops）、token_logprobs（logprobs）。
     # [ZH-END]
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, mask_threads: int | None = None):
         """`mask_threads`: threads that fill a step's grammar masks; by default the engine's CPU
@@ -173,9 +176,10 @@ class Sampler:
         # 1. blocked = stop_token_ids + （除非 ignore_eos）模型的 EOS id 列表。
         # 2. logit_bias 里有 id >= vocab_size 就抛 ValueError（add_request 时就拒绝，不等到采样）。
         # 3. 非 greedy 且给了 seed：建一个只属于这个请求的 Generator(seed)。
-        # 4. 组装 RequestState：只有 min_tokens > 0 时才建 min_tokens_blocked 张量；有 bias 才建 bias_ids / bias_values，
-        #    都放在采样器的设备上，之后每步直接 index_fill_ / index_add_；processors 里的 StructuredOutput
-        #    另记为 grammar（约束冲突时语法优先）。
+        # 4. 组装 RequestState：只有 min_tokens > 0 时才建 min_tokens_blocked 张量；
+        #    有 bias 才建 bias_ids / bias_values，都放在采样器的设备上，
+        #    之后每步直接 index_fill_ / index_add_；processors 里的 StructuredOutput 另记为
+        #    grammar（约束冲突时语法优先）。
         # [ZH-END]
         dev = self.device
         blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
@@ -217,16 +221,19 @@ class Sampler:
         """
         # [ZH-START]
         # 0. 先 masks.wait()：等 prepare 在前向期间启动的语法掩码算完。
-        # 1. 为每条序列取 RequestState（直接调用 runner、没经引擎 add 的序列用它自己的 params 临时建一份）。
-        # 2. 整批都是 plain_greedy（greedy 且无惩罚、processor、logprobs、bias、min_tokens）→ _greedy 快路径：
-        #    不复制、不算 softmax、不取随机数。
+        # 1. 为每条序列取 RequestState（直接调用 runner、没经引擎 add 的序列用它自己的
+        #    params 临时建一份）。
+        # 2. 整批都是 plain_greedy（greedy 且无惩罚、processor、logprobs、bias、
+        #    min_tokens）→ _greedy 快路径：不复制、不算 softmax、不取随机数。
         # 3. logits.float()（compute_logits 已是 float32，此处不复制，下面原地修改）。
-        # 4. 要 logprobs 的行先算 raw_logprobs = log_softmax，形状 (R, V)——取的是惩罚和约束之前的原始分布。
-        # 5. 有惩罚的行：apply_penalties_(这些行, prompt+输出 ids, 输出 ids, 各行的三个系数)；若取的是子集副本就写回 logits。
+        # 4. 要 logprobs 的行先算 raw_logprobs = log_softmax，形状 (R, V)——
+        #    取的是惩罚和约束之前的原始分布。
+        # 5. 有惩罚的行：apply_penalties_(这些行, prompt+输出 ids, 输出 ids, 各行的三个系数)；
+        #    若取的是子集副本就写回 logits。
         # 6. constrain_rows（constraints 模块）：bias、min_tokens 屏蔽、processors；
         #    出错或留下非有限值的行记进 failed {行号: 原因}。
-        # 7. 有失败行：tokens 先全填 SAMPLE_FAILED，只把好的行交给 _choose，失败行不参与抽样、不干扰别人；
-        #    否则整批 _choose。
+        # 7. 有失败行：tokens 先全填 SAMPLE_FAILED，只把好的行交给 _choose，失败行不参与抽样、
+        #    不干扰别人；否则整批 _choose。
         # 8. _check_ids：抽到的 id 不在 [0, vocab_size)（logits 比词表宽时可能发生）的行也算失败。
         # 9. 没失败的行把 logprobs 记进各自的 state。
         # 10. _report：转成 list，失败行改成 SAMPLE_FAILED 并记下 state.error、打 warning。
@@ -277,7 +284,8 @@ class Sampler:
         #    全是 -inf 时才落在 -inf 上，所以只检查这 B 个值就能发现坏行，不必扫 (B, V)。
         # 3. 有限且 < vocab_size 的保留，否则换成 SAMPLE_FAILED，tolist()——整步只有这一次设备同步。
         # 4. 没有失败直接返回。
-        # 5. 有失败（少见）：对非有限行用 _non_finite 写原因，再 _check_ids 标出越界 id，最后 _report。
+        # 5. 有失败（少见）：对非有限行用 _non_finite 写原因，
+        #    再 _check_ids 标出越界 id，最后 _report。
         # [ZH-END]
         tokens = logits.argmax(dim=-1)  # (B,)
         # argmax lands on a NaN or +inf when its row has one, and on -inf only when the row holds
@@ -309,7 +317,8 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         # [ZH-START]
         # 1. tokens = empty (B,)。
-        # 2. 按参数把行分三组：greedy（is_greedy）、filtered（0 < top_k < V、top_p < 1 或 min_p > 0）、plain（只有温度）。
+        # 2. 按参数把行分三组：greedy（is_greedy）、filtered（0 < top_k < V、
+        #    top_p < 1 或 min_p > 0）、plain（只有温度）。
         # 3. greedy 组直接 argmax。
         # 4. plain 和 filtered 各调一次 sample_rows（带各行的 Generator 和共享 Generator）：
         #    分开是为了不让只有温度的行陪着做整词表排序。

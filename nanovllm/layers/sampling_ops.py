@@ -6,8 +6,9 @@ are its parts. Everything is tensor work over the rows; a seeded row's draw depe
 row and generator alone (neighbours only pad the candidate width with -inf).
 """
 # [ZH-START]
-# 【模块定位】采样器的"抽样"一段：温度缩放 → top_k / top_p / min_p 过滤（filter_candidates）→ 逆 CDF 抽样（draw），
-# 每行一个均匀随机数。Sampler._choose 把非 greedy 的行交给 sample_rows；有种子的行只取决于自己的行和 Generator。
+# 【模块定位】采样器的"抽样"一段：温度缩放 → top_k / top_p / min_p 过滤（filter_candidates）
+# → 逆 CDF 抽样（draw），每行一个均匀随机数。Sampler._choose 把非 greedy 的行交给 sample_rows；
+# 有种子的行只取决于自己的行和 Generator。
 # [ZH-END]
 from __future__ import annotations
 
@@ -30,10 +31,12 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     Each row takes one uniform number: from its own generator if it has one, else from `shared`.
     """
     # [ZH-START]
-    # 1. 温度先转 float64，clamp 到 dtype 的 [tiny, max]，再转回 logits 的 dtype：1e-40 这种会变成 0 的温度不会除出 inf / NaN。
-    # 2. scaled = (logits - 行最大值) / 温度，形状 (R, V)：最优 token 变成 0，极小温度把其余推向 -inf，等价于 greedy。
-    # 3. 任何一行有过滤：top_k 为 0 或 >= V 的行按 V 处理，filter_candidates 得到候选 (R, W) 和对应 token id；
-    #    否则候选就是 scaled，ids 为 None。
+    # 1. 温度先转 float64，clamp 到 dtype 的 [tiny, max]，再转回 logits 的 dtype：
+    #    1e-40 这种会变成 0 的温度不会除出 inf / NaN。
+    # 2. scaled = (logits - 行最大值) / 温度，形状 (R, V)：最优 token 变成 0，极小温度把其余推向
+    #    -inf，等价于 greedy。
+    # 3. 任何一行有过滤：top_k 为 0 或 >= V 的行按 V 处理，filter_candidates 得到候选 (R, W) 和对应
+    #    token id；否则候选就是 scaled，ids 为 None。
     # 4. uniform (R,) float64 从共享 Generator 取；有种子的行再用自己的 Generator 取一个数覆盖，
     #    所以它的结果不受同批其他请求影响。
     # 5. choice = draw(candidates, uniform)；有过滤时经 ids.gather 映射回真实 token id，返回 (R,)。
@@ -75,7 +78,8 @@ def filter_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     # [ZH-START]
     # 1. W = 各行 top_k 的最大值（没有 top_k 的行记为 V）。
     # 2. 探测：若 W == V、V > 256，且每行的 k 要么 <= 256 要么是 V（没有 top_k），
-    #    先只取 topk(256) 调 _filter；每个无 top_k 行的保留集合都在这 256 个内结束，就直接返回，省掉整词表排序。
+    #    先只取 topk(256) 调 _filter；每个无 top_k 行的保留集合都在这 256 个内结束，
+    #    就直接返回，省掉整词表排序。
     # 3. 否则 W < V 时 topk(W)，W == V 时整词表降序 sort，再 _filter。
     # 4. 返回候选 logits 与 token id，都是 (R, W)，降序排列，被过滤的位置为 -inf。
     # [ZH-END]
@@ -94,13 +98,16 @@ def _filter(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, top_k
     """Mask sorted candidates (R, W); None if a row's set may extend past the W candidates."""
     # [ZH-START]
     # 1. 每行第 k 个之后的候选置 -inf（top_k）。
-    # 2. norm = 候选的 logsumexp (R, 1)；没有 top_k 的行改用整词表的 logsumexp（候选可能只是探测的 256 个）。
+    # 2. norm = 候选的 logsumexp (R, 1)；没有 top_k 的行改用整词表的 logsumexp（候选可能
+    #    只是探测的 256 个）。
     #    即 top_p / min_p 都在 top_k 重新归一化后的分布上判断。
     # 3. probs = exp(values - norm)，(R, W)。
-    # 4. top_p：某 token 之前的累计概率已 >= top_p 就丢掉；top_p == 1 的行不做此判断（舍入后的 cumsum 可能提前到 1）。
+    # 4. top_p：某 token 之前的累计概率已 >= top_p 就丢掉；top_p == 1 的行不做此判断（舍入后的
+    #    cumsum 可能提前到 1）。
     # 5. min_p：概率 < min_p × 最优 token 概率的丢掉。
     # 6. 第 0 列（最可能的 token）永远保留，哪怕 top_p 小到 1e-50。
-    # 7. W < V 时，若某个无 top_k 的行连最后一个候选都保留着，它的集合可能延续到 W 之外 → 返回 None 让调用方整词表排序。
+    # 7. W < V 时，若某个无 top_k 的行连最后一个候选都保留着，它的集合可能延续到 W 之外 → 返回 None
+    #    让调用方整词表排序。
     # 8. 返回 (丢弃位置填 -inf 的 values, ids)。
     # [ZH-END]
     dev, vocab, width = logits.device, logits.shape[1], values.shape[1]

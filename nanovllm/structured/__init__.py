@@ -256,10 +256,14 @@ def prepare_masks(jobs: Sequence[tuple[StructuredOutput, Sequence[int]]], execut
     The masks are exactly those of the serial calls. A row whose output does not fit its grammar
     is skipped: `StructuredOutput.blocked` computes it again and raises the request's error."""
     # [ZH-START]
-    # 1. 每行先 _follow(output)（Python 里逐个 consume 新 token）；抛异常的行跳过，采样时由 blocked() 重算并报告错误。
-    # 2. 已为当前输出算过掩码的行跳过；剩下的若不足两行、没有 executor、或词表大小不一，就逐行串行 prepare。
-    # 3. 否则分配共享 bitmask (N, ⌈V/32⌉)，fill_next_token_bitmask_par 一次调用：Rust 线程并行填，释放 GIL。
-    # 4. 一次 unpackbits 得到 (N, V) 的允许位，取反成 blocked，每行存自己那一行的视图——与串行结果逐位相同。
+    # 1. 每行先 _follow(output)（Python 里逐个 consume 新 token）；抛异常的行跳过，
+    #    采样时由 blocked() 重算并报告错误。
+    # 2. 已为当前输出算过掩码的行跳过；剩下的若不足两行、没有 executor、或词表大小不一，
+    #    就逐行串行 prepare。
+    # 3. 否则分配共享 bitmask (N, ⌈V/32⌉)，fill_next_token_bitmask_par 一次调用：
+    #    Rust 线程并行填，释放 GIL。
+    # 4. 一次 unpackbits 得到 (N, V) 的允许位，取反成 blocked，每行存自己那一行的视图——
+    #    与串行结果逐位相同。
     # [ZH-END]
     import numpy as np
     import torch

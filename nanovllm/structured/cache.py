@@ -9,10 +9,12 @@ work with its parser limits; errors are cached too, so a hostile format sent aga
 """
 # [ZH-START]
 # 【模块定位】两个阶段共用的编译缓存：按 response_format 的 JSON 文本缓存编译结果
-# （编译好的 LLMatcher 模板，或编译错误）。tokenizer 阶段经自己的一个实例（RequestBuilder.formats）编译校验，
-# 同一文本只编译一次；但帧可能绕过它直接打到引擎 socket：engine_proc 的输入线程对每个格式再经本缓存编译一次，
-# 坏的在入队前就带着原因拒绝；step 循环 add_request 时只 deep_copy 模板（便宜）。
-# 错误也缓存（同一个恶意格式再来只是一次查表）；LRU，最多 max_entries 条；加锁，输入线程与 step 线程可同时用。
+# （编译好的 LLMatcher 模板，或编译错误）。tokenizer 阶段经自己的一个实例（RequestBuilder.formats）
+# 编译校验，同一文本只编译一次；但帧可能绕过它直接打到引擎 socket：engine_proc 的输入线程对每个格式
+# 再经本缓存编译一次，坏的在入队前就带着原因拒绝；step 循环 add_request 时只
+# deep_copy 模板（便宜）。
+# 错误也缓存（同一个恶意格式再来只是一次查表）；LRU，最多 max_entries 条；加锁，
+# 输入线程与 step 线程可同时用。
 # [ZH-END]
 from __future__ import annotations
 
@@ -29,11 +31,13 @@ MAX_CACHED_FORMATS = 256
 class GrammarCache:
     """For one vocabulary: response_format JSON text -> a compiled matcher to copy, or its error."""
     # [ZH-START]
-    # 【职责】一个词表的 response_format 编译缓存：JSON 文本 → LLMatcher 模板（每个请求 deep_copy 一份）或 ValueError 文本。
-    # 【边界】不校验格式的形状（check_response_format 已做）；不跟踪任何请求的输出（StructuredOutput 的事）。
-    # 【协作者】LLMEngine 持有一个（词表视图建好后惰性创建），tokenizer 阶段的 RequestBuilder 也持有一个（formats）；
-    #        engine_proc 输入线程经 LLMEngine.compile_response_format 调 template；
-    #        LLMEngine._structured 在 add_request 时取模板。
+    # 【职责】一个词表的 response_format 编译缓存：JSON 文本 → LLMatcher 模板（每个请求 deep_copy
+    # 一份）或 ValueError 文本。
+    # 【边界】不校验格式的形状（check_response_format 已做）；
+    # 不跟踪任何请求的输出（StructuredOutput 的事）。
+    # 【协作者】LLMEngine 持有一个（词表视图建好后惰性创建），tokenizer 阶段的 RequestBuilder
+    #        也持有一个（formats）；engine_proc 输入线程经 LLMEngine.compile_response_format 调
+    #        template；LLMEngine._structured 在 add_request 时取模板。
     # [ZH-END]
 
     def __init__(self, lltok: Any, max_entries: int = MAX_CACHED_FORMATS):

@@ -10,11 +10,15 @@ ones. A mask the worker could not compute (it raised) is computed again, and its
 reported, on the step thread: the result is the same either way, only the thread differs.
 """
 # [ZH-START]
-# 【模块定位】把语法掩码移出关键路径：第 t 步要用的掩码只取决于到 t-1 步为止的输出，前向开始前就已确定。
+# 【模块定位】把语法掩码移出关键路径：第 t 步要用的掩码只取决于到 t-1 步为止的输出，
+#   前向开始前就已确定。
 #   ModelRunner.run：Sampler.prepare(本步采样的序列) → MaskPrefetcher.start（工作线程填 bitmask）
-#     → 模型前向（与掩码计算重叠；llguidance 的 Rust 代码和 torch 都释放 GIL）→ Sampler.__call__ 先 wait 再套掩码。
-# 多于一行时由 prepare_masks 一次并行调用（LLExecutor，threads 个 Rust 线程）填整批，结果与逐行串行逐位相同。
-# 工作线程里算失败（抛异常）的就不管了：采样时在 step 线程上重算一遍，错误照常记到该请求上——结果与不重叠时完全相同。
+#     → 模型前向（与掩码计算重叠；llguidance 的 Rust 代码和 torch 都释放 GIL）
+#     → Sampler.__call__ 先 wait 再套掩码。
+# 多于一行时由 prepare_masks 一次并行调用（LLExecutor，threads 个 Rust 线程）填整批，
+# 结果与逐行串行逐位相同。
+# 工作线程里算失败（抛异常）的就不管了：采样时在 step 线程上重算一遍，错误照常记到该请求上——
+# 结果与不重叠时完全相同。
 # enabled=False 时不预取：wait 在 step 线程上（前向之后）整批计算（对照测量、精确性测试用）。
 # [ZH-END]
 from __future__ import annotations
