@@ -284,7 +284,7 @@ class Sampler:
         #    全是 -inf 时才落在 -inf 上，所以只检查这 B 个值就能发现坏行，不必扫 (B, V)。
         # 3. 有限且 < vocab_size 的保留，否则换成 SAMPLE_FAILED，tolist()——整步只有这一次设备同步。
         # 4. 没有失败直接返回。
-        # 5. 有失败（少见）：对非有限行用 _non_finite 写原因，
+        # 5. 有失败（少见）：对非有限行用 non_finite 写原因，
         #    再 _check_ids 标出越界 id，最后 _report。
         # [ZH-END]
         tokens = logits.argmax(dim=-1)  # (B,)
