@@ -130,7 +130,7 @@ class ModelRunner:
     # 自己用 resolve_max_model_len 重算同一个默认值（用于块表宽度和 CUDA 图）。
     # 【协作者】LLMEngine 调 run() 并读 num_blocks / sampler / device；
     # PagedAttention 各层从这里拿到 k_cache / v_cache 视图和 cpu_kernel / triton_ops；
-    # DecodeGraphs 负责 decode 步的 CUDA 图；WorkerProcesses + StepChannel 负责张量并行。
+    # DecodeGraphs 负责 解码步的 CUDA 图；WorkerProcesses + StepChannel 负责张量并行。
     # [ZH-END]
     def __init__(self, config: Config, model_config: ModelConfig, model_path: str, rank: int = 0):
         # [ZH-START]
@@ -440,7 +440,7 @@ class ModelRunner:
         # 3. 没有 sample_rows → 返回 None（纯 prefill 分块的步）。
         # 4. hidden[sample_rows] → (B, C) → compute_logits → rank 0 上 (B, V)
         #    float32，其他 rank 为 None。
-        #    sample_rows 恰为 0..T-1（纯 decode 步的常态）时直接用 hidden，不建索引；
+        #    sample_rows 恰为 0..T-1（纯解码步的常态）时直接用 hidden，不建索引；
         #    否则索引从 pinned 内存异步上传——同步的 torch.tensor(..., device=cuda) 会让 host
         #    在这里干等整个前向（图重放）跑完。
         # [ZH-END]

@@ -164,7 +164,7 @@ class PagedAttention(nn.Module):
         # 1. store_kvcache：新 K/V 按 slot_mapping 写入 cache；slot = -1 的行（CUDA 图的
         #    填充行）不写。
         #    kv_stored 为 True（融合 Triton 算子 qk_norm_rope_store 已写过）时跳过。
-        # 2. num_decode == T（纯 decode 步，以及所有 CUDA 图重放）：
+        # 2. num_decode == T（纯解码步，以及所有 CUDA 图重放）：
         #    一次 paged_decode_attention 覆盖全部行，返回。
         # 3. 否则对 q[num_decode:] 做一次 varlen 的 paged_prefill_attention：
         #    cu_seqlens / context_lens / 块表都是 int32，max_seqlen_q 用 host 上已知的

@@ -10,9 +10,9 @@ kernel; the model qualifies (`build`) when every linear weight is packed (GGUF, 
 `quantization="int8"`) on one rank. NANOVLLM_CPU_DECODE=0 turns it off (read at each step, for A/B).
 """
 # [ZH-START]
-# 【模块定位】CPU 上 decode 步的"一次调用"路径（Python 侧）：
+# 【模块定位】CPU 上 解码步的"一次调用"路径（Python 侧）：
 # 把所有层交给 cpu_decode.c 的 decode_layers。
-# build：模型加载、KV cache 分配之后第一次遇到 decode 步时建一次每层指针表（ctypes 结构体数组），
+# build：模型加载、KV cache 分配之后第一次遇到 解码步时建一次每层指针表（ctypes 结构体数组），
 #   要求每个线性层都是打包权重（QuantizedWeight）、单 rank；不满足返回 None，走逐算子路径。
 # serves：本步能否走这条路——CPU、fp32/bf16、全是 decode 行且 T <= MAX_ROWS、有编译的注意力核、
 #   NANOVLLM_CPU_DECODE 不是 "0"。
@@ -81,7 +81,7 @@ def _packed(model) -> bool:
 
 class CpuDecode:
     # [ZH-START]
-    # 【职责】持有一个模型的每层指针表和它引用的张量，每个 decode 步一次 ctypes 调用跑完所有层。
+    # 【职责】持有一个模型的每层指针表和它引用的张量，每个 解码步一次 ctypes 调用跑完所有层。
     # 【边界】不管词嵌入和 LM head；不检查权重是否变化（加载后权重不变）；KV cache 换了（runner
     #   重新分配）时由 fresh() 发现，调用方重建。
     # [ZH-END]

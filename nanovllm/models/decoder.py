@@ -176,7 +176,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     # [ZH-START]
     # 词嵌入 → 所有层 → 最后的 norm；旋转位置编码每步只按 positions 算一次，各层共用。
-    # CPU 上小的纯 decode 步（T <= 8、线性层权重全是打包的）词嵌入之后交给 CpuDecode 一次 C 调用跑完
+    # CPU 上小的纯解码步（T <= 8、线性层权重全是打包的）词嵌入之后交给 CpuDecode 一次 C 调用跑完
     # 所有层和最后的 norm（结果与逐算子路径逐位相同）；指针表第一次用到时建，KV cache 换了就重建。
     # [ZH-END]
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):

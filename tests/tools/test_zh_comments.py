@@ -341,6 +341,25 @@ def test_every_block_draws_with_one_arrow():
     assert found == []
 
 
+# Variants the glossary (docs/zh/README.md) settles on one word for: the variant, the word.
+GLOSSARY_VARIANTS = {"decode 步": "解码步", "分块 prefill": "prefill 分块", "反分词器进程": "反分词进程",
+                     "分词器进程": "分词进程", "──▶": "→"}
+
+
+def test_blocks_use_the_glossary_words():
+    found = []
+    for path in zh.source_files(ROOT):
+        if "tests" in path.relative_to(ROOT).parts or path.parent.name == "tools":
+            continue
+        text = path.read_text(encoding="utf-8")
+        for block in zb.find_blocks(str(path), text, zb.COMMENT_PREFIX[path.suffix])[0]:
+            for n, line in enumerate(block.text, block.start + 1):
+                prose = re.sub(r"`[^`]*`", "", line)
+                found += [f"{path.relative_to(ROOT)}:{n}: {bad!r}, the glossary says {good!r}"
+                          for bad, good in GLOSSARY_VARIANTS.items() if bad in prose]
+    assert found == []
+
+
 def test_wrap_spills_at_the_hanging_indent_the_author_used_below_a_finished_sentence():
     text = "\n".join([START, "# 【边界】" + "不编译语法" * 12 + "。", "#        " + "续行" * 10 + "。", END, ""])
     lines = wrap_text(text, blocks_of(text), "#", 60).splitlines()[1:-1]
