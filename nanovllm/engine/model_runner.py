@@ -130,7 +130,7 @@ class ModelRunner:
     # 自己用 resolve_max_model_len 重算同一个默认值（用于块表宽度和 CUDA 图）。
     # 【协作者】LLMEngine 调 run() 并读 num_blocks / sampler / device；
     # PagedAttention 各层从这里拿到 k_cache / v_cache 视图和 cpu_kernel / triton_ops；
-    # DecodeGraphs 负责 解码步的 CUDA 图；WorkerProcesses + StepChannel 负责张量并行。
+    # DecodeGraphs 负责解码步的 CUDA 图；WorkerProcesses + StepChannel 负责张量并行。
     # [ZH-END]
     def __init__(self, config: Config, model_config: ModelConfig, model_path: str, rank: int = 0):
         # [ZH-START]

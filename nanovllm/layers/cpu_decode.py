@@ -81,7 +81,7 @@ def _packed(model) -> bool:
 
 class CpuDecode:
     # [ZH-START]
-    # 【职责】持有一个模型的每层指针表和它引用的张量，每个 解码步一次 ctypes 调用跑完所有层。
+    # 【职责】持有一个模型的每层指针表和它引用的张量，每个解码步一次 ctypes 调用跑完所有层。
     # 【边界】不管词嵌入和 LM head；不检查权重是否变化（加载后权重不变）；KV cache 换了（runner
     #   重新分配）时由 fresh() 发现，调用方重建。
     # [ZH-END]
