@@ -26,7 +26,7 @@
  * Returns 0, -1 where scratch memory ran out, or -2 for a shape the kernels refuse (checked first).
  */
 // [ZH-START]
-// 本文件在整体架构中的位置：CPU 上 解码步（T <= 8 行、权重全部打包量化）的"一次调用"路径。
+// 本文件在整体架构中的位置：CPU 上解码步（T <= 8 行、权重全部打包量化）的"一次调用"路径。
 //   DecoderModel.forward ─词嵌入→ CpuDecode（cpu_decode.py）
 //     ─ctypes 一次→ decode_layers（本文件）
 //     每层：rms_norm（残差相加）→ qkv quant_matmul（+ bias）→ qk_norm_rope_store（写 KV）

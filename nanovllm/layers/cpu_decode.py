@@ -10,9 +10,9 @@ kernel; the model qualifies (`build`) when every linear weight is packed (GGUF, 
 `quantization="int8"`) on one rank. NANOVLLM_CPU_DECODE=0 turns it off (read at each step, for A/B).
 """
 # [ZH-START]
-# 【模块定位】CPU 上 解码步的"一次调用"路径（Python 侧）：
+# 【模块定位】CPU 上解码步的"一次调用"路径（Python 侧）：
 # 把所有层交给 cpu_decode.c 的 decode_layers。
-# build：模型加载、KV cache 分配之后第一次遇到 解码步时建一次每层指针表（ctypes 结构体数组），
+# build：模型加载、KV cache 分配之后第一次遇到解码步时建一次每层指针表（ctypes 结构体数组），
 #   要求每个线性层都是打包权重（QuantizedWeight）、单 rank；不满足返回 None，走逐算子路径。
 # serves：本步能否走这条路——CPU、fp32/bf16、全是 decode 行且 T <= MAX_ROWS、有编译的注意力核、
 #   NANOVLLM_CPU_DECODE 不是 "0"。
