@@ -42,12 +42,12 @@ by `wrap`, all but diagram lines, which a human redraws."""
 
 CORE_MODULES: dict[str, list[str]] = {
     "nanovllm/engine/block_manager.py": [f"BlockManager.{m}" for m in (
-        "match_prefix", "can_allocate", "allocate", "append_slots", "commit", "free", "_block_hash", "_take_free_block")],
+        "match_prefix", "can_allocate", "allocate", "commit", "free", "_block_hash", "_take_free_block")],
     "nanovllm/engine/scheduler.py": [f"Scheduler.{m}" for m in (
         "finish", "_drop_dead_if_most", "schedule", "_schedule_running", "_schedule_waiting", "_preempt",
         "postprocess", "_finish_reason")],
     "nanovllm/engine/sequence.py": ["Sequence.__init__"],
-    "nanovllm/engine/policy.py": ["PriorityPolicy.key", "make_policy"],
+    "nanovllm/engine/policy.py": ["make_policy"],
     "nanovllm/engine/model_runner.py": [f"ModelRunner.{m}" for m in (
         "_num_kv_blocks", "_allocate_kv_cache", "_measure_gpu_kv_blocks", "run", "_execute")],
     "nanovllm/engine/cuda_graphs.py": ["DecodeGraphs._capture", "DecodeGraphs.run"],

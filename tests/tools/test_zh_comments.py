@@ -365,3 +365,29 @@ def test_wrap_spills_at_the_hanging_indent_the_author_used_below_a_finished_sent
     lines = wrap_text(text, blocks_of(text), "#", 60).splitlines()[1:-1]
     assert len(lines) == 4 and all(ln.startswith("#" + " " * 8) and ln[9] != " " for ln in lines[1:])
     assert lines[3] == "#        " + "续行" * 10 + "。"  # its own paragraph, untouched
+
+
+def test_no_block_is_required_on_a_function_of_one_or_two_lines():
+    """A key function in CORE_MODULES has more than two lines of code (docstring and block aside):
+    a block on a one-liner narrates it instead of teaching anything (an author may still write one)."""
+    import ast
+
+    short = []
+    for rel, keys in zh.CORE_MODULES.items():
+        if not rel.endswith(".py"):
+            continue
+        tree = ast.parse((ROOT / rel).read_text(encoding="utf-8"))
+        defs = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                defs.update({f"{node.name}.{f.name}": f for f in node.body
+                             if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))})
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defs.setdefault(node.name, node)
+        for key in keys:
+            if key in defs:
+                body = [s for s in defs[key].body
+                        if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+                if sum(s.end_lineno - s.lineno + 1 for s in body) <= 2:
+                    short.append(f"{rel}: {key}")
+    assert short == []
