@@ -325,38 +325,32 @@ def test_wrap_keeps_numbers_with_units_and_formulas_whole_and_follows_a_hanging_
     assert wrap_text(wrapped, blocks_of(wrapped), "#", 60) == wrapped
 
 
-def test_every_block_draws_with_one_arrow():
-    """The glossary's notation (docs/zh/README.md): `→` and `─label→`, never `──▶` or `->`
-    (inside a `code span` an arrow is code, e.g. a return annotation)."""
-    found = []
+def _block_prose():
+    """(file:line, line, its prose) for every block line of the tree's sources, `code spans`
+    removed from the prose (inside one an arrow or a word is code, e.g. a return annotation)."""
     for path in zh.source_files(ROOT):
         if "tests" in path.relative_to(ROOT).parts or path.parent.name == "tools":
             continue
         text = path.read_text(encoding="utf-8")
         for block in zb.find_blocks(str(path), text, zb.COMMENT_PREFIX[path.suffix])[0]:
             for n, line in enumerate(block.text, block.start + 1):
-                prose = re.sub(r"`[^`]*`", "", line)
-                if "▶" in prose or "->" in prose:
-                    found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+                yield f"{path.relative_to(ROOT)}:{n}", line, re.sub(r"`[^`]*`", "", line)
+
+
+def test_every_block_draws_with_one_arrow():
+    """The glossary's notation (docs/zh/README.md): `→` and `─label→`, never `──▶` or `->`."""
+    found = [f"{where}: {line.strip()}" for where, line, prose in _block_prose() if "▶" in prose or "->" in prose]
     assert found == []
 
 
 # Variants the glossary (docs/zh/README.md) settles on one word for: the variant, the word.
 GLOSSARY_VARIANTS = {"decode 步": "解码步", "分块 prefill": "prefill 分块", "反分词器进程": "反分词进程",
-                     "分词器进程": "分词进程", "──▶": "→"}
+                     "分词器进程": "分词进程"}
 
 
 def test_blocks_use_the_glossary_words():
-    found = []
-    for path in zh.source_files(ROOT):
-        if "tests" in path.relative_to(ROOT).parts or path.parent.name == "tools":
-            continue
-        text = path.read_text(encoding="utf-8")
-        for block in zb.find_blocks(str(path), text, zb.COMMENT_PREFIX[path.suffix])[0]:
-            for n, line in enumerate(block.text, block.start + 1):
-                prose = re.sub(r"`[^`]*`", "", line)
-                found += [f"{path.relative_to(ROOT)}:{n}: {bad!r}, the glossary says {good!r}"
-                          for bad, good in GLOSSARY_VARIANTS.items() if bad in prose]
+    found = [f"{where}: {bad!r}, the glossary says {good!r}" for where, _, prose in _block_prose()
+             for bad, good in GLOSSARY_VARIANTS.items() if bad in prose]
     assert found == []
 
 
