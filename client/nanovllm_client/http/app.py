@@ -198,7 +198,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         metrics.completion_tokens += body_usage["completion_tokens"]
         out = "".join(text)
         if chat:  # the same parser a stream goes through, fed the whole text
-            parser = chat_output.ChatOutputParser(tools=call.tools, max_calls=call.max_tool_calls)
+            parser = call.output_parser()
             parsed = parser.feed(out) + parser.finish()
             choice = {"index": 0, "message": chat_output.message(parsed, parser.calls),
                       "finish_reason": chat_output.finish_reason(_finish(reason), parser.calls), "logprobs": None}
@@ -245,7 +245,7 @@ async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, 
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
     finished = False
-    parser = chat_output.ChatOutputParser(tools=call.tools, max_calls=call.max_tool_calls) if chat else None
+    parser = call.output_parser() if chat else None
     try:
         if chat:
             yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol import MAX_RESPONSE_FORMAT_CHARS
+from .chat_output import ChatOutputParser
 from .errors import bad
 
 MAX_STOPS = 16
@@ -58,6 +59,10 @@ class Call:
     forced: bool = False
     """`tool_choice` forces a call: `response_format` is the call's grammar (its compile errors
     name the tools, not response_format)."""
+
+    def output_parser(self) -> ChatOutputParser:
+        """The parser a chat answer goes through, streamed or whole: one configuration for both."""
+        return ChatOutputParser(tools=self.tools, max_calls=self.max_tool_calls)
 
 
 def _number(name: str, value: Any, lo: float, hi: float) -> float:
