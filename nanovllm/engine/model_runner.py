@@ -227,9 +227,13 @@ class ModelRunner:
         if self.config.null_model:
             return NullModel(self.model_config.vocab_size)
         with torch.device(self.device):
-            model = DecoderForCausalLM(self.model_config, self.tp).to(self.dtype)
+            model = DecoderForCausalLM(self.model_config, self.tp)
         packed = self._keeps_weights_packed()
         load_weights(model, iter_weights(model_path, packed=packed))
+        # Cast after loading, not before: a matrix kept packed replaces its float parameter, which
+        # on CPU was allocated but never written and so never resident; a cast first would write
+        # every one of them (the load's peak). Values are the same either way (one rounding).
+        model.to(self.dtype)
         if self.config.quantization == "int8":
             if not packed:
                 raise ValueError("quantization='int8' runs on the packed CPU kernels: it needs device cpu, "
