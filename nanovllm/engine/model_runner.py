@@ -175,7 +175,8 @@ class ModelRunner:
         #    起不来立刻报错）；然后所有 rank 调 init_tensor_parallel，
         #    得到计算组 tp 和控制组 channel。
         # 3. 只有 rank 0 建 Sampler(vocab_size, device, seed)，其他 rank 为 None。
-        # 4. 在目标设备上构建 DecoderForCausalLM 并转成 dtype → load_weights 逐张量流式加载
+        # 4. 在目标设备上构建 DecoderForCausalLM → load_weights 逐张量流式加载 → 再转成 dtype
+        #    （先加载后转换：保持打包的矩阵从不写入其浮点参数，加载峰值不含它们）
         #    → pack_linear_weights（CPU 上给 oneDNN 预打包权重）→ eval()。
         # 5. 收集模型里所有 PagedAttention 层。
         # 6. 选注意力路径：CUDA 上才 import triton_attention 模块并交给各层（CPU 上从不导入
