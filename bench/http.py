@@ -161,6 +161,53 @@ async def run_zmq(url: str, prompts: list[list[int]], output_len: int, concurren
                    concurrency)
 
 
+# ---------------------------------------------------------------- CPU of the server's processes
+
+PROCESS_NAMES = {"nanovllm_client.http": "front", "engine_proc": "engine", "tokenizer_proc": "tokenizer",
+                 "detok_proc": "detok"}
+"""The `-m` module of each process `nanovllm serve` starts, and its name in the figures."""
+
+
+def tree_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of `root` and every process below it, by name: the
+    service's stages and front by their module (PROCESS_NAMES), anything else as "other"."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, cpu, name = {}, {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        pid = int(entry)
+        parent[pid], cpu[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+        module = argv[argv.index(b"-m") + 1].decode(errors="replace") if b"-m" in argv[:-1] else ""
+        name[pid] = PROCESS_NAMES.get(module, "other")
+    out: dict[str, float] = {}
+    for pid in cpu:
+        p = pid
+        while p in parent and p != root:
+            p = parent[p]
+        if p == root:
+            out[name[pid]] = out.get(name[pid], 0.0) + cpu[pid]
+    return out
+
+
+def with_cpu(root: int, run) -> dict:
+    """`run()`'s figures with the cores the server's processes used meanwhile (CPU seconds over
+    the wall time of the whole call, warm-up included): `server_cores` in all, and by process
+    (`cores`). Unlike tok/s on a shared machine, this is what the server itself spent."""
+    before, start = tree_cpu_s(root), time.perf_counter()
+    figures = run()
+    after, wall = tree_cpu_s(root), time.perf_counter() - start
+    cores = {k: round((after[k] - before.get(k, 0.0)) / wall, 3) for k in after}
+    return dict(figures, cores=cores, server_cores=round(sum(cores.values()), 3))
+
+
 # ---------------------------------------------------------------- the servers
 
 class VllmServer:
@@ -189,7 +236,8 @@ class VllmServer:
 
     def run_http(self, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
         try:
-            return run_loop(run_http(self.base, prompts, output_len, concurrency, self.proc))
+            return with_cpu(self.proc.pid, lambda: run_loop(run_http(self.base, prompts, output_len, concurrency,
+                                                                     self.proc)))
         except BaseException:
             self.log.flush()
             with open(self.log.name, errors="replace") as f:
@@ -218,10 +266,11 @@ class HttpService(Service):
         super().__init__(model, [*engine_args, "--http-port", str(self.port)])
 
     def run_http(self, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-        return run_loop(run_http(self.base, prompts, output_len, concurrency, self.proc))
+        return with_cpu(self.proc.pid, lambda: run_loop(run_http(self.base, prompts, output_len, concurrency,
+                                                                 self.proc)))
 
     def run_zmq(self, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-        return run_loop(run_zmq(self.url, prompts, output_len, concurrency))
+        return with_cpu(self.proc.pid, lambda: run_loop(run_zmq(self.url, prompts, output_len, concurrency)))
 
 
 # ---------------------------------------------------------------- the sweep
@@ -240,7 +289,8 @@ def sweep(side: str, server, args: argparse.Namespace, vocab: int, tag: str, out
                    all_tok_s=[round(x["output_tok_s"], 1) for x in runs])
         rows.append(row)
         print(f"[{tag} {side}] {level} streams: {row['output_tok_s']:.1f} out tok/s (runs {row['all_tok_s']}), "
-              f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms", flush=True)
+              f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms, server CPU "
+              f"{row['server_cores']:.2f} cores {row['cores']}", flush=True)
     return rows
 
 
@@ -267,7 +317,8 @@ def ratios(rows: list[dict]) -> list[dict]:
         row = {"model": model, "streams": streams}
         for side, r in (("zmq", zmq), ("http", http), ("vllm", vllm)):
             if r:
-                row[side] = {k: round(r[k], 2) for k in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")}
+                row[side] = {k: round(r[k], 2) for k in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "server_cores")}
+                row[side]["cores"] = r["cores"]
         if zmq and http:
             row["http_over_zmq"] = round(http["output_tok_s"] / zmq["output_tok_s"], 3)
         if http and vllm:
@@ -284,11 +335,14 @@ def markdown_table(summary: list[dict]) -> str:
         return " / ".join(cell(row, s, key, fmt) for s in ("zmq", "http", "vllm"))
 
     lines = ["| model | streams | out tok/s: ZeroMQ / HTTP / vLLM | HTTP / ZeroMQ | HTTP / vLLM "
-             "| TTFT p50 ms: ZeroMQ / HTTP / vLLM | ITL p50 ms: ZeroMQ / HTTP / vLLM |", "| --- " * 7 + "|"]
+             "| TTFT p50 ms: ZeroMQ / HTTP / vLLM | ITL p50 ms: ZeroMQ / HTTP / vLLM "
+             "| server CPU cores: ZeroMQ / HTTP / vLLM | HTTP front cores |", "| --- " * 9 + "|"]
     for row in summary:
+        front = format(row["http"]["cores"].get("front", 0.0), ".2f") if "http" in row else "-"
         lines.append(f"| {row['model']} | {row['streams']} | {trio(row, 'output_tok_s', ',.1f')} "
                      f"| {row.get('http_over_zmq', '-')} | {row.get('http_over_vllm', '-')} "
-                     f"| {trio(row, 'ttft_p50_ms', ',.0f')} | {trio(row, 'itl_p50_ms', ',.2f')} |")
+                     f"| {trio(row, 'ttft_p50_ms', ',.0f')} | {trio(row, 'itl_p50_ms', ',.2f')} "
+                     f"| {trio(row, 'server_cores', '.2f')} | {front} |")
     return "\n".join(lines)
 
 

@@ -22,6 +22,11 @@ def test_both_sides_stream_every_token_and_the_run_is_written(tiny_model_dir, tm
     for r in rows.values():  # EOS ignored: every request gives all its tokens, on either side
         assert r["num_requests"] == 2 and r["output_tokens"] == 2 * 8 and r["output_tok_s"] > 0
         assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] >= 0
+        # The service's own processes, found below `nanovllm serve` by their modules (CPU time
+        # counts in clock ticks: a tiny run may spend none of them in a process, so no figure is
+        # asserted positive).
+        assert {"engine", "tokenizer", "detok", "front"} <= set(r["cores"])
+        assert r["server_cores"] == pytest.approx(sum(r["cores"].values()), abs=0.01)
     for s in result["summary"]:
         ratio = rows[("http", s["streams"])]["output_tok_s"] / rows[("zmq", s["streams"])]["output_tok_s"]
         assert s["http_over_zmq"] == pytest.approx(ratio, abs=1e-3) and "vllm" not in s
