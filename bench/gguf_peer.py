@@ -8,7 +8,8 @@ through `LLMEngine.step()`, prefill rate = prompt tokens / time of the steps tha
 rate = tokens / time of the steps that only decoded. Beside them, the physical limit at one
 stream: the weight bytes a decode step reads (every matrix once, as stored in memory) over the
 memory read bandwidth measured in this run (a multi-threaded sum over 512 MB). `--dequantized`
-adds this engine with the weights dequantized to float at load (the path before packed weights);
+adds this engine with the weights dequantized to float at load (`gguf_weights="float"`, the path
+before packed weights);
 `--per-op` adds it with the one-call decode path off (NANOVLLM_CPU_DECODE=0: every layer's ops
 called one by one from Python, the path before layers/cpu_decode.py), alternating with the rest.
 `--hf-shape tiny|mid` makes the same table for a random HF checkpoint of that bench shape
@@ -90,13 +91,10 @@ def engine_worker(args: argparse.Namespace) -> dict:
         from bench.models import make_bench_model
 
         model = make_bench_model(args.hf_shape, args.model_dir)
-    if args.dequantized:
-        from nanovllm.engine.model_runner import ModelRunner
-
-        ModelRunner._keeps_weights_packed = lambda self: False
     blocks = streams * (-(-(args.prompt_len + args.gen_len) // 16) + 1) + 16
     engine = LLMEngine(Config(model=model, num_threads=args.threads, dtype=args.dtype, num_kvcache_blocks=blocks,
-                              max_num_seqs=max(streams, 1), quantization=args.quantization))
+                              max_num_seqs=max(streams, 1), quantization=args.quantization,
+                              gguf_weights="float" if args.dequantized else "packed"))
     vocab = engine.model_config.vocab_size
     rng = random.Random(0)
 

@@ -61,6 +61,11 @@ class Config:
     """"int8": weight-only int8 with a scale per 32 inputs, quantized at load, for float (HF)
     checkpoints on one CPU rank; the packed kernels of layers/quant.py run it. GGUF files keep
     their own quantization either way (on CPU); this converts what they hold as float."""
+    gguf_weights: str = "packed"
+    """How a GGUF file's quantized matrices are held on one CPU rank: "packed" (as the file has
+    them, read by the packed kernels: memory about the file's size, the fastest decode at a few
+    streams) or "float" (dequantized to `dtype` at load and prepacked for oneDNN, as on CUDA:
+    about 3x the memory, more throughput at many streams on CPUs with AMX; docs/operations.md)."""
     device: str = "auto"
     num_threads: int | None = None
     """Torch intra-op threads on CPU; defaults to the cores this process may use."""
@@ -95,5 +100,8 @@ class Config:
             raise ValueError(f"dtype must be one of auto, float32, float16, bfloat16; got {self.dtype!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be 'int8' or None, got {self.quantization!r}")
+        if self.gguf_weights not in ("packed", "float"):
+            raise ValueError(f"gguf_weights must be 'packed' (the file's quantized form, read by the packed CPU "
+                             f"kernels) or 'float' (dequantized at load); got {self.gguf_weights!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be one of auto, cpu, cuda; got {self.device!r}")

@@ -176,8 +176,9 @@ class ModelRunner:
         #    得到计算组 tp 和控制组 channel。
         # 3. 只有 rank 0 建 Sampler(vocab_size, device, seed)，其他 rank 为 None。
         # 4. 在目标设备上构建 DecoderForCausalLM → load_weights 逐张量流式加载 → 再转成 dtype
-        #    （先加载后转换：保持打包的矩阵从不写入其浮点参数，加载峰值不含它们）
-        #    → pack_linear_weights（CPU 上给 oneDNN 预打包权重）→ eval()。
+        #    （单 rank CPU 且 gguf_weights="packed" 时 GGUF 矩阵保持量化打包，否则反量化成浮点；
+        #    先加载后转换：保持打包的矩阵从不写入其浮点参数，加载峰值不含它们）
+        #    → pack_linear_weights（CPU 上给 oneDNN 预打包浮点权重）→ eval()。
         # 5. 收集模型里所有 PagedAttention 层。
         # 6. 选注意力路径：CUDA 上才 import triton_attention 模块并交给各层（CPU 上从不导入
         #    triton），同时给各模块融合 Triton 算子 gpu_ops（kernels/triton_fused.py；
@@ -229,14 +230,13 @@ class ModelRunner:
             return NullModel(self.model_config.vocab_size)
         with torch.device(self.device):
             model = DecoderForCausalLM(self.model_config, self.tp)
-        packed = self._keeps_weights_packed()
-        load_weights(model, iter_weights(model_path, packed=packed))
+        load_weights(model, iter_weights(model_path, packed=self._keeps_weights_packed()))
         # Cast after loading, not before: a matrix kept packed replaces its float parameter, which
         # on CPU was allocated but never written and so never resident; a cast first would write
         # every one of them (the load's peak). Values are the same either way (one rounding).
         model.to(self.dtype)
         if self.config.quantization == "int8":
-            if not packed:
+            if not self._packed_kernels_run():
                 raise ValueError("quantization='int8' runs on the packed CPU kernels: it needs device cpu, "
                                  "tensor_parallel_size 1, dtype float32 or bfloat16 and a C compiler")
             quantize_model_int8(model)
@@ -244,8 +244,13 @@ class ModelRunner:
         return model.eval()
 
     def _keeps_weights_packed(self) -> bool:
-        """GGUF matrices stay quantized where the packed kernels run them: one CPU rank whose
-        compiled kernels serve this model (layers/quant.py); elsewhere they load as float."""
+        """GGUF matrices stay quantized where the packed kernels run them and the operator has not
+        asked for float weights (`gguf_weights="float"`); elsewhere they load as float."""
+        return self.config.gguf_weights == "packed" and self._packed_kernels_run()
+
+    def _packed_kernels_run(self) -> bool:
+        """Whether the packed kernels (layers/quant.py) serve this model: one CPU rank whose
+        compiled kernels take its dtype and head size."""
         return (self.device.type == "cpu" and self.config.tensor_parallel_size == 1
                 and CpuAttentionKernel.supports(self.dtype, self.model_config.head_dim) and CpuOps.load() is not None)
 

@@ -95,14 +95,15 @@ def native_cpu_dtype() -> torch.dtype:
 
 ISA_ENV = "NANOVLLM_CPU_ISA"
 """Builds the kernels for less than this CPU has, to time or test another CPU's path on this one:
-"avx2" (no AVX-512, no VNNI: an AVX2-only CPU's kernels), "avx512" (AVX-512 without VNNI) or
-"avx512_vnni"; a level above the CPU's own is capped to it. Only these kernels: torch's own
+"avx2" (no AVX-512, no VNNI: an AVX2-only CPU's kernels), "avx512" (AVX-512 without VNNI or
+AVX512-BF16, as Skylake-SP has it) or "avx512_vnni" (all the CPU has beyond: AVX512-BF16 where it
+has it); a level above the CPU's own is capped to it. Only these kernels: torch's own
 GEMMs keep the CPU's instruction set (oneDNN has ONEDNN_MAX_CPU_ISA for that)."""
 ISA_LEVELS = ("avx2", "avx512", "avx512_vnni")
 _ISA_NEEDS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"},
               "avx512_vnni": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}}
-_ISA_OFF = {"avx2": ["-mno-avx512f", "-mno-avxvnni"], "avx512": ["-mno-avx512vnni", "-mno-avxvnni"],
-            "avx512_vnni": []}
+_ISA_OFF = {"avx2": ["-mno-avx512f", "-mno-avxvnni"],
+            "avx512": ["-mno-avx512vnni", "-mno-avxvnni", "-mno-avx512bf16"], "avx512_vnni": []}
 _ISA_CODES = {0: "baseline", 2: "avx2", 3: "avx512", 4: "avx512_vnni"}
 
 

@@ -29,7 +29,10 @@
  * same four (or two) W rows staying in L1 across the rows: each row's products are then those it
  * would get alone, and 8 rows cost ~0.6x the general loop (`dot_rows`, which other builds keep).
  * Large M goes through quant_dequant into a float panel and the float GEMM instead.
- * quant_dequant: rows of W as float32 or bfloat16 (`bf16`), for that panel and the embedding.
+ * quant_dequant: rows of W as float32 or bfloat16 (`bf16`), for that panel and the embedding:
+ * with AVX-512 a 32-input block is two 16-lane vectors stored straight out (bfloat16 by one
+ * `vcvtne2ps2bf16` where the CPU has AVX512-BF16), ~4x the AVX2 loop it replaced on AVX-512
+ * CPUs, which went through a float buffer per block.
  */
 #include <math.h>
 #include <stdint.h>
@@ -623,6 +626,33 @@ int quant_matmul(int64_t bits, const uint8_t *codes, const uint16_t *scales, con
     return 0;
 }
 
+#ifdef QUANT_AVX512
+/* Block b's 32 weights as two 16-lane float vectors (inputs 0..15, 16..31): scale * q + min,
+ * or scale * q without mins. The product is exact (an 11-bit scale times an 8-bit code) and the
+ * FMA rounds once, as the reference's multiply-then-add does. */
+static inline __attribute__((always_inline)) void dequant_block512(int bits, const uint8_t *codes, int64_t b,
+                                                                   __m512 s0, __m512 s1, __m512 m0, __m512 m1,
+                                                                   int has_mins, __m512 *lo, __m512 *hi) {
+    __m512i q0, q1;
+    if (bits == 4) { /* byte j: input j (low nibble), input j + 16 (high nibble) */
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + b * 16)));
+        q0 = _mm512_and_si512(v, _mm512_set1_epi32(0x0f));
+        q1 = _mm512_srli_epi32(v, 4);
+    } else {
+        q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + b * QK)));
+        q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + b * QK + 16)));
+    }
+    const __m512 f0 = _mm512_cvtepi32_ps(q0), f1 = _mm512_cvtepi32_ps(q1);
+    *lo = has_mins ? _mm512_fmadd_ps(f0, s0, m0) : _mm512_mul_ps(f0, s0);
+    *hi = has_mins ? _mm512_fmadd_ps(f1, s1, m1) : _mm512_mul_ps(f1, s1);
+}
+#endif
+
+/* One row of W (K inputs) as float32 or bfloat16 (`BF`) in `out`. With AVX-512 a block is two
+ * 16-lane vectors written straight out: bfloat16 through one `vcvtne2ps2bf16` per block where the
+ * CPU has AVX512-BF16 (round to nearest even, as the software rounding: the weights are multiples
+ * of a float16 scale, never float32 denormals, which the instruction would flush), the vector
+ * rounding of cpu_simd.h elsewhere. AVX2 takes four 8-lane vectors, plain C one weight at a time. */
 static inline void dequant_row(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
                                int64_t group, int64_t K, void *out, const int BF) {
     const int64_t ng = K / group, gpb = QK / group;
@@ -632,23 +662,37 @@ static inline void dequant_row(int bits, const uint8_t *codes, const uint16_t *s
     else memset(mn, 0, sizeof(float) * (size_t)ng);
     for (int64_t b = 0; b < K / QK; b++) {
         const float s0 = sc[b * gpb], s1 = sc[b * gpb + gpb - 1], m0 = mn[b * gpb], m1 = mn[b * gpb + gpb - 1];
-        float v[QK];
-#ifdef QUANT_AVX2
+#if defined(QUANT_AVX512)
+        __m512 lo, hi;
+        dequant_block512(bits, codes, b, _mm512_set1_ps(s0), _mm512_set1_ps(s1), _mm512_set1_ps(m0),
+                         _mm512_set1_ps(m1), mins != NULL, &lo, &hi);
+#if defined(__AVX512BF16__)
+        if (BF) {
+            _mm512_storeu_si512(at(out, b * QK, BF), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            continue;
+        }
+#endif
+        vstore(out, b * QK, (vf)lo, BF);
+        vstore(out, b * QK + 16, (vf)hi, BF);
+#elif defined(QUANT_AVX2) && VL == 8
         __m256i lo, hi;
         codes16(bits, codes, b, &lo, &hi);
         const __m256 vs0 = _mm256_set1_ps(s0), vs1 = _mm256_set1_ps(s1), vm0 = _mm256_set1_ps(m0), vm1 = _mm256_set1_ps(m1);
-        _mm256_storeu_ps(v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo))), vs0, vm0));
-        _mm256_storeu_ps(v + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1))), vs0, vm0));
-        _mm256_storeu_ps(v + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi))), vs1, vm1));
-        _mm256_storeu_ps(v + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1))), vs1, vm1));
+        const __m256i q[4] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo)),
+                              _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1)),
+                              _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi)),
+                              _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1))};
+        for (int j = 0; j < 4; j++)
+            vstore(out, b * QK + 8 * j, (vf)_mm256_fmadd_ps(_mm256_cvtepi32_ps(q[j]), j < 2 ? vs0 : vs1, j < 2 ? vm0 : vm1), BF);
 #else
+        float v[QK];
         for (int j = 0; j < QK; j++) {
             const int q = bits == 4 ? ((codes[b * 16 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15)
                                     : (int)((const int8_t *)codes)[b * QK + j];
             v[j] = (j < 16 ? s0 : s1) * (float)q + (j < 16 ? m0 : m1);
         }
-#endif
         for (int j = 0; j < QK; j += VL) vstore(out, b * QK + j, loadv(v + j), BF);
+#endif
     }
 }
 

@@ -197,3 +197,36 @@ def test_with_avx512_each_row_of_a_small_batch_is_computed_as_alone(ops, qtype):
         together = ops.quant_matmul(weight, x[:rows])
         for r in range(rows):
             assert torch.equal(together[r:r + 1], ops.quant_matmul(weight, x[r:r + 1].contiguous()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_build_dequantizes_exactly_as_torch(built_ops, dtype):
+    """The panel of the large-batch path and the embedding rows: bit for bit `dequantize(dtype)`
+    in every build (AVX-512 with `vcvtne2ps2bf16` for bf16, AVX-512 without AVX512-BF16, AVX2,
+    plain C): 4- and 8-bit codes, groups of 32 and 16, with and without mins, a tile that starts
+    mid-matrix and rows picked by index."""
+    for qtype in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q6_K, T.Q5_K, T.Q4_K):
+        weight = to_quantized(gguf_rows(qtype, 37, 512, seed=int(qtype)), qtype)
+        expected = weight.dequantize(dtype)
+        assert torch.equal(built_ops.quant_dequant(weight, 0, 37, dtype).clone(), expected), qtype.name
+        assert torch.equal(built_ops.quant_dequant(weight, 5, 30, dtype).clone(), expected[5:35]), qtype.name
+        ids = torch.tensor([36, 0, 17, 17])
+        assert torch.equal(built_ops.quant_rows(weight, ids, dtype), expected[ids]), qtype.name
+    int8 = QuantizedWeight.from_float(torch.randn(70, 96) * 3)  # `quantization="int8"`: no mins
+    assert torch.equal(built_ops.quant_dequant(int8, 0, 70, dtype).clone(), int8.dequantize(dtype))
+
+
+@pytest.mark.parametrize("rows", [MATVEC_MAX_ROWS + 1, 64])
+def test_panel_path_equals_float_linear_of_the_dequantized_weight(ops, rows):
+    """Many rows (a large decode step, a prefill chunk): the product of x and the dequantized
+    panel, as `F.linear` of x and `dequantize()` gives it, whatever the tile size."""
+    import nanovllm.layers.quant as quant
+
+    weight = to_quantized(gguf_rows(T.Q4_1, 300, 256, seed=9), T.Q4_1)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    expected = torch.nn.functional.linear(x, weight.dequantize(torch.bfloat16))
+    torch.testing.assert_close(quant_linear(x, weight, None, ops), expected, rtol=1e-2, atol=1e-2)
+    for tile_rows in (64, 300):  # several tiles, one tile
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(quant, "PANEL_BYTES", tile_rows * 256 * 2)
+            torch.testing.assert_close(quant_linear(x, weight, None, ops), expected, rtol=1e-2, atol=1e-2)

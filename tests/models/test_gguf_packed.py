@@ -10,7 +10,6 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from nanovllm.config import Config  # noqa: E402
 from nanovllm.engine.llm_engine import LLMEngine  # noqa: E402
-from nanovllm.engine.model_runner import ModelRunner  # noqa: E402
 from nanovllm.layers.cpu_kernels import CpuOps  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
 from tests.helpers.gguf_blocks import gguf_rows  # noqa: E402
@@ -67,19 +66,28 @@ def greedy_tokens(model: str, prompts: list[list[int]], max_tokens: int, **confi
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tiny_quantized_model_packed_equals_dequantized(tmp_path, monkeypatch, dtype):
+def test_tiny_quantized_model_packed_equals_dequantized(tmp_path, dtype):
+    """`gguf_weights="float"` (the operator's choice for many streams) loads float weights and
+    gives the packed path's greedy tokens: decode rows, a panel-sized prefill, and 12 streams at
+    once (the dequantized-panel path at decode)."""
     path = _write_quantized_llama(str(tmp_path / "tiny.gguf"))
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (1, 7, 40)]  # decode rows and a panel-sized prefill
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (1, 7, 40, *range(2, 11))]
     packed, was_packed = greedy_tokens(path, prompts, 12, dtype=dtype)
-    monkeypatch.setattr(ModelRunner, "_keeps_weights_packed", lambda self: False)
-    floats, was_float_packed = greedy_tokens(path, prompts, 12, dtype=dtype)
+    floats, was_float_packed = greedy_tokens(path, prompts, 12, dtype=dtype, gguf_weights="float")
     assert was_packed and not was_float_packed
     assert packed == floats
 
 
+def test_gguf_weights_takes_packed_or_float():
+    assert Config(gguf_weights="float").gguf_weights == "float"
+    for bad in ("dequantized", "", None, "FLOAT"):
+        with pytest.raises(ValueError, match="gguf_weights must be 'packed'.*or 'float'"):
+            Config(gguf_weights=bad)
+
+
 @pytest.mark.slow
-def test_default_model_packed_greedy_tokens_equal_dequantized(monkeypatch):
+def test_default_model_packed_greedy_tokens_equal_dequantized():
     """The bundled Q4_1/Q8_0 model: the README question and a few chats, 24 greedy tokens each,
     token for token (fp32: the packed kernels differ from the float GEMM by ~1e-5 relative)."""
     from nanovllm import LLM
@@ -87,8 +95,8 @@ def test_default_model_packed_greedy_tokens_equal_dequantized(monkeypatch):
     chats = ["What is the capital of France?", "Name a primary color.", "Say hello in Spanish.",
              "Write a haiku about the sea.", "What is 12 times 7?"]
 
-    def answers() -> list[dict]:
-        llm = LLM("default", dtype="float32", num_kvcache_blocks=128)
+    def answers(**config) -> list[dict]:
+        llm = LLM("default", dtype="float32", num_kvcache_blocks=128, **config)
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                                      tokenize=False) for c in chats]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
@@ -97,5 +105,22 @@ def test_default_model_packed_greedy_tokens_equal_dequantized(monkeypatch):
 
     packed = answers()
     assert packed[0]["text"] == "The capital of France is Paris."
-    monkeypatch.setattr(ModelRunner, "_keeps_weights_packed", lambda self: False)
-    assert [o["token_ids"] for o in answers()] == [o["token_ids"] for o in packed]
+    assert [o["token_ids"] for o in answers(gguf_weights="float")] == [o["token_ids"] for o in packed]
+
+
+def test_engine_proc_has_the_gguf_weights_flag_and_variable(monkeypatch):
+    """`python -m engine_proc --gguf-weights float` (or NANOVLLM_GGUF_WEIGHTS=float, which
+    `nanovllm serve` passes on to the engine stage) reaches the engine's Config."""
+    import argparse
+
+    from engine_proc.__main__ import add_config_flags
+
+    def parsed(*argv: str) -> str:
+        parser = argparse.ArgumentParser()
+        add_config_flags(parser, Config)
+        return parser.parse_args(argv).gguf_weights
+
+    assert parsed() == "packed"
+    assert parsed("--gguf-weights", "float") == "float"
+    monkeypatch.setenv("NANOVLLM_GGUF_WEIGHTS", "float")
+    assert parsed() == "float"
