@@ -46,8 +46,10 @@ class MaskPrefetcher:
         self.enabled = enabled
         """False: no prefetch; `wait` computes the step's masks on the calling thread, after the forward."""
         self.threads = threads
-        """Rust threads of a parallel fill; 1 fills the rows one by one."""
-        self._executors: dict[int, Any] = {}
+        """Rust threads of a parallel fill; 1 fills the rows one by one (may be changed between steps)."""
+        self._executor: Any | None = None
+        """The `llguidance.LLExecutor` of `_executor_threads` threads, built on first use."""
+        self._executor_threads = 0
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._deferred: list[tuple[Any, Sequence[int]]] = []
@@ -82,12 +84,12 @@ class MaskPrefetcher:
         self.num_filled_in_parallel += prepare_masks(jobs, self.executor())
 
     def executor(self) -> Any | None:
-        """The `llguidance.LLExecutor` of `threads` threads (built once per count), None for one thread."""
+        """The `llguidance.LLExecutor` of `threads` threads, None for one thread. One is kept: it
+        is built again only when `threads` changed since (a bench or a test trying counts)."""
         if self.threads <= 1:
             return None
-        ex = self._executors.get(self.threads)
-        if ex is None:
+        if self._executor_threads != self.threads:
             import llguidance
 
-            ex = self._executors[self.threads] = llguidance.LLExecutor(self.threads)
-        return ex
+            self._executor, self._executor_threads = llguidance.LLExecutor(self.threads), self.threads
+        return self._executor

@@ -98,3 +98,16 @@ def test_the_prefetcher_fills_in_parallel_with_more_than_one_thread_and_not_with
             assert torch.equal(g.blocked([]), StructuredOutput(text, lltok).blocked([]))
     with pytest.raises(ValueError, match="threads must be at least 1"):
         MaskPrefetcher(threads=0)
+
+
+def test_the_prefetcher_keeps_one_executor_and_builds_it_again_only_for_another_thread_count():
+    masks = MaskPrefetcher(threads=2)
+    first = masks.executor()
+    assert first is not None and masks.executor() is first  # built once, not per step
+    masks.threads = 3
+    third = masks.executor()
+    assert third is not first and masks.executor() is third
+    masks.threads = 1
+    assert masks.executor() is None
+    masks.threads = 3
+    assert masks.executor() is third  # a count back to one thread keeps the executor it had
