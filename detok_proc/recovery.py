@@ -134,8 +134,9 @@ class Recovery:
             state.skip_tokens = max(0, num_tokens - len(state.all_ids))
             state.skip_chars = max(0, num_chars - len(state.all_text))
             text, token_ids = state.all_text[num_chars:], p.pack_token_ids(state.all_ids[num_tokens:])
-            out.add(identity, state.final.delta(client_rid, text, token_ids) if state.final is not None
-                    else p.DeltaRow(client_rid, text, token_ids))
+            out.add(identity, state.final.delta(client_rid, text, token_ids, state.reasoning_open)
+                    if state.final is not None else p.DeltaRow(client_rid, text, token_ids,
+                                                               reasoning_open=state.reasoning_open))
             state.all_ids, state.all_text = [], ""
             if state.final is not None:
                 streams.finished(request_id, state, state.final.finish_reason)

@@ -57,9 +57,11 @@ class Final(NamedTuple):
     usage: p.Usage | None = None
     error: str | None = None
 
-    def delta(self, client_request_id: str, text: str = "", token_ids: bytes = b"") -> p.DeltaRow:
+    def delta(self, client_request_id: str, text: str = "", token_ids: bytes = b"",
+              reasoning_open: bool = False) -> p.DeltaRow:
         """The terminal delta, with the last text and tokens."""
-        return p.DeltaRow(client_request_id, text, token_ids, self.finish_reason, self.error, self.usage)
+        return p.DeltaRow(client_request_id, text, token_ids, self.finish_reason, self.error, self.usage,
+                          reasoning_open=reasoning_open)
 
 
 @dataclass
@@ -67,7 +69,7 @@ class RequestState:
     # [ZH-START]
     # 【职责】本进程为一个在途请求保存的状态：所属客户端、客户端侧的请求 id（流的 wire id）、
     # IncrementalDetokenizer、持有它的引擎实例；resync 重建后等待 Resume 期间累积的全部
-    # token / 文本 / 终止字段；最近的 token 计数。
+    # token / 文本 / 终止字段；最近的 token 计数；reasoning_open（来自 meta，每个增量都带上）。
     # 【边界】不保存 prompt 或采样参数（这些在引擎里）；不直接发送任何东西。
     # 【协作者】RequestStreams.start 创建，advance 每步推进，resume 在客户端报到后放出累积内容。
     # [ZH-END]
@@ -97,6 +99,8 @@ class RequestState:
     engine restart, whose engine reports the output it continues from with its first new token.
     Cut from what follows, not sent twice. From the request's meta (`have`), or from a resume
     that says the client has more than the engine had reported."""
+    reasoning_open: bool = False
+    """Its meta's: the output starts inside a reasoning block; every delta says so."""
 
 
 @dataclass
@@ -169,7 +173,8 @@ class RequestStreams:
         #    skip_special_tokens、stop、include_stop、min_tokens。
         # 2. 建 RequestState(客户端身份, 客户端 rid, 反分词器, 引擎实例) 记进 requests 和
         #    by_client；续写的流（meta.have_tokens / have_chars，客户端已有的输出）
-        #    记为 skip_tokens / skip_chars：引擎会随第一个新 token 把它们再报告一次，advance 截掉。
+        #    记为 skip_tokens / skip_chars：引擎会随第一个新 token 把它们再报告一次，advance 截掉；
+        #    meta.reasoning_open（输出从思考块内开始）记下，之后每个增量都带上。
         # 3. 指标记录开始时间（resync 重建的额外记下恢复时间）；客户端记进 out.clients。
         # [ZH-END]
         detok = IncrementalDetokenizer(
@@ -179,6 +184,7 @@ class RequestStreams:
         client = meta.client
         state = self.requests[request_id] = RequestState(client, meta.client_request_id, detok, engine)
         state.skip_tokens, state.skip_chars = meta.have_tokens, meta.have_chars
+        state.reasoning_open = meta.reasoning_open
         self.metrics.request_started(request_id, meta.arrival or time.time(), resumed_at=time.time() if resumed else None)
         self.by_client.setdefault(client, {})[request_id] = None
         out.clients.append(client)
@@ -206,9 +212,9 @@ class RequestStreams:
         #    返回 (state, None)。
         # 7. 有 skip_tokens / skip_chars（resume 时客户端已有、引擎将再报告的续写前缀）：
         #    先从 token 和文本开头截掉，截完什么都不剩且没结束就返回 (state, None)。
-        # 8. 否则组装增量 DeltaRow(客户端 rid, text, token_ids（原样打包）)，已结束就由 final.delta
-        #    带上终止字段；已结束就 finished（计指标、遗忘该请求）；返回 (state, 增量)，
-        #    调用方按 state.client 路由。
+        # 8. 否则组装增量 DeltaRow(客户端 rid, text, token_ids（原样打包）, reasoning_open)，
+        #    已结束就由 final.delta 带上终止字段；已结束就 finished（计指标、遗忘该请求）；
+        #    返回 (state, 增量)，调用方按 state.client 路由。
         # [ZH-END]
         request_id, packed_ids, finished, finish_reason, num_prompt, num_output, num_cached, error = row
         state = self.requests.get(request_id)
@@ -252,9 +258,9 @@ class RequestStreams:
         if token_ids:
             self.metrics.tokens_streamed(request_id, len(token_ids), time.time())
         if final is None:
-            return state, p.DeltaRow(state.client_request_id, text, packed_ids)
+            return state, p.DeltaRow(state.client_request_id, text, packed_ids, reasoning_open=state.reasoning_open)
         self.finished(request_id, state, final.finish_reason)
-        return state, final.delta(state.client_request_id, text, packed_ids)
+        return state, final.delta(state.client_request_id, text, packed_ids, state.reasoning_open)
 
     def _abort_stopped(self, request_id: str, state: RequestState, out: Outcome) -> None:
         state.abort_sent_at = time.monotonic()
@@ -313,7 +319,7 @@ class RequestStreams:
             if spare is not None and state.engine == spare:
                 continue
             if state.stopped is not None and not state.awaiting_resume:  # its text is complete: it ended by its stop
-                out.add(state.client, state.stopped.delta(state.client_request_id))
+                out.add(state.client, state.stopped.delta(state.client_request_id, reasoning_open=state.reasoning_open))
                 self.finished(request_id, state, "stop")
             else:
                 out.add(state.client, p.error_delta(state.client_request_id, why, engine_dead=True))

@@ -13,7 +13,9 @@ being the last thing it printed.
 
 With `--http-port`, a fourth process serves the OpenAI-compatible HTTP API (`nanovllm-http`,
 a client of the service like any other): it starts with the stages, is stopped first (it drains
-its streams while the stages still serve) and is watched and restarted like them.
+its streams while the stages still serve) and is watched and restarted like them. Where the
+service runs CURVE (its keys, or a loopback tcp service's instance key) the front connects with
+the service's own key pair, as the supervisor does (`http_curve_env`).
 
 The watchdog is systemd's too: each stage gets $WATCHDOG_USEC and sends `WATCHDOG=1` from the
 loop that does its work. A ready stage silent for `--watchdog-s` (a deadlock, a hung step, a
@@ -35,12 +37,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # At import, not in _announce_ready: that runs on a thread of its own, and no thread imports a
 # library while another may be importing it (nanovllm.models.tokenizer says why).
 from nanovllm_client import Client, NanovllmError
-from nanovllm_client.security import load_keypair
+from nanovllm_client.security import CLIENT_KEY_ENV, SERVER_KEY_ENV, load_keypair
 from nanovllm_client.throttle import ThrottledWarnings
 
 STAGES = ("tokenizer_proc", "engine_proc", "detok_proc")
@@ -73,6 +75,8 @@ class StageProcess:
     """When this run last said READY=1 or WATCHDOG=1."""
     aborted_at: float | None = None
     """When the watchdog sent this run SIGABRT."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Its own environment, over the one every process gets."""
 
 
 def _die_with_parent() -> None:
@@ -89,7 +93,7 @@ class Supervisor:
     def __init__(self, url: str, model: str, runtime_dir: str, engine_args: list[str], log_level: str,
                  max_backoff_s: float = 30.0, drain_timeout_s: float = 30.0, metrics_port: int = 0,
                  stage_env: dict[str, str] | None = None, watchdog_s: float = DEFAULT_WATCHDOG_S,
-                 http_args: list[str] | None = None):
+                 http_args: list[str] | None = None, http_env: dict[str, str] | None = None):
         self.url, self.model, self.runtime_dir = url, model, runtime_dir
         self.watchdog_s = watchdog_s
         """A ready stage silent this long is killed and restarted; 0: no watchdog."""
@@ -102,7 +106,8 @@ class Supervisor:
         self.stages = {name: StageProcess(name, [sys.executable, "-m", name] + (engine_args if name == "engine_proc" else []))
                        for name in STAGES}
         if http_args is not None:  # the HTTP front: a client of the service, started and watched like a stage
-            self.stages[HTTP] = StageProcess(HTTP, [sys.executable, "-m", "nanovllm_client.http", *http_args])
+            self.stages[HTTP] = StageProcess(HTTP, [sys.executable, "-m", "nanovllm_client.http", *http_args],
+                                             env=dict(http_env or {}))
         for stage in self.stages.values():
             stage.notify_name = f"@nanovllm-serve/{os.getpid()}/{stage.name}"
             stage.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
@@ -115,7 +120,7 @@ class Supervisor:
         """Why the service could not start, once a stage failed before it was ever ready."""
 
     def start(self, stage: StageProcess) -> None:
-        env = dict(self.env, NOTIFY_SOCKET=stage.notify_name, NANOVLLM_METRICS_PORT=str(self.metrics_ports.get(stage.name, 0)))
+        env = dict(self.env, **stage.env, NOTIFY_SOCKET=stage.notify_name, NANOVLLM_METRICS_PORT=str(self.metrics_ports.get(stage.name, 0)))
         if self.watchdog_s:
             env["WATCHDOG_USEC"] = str(int(self.watchdog_s * 1e6))
         # Its own session: a terminal's Ctrl-C (SIGINT to the whole foreground group) reaches only
@@ -264,6 +269,15 @@ def _recv_with_sender(sock: socket.socket) -> tuple[bytes, int | None]:
     return datagram, None
 
 
+def http_curve_env(secret_key: str) -> dict[str, str]:
+    """The HTTP front's CURVE keys beside the service: the service's own pair (its secret key file
+    is both the client key and, read for its public half, the server key). Key file paths in the
+    environment, as the stages get theirs: never a key on a command line, and one the caller's own
+    client keys ($NANOVLLM_CURVE_CLIENT_KEY, ...) do not override."""
+    path = os.path.abspath(secret_key)
+    return {CLIENT_KEY_ENV: path, SERVER_KEY_ENV: path}
+
+
 def build_parser() -> argparse.ArgumentParser:
     from nanovllm_client.endpoints import default_runtime_dir
 
@@ -336,15 +350,17 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in (("NANOVLLM_CURVE_SECRET_KEY", secret_key), ("NANOVLLM_CURVE_CLIENTS", args.curve_clients)):
         if value:
             stage_env[name] = os.path.abspath(value)
-    http_args = None
+    http_args, http_env = None, {}
     if args.http_port:
         http_args = ["--url", url, "--host", args.http_host, "--port", str(args.http_port), "--model", args.model,
                      "--drain-timeout", str(args.drain_timeout)]
         if args.http_api_key_file:
             http_args += ["--api-key-file", os.path.abspath(args.http_api_key_file)]
+        if secret_key:  # as the supervisor does: the service's own key pair is let in everywhere
+            http_env = http_curve_env(secret_key)
     return Supervisor(url, args.model, args.runtime_dir, engine_args, args.log_level, drain_timeout_s=args.drain_timeout,
                       metrics_port=args.metrics_port, stage_env=stage_env, watchdog_s=args.watchdog_s,
-                      http_args=http_args).run(stop)
+                      http_args=http_args, http_env=http_env).run(stop)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ default model; plain ChatML) would drop them without a word, so for it the tools
 the system message in the Hermes / Qwen form, earlier calls as `<tool_call>` JSON in the
 assistant's turn and results as `<tool_response>` in a user turn: the form the HTTP front parses
 calls back from. A chat without tools renders exactly as before.
+
+A template may open the reasoning itself (Qwen3 thinking variants, DeepSeek-R1: the generation
+prompt ends in `<think>`): the output then starts inside the block with no `<think>` of its own,
+and `opens_reasoning` tells the request's meta so, for the HTTP front's parser.
 """
 # [ZH-START]
 # 【模块定位】把对话（可带 tools）经模型自己的 chat 模板渲染成 prompt 文本，供 RequestBuilder 分词。
@@ -13,12 +17,15 @@ calls back from. A chat without tools renders exactly as before.
 # 会悄悄丢掉，所以改为把工具说明写进 system 消息（Hermes/Qwen 格式），历史调用写成 assistant 里的
 # <tool_call> JSON，工具结果写成 user 里的 <tool_response>——正是 HTTP 前端解析工具调用的格式。
 # 没有 tools 的对话渲染结果不变。
+# 模板自己在生成提示末尾打开 <think>（Qwen3 思考版、DeepSeek-R1）时，输出从思考块内部开始、
+# 不带自己的 <think>：opens_reasoning 判断这一点，写进请求的 meta，供 HTTP 前端的解析器使用。
 # [ZH-END]
 from __future__ import annotations
 
 import json
 from typing import Any
 
+THINK_OPEN = "<think>"
 _TOOLS_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
@@ -110,3 +117,9 @@ def render_chat(tokenizer: Any, messages: list[dict], tools_text: str | None) ->
                                              tokenize=False)
     return tokenizer.apply_chat_template(hermes_messages(messages, tools), add_generation_prompt=True,
                                          tokenize=False)
+
+
+def opens_reasoning(prompt: str) -> bool:
+    """The rendered prompt ends inside a reasoning block: `<think>` and nothing but blank space
+    after it. Only its end counts: a `<think>` a user wrote earlier in the chat opens nothing."""
+    return prompt.rstrip().endswith(THINK_OPEN)

@@ -24,7 +24,7 @@ from nanovllm.structured.cache import GrammarCache
 from nanovllm_client import protocol as p
 from nanovllm_client.checks import ProtocolError, check_strings, show
 
-from .chat import render_chat
+from .chat import opens_reasoning, render_chat
 
 MAX_CHARS_PER_TOKEN = 64
 """Generous bound on characters per token (real text averages about 4), used to refuse text too
@@ -86,10 +86,11 @@ class RequestBuilder:
         #    同一格式只编译一次），编译不过就带着原因拒绝。
         # 5. 开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(客户端 CURVE
         #    公钥，没有则路由 id，客户端自己给的盐)，前缀缓存只在同一客户端（同一把钥匙）内共享。
-        #    ids = _prompt_ids(req)。
+        #    ids, reasoning_open = _prompt_ids(req)。
         # 6. meta = RequestMeta(client 身份, 客户端 rid, stop, skip_special_tokens,
         #    prompt_tail = prompt 最后 8 个 token（打包）, arrival = 时间, min_tokens, include_stop,
-        #    have_tokens / have_chars = 续写时客户端已有的 token 数和字符数)，线上是按位置的数组；
+        #    have_tokens / have_chars = 续写时客户端已有的 token 数和字符数,
+        #    reasoning_open = chat 模板在 prompt 末尾打开了 <think>)，线上是按位置的数组；
         #    引擎原样转给反分词进程，用来建 IncrementalDetokenizer 和路由输出。
         # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend,
         #    output_ids = 续写时客户端已收到的输出 token)，先用引擎自己的 validate 检查一遍，
@@ -125,10 +126,10 @@ class RequestBuilder:
             self._check_format(params.response_format)
         if self.cache_salt_per_client:
             sampling["cache_salt"] = client_cache_salt(key or identity.hex(), sampling.get("cache_salt"))
-        ids = self._prompt_ids(req)
+        ids, reasoning_open = self._prompt_ids(req)
         have = (len(req.output_token_ids) // 4, req.output_chars) if req.output_token_ids else (0, 0)
         meta = p.RequestMeta(identity, req.request_id, stop, skip, p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]),
-                             time.time(), sampling.get("min_tokens", 0), include_stop, *have)
+                             time.time(), sampling.get("min_tokens", 0), include_stop, *have, reasoning_open)
         out = p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta,
                              priority=req.priority, resend=req.resend, output_ids=req.output_token_ids or b"")
         try:  # the engine's own checks: a frame it would drop (it cannot answer the client) is refused here
@@ -166,16 +167,19 @@ class RequestBuilder:
             raise RequestRejected(f"priority {priority} is above this client key's ceiling of {own} "
                                   f"(max-priority in its allow-list file)")
 
-    def _prompt_ids(self, req: p.GenerateReq) -> list[int]:
+    def _prompt_ids(self, req: p.GenerateReq) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether the chat template left it inside a reasoning block."""
         # [ZH-START]
         # 1. 给了 prompt_token_ids：直接用。
         # 2. 给了 messages：render_chat 经模型的 chat 模板渲染（带 tools 时见 chat.py），
         #    tools 不合法或模板失败 → 拒绝；文本先过 _bounded，再 encode(add_special_tokens=False)
-        #    （模板里已经带了特殊 token）。
+        #    （模板里已经带了特殊 token）；opens_reasoning(文本)：模板在末尾打开了 <think>。
         # 3. 否则是 prompt 文本：_bounded 后 encode。
         # 4. 空 prompt → 拒绝；token 数 >= max_prompt_tokens（模型上下文长度）→ 拒绝：
         #    prompt 加至少一个输出 token 必须放得下。
+        # 5. 返回 (ids, reasoning_open)；非 chat 的 prompt 一律 False。
         # [ZH-END]
+        reasoning_open = False
         if req.prompt_token_ids is not None:
             ids = req.prompt_token_ids
         elif req.messages is not None:
@@ -186,6 +190,7 @@ class RequestBuilder:
             except Exception as e:  # template errors come in many types
                 raise RequestRejected(f"cannot apply the model's chat template: {e}") from None
             ids = self.tokenizer.encode(self._bounded(text), add_special_tokens=False)
+            reasoning_open = opens_reasoning(text)
         else:
             ids = self.tokenizer.encode(self._bounded(req.prompt))
         if not ids:
@@ -193,7 +198,7 @@ class RequestBuilder:
         if self.max_prompt_tokens is not None and len(ids) >= self.max_prompt_tokens:
             raise RequestRejected(f"prompt has {len(ids)} tokens but the model's context length is "
                                   f"{self.max_prompt_tokens} (prompt plus at least one output token must fit)")
-        return ids
+        return ids, reasoning_open
 
     def _bounded(self, text: str) -> str:
         """Refuse, before tokenizing, text far longer than any prompt the model could take: a

@@ -77,7 +77,8 @@ class AsyncStream:
     # 整个请求只有一个截止计时器（call_later 到点往队列里放 _TIMED_OUT），不为每个增量建 wait_for。
     # 【边界】不碰 socket（收帧、发 abort 都经 AsyncClient）；不拼接文本（generate 用 merge 拼）。
     # 【协作者】AsyncClient.stream 创建它；队列由 AsyncClient._route 填充；cancel / 被回收时经
-    # AsyncClient._abort_wire_nowait 发 abort。计时器只持有队列不持有流，
+    # AsyncClient._abort_wire_nowait 发 abort；stop 只发 abort、不结束迭代，
+    # 之后照常读到终止增量（"abort" 及 usage）。计时器只持有队列不持有流，
     # 所以丢掉的流仍会被回收并 abort。
     # [ZH-END]
 
@@ -88,6 +89,7 @@ class AsyncStream:
         self._client, self._deltas, self._deadline = client, deltas, deadline
         self._raise_on_error = raise_on_error
         self._done = False
+        self._stopping = False
         # One timer for the whole request (a wait_for per delta costs a task and a timer each).
         # It holds the queue, not the stream, so a dropped stream is still collected (and aborted).
         remaining = deadline - time.monotonic()
@@ -121,6 +123,13 @@ class AsyncStream:
                 error = EngineDeadError if delta.engine_dead else RequestError
                 raise error(delta.error or "request failed", self.request_id)
         return delta
+
+    def stop(self) -> None:
+        """Ask the engine to stop the request now (an abort), but, unlike `cancel`, read on to its
+        terminal delta: finish_reason "abort" (or its own, if it ended first), with its usage."""
+        if not self._done and not self._stopping:
+            self._stopping = True
+            self._client._spawn(self._client._safe_abort(self._wire_id))
 
     def cancel(self) -> None:
         """Abort the request in the engine (idempotent); the iterator ends."""

@@ -80,6 +80,9 @@ class Delta:
     """On the last delta: prompt_tokens, completion_tokens, cached_tokens."""
     error: str | None = None
     engine_dead: bool = False
+    reasoning_open: bool = False
+    """The chat template opened a reasoning block at the prompt's end (`<think>`): the output
+    starts inside it, with no `<think>` of its own, up to `</think>`."""
 
     @property
     def finished(self) -> bool:
@@ -492,7 +495,7 @@ class ClientState:
     def _delta(d: p.DeltaRow) -> Delta:
         usage = None if d.usage is None else d.usage._asdict()
         return Delta(d.request_id, d.text, p.unpack_token_ids(d.token_ids), d.finish_reason, usage, d.error,
-                     d.engine_dead)
+                     d.engine_dead, d.reasoning_open)
 
 
 def merge(deltas: list[Delta], request_id: str) -> Result:

@@ -325,6 +325,9 @@ class RequestMeta(NamedTuple):
     have_chars: int = 0
     """A continued stream: the output tokens and characters its client has already. The engine
     reports that output again with its first new token; the detokenizer sends only what follows."""
+    reasoning_open: bool = False
+    """The chat template ended the prompt inside a reasoning block (`<think>` opened in the
+    generation prompt): the output starts as reasoning. Passed on in every delta."""
 
     def check(self) -> None:
         check_bytes("meta.client", self.client, 255)
@@ -337,6 +340,7 @@ class RequestMeta(NamedTuple):
         check_bool("meta.include_stop", self.include_stop)
         check_int("meta.have_tokens", self.have_tokens, 0, 2**31)
         check_int("meta.have_chars", self.have_chars, 0, 2**31)
+        check_bool("meta.reasoning_open", self.reasoning_open)
 
 
 def typed_meta(meta: Any) -> RequestMeta:
@@ -569,6 +573,8 @@ class DeltaRow(NamedTuple):
     unsent: bool = False
     """With engine_dead: the tokenizer had no engine to pass the request to, so it reached none
     and may be sent again as it is."""
+    reasoning_open: bool = False
+    """The request's `RequestMeta.reasoning_open`: its output starts inside a reasoning block."""
 
     def check(self) -> None:
         check_str("delta request_id", self.request_id, MAX_ENGINE_ID_LEN)
@@ -578,6 +584,7 @@ class DeltaRow(NamedTuple):
         check_opt_str("delta error", self.error, MAX_ERROR_LEN)
         check_bool("delta engine_dead", self.engine_dead)
         check_bool("delta unsent", self.unsent)
+        check_bool("delta reasoning_open", self.reasoning_open)
 
 
 @_message("stream")

@@ -7,9 +7,9 @@ import pytest
 from nanovllm_client.http.chat_output import ChatOutputParser
 
 
-def parse(pieces, tools=True, reasoning=True, max_calls=None):
+def parse(pieces, tools=True, reasoning=True, max_calls=None, reasoning_open=False):
     """(content, reasoning, [(name, arguments)]) from the events, as a client assembles them."""
-    parser = ChatOutputParser(tools=tools, reasoning=reasoning, max_calls=max_calls)
+    parser = ChatOutputParser(tools=tools, reasoning=reasoning, max_calls=max_calls, reasoning_open=reasoning_open)
     events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
     content = "".join(e.text for e in events if e.kind == "content")
     thought = "".join(e.text for e in events if e.kind == "reasoning")
@@ -97,3 +97,24 @@ def test_one_call_at_most_whole_and_in_pieces(text, want):
     assert parse([text], max_calls=1) == want
     for size in (1, 3, 7):
         assert parse([text[i:i + size] for i in range(0, len(text), size)], max_calls=1) == want
+
+
+OPEN_CASES = [
+    # the chat template opened <think> in the prompt: the output starts inside the reasoning
+    ("The user asks.\n</think>\n\nIt is sunny.", True, ("It is sunny.", "The user asks.\n", [])),
+    ("hmm</think><tool_call>" + WEATHER + "</tool_call>", True,
+     ("", "hmm", [("get_weather", '{"city": "Paris", "unit": "c}\\"{"}')])),
+    ("still thinking when max_tokens ran out", False, ("", "still thinking when max_tokens ran out", [])),
+    ("</think>at once", False, ("at once", "", [])),
+    # a <think> the model writes itself is reasoning text here, not a second opening
+    ("<think>x</think>y", False, ("y", "<think>x", [])),
+]
+
+
+@pytest.mark.parametrize("text, tools, want", OPEN_CASES)
+def test_a_prompt_that_opened_think_starts_the_output_as_reasoning(text, tools, want):
+    assert parse([text], tools, reasoning_open=True) == want
+    for cut in range(1, len(text)):
+        assert parse([text[:cut], text[cut:]], tools, reasoning_open=True) == want, cut
+    # reasoning off: nothing is reasoning, whatever the prompt did
+    assert parse([text], tools, reasoning=False, reasoning_open=True)[1] == ""

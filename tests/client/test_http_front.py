@@ -21,8 +21,9 @@ from nanovllm_client.http.server import build_server  # noqa: E402
 
 
 class FakeStream:
-    def __init__(self, words, slow, reason="length"):
+    def __init__(self, words, slow, reason="length", reasoning_open=False):
         self.words, self.slow, self.reason, self.cancelled, self.done = words, slow, reason, False, False
+        self.reasoning_open, self.stopped = reasoning_open, False
 
     def __aiter__(self):
         return self._gen()
@@ -31,26 +32,34 @@ class FakeStream:
         for i, w in enumerate(self.words):
             if self.slow:
                 await asyncio.sleep(self.slow)
+            if self.stopped:  # as the service ends a request stopped mid-way: "abort", with its usage
+                yield Delta("r", "", [], "abort", {"prompt_tokens": 3, "completion_tokens": i, "cached_tokens": 0})
+                break
             last = i == len(self.words) - 1
             yield Delta("r", w, [i], self.reason if last else None,
-                        {"prompt_tokens": 3, "completion_tokens": len(self.words), "cached_tokens": 0} if last else None)
+                        {"prompt_tokens": 3, "completion_tokens": len(self.words), "cached_tokens": 0} if last else None,
+                        reasoning_open=self.reasoning_open)
         self.done = True
 
     def cancel(self):
         self.cancelled = True
+
+    def stop(self):
+        self.stopped = True
 
 
 class FakeClient:
     def __init__(self):
         self.calls, self.streams, self.slow, self.draining = [], [], 0.0, False
         self.words, self.reason = None, "length"  # what the next streams answer (default: "Hello!")
+        self.reasoning_open = False  # the next streams' deltas say the prompt opened <think>
 
     async def stream(self, prompt, **kw):
         if self.draining:
             raise ServiceDrainingError("draining")
         self.calls.append((prompt, kw))
         words = self.words or (["Hel", "lo", "!"] if not self.slow else ["x"] * 200)
-        s = FakeStream(words, self.slow, self.reason)
+        s = FakeStream(words, self.slow, self.reason, self.reasoning_open)
         self.streams.append(s)
         return s
 
@@ -247,6 +256,61 @@ def test_tool_calls_and_reasoning_whole_and_streamed(front):
         assert message["content"].startswith("<tool_call>") and "tool_calls" not in message
     finally:
         client.words, client.reason = None, "length"
+
+
+def test_reasoning_opened_by_the_prompt_whole_and_streamed(front):
+    """The deltas say the chat template opened <think> in the prompt: the output up to </think>
+    is reasoning_content, the rest content; the same text without the flag is all content."""
+    client, port = front
+    body = {"model": "m", "messages": [{"role": "user", "content": "Why?"}]}
+    client.words, client.reasoning_open = ["Because", " it is.\n</th", "ink>\n\nSo", " it is."], True
+    try:
+        message = json.loads(_req(port, "POST", "/v1/chat/completions", body)[1])["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("Because it is.\n", "So it is.")
+        status, out = _req(port, "POST", "/v1/chat/completions", {**body, "stream": True})
+        deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in out.decode().split("\n\n")
+                  if e and e != "data: [DONE]"]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "Because it is.\n"
+        assert "".join(d.get("content", "") for d in deltas) == "So it is."
+        client.reasoning_open = False
+        message = json.loads(_req(port, "POST", "/v1/chat/completions", body)[1])["choices"][0]["message"]
+        assert message["content"] == "Because it is.\n</think>\n\nSo it is." and "reasoning_content" not in message
+    finally:
+        client.words, client.reasoning_open = None, False
+
+
+def test_one_call_stops_the_request(front):
+    """parallel_tool_calls false: once the first call is complete the request is stopped (the
+    rest would be dropped), and its usage is what the service counted up to then."""
+    client, port = front
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather?"}], "tools": [weather],
+            "parallel_tool_calls": False}
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    client.words = [call[:30], call[30:], "\n<tool_call>", "\n{", '"name": "now"'] + [" more"] * 20
+    try:
+        for stream in (False, True):
+            status, out = _req(port, "POST", "/v1/chat/completions", {**body, "stream": stream,
+                                                                     "stream_options": {"include_usage": True}}
+                               if stream else body)
+            assert status == 200
+            if stream:
+                chunks = [json.loads(e[6:]) for e in out.decode().split("\n\n") if e and e != "data: [DONE]"]
+                calls = [t for c in chunks if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls", [])]
+                assert "".join(t["function"]["arguments"] for t in calls) == '{"city": "Paris"}'
+                assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+                usage = chunks[-1]["usage"]
+            else:
+                choice = json.loads(out)["choices"][0]
+                assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1
+                usage = json.loads(out)["usage"]
+            assert client.streams[-1].stopped
+            assert usage["completion_tokens"] == 2  # the call's two pieces: nothing generated after them
+        body["parallel_tool_calls"] = True  # every call wanted: nothing is stopped
+        _req(port, "POST", "/v1/chat/completions", body)
+        assert not client.streams[-1].stopped
+    finally:
+        client.words = None
 
 
 def test_errors_in_openai_shape(front):

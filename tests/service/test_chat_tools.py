@@ -97,3 +97,32 @@ def test_the_default_models_template_and_the_fronts_parser_speak_one_form():
     events = parser.feed(written) + parser.finish()
     assert not [e for e in events if e.kind == "content"]
     assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Paris"})]
+
+
+THINKING_TEMPLATE = (  # ChatML whose generation prompt opens the reasoning (as Qwen3's thinking models do)
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if thinking_off %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
+
+
+def meta_of(tokenizer, messages) -> p.RequestMeta:
+    req = p.decode(build_request(messages, request_id="r").encode())
+    return p.decode(RequestBuilder(tokenizer, sampling_fields(SamplingParams), SamplingParams).build(CLIENT, req)).meta
+
+
+def test_a_template_that_opens_think_in_the_prompt_is_told_in_the_meta(tokenizer):
+    """The stage that renders the template says when the prompt ends inside a reasoning block;
+    a closed block, a template that opens none, a user's own `<think>` and a plain prompt do not."""
+    thinking = copy.copy(tokenizer)
+    thinking.chat_template = THINKING_TEMPLATE
+    chat = [{"role": "user", "content": "Why?"}]
+    assert meta_of(thinking, chat).reasoning_open is True
+    closed = copy.copy(tokenizer)
+    closed.chat_template = THINKING_TEMPLATE.replace("{% if thinking_off %}", "{% if true %}")
+    assert meta_of(closed, chat).reasoning_open is False
+    assert meta_of(tokenizer, [{"role": "user", "content": "<think>"}]).reasoning_open is False
+    req = p.decode(build_request("a prompt that ends in <think>\n", request_id="r").encode())
+    out = p.decode(RequestBuilder(thinking, sampling_fields(SamplingParams), SamplingParams).build(CLIENT, req))
+    assert out.meta.reasoning_open is False  # only a chat's template opens anything
+    with pytest.raises(p.ProtocolError, match="reasoning_open"):
+        p.decode(p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, p.RequestMeta(b"c", "r", reasoning_open=1)).encode())

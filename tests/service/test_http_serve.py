@@ -261,6 +261,30 @@ def test_parallel_tool_calls_false_returns_one_call(front):
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def test_one_call_stops_the_request_in_the_engine(front):
+    """parallel_tool_calls false: once the call is complete the front stops the request, so the
+    engine frees its blocks instead of generating on to max_tokens, and the usage says how far it
+    went. The output is held to one call and then text without end (a regex that never closes,
+    ignore_eos): left alone, it runs to max_tokens, as the same request with parallel calls does."""
+    _, _, port, client, model = front
+    _, sdk = _sdk(port)
+    form = '<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "Paris"\\}\\}\n</tool_call>[a-z ]*'
+    args = dict(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+                max_tokens=300, temperature=0, response_format={"type": "regex", "regex": form},
+                extra_body={"ignore_eos": True})
+    whole = sdk.chat.completions.create(**args)
+    assert whole.usage.completion_tokens == 300 and whole.choices[0].finish_reason == "length"
+    one = sdk.chat.completions.create(parallel_tool_calls=False, **args)
+    assert one.choices[0].finish_reason == "tool_calls" and len(one.choices[0].message.tool_calls) == 1
+    assert one.usage.completion_tokens < 300, one.usage
+    wait_for(lambda: engine_idle(client), timeout=60, what="the engine idle, every KV block free")
+    chunks = list(sdk.chat.completions.create(parallel_tool_calls=False, stream=True,
+                                              stream_options={"include_usage": True}, **args))
+    assert _streamed_call([c for c in chunks if c.choices]) == ("get_weather", '{"city": "Paris"}', "tool_calls")
+    assert chunks[-1].usage.completion_tokens < 300, chunks[-1].usage
+    wait_for(lambda: engine_idle(client), timeout=60, what="the engine idle, every KV block free")
+
+
 def test_a_forced_call_with_references_in_its_schema(front):
     """A tool whose parameters use $defs and $ref, forced (required, one call, parallel_tool_calls
     false): the arguments follow the referenced schemas; a reference outside the schema is a 400."""

@@ -180,10 +180,15 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             body = _sse(first, events, stream, call, rid, created, kind, chat, settings.model, metrics)
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, reason, usage = [], None, None
+        text, reason, usage, parser, parsed = [], None, None, None, []
         try:
             async for d in stream:
-                text.append(d.text)
+                if chat:  # the same parser a stream goes through, fed as the text arrives
+                    if parser is None:
+                        parser = call.output_parser(d.reasoning_open)  # every delta carries it
+                    parsed += _parse(parser, d, stream)
+                else:
+                    text.append(d.text)
                 if d.finished:
                     reason, usage = d.finish_reason, d.usage
         except Exception as e:  # noqa: BLE001
@@ -196,14 +201,13 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         body_usage = _usage(usage)
         metrics.prompt_tokens += body_usage["prompt_tokens"]
         metrics.completion_tokens += body_usage["completion_tokens"]
-        out = "".join(text)
-        if chat:  # the same parser a stream goes through, fed the whole text
-            parser = call.output_parser()
-            parsed = parser.feed(out) + parser.finish()
+        if chat:
+            parser = parser or call.output_parser()
+            parsed += parser.finish()
             choice = {"index": 0, "message": chat_output.message(parsed, parser.calls),
                       "finish_reason": chat_output.finish_reason(_finish(reason), parser.calls), "logprobs": None}
         else:
-            choice = {"index": 0, "text": out, "finish_reason": _finish(reason), "logprobs": None}
+            choice = {"index": 0, "text": "".join(text), "finish_reason": _finish(reason), "logprobs": None}
         metrics.count(route, 200)
         return JSONResponse({"id": rid, "object": kind, "created": created, "model": settings.model,
                              "choices": [choice], "usage": body_usage})
@@ -245,7 +249,7 @@ async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, 
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
     finished = False
-    parser = call.output_parser() if chat else None
+    parser = call.output_parser(first.reasoning_open) if chat else None  # every delta carries it
     try:
         if chat:
             yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
@@ -253,8 +257,7 @@ async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, 
         async for d in _chain(first, events):
             reason = _finish(d.finish_reason) if d.finished else None
             if parser is not None:  # reasoning, tool calls and content, each in its own chunk
-                parsed = parser.feed(d.text) + (parser.finish() if d.finished else [])
-                for e in parsed:
+                for e in _parse(parser, d, stream) + (parser.finish() if d.finished else []):
                     yield event([{"index": 0, "delta": chat_output.delta(e), "finish_reason": None,
                                   "logprobs": None}], None, call.include_usage)
                 if reason:
@@ -282,6 +285,16 @@ async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, 
             metrics.disconnects += 1
         stream.cancel()  # aborts the request in the engine when it did not finish (idempotent)
         metrics.active -= 1
+
+
+def _parse(parser: chat_output.ChatOutputParser, d: Any, stream: Any) -> list[chat_output.Event]:
+    """The events of delta `d`. Once the parser drops the rest of the output (the one call of
+    `parallel_tool_calls: false` is complete) the request is stopped: the engine frees its blocks
+    instead of generating to max_tokens, and the stream still ends with its usage."""
+    events = parser.feed(d.text)
+    if parser.done and not d.finished:
+        stream.stop()  # once: later calls send nothing
+    return events
 
 
 async def _chain(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:

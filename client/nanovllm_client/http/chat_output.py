@@ -1,5 +1,6 @@
 """A chat completion's text split into what OpenAI's API returns apart: reasoning
-(`reasoning_content`, vLLM's name, from a `<think>...</think>` that opens the output), tool calls
+(`reasoning_content`, vLLM's name, from a `<think>...</think>` that opens the output, or from
+the start up to `</think>` where the chat template opened `<think>` in the prompt), tool calls
 (Hermes / Qwen style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and Llama 3.x's
 bare `{"name": ..., "parameters": {...}}` that opens the output, several joined by ";") and
 content.
@@ -92,18 +93,31 @@ class ChatOutputParser:
     """Feed text deltas in order (`feed`), then `finish()`; each returns the events to send.
 
     `tools`: tool calls are parsed (the request offered tools). `reasoning`: a `<think>` that
-    opens the output (after blank space) starts reasoning, up to `</think>`. `max_calls`: once
+    opens the output (after blank space) starts reasoning, up to `</think>`. `reasoning_open`:
+    the prompt ended inside a reasoning block (the chat template opened `<think>`; the service
+    says so on the stream's deltas), so the output starts as reasoning. `max_calls`: once
     that many calls are complete, the rest of the output is dropped (`parallel_tool_calls`
     false: 1); None, no limit."""
     tools: bool
     reasoning: bool = True
     max_calls: int | None = None
+    reasoning_open: bool = False
     calls: list[ToolCall] = field(default_factory=list)
     _state: str = "start"  # start, reasoning, content, call_head, call_args, call_tail, bare_tail, bare_next, done
     _buf: str = ""
     _value: _ValueEnd | None = None
     _lstrip: bool = False  # blank space right after </think> is not content
     _bare: bool = False  # the call is Llama's bare JSON, not inside <tool_call> tags
+
+    def __post_init__(self) -> None:
+        if self.reasoning and self.reasoning_open:
+            self._state = "reasoning"
+
+    @property
+    def done(self) -> bool:
+        """`max_calls` calls are complete: the rest of the output is dropped, so it is not worth
+        generating (the front stops the request)."""
+        return self._state == "done"
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text

@@ -60,9 +60,10 @@ class Call:
     """`tool_choice` forces a call: `response_format` is the call's grammar (its compile errors
     name the tools, not response_format)."""
 
-    def output_parser(self) -> ChatOutputParser:
-        """The parser a chat answer goes through, streamed or whole: one configuration for both."""
-        return ChatOutputParser(tools=self.tools, max_calls=self.max_tool_calls)
+    def output_parser(self, reasoning_open: bool = False) -> ChatOutputParser:
+        """The parser a chat answer goes through, streamed or whole: one configuration for both.
+        `reasoning_open`: the stream's deltas say the prompt ended inside a reasoning block."""
+        return ChatOutputParser(tools=self.tools, max_calls=self.max_tool_calls, reasoning_open=reasoning_open)
 
 
 def _number(name: str, value: Any, lo: float, hi: float) -> float:
