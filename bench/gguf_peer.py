@@ -148,13 +148,20 @@ def llama_cpp_run(args: argparse.Namespace, model_path: str, streams: int) -> di
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode < 0 and streams == 1:  # killed by a signal (SIGILL, SIGSEGV seen here)
         return llama_bench_decode(args, model_path)
-    if done.returncode < 0:  # no one-row fallback for several streams: this row is left out, said so
-        print(f"llama-batched-bench died at {streams} streams (signal {-done.returncode}): no llama.cpp row",
-              file=sys.stderr)
-        return None
+    engine = "llama.cpp"
+    if done.returncode < 0:
+        # On an AMX Xeon its weight-repacking path dies at several streams (SIGILL or SIGSEGV);
+        # without repacking (-nr) it runs: that row is labelled so.
+        died = -done.returncode
+        done = subprocess.run(cmd + ["-nr"], capture_output=True, text=True)
+        engine = "llama.cpp -nr"
+        if done.returncode < 0:
+            print(f"llama-batched-bench died at {streams} streams (signal {died}, and {-done.returncode} with -nr): "
+                  "no llama.cpp row", file=sys.stderr)
+            return None
     done.check_returncode()
     row = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
-    return {"engine": "llama.cpp", "streams": streams, "prefill_tok_s": row["speed_pp"], "decode_tok_s": row["speed_tg"],
+    return {"engine": engine, "streams": streams, "prefill_tok_s": row["speed_pp"], "decode_tok_s": row["speed_tg"],
             "load": os.getloadavg()[0]}
 
 
