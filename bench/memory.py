@@ -70,11 +70,8 @@ def engine_worker(args: argparse.Namespace) -> dict:
     from nanovllm import LLM, SamplingParams
 
     before = _status_mb("VmRSS")
-    if args.dequantized:
-        from nanovllm.engine.model_runner import ModelRunner
-
-        ModelRunner._keeps_weights_packed = lambda self: False
-    llm = LLM(args.model, num_kvcache_blocks=64, num_threads=args.threads, dtype=args.dtype)
+    llm = LLM(args.model, num_kvcache_blocks=64, num_threads=args.threads, dtype=args.dtype,
+              gguf_weights="float" if args.dequantized else "packed")
     llm.generate(["What is the capital of France?"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     after = _status_mb("VmRSS")
     runner = llm.engine.runner

@@ -27,6 +27,9 @@ import torch.nn.functional as F
 
 MATVEC_MAX_ROWS = 8
 """Rows of x up to which the matrix-vector kernel beats dequantize-then-GEMM (measured: docs/architecture.md)."""
+LEFT_PANEL_MAX_ROWS = 64
+"""Rows of x up to which the dequantized tile is the GEMM's left operand (`_panel_matmul`); above
+it, the right one, as `F.linear` takes a weight (measured: docs/architecture.md)."""
 PANEL_BYTES = 8 << 20
 """Largest float panel one dequantized weight tile fills: it stays in the last-level cache. Tiles
 that fit L2 (256 KB-2 MB) were slower: per-call GEMM overhead outweighs the hotter panel
@@ -122,12 +125,21 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
 
 
 def _panel_matmul(x: torch.Tensor, weight: QuantizedWeight, ops) -> torch.Tensor:
-    """x (M, K) @ W^T, W dequantized tile by tile. Each tile is the GEMM's left operand, (count,
-    K) @ x^T into rows of a (N, M) result: oneDNN reads a left operand as it is, where as the
-    right one (`F.linear(x, tile)`) it would repack the tile on every call (measured ~10% per
-    step at 64 rows); only x (M, K) is repacked, and the result is transposed once at the end."""
+    """x (M, K) @ W^T, W dequantized tile by tile. Up to `LEFT_PANEL_MAX_ROWS` rows each tile is
+    the GEMM's left operand, (count, K) @ x^T into rows of a (N, M) result: oneDNN reads a left
+    operand as it is, where as the right one (`F.linear(x, tile)`) it repacks the tile on every
+    call, which costs most when x is short; only x is repacked, and the result is transposed once
+    at the end. With more rows (prefill chunks) the repacked right operand pays for itself."""
     rows, (n, k) = x.shape[0], weight.shape
     tile = min(n, max(16, PANEL_BYTES // (k * x.element_size())))
+    if rows > LEFT_PANEL_MAX_ROWS:
+        if tile == n:
+            return F.linear(x, ops.quant_dequant(weight, 0, n, x.dtype))
+        y = torch.empty((rows, n), dtype=x.dtype)  # (M, N)
+        for first in range(0, n, tile):
+            count = min(tile, n - first)
+            y[:, first:first + count] = F.linear(x, ops.quant_dequant(weight, first, count, x.dtype))
+        return y
     y_t = torch.empty((n, rows), dtype=x.dtype)  # (N, M)
     x_t = x.t()  # (K, M)
     for first in range(0, n, tile):

@@ -13,7 +13,7 @@ from gguf.quants import dequantize  # noqa: E402
 
 from nanovllm.layers.cpu_kernels import ISA_ENV, ISA_LEVELS, CpuOps  # noqa: E402
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear  # noqa: E402
-from nanovllm.layers.quant import MATVEC_MAX_ROWS, QuantizedWeight, quant_embedding, quant_linear  # noqa: E402
+from nanovllm.layers.quant import LEFT_PANEL_MAX_ROWS, MATVEC_MAX_ROWS, QuantizedWeight, quant_embedding, quant_linear  # noqa: E402
 from nanovllm.models.gguf_quant import PACKED_TYPES, to_quantized  # noqa: E402
 from tests.helpers.gguf_blocks import K_QUANTS, gguf_rows  # noqa: E402
 
@@ -35,7 +35,8 @@ def test_conversion_equals_gguf_dequantize(qtype):
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, MATVEC_MAX_ROWS, 21])  # 21: the dequantized-panel path
+# 21: the dequantized panel as the GEMM's left operand; LEFT_PANEL_MAX_ROWS + 3: as its right one
+@pytest.mark.parametrize("rows", [1, 3, MATVEC_MAX_ROWS, 21, LEFT_PANEL_MAX_ROWS + 3])
 def test_packed_matmul_matches_float_matmul_of_dequantized_weights(ops, qtype, rows):
     raw = gguf_rows(qtype, 40, 256, seed=rows)
     weight = to_quantized(raw, qtype)
@@ -57,12 +58,13 @@ def test_bf16_packed_matmul_matches_fp32_up_to_bf16_rounding(ops, rows):
     torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
 
 
-def test_large_output_is_computed_in_panels(ops, monkeypatch):
+@pytest.mark.parametrize("rows", [MATVEC_MAX_ROWS + 1, LEFT_PANEL_MAX_ROWS + 1])  # left and right operand
+def test_large_output_is_computed_in_panels(ops, monkeypatch, rows):
     import nanovllm.layers.quant as quant
 
     monkeypatch.setattr(quant, "PANEL_BYTES", 64 * 256 * 4)  # 64 rows a panel: 300 rows take five
     weight = to_quantized(gguf_rows(T.Q8_0, 300, 256, seed=7), T.Q8_0)
-    x = torch.randn(MATVEC_MAX_ROWS + 1, 256)
+    x = torch.randn(rows, 256)
     torch.testing.assert_close(quant_linear(x, weight, None, ops), x @ weight.dequantize().T, rtol=1e-5, atol=1e-4)
 
 
