@@ -35,7 +35,8 @@ def _health(port: int) -> tuple[int, dict]:
 
 
 @contextlib.contextmanager
-def serve_with_http(model: str, url: str, runtime_dir: str, *args: str, client_curve=None):
+def serve_with_http(model: str, url: str, runtime_dir: str, *args: str, client_curve=None,
+                    engine_args: list[str] = TINY_ENGINE_ARGS):
     """`nanovllm serve --http-port` on `url` with `args`; yields (proc, port, a ZeroMQ client) once
     the front's /health says every stage is ready. Stopped (SIGTERM, then SIGKILL) after."""
     port = _free_port()
@@ -44,7 +45,7 @@ def serve_with_http(model: str, url: str, runtime_dir: str, *args: str, client_c
                  "NANOVLLM_INSECURE_TCP"):
         env.pop(name, None)
     proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", model, "--url", url,
-                             "--runtime-dir", runtime_dir, "--http-port", str(port), *args, *TINY_ENGINE_ARGS],
+                             "--runtime-dir", runtime_dir, "--http-port", str(port), *args, *engine_args],
                             cwd=REPO, env=env, start_new_session=True)
     try:
         with Client(url, timeout=120, connect_timeout=START_TIMEOUT, curve=client_curve) as client:
