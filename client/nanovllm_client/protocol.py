@@ -449,12 +449,17 @@ def typed_row(name: str, row: Any, row_type: type, tolerant: bool = False) -> An
     """One decoded row -> a `row_type` (a NamedTuple: positional on the wire, named in code),
     checked, the rows nested in it (`_NESTED`: a meta, a usage) read the same way; `ProtocolError`
     naming the problem. `tolerant`: a longer row (a newer service's added fields) is cut to the
-    known ones. The one place rows are read."""
+    known ones, and a row from a service one version older, without the fields this version
+    added (`_NEWEST_FIELDS`), takes their defaults. The one place rows are read."""
     width = len(row_type._fields)
-    if not (isinstance(row, (list, tuple)) and (len(row) == width or tolerant and len(row) > width)):
-        raise ProtocolError(f"each {name} row must have {width} items ({', '.join(row_type._fields)})")
+    shortest = width - len(_NEWEST_FIELDS.get(row_type, ())) if tolerant else width
+    if not (isinstance(row, (list, tuple)) and (shortest <= len(row) <= width or tolerant and len(row) > width)):
+        items = f"{shortest} to {width}" if shortest < width else f"{width}"
+        raise ProtocolError(f"each {name} row must have {items} items ({', '.join(row_type._fields)})")
     if len(row) > width:
         row = row[:width]
+    elif len(row) < width:
+        row = (*row, *(row_type._field_defaults[f] for f in row_type._fields[len(row):]))
     nested = _NESTED.get(row_type)
     if nested:
         row = list(row)
@@ -665,3 +670,7 @@ _NESTED: dict[type, tuple[tuple[int, type, bool], ...]] = {
     StartedRow: ((1, RequestMeta, False),), RejectedRow: ((1, RequestMeta, False),),
     ResyncEntry: ((1, RequestMeta, False),), DeltaRow: ((5, Usage, True),)}
 """Rows inside rows: (position, row type, may be null)."""
+_NEWEST_FIELDS: dict[type, tuple[str, ...]] = {DeltaRow: ("reasoning_open",)}
+"""The trailing fields a row gained in this version, each with a default. A client often runs
+against an older service: where tolerant, a row without them is read with their defaults, so
+adding a field breaks no reader of the one-version-older row. Every other width stays an error."""
