@@ -28,6 +28,7 @@ import msgpack
 
 from .checks import (ProtocolError, check, check_bool, check_bytes, check_depth, check_fields, check_int,
                      check_list, check_map, check_number, check_opt_str, check_str, check_strings, is_int, show)
+from .template_kwargs import parse_template_kwargs
 
 __all__ = ["ProtocolError", "PROTOCOL_VERSION", "decode", "pack_token_ids", "unpack_token_ids", "error_delta"]
 
@@ -228,6 +229,8 @@ class GenerateReq(Message):
     """With `messages`: the tools the chat offers the model (OpenAI's `tools` list as JSON text,
     like response_format, so a parameter schema never meets the frame's nesting limit); the
     tokenizer renders them through the model's chat template."""
+    chat_template_kwargs: str | None = None
+    """With `messages`: extra variables for the chat template, as JSON text (`template_kwargs`)."""
 
     def validate(self) -> None:
         check_str("request_id", self.request_id, MAX_ID_LEN)
@@ -256,6 +259,9 @@ class GenerateReq(Message):
         if self.tools is not None:
             check(self.messages is not None, "tools are offered only with messages (a chat)")
             check_str("tools", self.tools, MAX_RESPONSE_FORMAT_CHARS)
+        if self.chat_template_kwargs is not None:
+            check(self.messages is not None, "chat_template_kwargs apply only with messages (a chat)")
+            parse_template_kwargs(self.chat_template_kwargs)
 
 
 @_message("abort")
