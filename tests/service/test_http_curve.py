@@ -21,7 +21,7 @@ pytest.importorskip("uvicorn")
 from nanovllm_client import Client  # noqa: E402
 from nanovllm_client.security import CLIENT_KEY_ENV, generate_keypair, load_keypair, load_public_key  # noqa: E402
 from tests.service.conftest import START_TIMEOUT, TINY_ENGINE_ARGS, start_service  # noqa: E402
-from tests.service.harness import REPO, STAGES, free_tcp_base_port, short_tmpdir, wait_for  # noqa: E402
+from tests.service.harness import CHECKOUT_PATH, REPO, STAGES, free_tcp_base_port, short_tmpdir, wait_for  # noqa: E402
 from tests.service.test_http_serve import _free_port  # noqa: E402
 from tests.service.test_supervisor import read_pids, stopped  # noqa: E402
 
@@ -42,7 +42,7 @@ def serve_with_http(model: str, url: str, runtime_dir: str, *args: str, client_c
     """`nanovllm serve --http-port` on `url` with `args`; yields (proc, port, a ZeroMQ client) once
     the front's /health says every stage is ready. Stopped (SIGTERM, then SIGKILL) after."""
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PATH)
     for name in ("NANOVLLM_CURVE_SECRET_KEY", "NANOVLLM_CURVE_CLIENTS", CLIENT_KEY_ENV, "NANOVLLM_CURVE_SERVER_KEY",
                  "NANOVLLM_INSECURE_TCP"):
         env.pop(name, None)
@@ -147,7 +147,7 @@ def test_the_front_started_as_its_systemd_unit_starts_it_reaches_a_curve_service
         # The unit's environment, plus what systemd adds (NOTIFY_SOCKET) and what a checkout needs.
         front = subprocess.Popen(argv, cwd=REPO, env=dict(env, NOTIFY_SOCKET=os.path.join(root, "notify"),
                                                            PATH=os.environ.get("PATH", "/usr/bin:/bin"),
-                                                           PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")])))
+                                                           PYTHONPATH=CHECKOUT_PATH))
         assert b"READY=1" in notify.recv(4096)  # Type=notify: it tells systemd once it listens
         wait_for(lambda: front.poll() is not None or _health(port)[0] == 200, timeout=START_TIMEOUT,
                  what="the front's /health")
