@@ -15,7 +15,8 @@ With `--http-port`, a fourth process serves the OpenAI-compatible HTTP API (`nan
 a client of the service like any other): it starts with the stages, is stopped first (it drains
 its streams while the stages still serve) and is watched and restarted like them. Where the
 service runs CURVE (its keys, or a loopback tcp service's instance key) the front connects with
-the service's own key pair, as the supervisor does (`http_curve_env`).
+the service's own key pair, as the supervisor does (`service_pair_env`, which the front also
+applies itself to $NANOVLLM_CURVE_SECRET_KEY under its systemd unit).
 
 The watchdog is systemd's too: each stage gets $WATCHDOG_USEC and sends `WATCHDOG=1` from the
 loop that does its work. A ready stage silent for `--watchdog-s` (a deadlock, a hung step, a
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 # At import, not in _announce_ready: that runs on a thread of its own, and no thread imports a
 # library while another may be importing it (nanovllm.models.tokenizer says why).
 from nanovllm_client import Client, NanovllmError
-from nanovllm_client.security import CLIENT_KEY_ENV, SERVER_KEY_ENV, load_keypair
+from nanovllm_client.security import load_keypair, service_pair_env
 from nanovllm_client.throttle import ThrottledWarnings
 
 STAGES = ("tokenizer_proc", "engine_proc", "detok_proc")
@@ -269,15 +270,6 @@ def _recv_with_sender(sock: socket.socket) -> tuple[bytes, int | None]:
     return datagram, None
 
 
-def http_curve_env(secret_key: str) -> dict[str, str]:
-    """The HTTP front's CURVE keys beside the service: the service's own pair (its secret key file
-    is both the client key and, read for its public half, the server key). Key file paths in the
-    environment, as the stages get theirs: never a key on a command line, and one the caller's own
-    client keys ($NANOVLLM_CURVE_CLIENT_KEY, ...) do not override."""
-    path = os.path.abspath(secret_key)
-    return {CLIENT_KEY_ENV: path, SERVER_KEY_ENV: path}
-
-
 def build_parser() -> argparse.ArgumentParser:
     from nanovllm_client.endpoints import default_runtime_dir
 
@@ -356,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                      "--drain-timeout", str(args.drain_timeout)]
         if args.http_api_key_file:
             http_args += ["--api-key-file", os.path.abspath(args.http_api_key_file)]
-        if secret_key:  # as the supervisor does: the service's own key pair is let in everywhere
-            http_env = http_curve_env(secret_key)
+        if secret_key:  # as the supervisor does; set here too, so the caller's own client keys do not override it
+            http_env = service_pair_env(secret_key)
     return Supervisor(url, args.model, args.runtime_dir, engine_args, args.log_level, drain_timeout_s=args.drain_timeout,
                       metrics_port=args.metrics_port, stage_env=stage_env, watchdog_s=args.watchdog_s,
                       http_args=http_args, http_env=http_env).run(stop)

@@ -5,7 +5,9 @@ the earlier tool calls and results, as it expects them. A template that does not
 default model; plain ChatML) would drop them without a word, so for it the tools are written into
 the system message in the Hermes / Qwen form, earlier calls as `<tool_call>` JSON in the
 assistant's turn and results as `<tool_response>` in a user turn: the form the HTTP front parses
-calls back from. A chat without tools renders exactly as before.
+calls back from. A chat without tools renders exactly as before. A request's
+`chat_template_kwargs` (checked by `nanovllm_client.template_kwargs`) reach the template as
+variables, e.g. {"enable_thinking": false} for Qwen3.
 
 A template may open the reasoning itself (Qwen3 thinking variants, DeepSeek-R1: the generation
 prompt ends in `<think>`): the output then starts inside the block with no `<think>` of its own,
@@ -16,7 +18,8 @@ and `opens_reasoning` tells the request's meta so, for the HTTP front's parser.
 # 模板认识 tools（Qwen2.5/3、Llama 3.x、Hermes）：原样交给模板；模板不认识（SmolLM2、纯 ChatML）
 # 会悄悄丢掉，所以改为把工具说明写进 system 消息（Hermes/Qwen 格式），历史调用写成 assistant 里的
 # <tool_call> JSON，工具结果写成 user 里的 <tool_response>——正是 HTTP 前端解析工具调用的格式。
-# 没有 tools 的对话渲染结果不变。
+# 没有 tools 的对话渲染结果不变。请求的 chat_template_kwargs（由 nanovllm_client.template_kwargs
+# 检查）作为变量传给模板，例如 Qwen3 的 {"enable_thinking": false}。
 # 模板自己在生成提示末尾打开 <think>（Qwen3 思考版、DeepSeek-R1）时，输出从思考块内部开始、
 # 不带自己的 <think>：opens_reasoning 判断这一点，写进请求的 meta，供 HTTP 前端的解析器使用。
 # [ZH-END]
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+from nanovllm_client.template_kwargs import parse_template_kwargs
 
 THINK_OPEN = "<think>"
 _TOOLS_PROMPT = (
@@ -106,17 +111,21 @@ def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict
     return out
 
 
-def render_chat(tokenizer: Any, messages: list[dict], tools_text: str | None) -> str:
-    """The prompt text for a chat; ValueError for bad tools, the template's own errors as they come."""
+def render_chat(tokenizer: Any, messages: list[dict], tools_text: str | None,
+                template_kwargs_text: str | None = None) -> str:
+    """The prompt text for a chat; ValueError for bad tools or template variables
+    (`chat_template_kwargs`, passed to the template as they are), the template's own errors as
+    they come."""
     tools = parse_tools(tools_text)
+    variables = parse_template_kwargs(template_kwargs_text) if template_kwargs_text is not None else {}
     uses_tools = tools is not None or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
     if not uses_tools:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **variables)
     if template_knows_tools(tokenizer):
         return tokenizer.apply_chat_template(_with_arguments(messages), tools=tools, add_generation_prompt=True,
-                                             tokenize=False)
+                                             tokenize=False, **variables)
     return tokenizer.apply_chat_template(hermes_messages(messages, tools), add_generation_prompt=True,
-                                         tokenize=False)
+                                         tokenize=False, **variables)
 
 
 def opens_reasoning(prompt: str) -> bool:

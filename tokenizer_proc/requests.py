@@ -171,9 +171,10 @@ class RequestBuilder:
         """The prompt's token ids, and whether the chat template left it inside a reasoning block."""
         # [ZH-START]
         # 1. 给了 prompt_token_ids：直接用。
-        # 2. 给了 messages：render_chat 经模型的 chat 模板渲染（带 tools 时见 chat.py），
-        #    tools 不合法或模板失败 → 拒绝；文本先过 _bounded，再 encode(add_special_tokens=False)
-        #    （模板里已经带了特殊 token）；opens_reasoning(文本)：模板在末尾打开了 <think>。
+        # 2. 给了 messages：render_chat 经模型的 chat 模板渲染（带 tools 时见 chat.py，
+        #    chat_template_kwargs 作为模板变量），tools 或模板变量不合法、模板失败 → 拒绝；
+        #    文本先过 _bounded，再 encode(add_special_tokens=False)（模板里已经带了特殊 token）；
+        #    opens_reasoning(文本)：模板在末尾打开了 <think>。
         # 3. 否则是 prompt 文本：_bounded 后 encode。
         # 4. 空 prompt → 拒绝；token 数 >= max_prompt_tokens（模型上下文长度）→ 拒绝：
         #    prompt 加至少一个输出 token 必须放得下。
@@ -184,8 +185,8 @@ class RequestBuilder:
             ids = req.prompt_token_ids
         elif req.messages is not None:
             try:
-                text = render_chat(self.tokenizer, req.messages, req.tools)
-            except ValueError as e:  # the tools (JSON text, their shape)
+                text = render_chat(self.tokenizer, req.messages, req.tools, req.chat_template_kwargs)
+            except ValueError as e:  # the tools (JSON text, their shape), the template variables
                 raise RequestRejected(str(e)) from None
             except Exception as e:  # template errors come in many types
                 raise RequestRejected(f"cannot apply the model's chat template: {e}") from None

@@ -51,6 +51,7 @@ from . import protocol as p
 from .checks import ProtocolError
 from .errors import EngineDeadError, ServiceDrainingError
 from .security import CurveKeys, client_curve, client_socket_security, new_routing_id
+from .template_kwargs import template_kwargs_text
 from .endpoints import check_ipc_endpoint, default_url, service_endpoints
 
 log = logging.getLogger("nanovllm_client")
@@ -108,12 +109,14 @@ def build_request(prompt: Any = None, *, messages: list[dict] | None = None,
                   stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
                   skip_special_tokens: bool = True, request_id: str | None = None, priority: int = 0,
                   response_format: dict | str | None = None, tools: list[dict] | str | None = None,
-                  **sampling: Any) -> p.GenerateReq:
+                  chat_template_kwargs: dict | str | None = None, **sampling: Any) -> p.GenerateReq:
     """The GenerateReq for one call. `prompt` may be text, a chat message list or token ids.
 
     `response_format` (OpenAI's shape: json_object, json_schema, regex, grammar, choice) is
     sent as JSON text; the service enforces it while sampling. `tools` (OpenAI's list, with a
-    chat) is sent as JSON text; the model's chat template renders them into the prompt."""
+    chat) is sent as JSON text; the model's chat template renders them into the prompt.
+    `chat_template_kwargs` (with a chat): extra variables for that template, e.g.
+    {"enable_thinking": False}, sent as JSON text."""
     if response_format is not None:
         sampling["response_format"] = (response_format if isinstance(response_format, str)
                                        else json.dumps(response_format, separators=(",", ":")))
@@ -131,7 +134,9 @@ def build_request(prompt: Any = None, *, messages: list[dict] | None = None,
                   else json.dumps(tools, separators=(",", ":"), ensure_ascii=False))
     return p.GenerateReq(request_id=request_id or uuid.uuid4().hex, prompt=prompt, messages=messages,
                          prompt_token_ids=ids, sampling=sampling, stop=stops,
-                         skip_special_tokens=skip_special_tokens, priority=priority, tools=tools_text)
+                         skip_special_tokens=skip_special_tokens, priority=priority, tools=tools_text,
+                         chat_template_kwargs=(template_kwargs_text(chat_template_kwargs)
+                                               if isinstance(chat_template_kwargs, dict) else chat_template_kwargs))
 
 
 def wire_request(req: p.GenerateReq) -> tuple[str, bytes, bytes]:

@@ -28,6 +28,7 @@ import msgpack
 
 from .checks import (ProtocolError, check, check_bool, check_bytes, check_depth, check_fields, check_int,
                      check_list, check_map, check_number, check_opt_str, check_str, check_strings, is_int, show)
+from .template_kwargs import parse_template_kwargs
 
 __all__ = ["ProtocolError", "PROTOCOL_VERSION", "decode", "pack_token_ids", "unpack_token_ids", "error_delta"]
 
@@ -228,6 +229,8 @@ class GenerateReq(Message):
     """With `messages`: the tools the chat offers the model (OpenAI's `tools` list as JSON text,
     like response_format, so a parameter schema never meets the frame's nesting limit); the
     tokenizer renders them through the model's chat template."""
+    chat_template_kwargs: str | None = None
+    """With `messages`: extra variables for the chat template, as JSON text (`template_kwargs`)."""
 
     def validate(self) -> None:
         check_str("request_id", self.request_id, MAX_ID_LEN)
@@ -256,6 +259,9 @@ class GenerateReq(Message):
         if self.tools is not None:
             check(self.messages is not None, "tools are offered only with messages (a chat)")
             check_str("tools", self.tools, MAX_RESPONSE_FORMAT_CHARS)
+        if self.chat_template_kwargs is not None:
+            check(self.messages is not None, "chat_template_kwargs apply only with messages (a chat)")
+            parse_template_kwargs(self.chat_template_kwargs)
 
 
 @_message("abort")
@@ -449,12 +455,17 @@ def typed_row(name: str, row: Any, row_type: type, tolerant: bool = False) -> An
     """One decoded row -> a `row_type` (a NamedTuple: positional on the wire, named in code),
     checked, the rows nested in it (`_NESTED`: a meta, a usage) read the same way; `ProtocolError`
     naming the problem. `tolerant`: a longer row (a newer service's added fields) is cut to the
-    known ones. The one place rows are read."""
+    known ones, and a row from a service one version older, without the fields this version
+    added (`_NEWEST_FIELDS`), takes their defaults. The one place rows are read."""
     width = len(row_type._fields)
-    if not (isinstance(row, (list, tuple)) and (len(row) == width or tolerant and len(row) > width)):
-        raise ProtocolError(f"each {name} row must have {width} items ({', '.join(row_type._fields)})")
+    shortest = width - len(_NEWEST_FIELDS.get(row_type, ())) if tolerant else width
+    if not (isinstance(row, (list, tuple)) and (shortest <= len(row) <= width or tolerant and len(row) > width)):
+        items = f"{shortest} to {width}" if shortest < width else f"{width}"
+        raise ProtocolError(f"each {name} row must have {items} items ({', '.join(row_type._fields)})")
     if len(row) > width:
         row = row[:width]
+    elif len(row) < width:
+        row = (*row, *(row_type._field_defaults[f] for f in row_type._fields[len(row):]))
     nested = _NESTED.get(row_type)
     if nested:
         row = list(row)
@@ -665,3 +676,7 @@ _NESTED: dict[type, tuple[tuple[int, type, bool], ...]] = {
     StartedRow: ((1, RequestMeta, False),), RejectedRow: ((1, RequestMeta, False),),
     ResyncEntry: ((1, RequestMeta, False),), DeltaRow: ((5, Usage, True),)}
 """Rows inside rows: (position, row type, may be null)."""
+_NEWEST_FIELDS: dict[type, tuple[str, ...]] = {DeltaRow: ("reasoning_open",)}
+"""The trailing fields a row gained in this version, each with a default. A client often runs
+against an older service: where tolerant, a row without them is read with their defaults, so
+adding a field breaks no reader of the one-version-older row. Every other width stays an error."""

@@ -39,6 +39,10 @@ CLIENT_KEY_ENV = "NANOVLLM_CURVE_CLIENT_KEY"
 """A client's own secret key file."""
 SERVER_KEY_ENV = "NANOVLLM_CURVE_SERVER_KEY"
 """The service's public key file, for clients."""
+SERVICE_KEY_ENV = "NANOVLLM_CURVE_SECRET_KEY"
+"""The service's own secret key file, as its stages read it (`nanovllm serve --curve-secret-key`,
+an instance's env file under systemd). The HTTP front beside the service connects with that pair
+(`service_pair_env`)."""
 
 INSTANCE_KEY_PREFIX = "curve-"
 """Instance key files: `<runtime dir>/curve-<host>_<port>.key_secret`."""
@@ -223,6 +227,16 @@ def client_keys_from_env(environ: Mapping[str, str] | None = None) -> tuple[Curv
         raise ValueError(f"CURVE needs both {CLIENT_KEY_ENV} (this client's .key_secret file) and "
                          f"{SERVER_KEY_ENV} (the service's .key file); {missing} is not set")
     return load_keypair(client_file), load_public_key(server_file)
+
+
+def service_pair_env(secret_key: str) -> dict[str, str]:
+    """The client key variables that make a client use the service's own key pair, which the
+    service lets in everywhere: its secret key file is both the client key and, read for its
+    public half, the server key. File paths, never a key on a command line. `nanovllm serve` gives
+    them to its HTTP front, and the front under its systemd unit derives them itself from
+    $NANOVLLM_CURVE_SECRET_KEY: one rule for both."""
+    path = os.path.abspath(secret_key)
+    return {CLIENT_KEY_ENV: path, SERVER_KEY_ENV: path}
 
 
 def client_curve(url: str, curve: tuple[CurveKeys, bytes] | None = None,

@@ -16,6 +16,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STAGES = ("tokenizer_proc", "engine_proc", "detok_proc")
+CHECKOUT_PATH = os.pathsep.join([REPO, os.path.join(REPO, "client")])
+"""PYTHONPATH for `nanovllm serve` started by a test: this checkout's packages, its client package
+included (the supervisor imports both), whichever copies are installed."""
 
 
 def short_tmpdir() -> str:

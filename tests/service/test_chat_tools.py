@@ -99,9 +99,11 @@ def test_the_default_models_template_and_the_fronts_parser_speak_one_form():
     assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Paris"})]
 
 
+THINKING_OFF = "{% if enable_thinking is defined and enable_thinking is false %}"
+"""Qwen3's switch: `chat_template_kwargs` {"enable_thinking": false} closes the block at once."""
 THINKING_TEMPLATE = (  # ChatML whose generation prompt opens the reasoning (as Qwen3's thinking models do)
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if thinking_off %}<think>\n\n</think>\n\n"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n" + THINKING_OFF + "<think>\n\n</think>\n\n"
     "{% else %}<think>\n{% endif %}{% endif %}")
 
 
@@ -118,7 +120,7 @@ def test_a_template_that_opens_think_in_the_prompt_is_told_in_the_meta(tokenizer
     chat = [{"role": "user", "content": "Why?"}]
     assert meta_of(thinking, chat).reasoning_open is True
     closed = copy.copy(tokenizer)
-    closed.chat_template = THINKING_TEMPLATE.replace("{% if thinking_off %}", "{% if true %}")
+    closed.chat_template = THINKING_TEMPLATE.replace(THINKING_OFF, "{% if true %}")
     assert meta_of(closed, chat).reasoning_open is False
     assert meta_of(tokenizer, [{"role": "user", "content": "<think>"}]).reasoning_open is False
     req = p.decode(build_request("a prompt that ends in <think>\n", request_id="r").encode())

@@ -349,13 +349,13 @@ def test_serve_with_a_missing_model_exits_at_once_with_the_stages_error():
     import subprocess
     import sys
 
-    from tests.service.harness import REPO
+    from tests.service.harness import CHECKOUT_PATH, REPO
 
     runtime_dir = short_tmpdir()
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "nanovllm.supervisor", "--model", "/no/such/model",
                           "--runtime-dir", runtime_dir], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=REPO))
+                         env=dict(os.environ, PYTHONPATH=CHECKOUT_PATH))
     assert out.returncode == 1, out.stderr[-2000:]
     assert "'/no/such/model' not found" in out.stderr and "before it was ready" in out.stderr
     assert time.monotonic() - started < 60

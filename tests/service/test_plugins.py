@@ -14,7 +14,7 @@ import time
 
 from nanovllm_client import Client
 from tests.service.conftest import START_TIMEOUT
-from tests.service.harness import REPO, short_tmpdir
+from tests.service.harness import CHECKOUT_PATH, REPO, short_tmpdir
 
 OPERATOR_MODULE = textwrap.dedent('''
     """An operator's own scheduling policy and monitoring hook."""
@@ -110,6 +110,6 @@ def test_client_priorities_order_admission_under_the_priority_policy(tiny_model_
 def test_a_hook_that_does_not_resolve_stops_serve_with_a_clear_error(tiny_model_dir):
     out = subprocess.run([sys.executable, "-m", "nanovllm.supervisor", "--model", tiny_model_dir, "--runtime-dir",
                           short_tmpdir(), "--post-step-hook", "no_such_module:hook"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=CHECKOUT_PATH))
     assert out.returncode == 1
     assert "post-step hook 'no_such_module:hook': cannot import 'no_such_module'" in out.stderr

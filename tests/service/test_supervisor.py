@@ -13,7 +13,7 @@ import pytest
 
 from nanovllm_client import Client
 from tests.service.conftest import EXACT_ARGS, START_TIMEOUT, TINY_ENGINE_ARGS
-from tests.service.harness import REPO, short_tmpdir, wait_for
+from tests.service.harness import CHECKOUT_PATH, REPO, short_tmpdir, wait_for
 
 
 def read_pids(runtime_dir: str) -> dict | None:
@@ -40,7 +40,7 @@ def serving(model: str, *flags: str):
     runtime_dir = short_tmpdir()
     proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", model, "--runtime-dir",
                              runtime_dir, "--log-level", "INFO", *flags, *TINY_ENGINE_ARGS],
-                            cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), start_new_session=True)
+                            cwd=REPO, env=dict(os.environ, PYTHONPATH=CHECKOUT_PATH), start_new_session=True)
     try:
         yield proc, runtime_dir
     finally:
@@ -170,14 +170,14 @@ def test_a_request_in_flight_at_two_engine_deaths_fails_and_the_service_recovers
 
 def test_serve_rejects_a_bad_url():
     out = subprocess.run([sys.executable, "-m", "nanovllm.supervisor", "--url", "http://nope"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=CHECKOUT_PATH))
     assert out.returncode == 2 and "must start with ipc:// or tcp://" in out.stderr
 
 
 @pytest.mark.parametrize("module", ["tokenizer_proc", "engine_proc", "detok_proc", "nanovllm.supervisor"])
 def test_every_stage_has_help_naming_its_flags_and_environment(module):
     out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+                         timeout=120, env=dict(os.environ, PYTHONPATH=CHECKOUT_PATH))
     assert out.returncode == 0, out.stderr
     assert "--model" in out.stdout and "NANOVLLM_" in out.stdout
 

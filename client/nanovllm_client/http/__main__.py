@@ -14,7 +14,8 @@ import sys
 
 from ..endpoints import default_url
 from ..sdnotify import sd_notify
-from ..security import CLIENT_KEY_ENV, SERVER_KEY_ENV, add_client_key_flags, client_keys_from_env
+from ..security import (CLIENT_KEY_ENV, SERVER_KEY_ENV, SERVICE_KEY_ENV, add_client_key_flags,
+                        client_keys_from_env, service_pair_env)
 
 
 def _loopback(host: str) -> bool:
@@ -85,6 +86,16 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def curve_key_files(args: argparse.Namespace, environ) -> dict[str, str]:
+    """The front's CURVE key files: its own (--curve-client-key, --curve-server-key or their
+    variables) where given; else, beside a service that names its secret key in the environment
+    (the instance's env file its systemd unit reads, as the stages' units do), the service's own
+    pair, as `nanovllm serve` gives its front: the same variable meaning the same thing to both."""
+    if not (args.curve_client_key or args.curve_server_key) and environ.get(SERVICE_KEY_ENV):
+        return service_pair_env(environ[SERVICE_KEY_ENV])
+    return {CLIENT_KEY_ENV: args.curve_client_key or "", SERVER_KEY_ENV: args.curve_server_key or ""}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -97,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..health import check_health
     try:
         keys = read_keys(args.api_key_file) if args.api_key_file else ()
-        curve = client_keys_from_env({CLIENT_KEY_ENV: args.curve_client_key or "",
-                                      SERVER_KEY_ENV: args.curve_server_key or ""})
+        curve = client_keys_from_env(curve_key_files(args, os.environ))
     except (OSError, ValueError) as e:
         print(f"nanovllm-http: {e}", file=sys.stderr)
         return 2

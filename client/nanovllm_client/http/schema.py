@@ -12,7 +12,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks import ProtocolError
 from ..protocol import MAX_RESPONSE_FORMAT_CHARS
+from ..template_kwargs import template_kwargs_text
 from .chat_output import ChatOutputParser
 from .errors import bad
 
@@ -40,7 +42,8 @@ _COMMON = set(_FLOAT) | set(_INT) | _NOOP | _OFF | {"response_format",
     "max_tokens", "stop", "ignore_eos", "logit_bias", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+                         "chat_template_kwargs"}
 
 
 @dataclass
@@ -327,6 +330,11 @@ def parse_chat(body: Any) -> Call:
             raise bad("the forced tools' parameter schemas nest too deep", "tools") from None
         if len(kw["response_format"]) > MAX_RESPONSE_FORMAT_CHARS:
             raise bad("the forced tools' parameter schemas are too large", "tool_choice")
+    if body.get("chat_template_kwargs") is not None:  # vLLM's: variables for the chat template
+        try:
+            kw["chat_template_kwargs"] = template_kwargs_text(body["chat_template_kwargs"])
+        except ProtocolError as e:
+            raise bad(str(e), "chat_template_kwargs") from None
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise bad(f"'messages' must be a non-empty list of at most {MAX_MESSAGES} messages", "messages")
