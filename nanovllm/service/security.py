@@ -25,12 +25,13 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from nanovllm_client.security import (CLIENT_KEY_ENV, INSECURE_TCP_ENV, KEY_TAG_BYTES, MAX_KEY_FILE_BYTES,
-                                      MAX_PRIORITY_FIELD, PUBLIC_SUFFIX, SERVER_KEY_ENV, CurveKeys,
+                                      MAX_PRIORITY_FIELD, PUBLIC_SUFFIX, SERVER_KEY_ENV, SERVICE_KEY_ENV, CurveKeys,
                                       KeyFileError, check_unused, client_socket_security, exposure,
                                       generate_keypair, key_tag, load_keypair, load_public_key)
 
-SECRET_KEY_ENV = "NANOVLLM_CURVE_SECRET_KEY"
-"""A stage's service secret key file (`NAME.key_secret`)."""
+SECRET_KEY_ENV = SERVICE_KEY_ENV
+"""A stage's service secret key file (`NAME.key_secret`); the HTTP front beside the service reads
+the same variable (nanovllm_client.security)."""
 CLIENTS_DIR_ENV = "NANOVLLM_CURVE_CLIENTS"
 """A stage's allow-list: a directory of client public key files (`*.key`)."""
 
