@@ -2,6 +2,7 @@
 
     python -m bench.structured [--streams 1 64] [--max-tokens 64] [--rounds 3] [--mask-threads N]
     python -m bench.structured --fill 64 [--threads 2 4]
+    python -m bench.structured --sampler 64 [--threads 1 2]
 
 Each round runs, per stream count, one `LLM.generate` of that many copies of a chat prompt,
 unconstrained (`ignore_eos`), with a JSON schema (an array of 200 small integers, so no output
@@ -16,6 +17,13 @@ table, then one JSON line with the load average before and after.
 `--fill ROWS` measures the mask fill alone instead (no model): one step's masks for ROWS
 requests of a JSON schema at different points of their output, filled one row at a time and by
 one parallel llguidance call on each `--threads` count, interleaved; the median of 30 fills each.
+
+`--sampler ROWS` measures the sampler alone (no model, no fill): one step of ROWS rows of random
+logits over the default model's vocabulary at temperature 0.7, with no constraint, with half
+the rows and with all rows under the JSON schema (their masks computed beforehand, as the
+overlap leaves them); the median of 30 calls each, interleaved, and the differences: what the
+masks add to a step;
+once per `--threads` count (torch threads).
 """
 from __future__ import annotations
 
@@ -83,6 +91,56 @@ def fill(rows: int, threads: list[int], reps: int = 30) -> None:
                       "loadavg_before": load_before, "loadavg_after": os.getloadavg()}))
 
 
+def sampler(rows: int, threads: list[int], reps: int = 30) -> None:
+    import torch
+
+    from nanovllm import SamplingParams
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.layers.sampler import Sampler
+    from nanovllm.models.tokenizer import load_tokenizer
+    from nanovllm.structured import StructuredOutput, compile_format, ll_tokenizer
+
+    tok = load_tokenizer("default")
+    vocab = len(tok)
+    lltok = ll_tokenizer(tok, vocab)
+    fmt = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": SCHEMA}}
+    grammar = compile_format(fmt, lltok)
+    prefix = lltok.tokenize_str("[1,22,333,4")  # rows at different points of the array
+    logits = torch.randn(rows, vocab) * 3  # (rows, V)
+
+    def batch(every: int) -> tuple[Sampler, list[Sequence]]:
+        """Every `every`-th row under the schema (0: none)."""
+        s = Sampler(vocab, torch.device("cpu"))
+        seqs = []
+        for i in range(rows):
+            params = SamplingParams(temperature=0.7, seed=i, max_tokens=64)
+            seq = Sequence(f"r{i}", [1, 2, 3], params, arrival=i)
+            seq.token_ids += prefix[: i % (len(prefix) + 1)]
+            procs = [StructuredOutput(grammar, lltok)] if every and i % every == 0 else []
+            s.add_request(seq.request_id, params, procs)
+            seqs.append(seq)
+        s.prepare(seqs)  # the masks filled as in a step (in parallel), ready before the clock starts
+        return s, seqs
+
+    modes = {"unconstrained_ms": batch(0), "half_schema_ms": batch(2), "all_schema_ms": batch(1)}
+    for n in threads:
+        torch.set_num_threads(n)
+        times: dict[str, list[float]] = {name: [] for name in modes}
+        load_before = os.getloadavg()
+        for rep in range(reps + 3):  # interleaved, so a burst of load falls on all
+            for name, (s, seqs) in modes.items():
+                x = logits.clone()
+                start = time.perf_counter()
+                s(x, seqs)
+                if rep >= 3:
+                    times[name].append(time.perf_counter() - start)
+        result = {name: round(statistics.median(v) * 1e3, 2) for name, v in times.items()}
+        result["half_cost_ms"] = round(result["half_schema_ms"] - result["unconstrained_ms"], 2)
+        result["all_cost_ms"] = round(result["all_schema_ms"] - result["unconstrained_ms"], 2)
+        print(json.dumps({"bench": "structured_sampler", "rows": rows, "vocab": vocab, **result, "threads": n,
+                          "loadavg_before": load_before, "loadavg_after": os.getloadavg()}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 64])
@@ -90,8 +148,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mask-threads", type=int, help="threads of the parallel mask fill (1: row by row)")
     ap.add_argument("--fill", type=int, metavar="ROWS", help="measure the mask fill alone for ROWS requests")
-    ap.add_argument("--threads", type=int, nargs="+", default=[2], help="parallel fill threads (with --fill)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[2], help="parallel fill threads (with --fill); torch threads (with --sampler)")
+    ap.add_argument("--sampler", type=int, metavar="ROWS", help="measure the sampler alone on ROWS rows")
     args = ap.parse_args()
+    if args.sampler:
+        return sampler(args.sampler, args.threads)
     if args.fill:
         return fill(args.fill, args.threads)
     from nanovllm import LLM

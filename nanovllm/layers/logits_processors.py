@@ -48,7 +48,7 @@ class LogitsProcessor(Protocol):
     # 【职责】logits processor 的接口约定：(output_token_ids, logits (V,)
     # float32) → 要采样的 logits。
     # 【边界】只是 Protocol，不含实现；不得依赖输出以外的状态做决定。
-    # 【协作者】Sampler._apply_constraints 逐个调用；用户可通过 SamplingParams.logits_processors
+    # 【协作者】constraints.apply_constraints 逐个调用；用户可通过 SamplingParams.logits_processors
     # 传入自己的实现（仅进程内）。
     # [ZH-END]
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:

@@ -230,7 +230,8 @@ class Sampler:
         #    取的是惩罚和约束之前的原始分布。
         # 5. 有惩罚的行：apply_penalties_(这些行, prompt+输出 ids, 输出 ids, 各行的三个系数)；
         #    若取的是子集副本就写回 logits。
-        # 6. constrain_rows（constraints 模块）：bias、min_tokens 屏蔽、processors；
+        # 6. constrain_rows（constraints 模块）：只有语法约束的行整批一次屏蔽，其余逐行
+        #    bias、min_tokens 屏蔽、processors；
         #    出错或留下非有限值的行记进 failed {行号: 原因}。
         # 7. 有失败行：tokens 先全填 SAMPLE_FAILED，只把好的行交给 _choose，失败行不参与抽样、
         #    不干扰别人；否则整批 _choose。

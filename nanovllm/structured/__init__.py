@@ -165,7 +165,9 @@ class StructuredOutput:
     `prepare(output)` computes the mask for the token after `output`; the sampler's mask thread
     calls it while the model runs the step's forward (`MaskPrefetcher`), and `__call__` then only
     applies it. Called for an output it has not prepared, it computes the mask itself: the mask
-    is a function of the output alone, so both ways give the same logits."""
+    is a function of the output alone, so both ways give the same logits. The sampler calls it
+    for rows with other constraints too; rows with the grammar alone take `blocked` and are
+    masked all at once (`constraints.mask_grammar_rows`)."""
     # [ZH-START]
     # 【职责】一个请求的语法约束：跟踪已生成 token（新 token 逐个 consume；输出变短或位置 seen-1 的
     #        token 变了，即不再延续已见的输出时 reset 重来，如续写），算出"下一个 token"的 blocked
@@ -175,7 +177,8 @@ class StructuredOutput:
     #        prepare 可在掩码线程上提前算（与前向重叠），__call__ 遇到没准备好的输出就自己算——
     #        掩码只取决于输出，结果相同。
     # 【协作者】build_logits_processors 在有 response_format 时创建；MaskPrefetcher 调 prepare；
-    #        Sampler 每步调 __call__；与其他约束冲突（合起来一个 token 都不剩）
+    #        只有语法约束的行由 constraints.mask_grammar_rows 取 blocked 后整批屏蔽，
+    #        还有别的约束的行每步逐行调 __call__；与其他约束冲突（合起来一个 token 都不剩）
     #        时 Sampler 只保留语法掩码（语法优先）。
     # [ZH-END]
 

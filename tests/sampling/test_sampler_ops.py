@@ -254,3 +254,25 @@ def test_probe_gives_the_same_sets_as_a_full_sort(monkeypatch, scale):
     candidates, ids = sampling_ops.filter_candidates(logits, top_k, top_p, min_p)
     assert (ids.shape[1] == 32) == (scale > 1)  # the probe was kept only where every set fits in it
     torch.testing.assert_close(kept_distribution(candidates, ids, 512), full)
+
+
+def test_draw_is_the_exact_inverse_cdf_on_rows_with_inf_huge_negative_and_ordinary_values():
+    import bisect
+
+    from nanovllm.layers.sampling_ops import draw
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 512, generator=g) * 4  # (R, W)
+    logits[0, ::2] = float("-inf")  # half the row masked
+    logits[1, 3:] = float("-inf")  # a grammar row: three tokens left
+    logits[2, 100:200] = -1e30  # huge negative: weight 0, like -inf
+    logits[3, 50:60] = torch.linspace(-120, -80, 10)  # exp under- and near-underflow
+    logits[4] += 1e4  # large but ordinary
+    uniform = torch.rand(6, dtype=torch.float64, generator=g)
+    for u_case in (uniform, torch.zeros(6, dtype=torch.float64), torch.full((6,), 1 - 2 ** -53, dtype=torch.float64)):
+        chosen = draw(logits.clone(), u_case).tolist()
+        for r, row in enumerate(logits):
+            weights = torch.exp(row - row.max()).double()  # exp of the row minus its max, nothing clamped
+            cdf = weights.cumsum(0).tolist()
+            u = (1 - float(u_case[r])) * cdf[-1]
+            assert chosen[r] == bisect.bisect_left(cdf, u), r
+            assert weights[chosen[r]] > 0  # never a masked or underflowed token
