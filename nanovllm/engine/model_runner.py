@@ -217,6 +217,8 @@ class ModelRunner:
             supported = CpuAttentionKernel.supports(self.dtype, self.model_config.head_dim)
             self.set_attention_kernels(CpuAttentionKernel.load() if supported else None, None)
             self.set_cpu_ops(CpuOps.load() if supported else None)
+            if self.sampler is not None:  # the draw kernel serves any model on CPU
+                self.sampler.cpu_ops = CpuOps.load()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         if self.device.type == "cpu":

@@ -7,6 +7,7 @@
 - `cpu_quant.c`: matrix products and row lookups on weights kept packed (layers/quant.py).
 - `cpu_decode.c`: every decoder layer of a small decode step in one call, driving the three
   files above (layers/cpu_decode.py).
+- `cpu_sample.c`: the sampler's inverse-CDF draw over whole rows (layers/sampling_ops.py).
 
 Every kernel serves float32 and bfloat16 tensors from one source: the body is written once
 against the helpers of `cpu_simd.h` and compiled for each element type (the `bf16` argument), and
@@ -33,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, name) for name in ("cpu_attention.c", "cpu_ops.c", "cpu_quant.c",
-                                                              "cpu_decode.c")]
+                                                              "cpu_decode.c", "cpu_sample.c")]
 _HEADERS = [os.path.join(_HERE, "cpu_simd.h")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 
@@ -275,6 +276,9 @@ class CpuOps:
         self._quant_dequant.argtypes = [_I, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I]
         for fn in (self._quant_matmul, self._quant_dequant):
             fn.restype = ctypes.c_int
+        self._draw_rows = lib.draw_rows
+        self._draw_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P]
+        self._draw_rows.restype = ctypes.c_int64
         self._panel = torch.empty(0)
         """Scratch for dequantized weight tiles, reused so large-batch steps allocate nothing."""
 
@@ -313,6 +317,28 @@ class CpuOps:
         rows, width = gate_up.shape
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _is_bf16(gate_up))
+        return out
+
+    @staticmethod
+    def supports_draw(logits: torch.Tensor) -> bool:
+        """float32 (R, V) logits on the CPU, each row contiguous."""
+        return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
+            and logits.stride(1) == 1
+
+    def draw(self, logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """One index per row of float32 logits (R, V), with probability softmax(row / temperature),
+        by inverse CDF against `uniform` (R,) float64 in [0, 1) -> (R,) int64 (cpu_sample.c). A row
+        with no finite maximum gets -1 (outside every vocabulary: the sampler fails that row)."""
+        rows, width = logits.shape
+        if not self.supports_draw(logits):
+            raise ValueError("draw takes float32 CPU logits with contiguous rows")
+        temperature = temperature.to(torch.float32).contiguous()
+        uniform = uniform.to(torch.float64).contiguous()
+        if temperature.shape != (rows,) or uniform.shape != (rows,):
+            raise ValueError(f"draw takes one temperature and one uniform number per row ({rows})")
+        out = torch.empty(rows, dtype=torch.int64)
+        self._draw_rows(logits.data_ptr(), logits.stride(0), rows, width, temperature.data_ptr(), uniform.data_ptr(),
+                        out.data_ptr())
         return out
 
     def quant_matmul(self, weight, x: torch.Tensor) -> torch.Tensor:

@@ -136,6 +136,8 @@ class Sampler:
         """Grammar masks computed while the forward runs (`prepare`); `masks.enabled = False` turns it off."""
         self.num_grammars = 0
         """Requests with a response_format: with none, `prepare` costs one comparison."""
+        self.cpu_ops = None
+        """The compiled `CpuOps` on CPU (the model runner sets it), whose kernel draws unfiltered rows."""
 
     # -- per-request state ---------------------------------------------------------------------
 
@@ -336,7 +338,7 @@ class Sampler:
         for rows in (plain, filtered):
             if rows:
                 tokens[rows] = sample_rows(_rows(logits, rows), [states[i].params for i in rows],
-                                           [states[i].generator for i in rows], self.generator)
+                                           [states[i].generator for i in rows], self.generator, self.cpu_ops)
         return tokens
 
 
