@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 MATVEC_MAX_ROWS = 8
 """Rows of x up to which the matrix-vector kernel beats dequantize-then-GEMM (measured: docs/architecture.md)."""
-LEFT_PANEL_MAX_ROWS = 64
+LEFT_PANEL_MAX_ROWS = 16
 """Rows of x up to which the dequantized tile is the GEMM's left operand (`_panel_matmul`); above
 it, the right one, as `F.linear` takes a weight (measured: docs/architecture.md)."""
 PANEL_BYTES = 8 << 20
@@ -129,7 +129,7 @@ def _panel_matmul(x: torch.Tensor, weight: QuantizedWeight, ops) -> torch.Tensor
     the GEMM's left operand, (count, K) @ x^T into rows of a (N, M) result: oneDNN reads a left
     operand as it is, where as the right one (`F.linear(x, tile)`) it repacks the tile on every
     call, which costs most when x is short; only x is repacked, and the result is transposed once
-    at the end. With more rows (prefill chunks) the repacked right operand pays for itself."""
+    at the end. With more rows the transpose costs more than the repacking saves."""
     rows, (n, k) = x.shape[0], weight.shape
     tile = min(n, max(16, PANEL_BYTES // (k * x.element_size())))
     if rows > LEFT_PANEL_MAX_ROWS:
