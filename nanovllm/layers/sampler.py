@@ -323,8 +323,9 @@ class Sampler:
         # 2. 按参数把行分三组：greedy（is_greedy）、filtered（0 < top_k < V、
         #    top_p < 1 或 min_p > 0）、plain（只有温度）。
         # 3. greedy 组直接 argmax。
-        # 4. plain 和 filtered 各调一次 sample_rows（带各行的 Generator 和共享 Generator）：
-        #    分开是为了不让只有温度的行陪着做整词表排序。
+        # 4. plain 和 filtered 各调一次 sample_rows（带各行的 Generator、共享 Generator 和
+        #    cpu_ops）：分开是为了不让只有温度的行陪着做整词表排序；CPU 上 plain 组由 cpu_ops 的
+        #    编译抽样（cpu_sample.c）完成。
         # [ZH-END]
         tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)  # (B,)
         vocab = logits.shape[1]
