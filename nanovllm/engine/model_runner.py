@@ -217,9 +217,10 @@ class ModelRunner:
             # The kernel only where it serves this model: the step metadata follows the same choice.
             supported = CpuAttentionKernel.supports(self.dtype, self.model_config.head_dim)
             self.set_attention_kernels(CpuAttentionKernel.load() if supported else None, None)
-            self.set_cpu_ops(CpuOps.load() if supported else None)
+            ops = CpuOps.load()
+            self.set_cpu_ops(ops if supported else None)
             if self.sampler is not None:  # the draw kernel serves any model on CPU
-                self.sampler.cpu_ops = CpuOps.load()
+                self.sampler.cpu_ops = ops
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         if self.device.type == "cpu":

@@ -101,7 +101,7 @@ def mask_grammar_rows(logits: torch.Tensor, rows: list[int], seqs: list[Sequence
             masks.append(grammar.blocked(seqs[i].output_token_ids))
             ok.append(i)
         except Exception as e:  # reported for this request alone, as a processor's failure is
-            failed[i] = f"logits processor {type(grammar).__name__} raised {exception_text(e)}"
+            failed[i] = processor_failure(grammar, e)
     if not ok:
         return
     blocked = _stack_rows(masks, logits.shape[1]).to(logits.device, non_blocking=True)  # (G, V) bool
@@ -155,7 +155,7 @@ def apply_constraints(logits: torch.Tensor, i: int, seq: Sequence, st: RequestSt
                 if result is not None and result is not row:
                     row.copy_(result)
             except Exception as e:  # custom processors run in-process: theirs is the request's failure
-                return f"logits processor {type(processor).__name__} raised {exception_text(e)}"
+                return processor_failure(processor, e)
     return None
 
 
@@ -166,6 +166,11 @@ def non_finite(row: torch.Tensor) -> str:
     if bool((row == float("inf")).any()):
         return "logits hold +inf"
     return "logits allow no token (all are -inf)"
+
+
+def processor_failure(processor: object, e: Exception) -> str:
+    """The request's error when one of its logits processors raised."""
+    return f"logits processor {type(processor).__name__} raised {exception_text(e)}"
 
 
 def exception_text(e: Exception) -> str:

@@ -278,7 +278,7 @@ class CpuOps:
             fn.restype = ctypes.c_int
         self._draw_rows = lib.draw_rows
         self._draw_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P]
-        self._draw_rows.restype = ctypes.c_int64
+        self._draw_rows.restype = None
         self._panel = torch.empty(0)
         """Scratch for dequantized weight tiles, reused so large-batch steps allocate nothing."""
 

@@ -26,8 +26,6 @@
 
 #include "cpu_simd.h"
 
-#define PARALLEL_MIN_ELEMS 32768 /* below this, a fork/join costs more than it saves */
-
 static inline float inv_rms(const void *x, int64_t n, float eps, const int BF) {
     vf a = {0}, b = {0};
     int64_t i = 0;

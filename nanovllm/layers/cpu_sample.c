@@ -28,7 +28,6 @@
 
 #include "cpu_simd.h"
 
-#define PARALLEL_MIN_ELEMS 32768 /* below this, a fork/join costs more than it saves */
 #define UNDERFLOW (-87.f)        /* exp below this is < 1.7e-38 of the row's largest weight */
 
 static inline vf block_weights(const float *x, float m, float t) {
@@ -106,17 +105,15 @@ static inline int64_t pick(const float *x, int64_t n, float m, float t, const fl
 
 /* logits (rows, n) float32 with row stride `stride`; temperature (rows,) float32 > 0; uniform
  * (rows,) float64 in [0, 1); out (rows,) int64. A row whose maximum is not finite (all -inf,
- * +inf) or whose weights do not sum to [1, n] (a NaN) gets -1. Returns how many rows did. */
-int64_t draw_rows(const float *logits, int64_t stride, int64_t rows, int64_t n, const float *temperature,
+ * +inf) or whose weights do not sum to [1, n] (a NaN) gets -1. */
+void draw_rows(const float *logits, int64_t stride, int64_t rows, int64_t n, const float *temperature,
                   const double *uniform, int64_t *out) {
-    int64_t bad = 0;
-#pragma omp parallel for schedule(static) reduction(+ : bad) if (rows * n >= PARALLEL_MIN_ELEMS)
+#pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const float *x = logits + r * stride;
         const float m = row_max(x, n);
         if (!isfinite(m)) {
             out[r] = -1;
-            bad++;
             continue;
         }
         const float t = temperature[r];
@@ -124,10 +121,8 @@ int64_t draw_rows(const float *logits, int64_t stride, int64_t rows, int64_t n, 
         const double total = row_total(x, n, m, t, sums);
         if (!(total >= 1.0 && total <= (double)n)) {  /* NaN among the logits, or t not > 0 */
             out[r] = -1;
-            bad++;
             continue;
         }
         out[r] = pick(x, n, m, t, sums, (1.0 - uniform[r]) * total);
     }
-    return bad;
 }

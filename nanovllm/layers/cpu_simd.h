@@ -22,6 +22,8 @@
 #define VL 8
 #endif
 
+#define PARALLEL_MIN_ELEMS 32768 /* elements of a row-wise op below which a fork/join costs more than it saves */
+
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
