@@ -184,8 +184,9 @@ class ModelRunner:
         #    triton），同时给各模块融合 Triton 算子 gpu_ops（kernels/triton_fused.py；
         #    NANOVLLM_TRITON_FUSED=0 时不给，走 torch 算子）；CPU 上 dtype 为 fp32/bf16 且
         #    head_dim <= 256 时加载 CpuAttentionKernel 和融合算子 CpuOps，否则（或无编译器、
-        #    NANOVLLM_CPU_KERNELS=0 时 load() 返回 None）走 torch 算子；CPU 上 rank 0 的 Sampler
-        #    无论如何都拿到 CpuOps（cpu_ops），无过滤的采样行用它的编译抽样 draw（cpu_sample.c）。
+        #    NANOVLLM_CPU_KERNELS=0 时 load() 返回 None）走 torch 算子；CpuOps 只加载一次，
+        #    CPU 上 rank 0 的 Sampler 无论如何都拿到它（cpu_ops）：无过滤的采样行用编译抽样 draw，
+        #    只有语法约束的行用 mask_bits 直接套打包掩码（都在 cpu_sample.c）。
         # 7. num_blocks = _num_kv_blocks()，再 _allocate_kv_cache() 分配真正的 cache；
         #    CPU 上随后 release_free_heap()（malloc_trim），把加载时的临时内存还给操作系统。
         # 8. CUDA、非 enforce_eager 且不是 null model：DecodeGraphs 捕获 decode CUDA 图

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -279,6 +280,9 @@ class CpuOps:
         self._draw_rows = lib.draw_rows
         self._draw_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P]
         self._draw_rows.restype = None
+        self._mask_rows_bits = lib.mask_rows_bits
+        self._mask_rows_bits.argtypes = [_P, _I, _P, _I, _I, _P, _I, _I]
+        self._mask_rows_bits.restype = None
         self._panel = torch.empty(0)
         """Scratch for dequantized weight tiles, reused so large-batch steps allocate nothing."""
 
@@ -340,6 +344,22 @@ class CpuOps:
         self._draw_rows(logits.data_ptr(), logits.stride(0), rows, width, temperature.data_ptr(), uniform.data_ptr(),
                         out.data_ptr())
         return out
+
+    def mask_bits(self, logits: torch.Tensor, rows: list[int], bits: np.ndarray, n_vocab: int) -> None:
+        """-inf in place in rows `rows` of float32 logits (R, V) wherever the packed token mask
+        `bits` (len(rows), ceil(n_vocab / 32)) int32, row g for logits row rows[g], has a 0 bit,
+        and at every id from `n_vocab` on (cpu_sample.c)."""
+        if not self.supports_draw(logits):
+            raise ValueError("mask_bits takes float32 CPU logits with contiguous rows")
+        words = -(-n_vocab // 32)
+        if bits.dtype != np.int32 or bits.ndim != 2 or bits.shape != (len(rows), words) or bits.strides[1] != 4:
+            raise ValueError(f"mask_bits takes int32 bits ({len(rows)}, {words}) with contiguous rows, "
+                             f"not {bits.dtype} {bits.shape}")
+        if rows and (min(rows) < 0 or max(rows) >= logits.shape[0]):
+            raise IndexError(f"a row index is outside the {logits.shape[0]} logits rows")
+        index = np.asarray(rows, dtype=np.int64)
+        self._mask_rows_bits(logits.data_ptr(), logits.stride(0), index.ctypes.data, len(rows), logits.shape[1],
+                             bits.ctypes.data, bits.strides[0] // 4, n_vocab)
 
     def quant_matmul(self, weight, x: torch.Tensor) -> torch.Tensor:
         """x (M, K) @ W^T -> (M, N) for a `QuantizedWeight` (layers/quant.py), x taken to int16

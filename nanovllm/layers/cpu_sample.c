@@ -21,6 +21,10 @@
 // 按 VL 个一块求和（块内 float，块间 double）得 total；u = (1 - uniform) × total；
 // 再按同样的块顺序累加到 ≥ u，在那一块里逐个找到第一个使累加和 ≥ u 的位置，它的权重一定为正。
 // torch 要六遍 (R, V)，其中 float64 的 cumsum 单线程；这里每行两到三遍，行分给 OpenMP 线程。
+// mask_rows_bits：只有语法约束的行直接用 llguidance 打包的允许位屏蔽（每 32 个 token 一个字，
+//   全 0 的字整段写 -inf，全 1 的跳过），不再解包成 (G, V) 的 bool 再 masked_fill_；
+//   n_vocab 之后（logits 比词表宽）一律 -inf。
+//   调用方：constraints.mask_grammar_rows → CpuOps.mask_bits。
 // [ZH-END]
 #include <math.h>
 #include <stdint.h>
@@ -124,5 +128,35 @@ void draw_rows(const float *logits, int64_t stride, int64_t rows, int64_t n, con
             continue;
         }
         out[r] = pick(x, n, m, t, sums, (1.0 - uniform[r]) * total);
+    }
+}
+
+/* A grammar's packed token mask applied to logits rows in place: the rows `rows[g]` of logits
+ * (stride `stride`, `width` entries each) get -inf wherever bit t of `bits` row g (32 tokens a
+ * 32-bit word, token t at bit t % 32 of word t / 32: llguidance's bitmask, `bits_stride` words a
+ * row) is 0, and from `n_vocab` on (logits wider than the grammar's vocabulary). Instead of
+ * unpacking the bits into a (G, V) bool tensor and a masked_fill_ over it: a word of 32
+ * blocked tokens (most words, under a grammar) is one run of stores, an all-allowed word is
+ * skipped. */
+void mask_rows_bits(float *logits, int64_t stride, const int64_t *rows, int64_t count, int64_t width,
+                    const int32_t *bits, int64_t bits_stride, int64_t n_vocab) {
+    const int64_t covered = n_vocab < width ? n_vocab : width;
+#pragma omp parallel for schedule(static) if (count * width >= PARALLEL_MIN_ELEMS)
+    for (int64_t g = 0; g < count; g++) {
+        float *x = logits + rows[g] * stride;
+        const uint32_t *b = (const uint32_t *)(bits + g * bits_stride);
+        int64_t t = 0;
+        for (; t + 32 <= covered; t += 32) {
+            const uint32_t word = b[t / 32];
+            if (word == 0xffffffffu) continue;
+            if (word == 0) {
+                for (int i = 0; i < 32; i++) x[t + i] = -INFINITY;
+                continue;
+            }
+            for (uint32_t blocked = ~word; blocked; blocked &= blocked - 1) x[t + __builtin_ctz(blocked)] = -INFINITY;
+        }
+        for (; t < covered; t++)
+            if (!((b[t / 32] >> (t % 32)) & 1u)) x[t] = -INFINITY;
+        for (; t < width; t++) x[t] = -INFINITY;
     }
 }

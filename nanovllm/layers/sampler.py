@@ -137,7 +137,8 @@ class Sampler:
         self.num_grammars = 0
         """Requests with a response_format: with none, `prepare` costs one comparison."""
         self.cpu_ops = None
-        """The compiled `CpuOps` on CPU (the model runner sets it), whose kernel draws unfiltered rows."""
+        """The compiled `CpuOps` on CPU (the model runner sets it): its kernels draw unfiltered rows
+        and apply grammar-only rows' packed masks."""
 
     # -- per-request state ---------------------------------------------------------------------
 
@@ -232,7 +233,8 @@ class Sampler:
         #    取的是惩罚和约束之前的原始分布。
         # 5. 有惩罚的行：apply_penalties_(这些行, prompt+输出 ids, 输出 ids, 各行的三个系数)；
         #    若取的是子集副本就写回 logits。
-        # 6. constrain_rows（constraints 模块）：只有语法约束的行整批一次屏蔽，其余逐行
+        # 6. constrain_rows（constraints 模块）：只有语法约束的行整批一次屏蔽（CPU 上由
+        #    cpu_ops.mask_bits 直接套打包的掩码），其余逐行
         #    bias、min_tokens 屏蔽、processors；
         #    出错或留下非有限值的行记进 failed {行号: 原因}。
         # 7. 有失败行：tokens 先全填 SAMPLE_FAILED，只把好的行交给 _choose，失败行不参与抽样、
@@ -256,7 +258,7 @@ class Sampler:
                                     *penalty_tensors([states[i].params for i in penalized], logits.device))
             if rows is not logits:
                 logits[penalized] = rows
-        constrain_rows(logits, seqs, states, failed)
+        constrain_rows(logits, seqs, states, failed, self.cpu_ops)
         if failed:  # sampled without the failed rows, so they cannot disturb the others
             good = [i for i in range(len(states)) if i not in failed]
             tokens = torch.full((len(states),), SAMPLE_FAILED, dtype=torch.long, device=logits.device)  # (B,)

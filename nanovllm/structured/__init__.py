@@ -166,8 +166,8 @@ class StructuredOutput:
     calls it while the model runs the step's forward (`MaskPrefetcher`), and `__call__` then only
     applies it. Called for an output it has not prepared, it computes the mask itself: the mask
     is a function of the output alone, so both ways give the same logits. The sampler calls it
-    for rows with other constraints too; rows with the grammar alone take `blocked` and are
-    masked all at once (`constraints.mask_grammar_rows`)."""
+    for rows with other constraints too; rows with the grammar alone take `bits` (the packed
+    mask) and are masked all at once (`constraints.mask_grammar_rows`)."""
     # [ZH-START]
     # 【职责】一个请求的语法约束：跟踪已生成 token（新 token 逐个 consume；输出变短或位置 seen-1 的
     #        token 变了，即不再延续已见的输出时 reset 重来，如续写），算出"下一个 token"的 blocked
@@ -177,7 +177,7 @@ class StructuredOutput:
     #        prepare 可在掩码线程上提前算（与前向重叠），__call__ 遇到没准备好的输出就自己算——
     #        掩码只取决于输出，结果相同。
     # 【协作者】build_logits_processors 在有 response_format 时创建；MaskPrefetcher 调 prepare；
-    #        只有语法约束的行由 constraints.mask_grammar_rows 取 blocked 后整批屏蔽，
+    #        只有语法约束的行由 constraints.mask_grammar_rows 取打包的 bits 后整批屏蔽，
     #        还有别的约束的行每步逐行调 __call__；与其他约束冲突（合起来一个 token 都不剩）
     #        时 Sampler 只保留语法掩码（语法优先）。
     # [ZH-END]
@@ -198,10 +198,13 @@ class StructuredOutput:
         self.n_vocab = lltok.vocab_size
         self.bitmask = lln.allocate_token_bitmask(1, self.n_vocab)
         self.seen: list[int] = []
+        self._bits: Any = None
+        """numpy int32 (ceil(n_vocab / 32),): the tokens allowed after `seen` as llguidance packs
+        them (token t is bit t % 32 of word t // 32), once computed for it."""
         self._blocked: Any = None
-        """torch bool (n_vocab,): the tokens not allowed after `seen`, once computed for it."""
+        """torch bool (n_vocab,): `_bits` unpacked and negated, made when first asked for."""
         self._blocked_at = -1
-        """len(seen) when `_blocked` was computed."""
+        """len(seen) when `_bits` was computed."""
 
     def _follow(self, output: Sequence[int]) -> None:
         # Outputs only grow; one that does not extend what was seen (shorter, or another token
@@ -217,28 +220,33 @@ class StructuredOutput:
 
     def allowed(self, output: Sequence[int]) -> Any:
         """A numpy bool array (n_vocab,) of the tokens the grammar allows next."""
-        import numpy as np
-
-        self._follow(output)
-        self._lln.fill_next_token_bitmask(self.matcher, self.bitmask, 0)  # Rust, without the GIL
-        bits = np.unpackbits(self.bitmask[0].view(np.uint8), bitorder="little")
-        return bits[: self.n_vocab].astype(bool)
+        return _unpack(self.bits(output), self.n_vocab)
 
     def prepare(self, output: Sequence[int]) -> None:
         """Compute the mask for the token after `output` (ahead of the forward that needs it)."""
-        import numpy as np
-        import torch
+        self._follow(output)
+        self._lln.fill_next_token_bitmask(self.matcher, self.bitmask, 0)  # Rust, without the GIL
+        self._set_bits(self.bitmask[0].copy())
 
-        self._set_blocked(torch.from_numpy(np.logical_not(self.allowed(output))))
+    def _set_bits(self, bits: Any) -> None:
+        self._bits, self._blocked, self._blocked_at = bits, None, len(self.seen)
 
-    def _set_blocked(self, blocked: Any) -> None:
-        self._blocked, self._blocked_at = blocked, len(self.seen)
-
-    def blocked(self, output: Sequence[int]) -> Any:
-        """torch bool (n_vocab,) on the CPU: the tokens the grammar does not allow after `output`."""
+    def bits(self, output: Sequence[int]) -> Any:
+        """numpy int32 (ceil(n_vocab / 32),): the tokens the grammar allows after `output`,
+        packed as llguidance fills them (the form `CpuOps.mask_bits` applies directly)."""
         self._follow(output)
         if self._blocked_at != len(self.seen):
             self.prepare(output)
+        return self._bits
+
+    def blocked(self, output: Sequence[int]) -> Any:
+        """torch bool (n_vocab,) on the CPU: the tokens the grammar does not allow after `output`."""
+        import numpy as np
+        import torch
+
+        bits = self.bits(output)
+        if self._blocked is None:
+            self._blocked = torch.from_numpy(np.logical_not(_unpack(bits, self.n_vocab)))
         return self._blocked
 
     def __call__(self, output_token_ids: Sequence[int], logits: Any) -> Any:
@@ -257,7 +265,7 @@ def prepare_masks(jobs: Sequence[tuple[StructuredOutput, Sequence[int]]], execut
     Returns the number of masks that call filled (0 when the rows were filled one by one).
 
     The masks are exactly those of the serial calls. A row whose output does not fit its grammar
-    is skipped: `StructuredOutput.blocked` computes it again and raises the request's error."""
+    is skipped: `StructuredOutput.bits` computes it again and raises the request's error."""
     # [ZH-START]
     # 1. 每行先 _follow(output)（Python 里逐个 consume 新 token）；抛异常的行跳过，
     #    采样时由 blocked() 重算并报告错误。
@@ -265,12 +273,9 @@ def prepare_masks(jobs: Sequence[tuple[StructuredOutput, Sequence[int]]], execut
     #    就逐行串行 prepare。
     # 3. 否则分配共享 bitmask (N, ⌈V/32⌉)，fill_next_token_bitmask_par 一次调用：
     #    Rust 线程并行填，释放 GIL。
-    # 4. 一次 unpackbits 得到 (N, V) 的允许位，取反成 blocked，每行存自己那一行的视图——
-    #    与串行结果逐位相同。
+    # 4. 每行存共享 bitmask 里自己那一行的视图（打包的允许位，不解包）——与串行结果逐位相同；
+    #    constraints.mask_grammar_rows 在 CPU 上直接用这些打包位屏蔽（CpuOps.mask_bits）。
     # [ZH-END]
-    import numpy as np
-    import torch
-
     todo = []
     for grammar, output in jobs:
         try:
@@ -293,8 +298,13 @@ def prepare_masks(jobs: Sequence[tuple[StructuredOutput, Sequence[int]]], execut
         lln.fill_next_token_bitmask_par(executor, [(g.matcher, i) for i, g in enumerate(grammars)], bitmask)
     except Exception:  # every row is computed again, one by one, where its mask is applied
         return 0
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :n_vocab]  # (N, V) 1 = allowed
-    blocked = torch.from_numpy(bits == 0)  # (N, V) bool
     for i, grammar in enumerate(grammars):
-        grammar._set_blocked(blocked[i])
+        grammar._set_bits(bitmask[i])  # rows of one array: `constraints` applies them all at once
     return len(grammars)
+
+
+def _unpack(bits: Any, n_vocab: int) -> Any:
+    """Packed allowed-token bits (ceil(n_vocab / 32),) int32 -> numpy bool (n_vocab,)."""
+    import numpy as np
+
+    return np.unpackbits(bits.view(np.uint8), bitorder="little")[:n_vocab].astype(bool)

@@ -1,7 +1,9 @@
 """The compiled draw (layers/cpu_sample.c, `CpuOps.draw`) against an inverse CDF computed in
-float64, and the sampler taking it for unfiltered rows on CPU."""
+float64, and the sampler taking it for unfiltered rows on CPU; the packed grammar mask
+(`CpuOps.mask_bits`) against the unpacked bits."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,3 +106,44 @@ def test_the_sampler_draws_unfiltered_rows_with_the_kernel_and_seeds_stay_seeds(
     assert run(ops, plain) == got  # a seed gives the same tokens again
     filtered = [SamplingParams(temperature=0.8, top_k=20, seed=7 + i) for i in range(8)]
     assert run(ops, filtered) == run(None, filtered)
+
+
+def unpacked_blocked(bits: np.ndarray, n_vocab: int, width: int) -> torch.Tensor:
+    """(G, width) bool: a 0 bit, or an id at or past n_vocab (the reference for `mask_bits`)."""
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :n_vocab].astype(bool)
+    blocked = torch.ones(len(bits), width, dtype=torch.bool)
+    covered = min(n_vocab, width)
+    blocked[:, :covered] = torch.from_numpy(~allowed[:, :covered])
+    return blocked
+
+
+@pytest.mark.parametrize("n_vocab,width", [(1, 1), (31, 40), (64, 64), (1000, 1003), (49152, 49152), (100, 90)])
+def test_packed_masks_block_exactly_the_zero_bits_and_ids_past_the_vocabulary(ops, n_vocab, width):
+    rng = np.random.default_rng(n_vocab)
+    words = -(-n_vocab // 32)
+    rows = [5, 0, 3]  # a subset of the rows, in any order
+    bits = rng.integers(-2**31, 2**31, size=(len(rows), words), dtype=np.int64).astype(np.int32)
+    bits[0, : words // 2] = 0  # whole words blocked and whole words allowed, as grammars leave them
+    bits[1, : words // 2] = -1
+    wide = torch.randn(6, width + 7)
+    logits = wide[:, :width]  # rows of a wider tensor: the stride is not the width
+    expected = logits.clone()
+    for g, r in enumerate(rows):
+        expected[r].masked_fill_(unpacked_blocked(bits, n_vocab, width)[g], float("-inf"))
+    untouched = wide[:, width:].clone()
+    ops.mask_bits(logits, rows, bits, n_vocab)
+    assert torch.equal(logits, expected)
+    assert torch.equal(wide[:, width:], untouched)  # nothing past a row's width is written
+
+
+def test_packed_masks_refuse_bits_of_the_wrong_shape_type_or_rows(ops):
+    logits = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="int32 bits"):
+        ops.mask_bits(logits, [0], np.zeros((1, 3), dtype=np.int32), 64)
+    with pytest.raises(ValueError, match="int32 bits"):
+        ops.mask_bits(logits, [0], np.zeros((1, 2), dtype=np.int64), 64)
+    with pytest.raises(IndexError, match="outside the 2 logits rows"):
+        ops.mask_bits(logits, [2], np.zeros((1, 2), dtype=np.int32), 64)
+    with pytest.raises(ValueError, match="float32 CPU logits"):
+        ops.mask_bits(logits.bfloat16(), [0], np.zeros((1, 2), dtype=np.int32), 64)
+    assert torch.equal(logits, torch.zeros(2, 64))

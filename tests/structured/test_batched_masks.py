@@ -1,7 +1,8 @@
 """Rows whose only constraint is their grammar are masked together, in one op: each row of a
 mixed batch (grammar alone, grammar with logit_bias, with min_tokens, with another processor,
 unconstrained, a grammar that leaves nothing, an output that does not fit) comes out as it
-does masked on its own, on the default model's vocabulary."""
+does masked on its own, on the default model's vocabulary; with the compiled ops (the packed
+bits applied as they are) and without (unpacked, `masked_fill_`), bit for bit the same."""
 from __future__ import annotations
 
 import llguidance
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.constraints import _stack_rows, constrain_rows
+from nanovllm.layers.constraints import _stack_bits, constrain_rows
+from nanovllm.layers.cpu_kernels import CpuOps
 from nanovllm.layers.logits_processors import AllowedTokenIds
 from nanovllm.layers.sampler import SAMPLE_FAILED, Sampler
 from nanovllm.sampling_params import SamplingParams
@@ -22,6 +24,17 @@ PERSON = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
 YES_NO = {"type": "choice", "choices": ["yes", "no"]}
 PAD = 3
 """Logits this much wider than the vocabulary: the padding is never allowed by a grammar."""
+
+
+@pytest.fixture(scope="module", params=["torch", "compiled"])
+def ops(request):
+    """None (the masks unpacked, as off the CPU) or the compiled `CpuOps` (the packed bits)."""
+    if request.param == "torch":
+        return None
+    loaded = CpuOps.load()
+    if loaded is None:
+        pytest.skip("no C compiler on this machine")
+    return loaded
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +68,10 @@ def mixed_rows(tok) -> list[tuple[str, SamplingParams, list, list[int]]]:
     ]
 
 
-def batch(tok, rows, prefetch: bool = True) -> tuple[Sampler, list[Sequence]]:
+def batch(tok, rows, ops, prefetch: bool = True) -> tuple[Sampler, list[Sequence]]:
     t = tok[0]
     sampler = Sampler(len(t) + PAD, torch.device("cpu"), mask_threads=2)
+    sampler.cpu_ops = ops
     seqs = []
     for i, (what, params, processors, output) in enumerate(rows):
         seq = Sequence(what, [1, 2], params, arrival=i)
@@ -78,17 +92,20 @@ def logits_for(tok, rows) -> torch.Tensor:
     return logits
 
 
-def test_each_row_of_a_mixed_batch_is_masked_as_it_is_alone(tok):
+def test_each_row_of_a_mixed_batch_is_masked_as_it_is_alone(tok, ops):
     rows = mixed_rows(tok)
-    sampler, seqs = batch(tok, rows)
+    sampler, seqs = batch(tok, rows, ops)
     sampler.masks.wait()
     logits = logits_for(tok, rows)
     states = [sampler.states[s.request_id] for s in seqs]
     masked, failed = logits.clone(), {}
-    constrain_rows(masked, seqs, states, failed)
+    constrain_rows(masked, seqs, states, failed, ops)
+    unpacked = logits.clone()
+    constrain_rows(unpacked, seqs, states, {})  # the masks unpacked and filled by torch
+    assert torch.equal(masked, unpacked)
     for i, (what, _, processors, _) in enumerate(rows):
         alone, failed_alone = logits[i:i + 1].clone(), {}
-        constrain_rows(alone, [seqs[i]], [states[i]], failed_alone)
+        constrain_rows(alone, [seqs[i]], [states[i]], failed_alone, ops)
         assert torch.equal(masked[i], alone[0]), what
         assert failed.get(i) == failed_alone.get(0), what
         if what in ("grammar", "grammar later", "greedy grammar"):  # the processor's own row-by-row mask
@@ -102,30 +119,32 @@ def test_each_row_of_a_mixed_batch_is_masked_as_it_is_alone(tok):
     assert int(masked[4].argmax()) == tok[0].eos_token_id and int(torch.isfinite(masked[4]).sum()) == 1
 
 
-def test_a_mixed_batch_samples_each_row_as_alone_and_fails_only_its_own_rows(tok):
+def test_a_mixed_batch_samples_each_row_as_alone_and_fails_only_its_own_rows(tok, ops):
     logits = logits_for(tok, mixed_rows(tok))
-    sampler, seqs = batch(tok, mixed_rows(tok))
+    sampler, seqs = batch(tok, mixed_rows(tok), ops)
     together = sampler(logits.clone(), seqs)
     for i, (what, params, processors, output) in enumerate(mixed_rows(tok)):  # fresh grammars, seeds
-        one, one_seqs = batch(tok, [(what, params, processors, output)], prefetch=False)
+        one, one_seqs = batch(tok, [(what, params, processors, output)], ops, prefetch=False)
         assert together[i] == one(logits[i:i + 1].clone(), one_seqs)[0], what
         assert sampler.take_error(what) == one.take_error(what), what
     assert [i for i, token in enumerate(together) if token == SAMPLE_FAILED] == [6, 7]
 
 
-def test_a_batch_of_grammar_rows_is_masked_in_place_from_the_parallel_fill_without_a_copy(tok):
+def test_a_batch_of_grammar_rows_is_masked_in_place_from_the_parallel_fill_without_a_copy(tok, ops):
     t, lltok, person, _ = tok
     outputs = [t.encode(s, add_special_tokens=False) for s in ('', '{"', '{"name":"B', '{"name":"Bo","age":4')]
     grammars = [StructuredOutput(person, lltok) for _ in outputs]
     assert prepare_masks(list(zip(grammars, outputs)), llguidance.LLExecutor(2)) == len(outputs)
-    masks = [g.blocked(o) for g, o in zip(grammars, outputs)]
-    stacked = _stack_rows(masks, len(t))
-    assert stacked.data_ptr() == masks[0].data_ptr() and stacked.shape == (len(outputs), len(t))
+    bits = [g.bits(o) for g, o in zip(grammars, outputs)]
+    stacked = _stack_bits(bits)  # the fill's own (G, W) array
+    assert stacked.ctypes.data == bits[0].ctypes.data and stacked.shape == (len(outputs), -(-grammars[0].n_vocab // 32))
+    assert _stack_bits(bits[::-1]).ctypes.data != bits[-1].ctypes.data  # rows out of order: copied
+    assert (_stack_bits(bits[::-1]) == stacked[::-1]).all()
     rows = [(f"r{i}", SamplingParams(temperature=0, max_tokens=16), [g], o) for i, (g, o) in enumerate(zip(grammars, outputs))]
-    sampler, seqs = batch(tok, rows, prefetch=False)  # the masks above are used as they are
+    sampler, seqs = batch(tok, rows, ops, prefetch=False)  # the masks above are used as they are
     logits = torch.randn(len(rows), len(t) + PAD, generator=torch.Generator().manual_seed(1))  # (B, V + PAD)
     masked, failed = logits.clone(), {}
-    constrain_rows(masked, seqs, [sampler.states[s.request_id] for s in seqs], failed)
+    constrain_rows(masked, seqs, [sampler.states[s.request_id] for s in seqs], failed, ops)
     assert not failed
     for i, (g, o) in enumerate(zip(grammars, outputs)):
         assert torch.equal(masked[i], g(o, logits[i].clone()))
