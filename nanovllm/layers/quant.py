@@ -119,6 +119,8 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         return F.linear(x, weight.dequantize(x.dtype), bias)
     if x.shape[0] <= MATVEC_MAX_ROWS:
         y = ops.quant_matmul(weight, x)  # (M, N)
+    elif x.dtype == torch.bfloat16 and ops.has_quant_gemm_bf16:
+        y = ops.quant_gemm_bf16(weight, x)  # (M, N)
     else:
         y = _panel_matmul(x, weight, ops)
     return y if bias is None else y.add_(bias)
