@@ -29,16 +29,19 @@ def random_weight(bits: int, n: int, k: int, gen: torch.Generator) -> QuantizedW
     return QuantizedWeight(8, 32, codes, scales, None)
 
 
-def median_ms(fn, seconds: float = 0.6) -> float:
-    for _ in range(2):
+def median_ms(fns, seconds: float = 0.8) -> list[float]:
+    """Median ms of each of `fns`, run in turn (A, B, C, A, B, C, ...) so load drift hits all alike."""
+    for fn in fns:
         fn()
-    times, spent = [], 0.0
-    while spent < seconds or len(times) < 5:
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-        spent += times[-1]
-    return statistics.median(times) * 1e3
+    times: list[list[float]] = [[] for _ in fns]
+    spent = 0.0
+    while spent < seconds or len(times[0]) < 7:
+        for fn, own in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            own.append(time.perf_counter() - start)
+            spent += own[-1]
+    return [statistics.median(own) * 1e3 for own in times]
 
 
 def main() -> None:
@@ -59,9 +62,9 @@ def main() -> None:
             packed = torch.ops.mkldnn._reorder_linear_weight(dense, 64)
             for rows in args.rows:
                 x = torch.randn(rows, k, generator=gen).bfloat16()
-                panel = median_ms(lambda: _panel_matmul(x, weight, ops))
-                fused = median_ms(lambda: ops.quant_gemm_bf16(weight, x))
-                onednn = median_ms(lambda: cpu_gemm.linear(x, dense, None, packed))
+                panel, fused, onednn = median_ms([lambda: _panel_matmul(x, weight, ops),
+                                                  lambda: ops.quant_gemm_bf16(weight, x),
+                                                  lambda: cpu_gemm.linear(x, dense, None, packed)])
                 print(f"{name:8} {bits:4} {rows:4} {panel:8.3f} {fused:8.3f} {onednn:8.3f}  {fused / panel:11.2f}  "
                       f"{fused / onednn:12.2f}", flush=True)
 
