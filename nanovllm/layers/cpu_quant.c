@@ -720,11 +720,10 @@ int quant_dequant(int64_t bits, const uint8_t *codes, const uint16_t *scales, co
 #define GEMM_NV 4  /* 16-column vectors per dequantized tile: 64 weight rows, 74 KB at K = 576 (L2) */
 #define GEMM_MR 6  /* rows of x per register block: 6 x GEMM_NV accumulators of 32 registers */
 
-/* src: 16 rows (ld elements apart) of 32 bf16 each, as 16 dwords (input pairs) per row;
- * out[j]: pair j of the 16 rows, row r in dword lane r: the layout `vdpbf16ps` reads with n in lanes. */
-static inline void transpose16(const uint16_t *src, int64_t ld, __m512i *out) {
-    __m512i r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)(src + i * ld));
+/* r[i]: 32 bf16 of row i, as 16 dwords (input pairs); out[j]: pair j of the 16 rows, row i in
+ * dword lane i: the layout `vdpbf16ps` reads with n in lanes. r is overwritten. */
+static inline __attribute__((always_inline)) void transpose16(__m512i *r, __m512i *out) {
+    __m512i t[16];
     for (int i = 0; i < 16; i += 2) {
         t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
         t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
@@ -747,24 +746,37 @@ static inline void transpose16(const uint16_t *src, int64_t ld, __m512i *out) {
     }
 }
 
-/* Weight rows n0 .. n0 + count (count <= 16 * GEMM_NV) as bfloat16, exactly as quant_dequant gives
- * them, into `rows` (16 * NV rows of K; rows past count zero), then per input pair p the NV
- * vectors of 16 columns at panel[p * NV ..]: W^T with pairs of inputs interleaved. */
+/* Weight rows n0 .. n0 + count (count <= 16 * GEMM_NV) as bfloat16, the values quant_dequant
+ * gives (`dequant_block512`, one `vcvtne2ps2bf16`), transposed in registers a block of 16 rows at
+ * a time: per input pair p the NV vectors of 16 columns at panel[p * NV ..], rows past count zero.
+ * sc, mn: scratch for 16 rows' float scales and mins (16 * K / group each). */
 static void pack_tile(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
-                      int64_t K, int64_t n0, int64_t count, int NV, uint16_t *rows, __m512i *panel) {
-    const int64_t code_row = bits == 4 ? K / 2 : K, scale_row = K / group;
-    for (int64_t i = 0; i < count; i++) {
-        const int64_t row = n0 + i;
-        dequant_row(bits, codes + row * code_row, scales + row * scale_row,
-                    mins != NULL ? mins + row * scale_row : NULL, group, K, rows + i * K, 1);
-    }
-    memset(rows + count * K, 0, (size_t)(16 * NV - count) * (size_t)K * 2);
-    for (int v = 0; v < NV; v++)
+                      int64_t K, int64_t n0, int64_t count, int NV, float *sc, float *mn, __m512i *panel) {
+    const int64_t code_row = bits == 4 ? K / 2 : K, ng = K / group, gpb = QK / group;
+    for (int v = 0; v < NV; v++) {
+        const int64_t first = n0 + 16 * v, rows = count - 16 * v < 16 ? count - 16 * v : 16;
+        for (int64_t i = 0; i < rows; i++) {
+            f16_row(scales + (first + i) * ng, ng, sc + i * ng);
+            if (mins != NULL) f16_row(mins + (first + i) * ng, ng, mn + i * ng);
+        }
         for (int64_t b = 0; b < K / QK; b++) {
-            __m512i out[16];
-            transpose16(rows + v * 16 * K + b * QK, K, out);
+            __m512i r[16], out[16];
+            for (int i = 0; i < 16; i++) {
+                if (i >= rows) {
+                    r[i] = _mm512_setzero_si512();
+                    continue;
+                }
+                const float *s = sc + i * ng + b * gpb, *m = mn + i * ng + b * gpb;
+                __m512 lo, hi;
+                dequant_block512(bits, codes + (first + i) * code_row, b, _mm512_set1_ps(s[0]),
+                                 _mm512_set1_ps(s[gpb - 1]), mins != NULL ? _mm512_set1_ps(m[0]) : _mm512_setzero_ps(),
+                                 mins != NULL ? _mm512_set1_ps(m[gpb - 1]) : _mm512_setzero_ps(), mins != NULL, &lo, &hi);
+                r[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            }
+            transpose16(r, out);
             for (int j = 0; j < 16; j++) _mm512_store_si512(panel + (b * 16 + j) * NV + v, out[j]);
         }
+    }
 }
 
 /* y rows m .. m + MR, columns of the tile (NV vectors, the last `last` lanes wide) = x . tile^T:
@@ -845,9 +857,9 @@ int quant_gemm_bf16(int64_t bits, const uint8_t *codes, const uint16_t *scales, 
             const int64_t end = u + GEMM_NV < u1 ? u + GEMM_NV : u1, n0 = u * 16, n1 = end * 16 < N ? end * 16 : N;
             const int NV = (int)((n1 - n0 + 15) / 16);
             const __mmask16 last = (__mmask16)(0xffffu >> (16 * NV - (n1 - n0)));
-            uint16_t *rows = (uint16_t *)buffer;
+            float *sc = (float *)buffer, *mn = sc + 16 * (K / group);
             __m512i *panel = (__m512i *)(buffer + tile_bytes);
-            pack_tile((int)bits, codes, scales, mins, group, K, n0, n1 - n0, NV, rows, panel);
+            pack_tile((int)bits, codes, scales, mins, group, K, n0, n1 - n0, NV, sc, mn, panel);
             uint16_t *yt = (uint16_t *)y + n0;
             switch (NV) {
             case 4: gemm_tile(x, x_stride, M, panel, K / 2, 4, yt, N, last); break;
