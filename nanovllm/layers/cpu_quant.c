@@ -28,7 +28,10 @@
  * With AVX-512, 2-8 rows of x (a small decode step) take these batch-1 kernels once per row, the
  * same four (or two) W rows staying in L1 across the rows: each row's products are then those it
  * would get alone, and 8 rows cost ~0.6x the general loop (`dot_rows`, which other builds keep).
- * Large M goes through quant_dequant into a float panel and the float GEMM instead.
+ * Large M: quant_gemm_bf16 where the CPU has AVX512-BF16 and x is bfloat16 (64 weight rows
+ * dequantized to bfloat16 and transposed in registers into a tile that stays in L2, then every
+ * row of x against it with `vdpbf16ps`, float32 sums); elsewhere quant_dequant into a float panel
+ * and the float GEMM.
  * quant_dequant: rows of W as float32 or bfloat16 (`bf16`), for that panel and the embedding:
  * with AVX-512 a 32-input block is two 16-lane vectors stored straight out (bfloat16 by one
  * `vcvtne2ps2bf16` where the CPU has AVX512-BF16), ~4x the AVX2 loop it replaced on AVX-512
@@ -767,10 +770,11 @@ static void pack_tile(int bits, const uint8_t *codes, const uint16_t *scales, co
                     continue;
                 }
                 const float *s = sc + i * ng + b * gpb, *m = mn + i * ng + b * gpb;
+                const __m512 m0 = mins != NULL ? _mm512_set1_ps(m[0]) : _mm512_setzero_ps();
+                const __m512 m1 = mins != NULL ? _mm512_set1_ps(m[gpb - 1]) : _mm512_setzero_ps();
                 __m512 lo, hi;
-                dequant_block512(bits, codes + (first + i) * code_row, b, _mm512_set1_ps(s[0]),
-                                 _mm512_set1_ps(s[gpb - 1]), mins != NULL ? _mm512_set1_ps(m[0]) : _mm512_setzero_ps(),
-                                 mins != NULL ? _mm512_set1_ps(m[gpb - 1]) : _mm512_setzero_ps(), mins != NULL, &lo, &hi);
+                dequant_block512(bits, codes + (first + i) * code_row, b, _mm512_set1_ps(s[0]), _mm512_set1_ps(s[gpb - 1]),
+                                 m0, m1, mins != NULL, &lo, &hi);
                 r[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
             }
             transpose16(r, out);
