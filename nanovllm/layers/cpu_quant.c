@@ -737,13 +737,13 @@ static inline __attribute__((always_inline)) void transpose16(__m512i *r, __m512
         r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
         r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
     }
-    /* r[4a + c] holds, per 128-bit lane l, the pair 4l + c' of rows 4a..4a+3 (c' = 0, 2, 1, 3 for c = 0..3) */
+    /* r[4a + c], 128-bit lane l: pair 4l + c of rows 4a..4a+3 */
     for (int a = 0; a < 16; a += 8)
-        for (int c = 0; c < 4; c++) {
+        for (int c = 0; c < 4; c++) { /* t[a + c]: pairs c, c + 8 of rows a..a+3, then of rows a+4..a+7 */
             t[a + c] = _mm512_shuffle_i32x4(r[a + c], r[a + 4 + c], 0x88);     /* lanes 0, 2 of each */
             t[a + 4 + c] = _mm512_shuffle_i32x4(r[a + c], r[a + 4 + c], 0xdd); /* lanes 1, 3 of each */
         }
-    for (int c = 0; c < 8; c++) { /* pair c: 128-bit lanes 0 of t[c] and t[c + 8]; pair c + 8: lanes 1 */
+    for (int c = 0; c < 8; c++) { /* pair c: lanes 0 and 2 of t[c] (rows 0..7), t[c + 8] (8..15) */
         out[c] = _mm512_shuffle_i32x4(t[c], t[c + 8], 0x88);
         out[c + 8] = _mm512_shuffle_i32x4(t[c], t[c + 8], 0xdd);
     }
