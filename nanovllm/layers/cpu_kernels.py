@@ -275,8 +275,12 @@ class CpuOps:
         self._quant_matmul.argtypes = [_I, _P, _P, _P, _I, _I, _I, _P, _I, _I, _P, _I]
         self._quant_dequant = lib.quant_dequant
         self._quant_dequant.argtypes = [_I, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I]
-        for fn in (self._quant_matmul, self._quant_dequant):
+        self._quant_gemm_bf16 = lib.quant_gemm_bf16
+        self._quant_gemm_bf16.argtypes = [_I, _P, _P, _P, _I, _I, _I, _P, _I, _I, _P]
+        for fn in (self._quant_matmul, self._quant_dequant, self._quant_gemm_bf16):
             fn.restype = ctypes.c_int
+        self.has_quant_gemm_bf16 = bool(lib.quant_gemm_bf16_ok())
+        """Whether `quant_gemm_bf16` runs here (AVX512-BF16 builds; elsewhere the panel path serves)."""
         self._draw_rows = lib.draw_rows
         self._draw_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P]
         self._draw_rows.restype = None
@@ -370,6 +374,19 @@ class CpuOps:
         y = torch.empty((x.shape[0], n), dtype=x.dtype)
         _check_quant(self._quant_matmul(*weight.kernel_args, n, k, x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr(),
                                         _is_bf16(x)), weight)
+        return y
+
+    def quant_gemm_bf16(self, weight, x: torch.Tensor) -> torch.Tensor:
+        """bfloat16 x (M, K) @ W^T -> (M, N) bfloat16, W dequantized to bfloat16 a few rows at a
+        time inside the kernel (cpu_quant.c); only where `has_quant_gemm_bf16`."""
+        n, k = weight.shape
+        if x.shape[1] != k or x.dtype != torch.bfloat16:
+            raise ValueError(f"quant_gemm_bf16 takes bfloat16 rows of {k} features, got {x.dtype} {tuple(x.shape)}")
+        y = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+        failed = self._quant_gemm_bf16(*weight.kernel_args, n, k, x.data_ptr(), x.stride(0), x.shape[0], y.data_ptr())
+        if failed == -3:
+            raise RuntimeError("this build of the CPU kernels has no AVX512-BF16 GEMM")
+        _check_quant(failed, weight)
         return y
 
     def quant_dequant(self, weight, first: int, count: int, dtype: torch.dtype) -> torch.Tensor:

@@ -28,7 +28,10 @@
  * With AVX-512, 2-8 rows of x (a small decode step) take these batch-1 kernels once per row, the
  * same four (or two) W rows staying in L1 across the rows: each row's products are then those it
  * would get alone, and 8 rows cost ~0.6x the general loop (`dot_rows`, which other builds keep).
- * Large M goes through quant_dequant into a float panel and the float GEMM instead.
+ * Large M: quant_gemm_bf16 where the CPU has AVX512-BF16 and x is bfloat16 (64 weight rows
+ * dequantized to bfloat16 and transposed in registers into a tile that stays in L2, then every
+ * row of x against it with `vdpbf16ps`, float32 sums); elsewhere quant_dequant into a float panel
+ * and the float GEMM.
  * quant_dequant: rows of W as float32 or bfloat16 (`bf16`), for that panel and the embedding:
  * with AVX-512 a 32-input block is two 16-lane vectors stored straight out (bfloat16 by one
  * `vcvtne2ps2bf16` where the CPU has AVX512-BF16), ~4x the AVX2 loop it replaced on AVX-512
@@ -714,4 +717,167 @@ int quant_dequant(int64_t bits, const uint8_t *codes, const uint16_t *scales, co
     if (bf16) dequant_rows((int)bits, codes, scales, mins, group, K, rows, first, n, out, 1);
     else dequant_rows((int)bits, codes, scales, mins, group, K, rows, first, n, out, 0);
     return 0;
+}
+
+#if defined(QUANT_AVX512) && defined(__AVX512BF16__)
+#define GEMM_NV 4  /* 16-column vectors per dequantized tile: 64 weight rows, 74 KB at K = 576 (L2) */
+#define GEMM_MR 6  /* rows of x per register block: 6 x GEMM_NV accumulators of 32 registers */
+
+/* r[i]: 32 bf16 of row i, as 16 dwords (input pairs); out[j]: pair j of the 16 rows, row i in
+ * dword lane i: the layout `vdpbf16ps` reads with n in lanes. r is overwritten. */
+static inline __attribute__((always_inline)) void transpose16(__m512i *r, __m512i *out) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* r[4a + c], 128-bit lane l: pair 4l + c of rows 4a..4a+3 */
+    for (int a = 0; a < 16; a += 8)
+        for (int c = 0; c < 4; c++) { /* t[a + c]: pairs c, c + 8 of rows a..a+3, then of rows a+4..a+7 */
+            t[a + c] = _mm512_shuffle_i32x4(r[a + c], r[a + 4 + c], 0x88);     /* lanes 0, 2 of each */
+            t[a + 4 + c] = _mm512_shuffle_i32x4(r[a + c], r[a + 4 + c], 0xdd); /* lanes 1, 3 of each */
+        }
+    for (int c = 0; c < 8; c++) { /* pair c: lanes 0 and 2 of t[c] (rows 0..7), t[c + 8] (8..15) */
+        out[c] = _mm512_shuffle_i32x4(t[c], t[c + 8], 0x88);
+        out[c + 8] = _mm512_shuffle_i32x4(t[c], t[c + 8], 0xdd);
+    }
+}
+
+/* Weight rows n0 .. n0 + count (count <= 16 * GEMM_NV) as bfloat16, the values quant_dequant
+ * gives (`dequant_block512`, one `vcvtne2ps2bf16`), transposed in registers a block of 16 rows at
+ * a time: per input pair p the NV vectors of 16 columns at panel[p * NV ..], rows past count zero.
+ * sc, mn: scratch for 16 rows' float scales and mins (16 * K / group each). */
+static void pack_tile(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
+                      int64_t K, int64_t n0, int64_t count, int NV, float *sc, float *mn, __m512i *panel) {
+    const int64_t code_row = bits == 4 ? K / 2 : K, ng = K / group, gpb = QK / group;
+    for (int v = 0; v < NV; v++) {
+        const int64_t first = n0 + 16 * v, rows = count - 16 * v < 16 ? count - 16 * v : 16;
+        for (int64_t i = 0; i < rows; i++) {
+            f16_row(scales + (first + i) * ng, ng, sc + i * ng);
+            if (mins != NULL) f16_row(mins + (first + i) * ng, ng, mn + i * ng);
+        }
+        for (int64_t b = 0; b < K / QK; b++) {
+            __m512i r[16], out[16];
+            for (int i = 0; i < 16; i++) {
+                if (i >= rows) {
+                    r[i] = _mm512_setzero_si512();
+                    continue;
+                }
+                const float *s = sc + i * ng + b * gpb, *m = mn + i * ng + b * gpb;
+                const __m512 m0 = mins != NULL ? _mm512_set1_ps(m[0]) : _mm512_setzero_ps();
+                const __m512 m1 = mins != NULL ? _mm512_set1_ps(m[gpb - 1]) : _mm512_setzero_ps();
+                __m512 lo, hi;
+                dequant_block512(bits, codes + (first + i) * code_row, b, _mm512_set1_ps(s[0]), _mm512_set1_ps(s[gpb - 1]),
+                                 m0, m1, mins != NULL, &lo, &hi);
+                r[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            }
+            transpose16(r, out);
+            for (int j = 0; j < 16; j++) _mm512_store_si512(panel + (b * 16 + j) * NV + v, out[j]);
+        }
+    }
+}
+
+/* y rows m .. m + MR, columns of the tile (NV vectors, the last `last` lanes wide) = x . tile^T:
+ * one broadcast input pair of a row of x times NV vectors of the panel per `vdpbf16ps`, float32
+ * sums, rounded to bfloat16 once at the end as F.linear's output is. */
+static inline __attribute__((always_inline)) void gemm_block(const uint16_t *x, int64_t x_stride,
+                                                             const __m512i *panel, int64_t pairs, const int NV,
+                                                             const int MR, uint16_t *y, int64_t y_stride,
+                                                             __mmask16 last) {
+    __m512 acc[GEMM_MR][GEMM_NV];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh w[GEMM_NV];
+        for (int v = 0; v < NV; v++) w[v] = (__m512bh)_mm512_load_si512(panel + p * NV + v);
+        for (int m = 0; m < MR; m++) {
+            int32_t pair;
+            memcpy(&pair, x + m * x_stride + 2 * p, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int v = 0; v < NV; v++) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, w[v]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NV; v++)
+            _mm256_mask_storeu_epi16(y + m * y_stride + 16 * v, v == NV - 1 ? last : 0xffff,
+                                     (__m256i)_mm512_cvtneps_pbh(acc[m][v]));
+}
+
+/* All M rows of x against one packed tile of NV vectors, GEMM_MR rows at a time. */
+static inline __attribute__((always_inline)) void gemm_tile(const uint16_t *x, int64_t x_stride, int64_t M,
+                                                            const __m512i *panel, int64_t pairs, const int NV,
+                                                            uint16_t *y, int64_t y_stride, __mmask16 last) {
+    int64_t m = 0;
+    for (; m + GEMM_MR <= M; m += GEMM_MR)
+        gemm_block(x + m * x_stride, x_stride, panel, pairs, NV, GEMM_MR, y + m * y_stride, y_stride, last);
+    switch (M - m) {
+    case 5: gemm_block(x + m * x_stride, x_stride, panel, pairs, NV, 5, y + m * y_stride, y_stride, last); break;
+    case 4: gemm_block(x + m * x_stride, x_stride, panel, pairs, NV, 4, y + m * y_stride, y_stride, last); break;
+    case 3: gemm_block(x + m * x_stride, x_stride, panel, pairs, NV, 3, y + m * y_stride, y_stride, last); break;
+    case 2: gemm_block(x + m * x_stride, x_stride, panel, pairs, NV, 2, y + m * y_stride, y_stride, last); break;
+    case 1: gemm_block(x + m * x_stride, x_stride, panel, pairs, NV, 1, y + m * y_stride, y_stride, last); break;
+    default: break;
+    }
+}
+#endif
+
+/* Whether this build has quant_gemm_bf16 (AVX-512 with AVX512-BF16). */
+int quant_gemm_bf16_ok(void) {
+#if defined(QUANT_AVX512) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y (M, N) = x (M, K) W^T for bfloat16 x (rows x_stride elements apart) and y (rows N apart):
+ * tiles of 16 * GEMM_NV weight rows are dequantized to bfloat16 (the values quant_dequant gives),
+ * packed for `vdpbf16ps` in a per-thread buffer that stays in L2, and multiplied by all M rows,
+ * so no panel of the whole weight passes through memory. Each thread takes a contiguous slice of
+ * the columns in units of 16. Returns 0, -1 where memory ran out, -2 for a shape the kernels do
+ * not take, -3 where this build has no AVX512-BF16 (quant_gemm_bf16_ok). */
+int quant_gemm_bf16(int64_t bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
+                    int64_t N, int64_t K, const void *x, int64_t x_stride, int64_t M, void *y) {
+#if defined(QUANT_AVX512) && defined(__AVX512BF16__)
+    if (K % QK || (group != 16 && group != 32) || K / group > MAX_GROUPS) return -2;
+    const int64_t units = (N + 15) / 16, tile_bytes = 16 * GEMM_NV * K * 2;
+    int failed = 0;
+#pragma omp parallel if (M * N * K >= 65536)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t per = (units + threads - 1) / threads, u0 = t * per, u1 = u0 + per < units ? u0 + per : units;
+        char *buffer = u0 < u1 ? aligned_alloc(64, (size_t)(2 * tile_bytes)) : NULL;
+        if (u0 < u1 && buffer == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t u = u0; buffer != NULL && u < u1; u += GEMM_NV) {
+            const int64_t end = u + GEMM_NV < u1 ? u + GEMM_NV : u1, n0 = u * 16, n1 = end * 16 < N ? end * 16 : N;
+            const int NV = (int)((n1 - n0 + 15) / 16);
+            const __mmask16 last = (__mmask16)(0xffffu >> (16 * NV - (n1 - n0)));
+            float *sc = (float *)buffer, *mn = sc + 16 * (K / group);
+            __m512i *panel = (__m512i *)(buffer + tile_bytes);
+            pack_tile((int)bits, codes, scales, mins, group, K, n0, n1 - n0, NV, sc, mn, panel);
+            uint16_t *yt = (uint16_t *)y + n0;
+            switch (NV) {
+            case 4: gemm_tile(x, x_stride, M, panel, K / 2, 4, yt, N, last); break;
+            case 3: gemm_tile(x, x_stride, M, panel, K / 2, 3, yt, N, last); break;
+            case 2: gemm_tile(x, x_stride, M, panel, K / 2, 2, yt, N, last); break;
+            default: gemm_tile(x, x_stride, M, panel, K / 2, 1, yt, N, last); break;
+            }
+        }
+        free(buffer);
+    }
+    return failed ? -1 : 0;
+#else
+    (void)bits; (void)codes; (void)scales; (void)mins; (void)group; (void)N; (void)K; (void)x; (void)x_stride;
+    (void)M; (void)y;
+    return -3;
+#endif
 }

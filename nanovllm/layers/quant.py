@@ -11,11 +11,13 @@ the loader keeps packed (models/gguf_quant.py maps them), so two kernel families
 
 `quant_linear` picks the kernel per call: up to `MATVEC_MAX_ROWS` rows of x (decode at small
 batch) go to `quant_matmul` of cpu_quant.c, which takes x as int16 per 32 inputs and reads
-each weight group once for up to four rows; more rows (prefill chunks, many streams) dequantize the
-weight tile by tile into a float panel for the float GEMM, where the weight bytes no longer
-matter and the GEMM's arithmetic does. Without the compiled kernels torch dequantizes (slow,
-correct: a reference for the tests and a fallback). `quantize_model_int8` puts a float
-checkpoint's matrices into the 8-bit layout (`quantization="int8"`).
+each weight group once for up to four rows; more rows (prefill chunks, many streams) are the
+GEMM's arithmetic, not the weight bytes: bf16 x on a CPU with AVX512-BF16 goes to
+`quant_gemm_bf16`, which dequantizes 64 weight rows at a time into registers and an L2-sized
+tile and multiplies them with `vdpbf16ps`; other x (fp32, or CPUs without it) dequantize the
+weight tile by tile into a float panel for the float GEMM. Without the compiled kernels torch
+dequantizes (slow, correct: a reference for the tests and a fallback). `quantize_model_int8`
+puts a float checkpoint's matrices into the 8-bit layout (`quantization="int8"`).
 """
 from __future__ import annotations
 
@@ -119,6 +121,9 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         return F.linear(x, weight.dequantize(x.dtype), bias)
     if x.shape[0] <= MATVEC_MAX_ROWS:
         y = ops.quant_matmul(weight, x)  # (M, N)
+    elif x.dtype == torch.bfloat16 and ops.has_quant_gemm_bf16:
+        # no panel through memory: 0.3-0.9x the panel path's time at 9-512 rows (docs/architecture.md)
+        y = ops.quant_gemm_bf16(weight, x)  # (M, N)
     else:
         y = _panel_matmul(x, weight, ops)
     return y if bias is None else y.add_(bias)

@@ -232,3 +232,41 @@ def test_panel_path_equals_float_linear_of_the_dequantized_weight(ops, rows):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(quant, "PANEL_BYTES", tile_rows * 256 * 2)
             torch.testing.assert_close(quant_linear(x, weight, None, ops), expected, rtol=1e-2, atol=1e-2)
+
+
+def _random_packed(bits: int, group: int, with_mins: bool, n: int, k: int, seed: int) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01).half()
+    mins = (torch.randn(n, k // group, generator=gen) * 0.2).half() if with_mins else None
+    if bits == 4:
+        codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    else:
+        codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    return QuantizedWeight(bits, group, codes, scales, mins)
+
+
+@pytest.mark.parametrize("layout", [(4, 32, True), (4, 32, False), (8, 32, False), (8, 32, True), (8, 16, False),
+                                    (8, 16, True)], ids=lambda l: f"{l[0]}bit-g{l[1]}-{'mins' if l[2] else 'nomins'}")
+@pytest.mark.parametrize("rows", [MATVEC_MAX_ROWS + 1, 17, 64, 130])
+def test_fused_bf16_gemm_is_the_float_product_of_the_bf16_dequantized_weight(ops, layout, rows):
+    """quant_gemm_bf16 multiplies by the very bf16 weights `dequantize(bfloat16)` gives, summing in
+    float32: within one bf16 rounding of the output. 300 and 17 columns end in part-filled tiles;
+    x's rows are strided."""
+    if not ops.has_quant_gemm_bf16:
+        pytest.skip("this CPU has no AVX512-BF16: the panel path serves bf16")
+    for n in (300, 17):
+        weight = _random_packed(*layout, n, 192, seed=rows + n)
+        wide = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        x = wide[:, 32:224]  # (rows, 192), rows 256 apart
+        reference = x.float() @ weight.dequantize(torch.bfloat16).float().T
+        got = ops.quant_gemm_bf16(weight, x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        torch.testing.assert_close(got.float(), reference, rtol=2 ** -8, atol=1e-5 * reference.abs().max().item())
+        assert torch.equal(quant_linear(x, weight, None, ops), got)  # the path bf16 rows above the matvec take
+
+
+def test_fused_bf16_gemm_refuses_float32_x(ops):
+    if not ops.has_quant_gemm_bf16:
+        pytest.skip("this CPU has no AVX512-BF16")
+    with pytest.raises(ValueError, match="bfloat16"):
+        ops.quant_gemm_bf16(_random_packed(8, 32, False, 16, 64, seed=0), torch.randn(9, 64))
