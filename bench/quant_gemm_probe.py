@@ -7,11 +7,12 @@ model's shapes, 4-bit (Q4_1 layout) and 8-bit (Q8_0 layout) weights, bf16 x.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from nanovllm.layers import cpu_gemm
 from nanovllm.layers.cpu_kernels import CpuOps
@@ -53,6 +54,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ops = CpuOps.load()
     gen = torch.Generator().manual_seed(0)
+    load_before, results = os.getloadavg(), []
     print(f"{'shape':8} {'bits':>4} {'rows':>4} {'panel':>8} {'fused':>8} {'oneDNN':>8}  fused/panel  fused/oneDNN")
     for name in args.shapes:
         n, k = SHAPES[name]
@@ -67,6 +69,10 @@ def main() -> None:
                                                   lambda: cpu_gemm.linear(x, dense, None, packed)])
                 print(f"{name:8} {bits:4} {rows:4} {panel:8.3f} {fused:8.3f} {onednn:8.3f}  {fused / panel:11.2f}  "
                       f"{fused / onednn:12.2f}", flush=True)
+                results.append({"shape": name, "n": n, "k": k, "bits": bits, "rows": rows, "panel_ms": round(panel, 3),
+                                "fused_ms": round(fused, 3), "onednn_ms": round(onednn, 3)})
+    print(json.dumps({"bench": "quant_gemm_probe", "threads": args.threads, "rows": results,
+                      "loadavg_before": load_before, "loadavg_after": os.getloadavg()}))
 
 
 if __name__ == "__main__":

@@ -280,7 +280,11 @@ class CpuOps:
         for fn in (self._quant_matmul, self._quant_dequant, self._quant_gemm_bf16):
             fn.restype = ctypes.c_int
         self.has_quant_gemm_bf16 = bool(lib.quant_gemm_bf16_ok())
-        """Whether `quant_gemm_bf16` runs here (AVX512-BF16 builds; elsewhere the panel path serves)."""
+        """Whether this build has `quant_gemm_bf16` (AVX512-BF16 builds)."""
+        self.uses_quant_gemm_bf16 = self.has_quant_gemm_bf16 and "amx_bf16" not in cpu_flags()
+        """Whether `quant_linear` takes it for bf16 rows above the matvec: not on CPUs with AMX,
+        where oneDNN multiplies the dequantized panel on its tiles, which `vdpbf16ps` cannot
+        approach at prefill sizes (the panel path serves there, and wherever it is not built)."""
         self._draw_rows = lib.draw_rows
         self._draw_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P]
         self._draw_rows.restype = None

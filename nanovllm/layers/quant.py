@@ -12,7 +12,7 @@ the loader keeps packed (models/gguf_quant.py maps them), so two kernel families
 `quant_linear` picks the kernel per call: up to `MATVEC_MAX_ROWS` rows of x (decode at small
 batch) go to `quant_matmul` of cpu_quant.c, which takes x as int16 per 32 inputs and reads
 each weight group once for up to four rows; more rows (prefill chunks, many streams) are the
-GEMM's arithmetic, not the weight bytes: bf16 x on a CPU with AVX512-BF16 goes to
+GEMM's arithmetic, not the weight bytes: bf16 x on a CPU with AVX512-BF16 and no AMX goes to
 `quant_gemm_bf16`, which dequantizes 64 weight rows at a time into registers and an L2-sized
 tile and multiplies them with `vdpbf16ps`; other x (fp32, or CPUs without it) dequantize the
 weight tile by tile into a float panel for the float GEMM. Without the compiled kernels torch
@@ -121,7 +121,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         return F.linear(x, weight.dequantize(x.dtype), bias)
     if x.shape[0] <= MATVEC_MAX_ROWS:
         y = ops.quant_matmul(weight, x)  # (M, N)
-    elif x.dtype == torch.bfloat16 and ops.has_quant_gemm_bf16:
+    elif x.dtype == torch.bfloat16 and ops.uses_quant_gemm_bf16:
         # no panel through memory: 0.3-0.9x the panel path's time at 9-512 rows (docs/architecture.md)
         y = ops.quant_gemm_bf16(weight, x)  # (M, N)
     else:

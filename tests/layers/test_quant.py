@@ -262,7 +262,8 @@ def test_fused_bf16_gemm_is_the_float_product_of_the_bf16_dequantized_weight(ops
         got = ops.quant_gemm_bf16(weight, x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         torch.testing.assert_close(got.float(), reference, rtol=2 ** -8, atol=1e-5 * reference.abs().max().item())
-        assert torch.equal(quant_linear(x, weight, None, ops), got)  # the path bf16 rows above the matvec take
+        if ops.uses_quant_gemm_bf16:  # the path bf16 rows above the matvec take (not with AMX: the panel)
+            assert torch.equal(quant_linear(x, weight, None, ops), got)
 
 
 def test_fused_bf16_gemm_refuses_float32_x(ops):
@@ -270,3 +271,16 @@ def test_fused_bf16_gemm_refuses_float32_x(ops):
         pytest.skip("this CPU has no AVX512-BF16")
     with pytest.raises(ValueError, match="bfloat16"):
         ops.quant_gemm_bf16(_random_packed(8, 32, False, 16, 64, seed=0), torch.randn(9, 64))
+
+
+def test_cpus_with_amx_keep_the_panel_path_for_bf16_rows(ops, monkeypatch):
+    """With AMX, oneDNN multiplies the dequantized panel on its tiles: the fused kernel is not chosen."""
+    from nanovllm.layers import cpu_kernels
+    from nanovllm.layers.quant import _panel_matmul
+
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+    on_amx = cpu_kernels.CpuOps(cpu_kernels._load_library())
+    assert not on_amx.uses_quant_gemm_bf16
+    weight = _random_packed(4, 32, True, 48, 96, seed=3)
+    x = torch.randn(MATVEC_MAX_ROWS + 4, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(quant_linear(x, weight, None, on_amx), _panel_matmul(x, weight, on_amx))
