@@ -65,7 +65,8 @@ class Config:
     """How a GGUF file's quantized matrices are held on one CPU rank: "packed" (as the file has
     them, read by the packed kernels: memory about the file's size, the fastest decode at a few
     streams) or "float" (dequantized to `dtype` at load and prepacked for oneDNN, as on CUDA:
-    about 3x the memory, more throughput at many streams on CPUs with AMX; docs/operations.md)."""
+    about 3x the memory, more throughput at many streams on CPUs with AMX or without AVX512-BF16,
+    and at 9-32 streams on the others; docs/operations.md)."""
     device: str = "auto"
     num_threads: int | None = None
     """Torch intra-op threads on CPU; defaults to the cores this process may use."""
