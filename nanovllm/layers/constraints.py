@@ -103,7 +103,9 @@ def mask_grammar_rows(logits: torch.Tensor, rows: list[int], seqs: list[Sequence
     ops (`cpu_ops`) the grammars' packed bits are applied as they are (`CpuOps.mask_bits`);
     elsewhere they are unpacked into a (G, V) bool tensor for one `masked_fill_`. A row whose
     grammar raised (its output does not fit) goes into `failed`, as from `apply_constraints`."""
-    packed = cpu_ops is not None and cpu_ops.supports_draw(logits)
+    # One vocabulary for all the rows (always, within one engine): one packed width to apply.
+    packed = (cpu_ops is not None and cpu_ops.supports_draw(logits)
+              and len({states[i].grammar.n_vocab for i in rows}) == 1)
     masks, ok = [], []
     for i in rows:
         grammar = states[i].grammar
@@ -115,11 +117,9 @@ def mask_grammar_rows(logits: torch.Tensor, rows: list[int], seqs: list[Sequence
             failed[i] = processor_failure(grammar, e)
     if not ok:
         return
-    if packed and len({states[i].grammar.n_vocab for i in ok}) == 1:
+    if packed:
         cpu_ops.mask_bits(logits, ok, _stack_bits(masks), states[ok[0]].grammar.n_vocab)
         return
-    if packed:  # grammars over different vocabularies (not in one engine): the bool masks
-        masks = [states[i].grammar.blocked(seqs[i].output_token_ids) for i in ok]
     blocked = _stack_rows(masks, logits.shape[1]).to(logits.device, non_blocking=True)  # (G, V) bool
     if len(ok) == len(logits):  # every row (every stream constrained): in place, no gather
         logits.masked_fill_(blocked, _NEG_INF)

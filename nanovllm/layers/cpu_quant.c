@@ -845,7 +845,7 @@ int quant_gemm_bf16_ok(void) {
 int quant_gemm_bf16(int64_t bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group,
                     int64_t N, int64_t K, const void *x, int64_t x_stride, int64_t M, void *y) {
 #if defined(QUANT_AVX512) && defined(__AVX512BF16__)
-    if (K % QK || (group != 16 && group != 32) || K / group > MAX_GROUPS) return -2;
+    if (!quant_shape_ok(bits, group, K)) return -2;
     const int64_t units = (N + 15) / 16, tile_bytes = 16 * GEMM_NV * K * 2;
     int failed = 0;
 #pragma omp parallel if (M * N * K >= 65536)

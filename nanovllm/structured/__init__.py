@@ -203,7 +203,7 @@ class StructuredOutput:
         them (token t is bit t % 32 of word t // 32), once computed for it."""
         self._blocked: Any = None
         """torch bool (n_vocab,): `_bits` unpacked and negated, made when first asked for."""
-        self._blocked_at = -1
+        self._bits_at = -1
         """len(seen) when `_bits` was computed."""
 
     def _follow(self, output: Sequence[int]) -> None:
@@ -212,7 +212,7 @@ class StructuredOutput:
         n = len(self.seen)
         if len(output) < n or (n and int(output[n - 1]) != self.seen[-1]):
             self.matcher.reset()
-            self.seen, self._blocked_at, n = [], -1, 0
+            self.seen, self._bits_at, n = [], -1, 0
         for t in output[n:]:
             if not self.matcher.consume_token(int(t)):
                 raise ValueError(f"token {int(t)} does not fit the response_format: {self.matcher.get_error()[:300]}")
@@ -229,13 +229,13 @@ class StructuredOutput:
         self._set_bits(self.bitmask[0].copy())
 
     def _set_bits(self, bits: Any) -> None:
-        self._bits, self._blocked, self._blocked_at = bits, None, len(self.seen)
+        self._bits, self._blocked, self._bits_at = bits, None, len(self.seen)
 
     def bits(self, output: Sequence[int]) -> Any:
         """numpy int32 (ceil(n_vocab / 32),): the tokens the grammar allows after `output`,
         packed as llguidance fills them (the form `CpuOps.mask_bits` applies directly)."""
         self._follow(output)
-        if self._blocked_at != len(self.seen):
+        if self._bits_at != len(self.seen):
             self.prepare(output)
         return self._bits
 
@@ -268,7 +268,7 @@ def prepare_masks(jobs: Sequence[tuple[StructuredOutput, Sequence[int]]], execut
     is skipped: `StructuredOutput.bits` computes it again and raises the request's error."""
     # [ZH-START]
     # 1. 每行先 _follow(output)（Python 里逐个 consume 新 token）；抛异常的行跳过，
-    #    采样时由 blocked() 重算并报告错误。
+    #    采样时由 bits() / blocked() 重算并报告错误。
     # 2. 已为当前输出算过掩码的行跳过；剩下的若不足两行、没有 executor、或词表大小不一，
     #    就逐行串行 prepare。
     # 3. 否则分配共享 bitmask (N, ⌈V/32⌉)，fill_next_token_bitmask_par 一次调用：
@@ -282,7 +282,7 @@ def prepare_masks(jobs: Sequence[tuple[StructuredOutput, Sequence[int]]], execut
             grammar._follow(output)
         except Exception:  # computed again where the mask is applied, which reports the request's error
             continue
-        if grammar._blocked_at != len(grammar.seen):
+        if grammar._bits_at != len(grammar.seen):
             todo.append((grammar, output))
     if executor is None or len(todo) < 2 or len({g.n_vocab for g, _ in todo}) > 1:
         for grammar, output in todo:
