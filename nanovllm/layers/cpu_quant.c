@@ -16,18 +16,16 @@
  * codes to float cost three times the shuffles. Each weight block is loaded once for up to four
  * rows of x; at one row, 4-bit weights go four W rows at a time (`dot_rows4`: a block's halves
  * share a scale, so they sum in int32, with one `vpdpwssd` where the CPU has AVX-VNNI or
- * AVX512-VNNI) and, with AVX-512, 8-bit ones too (`dot_rows512`: a block per 512-bit register,
- * four rows a pass; the LM head). The instruction set is the build's (-march=native, one library per CPU: see
- * cpu_kernels.py), so the choice is made per CPU; NANOVLLM_CPU_ISA builds this CPU's library
- * without AVX-512 or without VNNI, to time and test those paths here (`cpu_kernels_isa` says
- * which a library got); tests build the baseline x86-64 variant too.
+ * AVX512-VNNI); with AVX-512, 8-bit ones go through `dot_row8_512` (a block per 512-bit register,
+ * one W row after another: a single stream through memory; the LM head). The instruction set is
+ * the build's (-march=native, one library per CPU: see cpu_kernels.py), so the choice is made per
+ * CPU; NANOVLLM_CPU_ISA builds this CPU's library without AVX-512 or without VNNI, to time and
+ * test those paths here (`cpu_kernels_isa` says which a library got); tests build the baseline
+ * x86-64 variant too.
  * With AVX-512, batch-1 4-bit weights take several blocks per register instead (`rows_range`):
  * four with AVX512-VNNI (`dot_quads`: x's int16 codes split into high and low bytes for
  * `vpdpbusd`, the block sums still exact), two without (`dot4_512`); W is prefetched
- * PREFETCH_BYTES ahead, which alone gave 1.5x at one thread. 8-bit weights with AVX512-VNNI
- * take two blocks per register (`dot_pairs8`, codes read as unsigned by flipping their top bit,
- * x's high bytes' sums taking that back), one W row at a time: the LM head from memory 0.6x the
- * time of `dot_rows512` (four rows interleaved), one stream end to end 1.12x.
+ * PREFETCH_BYTES ahead, which alone gave 1.5x at one thread.
  * With AVX-512, 2-8 rows of x (a small decode step) take these batch-1 kernels once per row, the
  * same four (or two) W rows staying in L1 across the rows: each row's products are then those it
  * would get alone, and 8 rows cost ~0.6x the general loop (`dot_rows`, which other builds keep).
@@ -240,42 +238,26 @@ static inline __attribute__((always_inline)) void dot_rows4(const uint8_t *codes
 #endif
 
 #ifdef QUANT_AVX512
-/* Block b's 32 codes as 32 int16 lanes in input order. */
-static inline __m512i codes512(int bits, const uint8_t *codes, int64_t b) {
-    if (bits == 8) return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(codes + b * QK)));
-    /* the 16 bytes twice: low nibbles give inputs 0..15, high nibbles inputs 16..31 */
-    const __m512i v = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(codes + b * 16))));
-    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    return _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi16(0x0f));
-}
-
 /* Block b's scales: lanes 0..7 (inputs 0..15) and 8..15 (inputs 16..31), groups of 32 or 16. */
 static inline __m512 scales512(const float *sc, int64_t b, int64_t gpb) {
     return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(sc[b * gpb]), _mm512_set1_ps(sc[b * gpb + gpb - 1]));
 }
 
-/* Batch 1, P rows of W (codes `code_row` bytes apart, scales MAX_GROUPS apart) per load of x:
- * each block's int16 dot products in one `madd`. Each row's sums run as they would alone, so the
- * row count changes no result. 8-bit codes: a block is half a cache line, so every other block
- * prefetches (for 4-bit, each). */
-static inline __attribute__((always_inline)) void dot_rows512(int bits, const uint8_t *codes, int64_t code_row,
-                                                              const float *sc, int64_t group, int64_t K,
-                                                              const xrow *x, float *out, const int P) {
-    const int64_t nb = K / QK, gpb = QK / group, block_bytes = bits == 4 ? QK / 2 : QK;
-    __m512 acc[4];
-    for (int p = 0; p < P; p++) acc[p] = _mm512_setzero_ps();
+/* Batch 1, one row of 8-bit W (scales as float32) against one row of x: a block per 512-bit
+ * register, its int16 dot products in one `madd`. One W row at a time, not four interleaved (as
+ * before): a single stream through memory, which the hardware prefetcher follows; the LM head
+ * read from memory took 1.6x the time interleaved (Zen 4). A block is half a cache line, so
+ * every other block prefetches. */
+static inline float dot_row8_512(const uint8_t *codes, const float *sc, int64_t group, int64_t K, const xrow *x) {
+    const int64_t nb = K / QK, gpb = QK / group;
+    __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        if (bits == 4 || b % 2 == 0)
-            for (int p = 0; p < P; p++)
-                _mm_prefetch((const char *)(codes + p * code_row + b * block_bytes + PREFETCH_BYTES), _MM_HINT_T0);
-        const __m512i xv = _mm512_loadu_si512((const void *)(x->q + b * QK));
-        const __m512 d = _mm512_set1_ps(x->d[b]);
-        for (int p = 0; p < P; p++) {
-            const __m512 prod = _mm512_cvtepi32_ps(_mm512_madd_epi16(codes512(bits, codes + p * code_row, b), xv));
-            acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(prod, scales512(sc + p * MAX_GROUPS, b, gpb)), d, acc[p]);
-        }
+        if (b % 2 == 0) _mm_prefetch((const char *)(codes + b * QK + PREFETCH_BYTES), _MM_HINT_T0);
+        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(codes + b * QK)));
+        const __m512 prod = _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512((const void *)(x->q + b * QK))));
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(prod, scales512(sc, b, gpb)), _mm512_set1_ps(x->d[b]), acc);
     }
-    for (int p = 0; p < P; p++) out[p] += _mm512_reduce_add_ps(acc[p]);
+    return _mm512_reduce_add_ps(acc);
 }
 #endif
 
@@ -417,62 +399,7 @@ static inline __attribute__((always_inline)) void dot_quads(const uint8_t *codes
 #endif
 
 #if defined(__AVX512VNNI__)
-/* One row of x's int16 codes as `dot_pairs8` reads them: per pair of blocks (64 inputs, an odd
- * last block paired with zeros), 192 bytes: the low bytes in input order (unsigned), the high
- * bytes (signed), then per four inputs -128 * (the sum of their high bytes) as int32, which
- * takes off what reading 8-bit codes c as c + 128 (unsigned, for `vpdpbusd`) adds. After the
- * pairs, x's scale per group of `group` inputs (`dg`), so that row_setup512 meets groups of 16. */
-#define PAIR8_BYTES 192
-static void byte_layout(const int16_t *q, const float *d, int64_t nb, int64_t group, uint8_t *out) {
-    const __m512i neg = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
-    for (int64_t b = 0; b < nb; b += 2) {
-        const __m512i v0 = _mm512_loadu_si512((const void *)(q + b * QK));
-        const __m512i v1 = b + 1 < nb ? _mm512_loadu_si512((const void *)(q + (b + 1) * QK)) : zero;
-        const __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(v0)), _mm512_cvtepi16_epi8(v1), 1);
-        const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(v0, 8))),
-                                              _mm512_cvtepi16_epi8(_mm512_srai_epi16(v1, 8)), 1);
-        uint8_t *o = out + (b / 2) * PAIR8_BYTES;
-        _mm512_storeu_si512((void *)o, lo);
-        _mm512_storeu_si512((void *)(o + 64), hi);
-        _mm512_storeu_si512((void *)(o + 128), _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, neg, hi)));
-    }
-    float *dg = (float *)(out + (nb + 1) / 2 * PAIR8_BYTES);
-    for (int64_t g = 0; g < nb * (QK / group); g++) dg[g] = d[g * group / QK];
-}
-
-/* Blocks (b, b+1) of one 8-bit W row (64 code bytes; `mask` keeps those of the blocks that exist)
- * against x in `byte_layout`: the exact int32 dot products, lane i inputs 4i..4i+3 of the pair. */
-static inline __m512i dot_pair8(const uint8_t *c, __mmask64 mask, __m512i xl, __m512i xh, __m512i corr) {
-    const __m512i v = _mm512_maskz_loadu_epi8(mask, c);
-    const __m512i high = _mm512_dpbusd_epi32(corr, _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)), xh);
-    return _mm512_dpbusd_epi32(_mm512_slli_epi32(high, 8), xl, v); /* x bytes unsigned, codes signed */
-}
-
-/* Batch 1, one row of 8-bit W, two blocks per 512-bit register: half the instructions per weight
- * of `dot_rows512`. sd: the row's `row_setup512` scales per group (`gpb` groups per block, 1 or
- * 2). One W row at a time, not four: a single stream through memory, which the hardware
- * prefetcher follows better (measured: the LM head 0.7x the time of four rows interleaved, with
- * the weights coming from memory). */
-static inline float dot_pairs8(const uint8_t *codes, const float *sd, int64_t gpb, int64_t nb, const uint8_t *xq) {
-    const __m512i pick = gpb == 1 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
-                                  : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 2) {
-        const uint8_t *x = xq + (b / 2) * PAIR8_BYTES;
-        const __mmask64 mask = b + 1 < nb ? ~(__mmask64)0 : (__mmask64)0xffffffffu;
-        _mm_prefetch((const char *)(codes + b * QK + PREFETCH_BYTES), _MM_HINT_T0);
-        const __m512 s = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_loadu_ps(sd + b * gpb)));
-        const __m512i dot = dot_pair8(codes + b * QK, mask, _mm512_loadu_si512((const void *)x),
-                                      _mm512_loadu_si512((const void *)(x + 64)), _mm512_loadu_si512((const void *)(x + 128)));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc);
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-#endif
-
-#if defined(__AVX512VNNI__)
-#define LAYOUT8_BYTES ((MAX_GROUPS / 2 + 1) * PAIR8_BYTES + MAX_GROUPS * 4) /* byte_layout */
-#define LAYOUT_BYTES ((MAX_GROUPS / 4 + 1) * 256 + LAYOUT8_BYTES) /* quad_layout, then byte_layout */
+#define LAYOUT_BYTES ((MAX_GROUPS / 4 + 1) * 256) /* quad_layout */
 #else
 #define LAYOUT_BYTES ((MAX_GROUPS + 1) * QK * 2)  /* pair_layout */
 #endif
@@ -540,10 +467,7 @@ static xprep prepare(const void *x, int64_t x_stride, int64_t M, int64_t K, int6
         char *layout = (char *)data + ALIGN64((int64_t)sizeof(float) * M * (K / 2 + K / QK + K / 16));
         for (int64_t m = 0; m < M; m++)
 #if defined(__AVX512VNNI__)
-        {
             quad_layout(rows[m].q, K / QK, (uint8_t *)(layout + m * LAYOUT_BYTES));
-            byte_layout(rows[m].q, rows[m].d, K / QK, group, (uint8_t *)(layout + m * LAYOUT_BYTES + LAYOUT_BYTES - LAYOUT8_BYTES));
-        }
 #else
             pair_layout(rows[m].q, K / QK, (int16_t *)(layout + m * LAYOUT_BYTES));
 #endif
@@ -564,7 +488,7 @@ void *quant_prepare(const void *x, int64_t x_stride, int64_t M, int64_t K, int64
 }
 
 #ifdef QUANT_AVX512
-#define PAIR8 1 /* measured: 512-bit pairs ~1.2x for 8-bit codes (LM head), slower for 4-bit */
+#define PAIR8 1 /* 8-bit codes take the batch-1 branch (dot_row8_512); measured ~1.2x the general loop (LM head) */
 #else
 #define PAIR8 0
 #endif
@@ -616,23 +540,6 @@ static void rows_range(int bits, const uint8_t *codes, const uint16_t *scales, c
 #undef DOT4
         return;
     }
-#if defined(__AVX512VNNI__)
-    if (M <= LAYOUT_ROWS && bits == 8 && N % 2 == 0) {
-        /* 8-bit W: two blocks per register, one W row at a time against each row of x in turn */
-        const int64_t nb = K / QK;
-        for (int64_t n = n0; n < n1; n++) {
-            for (int64_t m = 0; m < M; m++) {
-                const uint8_t *xp = (const uint8_t *)px->layout + m * LAYOUT_BYTES + LAYOUT_BYTES - LAYOUT8_BYTES;
-                const float *dg = (const float *)(xp + (nb + 1) / 2 * PAIR8_BYTES);
-                float sd[SD_ROW];
-                const float mins_dot = row_setup512(scales + n * ng, mins != NULL ? mins + n * ng : NULL, rows[m].sum, dg,
-                                                    ng, sd);
-                sstore(y, m * N + n, mins_dot + dot_pairs8(codes + n * code_row, sd, QK / group, nb, xp), BF);
-            }
-        }
-        return;
-    }
-#endif
 #endif
     if (P > 1) { /* measured: 1.5x for 4-bit codes, slower for 8-bit (but for AVX-512 pairs) */
         for (int64_t n = n0; n < n1; n += P) {
@@ -642,15 +549,15 @@ static void rows_range(int bits, const uint8_t *codes, const uint16_t *scales, c
                 if (mins != NULL) f16_row(mins + (n + i) * ng, ng, mn[i]);
             }
             /* one row of x unless 8-bit codes with AVX-512: then each of up to LAYOUT_ROWS rows in
-             * turn, as at batch 1, while the P rows of W sit in L1 */
+             * turn, as at batch 1, while the P rows of W sit in L1 (read one after another) */
             for (int64_t m = 0; m < M; m++) {
                 float out[4] = {0.f, 0.f, 0.f, 0.f};
                 if (mins != NULL)
                     for (int i = 0; i < P; i++)
                         for (int64_t g = 0; g < ng; g++) out[i] += mn[i][g] * rows[m].sum[g];
 #ifdef QUANT_AVX512
-                if (bits == 8 && P == 4) dot_rows512(8, codes + n * code_row, code_row, sc[0], group, K, rows + m, out, 4);
-                else if (bits == 8) dot_rows512(8, codes + n * code_row, code_row, sc[0], group, K, rows + m, out, 2);
+                if (bits == 8)
+                    for (int i = 0; i < P; i++) out[i] += dot_row8_512(codes + (n + i) * code_row, sc[i], group, K, rows + m);
                 else
 #endif
                 if (P == 4) dot_rows4(codes + n * code_row, code_row, sc[0], K, rows + m, out, 4);
