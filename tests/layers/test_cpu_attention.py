@@ -142,20 +142,23 @@ def test_the_kernel_refuses_mixed_dtypes(kernel):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
-def test_paired_gqa_heads_give_the_bits_of_heads_one_at_a_time(kernel, head_dim, dtype):
-    # Two query heads of one KV head (an even group size) are computed together, each K and V
-    # row read once for both; with the KV heads duplicated per query head (group size 1) every
-    # head goes alone. Same operations in the same order per head: the outputs must be identical.
+@pytest.mark.parametrize("group", [2, 3])
+@pytest.mark.parametrize("rows", [5, 1])  # one row: its heads are split over the threads, a group at a time
+def test_grouped_gqa_heads_give_the_bits_of_heads_one_at_a_time(kernel, head_dim, dtype, group, rows):
+    # The query heads of one KV head (pairs for an even group size, threes for a multiple of
+    # three: the default model's 9 over 3) are computed together, each K and V row read once for
+    # them all; with the KV heads duplicated per query head (group size 1) every head goes alone.
+    # Same operations in the same order per head: the outputs must be identical.
     kc, vc = paged_cache(num_blocks=30, block_size=16, kv_heads=2, head_dim=head_dim, seed=7)
     kc, vc = kc.to(dtype), vc.to(dtype)
     torch.manual_seed(head_dim + 1)
-    tables = torch.stack([torch.randperm(30)[:6] for _ in range(5)])
-    ctx = torch.tensor([1, 7, 96, 53, 23])  # block remainders of 1..7 keys and whole blocks
-    q = torch.randn(5, 4, head_dim).to(dtype)  # 4 query heads over 2 KV heads: pairs
-    paired = kernel(q, kc, vc, tables, torch.arange(5), ctx, head_dim ** -0.5)
-    single = kernel(q, kc.repeat_interleave(2, dim=2), vc.repeat_interleave(2, dim=2), tables, torch.arange(5), ctx,
-                    head_dim ** -0.5)
-    assert torch.equal(paired, single)
+    tables = torch.stack([torch.randperm(30)[:6] for _ in range(rows)])
+    ctx = torch.tensor([1, 7, 96, 53, 23])[:rows] if rows > 1 else torch.tensor([90])  # remainders of 1..7 keys
+    q = torch.randn(rows, 2 * group, head_dim).to(dtype)  # 2 * group query heads over 2 KV heads
+    grouped = kernel(q, kc, vc, tables, torch.arange(rows), ctx, head_dim ** -0.5)
+    single = kernel(q, kc.repeat_interleave(group, dim=2), vc.repeat_interleave(group, dim=2), tables,
+                    torch.arange(rows), ctx, head_dim ** -0.5)
+    assert torch.equal(grouped, single)
 
 
 CHUNK_CASES = [  # (query heads, KV heads, head_dim, block_size, cached tokens, new rows)
