@@ -80,29 +80,12 @@ static inline void store_sums8(float *restrict s, const __m256 *a, float scale) 
 }
 #endif
 
-/* Scores of one query head (float) against n cached keys, key i at element k + i * stride. */
-static inline void scores_block(const float *restrict qh, const void *k, float *restrict s, int64_t n,
-                                int64_t stride, int64_t D_rt, float scale, const int64_t HD, const int BF) {
+/* Scores of one query head (float) against n cached keys, key i at element k + i * stride, a key
+ * at a time: the keys past the last eight, and every key where no wider loop applies. */
+static inline void scores_keys(const float *restrict qh, const void *k, float *restrict s, int64_t n,
+                               int64_t stride, int64_t D_rt, float scale, const int64_t HD, const int BF) {
     const int64_t D = HD ? HD : D_rt;
-    int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    if (HD && HD % 8 == 0) {
-        /* Eight keys at a time: eight independent FMA chains (one per key) instead of one long
-         * dependent chain per dot product, then one transpose-and-add for the eight sums. */
-        for (; i + 8 <= n; i += 8) {
-            __m256 a[8];
-            for (int t = 0; t < 8; t++) {
-                const int64_t kt = (i + t) * stride;
-                __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qh), (__m256)load8x(k, kt, BF));
-                for (int64_t j = 8; j < HD; j += 8)
-                    x = _mm256_fmadd_ps(_mm256_loadu_ps(qh + j), (__m256)load8x(k, kt + j, BF), x);
-                a[t] = x;
-            }
-            store_sums8(s + i, a, scale);
-        }
-    }
-#endif
-    for (; i < n; i++) {
+    for (int64_t i = 0; i < n; i++) {
         vf dv = {0};
         int64_t d = 0;
         for (; d + VL <= D; d += VL) dv += loadv(qh + d) * vload(k, i * stride + d, BF);
@@ -118,18 +101,42 @@ static inline void scores_block(const float *restrict qh, const void *k, float *
  * bf16: 0.57-0.60 against 0.78-0.80), so float32 keeps single heads there. */
 static inline int64_t heads_per_pass(int64_t G, int BF) { return G % 2 == 0 ? 2 : BF && G % 3 == 0 ? 3 : 1; }
 
-/* NG (2 or 3) query heads of one KV group against the same n keys: each key is loaded, and in
- * bf16 widened, once for all of them. Head g's query is q + g * D, its scores s + g * BSP. Each
- * head's sums run in exactly the order of scores_block, so the scores are bit for bit those of
- * NG scores_block calls. */
+/* Scores of NG (1 to 3) query heads of one KV group against the same n keys, key i at element
+ * k + i * stride: each key is loaded, and in bf16 widened, once for all of them. Head g's query is
+ * q + g * D, its scores s + g * BSP. Eight keys at a time: eight independent FMA chains (one per
+ * key) instead of one long dependent chain per dot product, then one transpose-and-add for the
+ * eight sums; with AVX-512 and a head size a multiple of 16 the chains are 16 lanes wide (half
+ * the instructions), each folded to eight lanes before that add. Each head's sums run in the
+ * same order whatever NG is, so heads computed together give the bits of heads one at a time. */
 static inline __attribute__((always_inline)) void scores_group(const float *restrict q, const void *k,
                                                                float *restrict s, int64_t BSP, int64_t n, int64_t stride,
                                                                int64_t D_rt, float scale, const int64_t HD, const int BF,
                                                                const int NG) {
     const int64_t D = HD ? HD : D_rt;
     int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    if (HD && HD % 16 == 0) {
+        for (; i + 8 <= n; i += 8) {
+            __m256 a[3][8];
+            for (int t = 0; t < 8; t++) {
+                const int64_t kt = (i + t) * stride;
+                const vf k0 = vload(k, kt, BF);
+                vf x[3];
+                for (int g = 0; g < NG; g++) x[g] = loadv(q + g * HD) * k0;
+                for (int64_t j = 16; j < HD; j += 16) {
+                    const vf kj = vload(k, kt + j, BF);
+                    for (int g = 0; g < NG; g++) x[g] += loadv(q + g * HD + j) * kj;
+                }
+                for (int g = 0; g < NG; g++)
+                    a[g][t] = _mm256_add_ps(_mm512_castps512_ps256((__m512)x[g]),
+                                            _mm256_castpd_ps(_mm512_extractf64x4_pd((__m512d)x[g], 1)));
+            }
+            for (int g = 0; g < NG; g++) store_sums8(s + g * BSP + i, a[g], scale);
+        }
+    }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
-    if (HD && HD % 8 == 0) {
+    if (HD && HD % 8 == 0 && (VL == 8 || HD % 16 != 0)) {
         for (; i + 8 <= n; i += 8) {
             __m256 a[3][8];
             for (int t = 0; t < 8; t++) {
@@ -145,9 +152,9 @@ static inline __attribute__((always_inline)) void scores_group(const float *rest
         }
     }
 #endif
-    if (i < n)  /* fewer than eight keys left (or no AVX2): scores_block's own per-key loop */
+    if (i < n)
         for (int g = 0; g < NG; g++)
-            scores_block(q + g * D, at(k, i * stride, BF), s + g * BSP + i, n - i, stride, D_rt, scale, HD, BF);
+            scores_keys(q + g * D, at(k, i * stride, BF), s + g * BSP + i, n - i, stride, D_rt, scale, HD, BF);
 }
 
 /* acc = acc * alpha + sum_i p[i] * v_i over n value rows (row i at element v + i * stride). With
@@ -270,7 +277,7 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
             const void *kh = at(kb, (h / G) * D, BF);
             if (hs == 3) scores_group(qf + h * D, kh, s + h * BSP, BSP, n, row, D, scale, HD, BF, 3);
             else if (hs == 2) scores_group(qf + h * D, kh, s + h * BSP, BSP, n, row, D, scale, HD, BF, 2);
-            else scores_block(qf + h * D, kh, s + h * BSP, n, row, D, scale, HD, BF);
+            else scores_group(qf + h * D, kh, s + h * BSP, BSP, n, row, D, scale, HD, BF, 1);
         }
         for (int64_t h = h0; h < h1; h += hs) {
             const void *vh = at(vb, (h / G) * D, BF);
