@@ -243,9 +243,10 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
     //       （块在内存里是分散的，硬件预取器每块都要重新起步；同样的预取放进 L1
     //       实测比不预取还慢）；
     //    b. 对每个 head 算 n 个分数 s = q·k * scale（GQA：第 h 个 head 读第 h / G 个 KV head）；
-    //       G 为偶数时相邻两个 head、G 是 3 的倍数且缓存为 bf16 时相邻三个 head 共用一个 KV head，一组一起算
-    //       （scores_group / accumulate_group），
+    //       G 为偶数时相邻两个 head、G 是 3 的倍数且缓存为 bf16 时相邻三个 head
+    //       共用一个 KV head，一组一起算（scores_group / accumulate_group），
     //       K、V 行只读取、展开一次，每个 head 的运算顺序不变，结果与逐个 head 计算逐位相同；
+    //       分数一次算 8 个 key（8 条独立的 FMA 链），AVX-512 且 D 是 16 的倍数时每条 16 路宽；
     //    c. 新最大值 mx 若超过 m[h]，旧累加按 alpha = exp(m[h] - mx) 缩放；
     //       s 变成 exp(s - mx)，l[h] = l[h] * alpha + sum(s)；
     //    d. acc[h] = acc[h] * alpha + sum_i s[i] * v_i。
