@@ -60,6 +60,13 @@
 #define ROWS_PER_PASS 4  /* rows of x sharing one load of a weight block */
 #define PREFETCH_BYTES 4096 /* batch 1 reads W ahead by this much: measured 1.5x over 512 at one thread */
 #define MAX_GROUPS 512   /* groups per row the stack buffers hold (K up to 8192 at 16 per group) */
+/* At one row of x, 4-bit W rows of at least this many code bytes go one at a time, not four
+ * interleaved: the hardware prefetcher follows one stream better (measured on a Zen 4 with the
+ * weights coming from memory: the default model's down projections, 768-byte rows, 0.84-0.87x the
+ * time with AVX512-VNNI, 0.67-0.69x built for AVX2 alone; its 288-byte rows the same or slower one
+ * at a time, so four rows, adjacent in memory, stay together there). With more rows of x the four
+ * share each load of x, which matters more: 8 rows one at a time measured 0.87x the tokens/s. */
+#define SINGLE_ROW_BYTES 512
 
 static inline float f16_to_f32(uint16_t h) {
 #ifdef QUANT_AVX2
@@ -405,13 +412,6 @@ static inline __attribute__((always_inline)) void dot_quads(const uint8_t *codes
 #define LAYOUT_BYTES ((MAX_GROUPS + 1) * QK * 2)  /* pair_layout */
 #endif
 #define LAYOUT_ROWS 8 /* rows of x up to which 4-bit W takes the batch-1 kernel, once per row of x */
-/* At one row of x, 4-bit W rows of at least this many code bytes go one at a time, not four
- * interleaved: the hardware prefetcher follows one stream better (measured on a Zen 4 with the
- * weights coming from memory: the default model's down projections, 768-byte rows, 0.84-0.87x the
- * time; its 288-byte rows the same or slower one at a time, so four rows, adjacent in memory, stay
- * together there). With more rows of x the four share each load of x, which matters more: 8 rows
- * one at a time measured 0.87x the tokens/s. */
-#define SINGLE_ROW_BYTES 512
 #endif /* QUANT_AVX512 */
 
 /* R as a compile-time constant in the common cases, so the accumulators stay in registers. */
@@ -570,7 +570,9 @@ static void rows_range(int bits, const uint8_t *codes, const uint16_t *scales, c
                     for (int i = 0; i < P; i++) out[i] += dot_row8_512(codes + (n + i) * code_row, sc[i], group, K, rows + m);
                 else
 #endif
-                if (P == 4) dot_rows4(codes + n * code_row, code_row, sc[0], K, rows + m, out, 4);
+                if (M == 1 && code_row >= SINGLE_ROW_BYTES) /* long rows: one stream through memory */
+                    for (int i = 0; i < P; i++) dot_rows4(codes + (n + i) * code_row, code_row, sc[i], K, rows + m, out + i, 1);
+                else if (P == 4) dot_rows4(codes + n * code_row, code_row, sc[0], K, rows + m, out, 4);
                 else dot_rows4(codes + n * code_row, code_row, sc[0], K, rows + m, out, 2);
                 for (int i = 0; i < P; i++) sstore(y, m * N + n + i, out[i], BF);
             }

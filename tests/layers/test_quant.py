@@ -169,20 +169,23 @@ def test_an_unknown_isa_is_refused_and_one_above_the_cpu_capped(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_build_matches_the_reference_and_the_native_build(built_ops, dtype):
     """Batch 1 (the paired-row kernels: 4-bit, and 8-bit with AVX-512) and a few rows, 4- and
-    8-bit codes, groups of 32 and 16, with and without mins."""
+    8-bit codes, groups of 32 and 16, with and without mins; at batch 1, 4-bit rows long enough
+    (SINGLE_ROW_BYTES) to be read one at a time, in pairs and fours of W rows."""
     native = CpuOps.load()
-    for qtype, rows in ((T.Q4_1, 1), (T.Q4_0, 1), (T.Q8_0, 1), (T.Q6_K, 1), (T.Q4_1, 3), (T.Q6_K, 2), (T.Q5_K, 4)):
-        raw = gguf_rows(qtype, 26, 256, seed=rows)  # 26: pairs of W rows (40 above: fours)
+    for qtype, rows, n, k in ((T.Q4_1, 1, 26, 256), (T.Q4_0, 1, 26, 256), (T.Q8_0, 1, 26, 256), (T.Q6_K, 1, 26, 256),
+                              (T.Q4_1, 3, 26, 256), (T.Q6_K, 2, 26, 256), (T.Q5_K, 4, 26, 256),
+                              (T.Q4_1, 1, 26, 1536), (T.Q4_0, 1, 40, 1024)):
+        raw = gguf_rows(qtype, n, k, seed=rows)  # 26: pairs of W rows, 40: fours
         weight = to_quantized(raw, qtype)
-        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(int(qtype))).to(dtype)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(int(qtype))).to(dtype)
         reference = x.float() @ torch.from_numpy(dequantize(raw, qtype)).T
         got = built_ops.quant_matmul(weight, x).float()
         tol = (2e-3 if qtype in K_QUANTS else 2e-4) if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got, reference, rtol=0, atol=tol * reference.abs().max().item())
         torch.testing.assert_close(got, native.quant_matmul(weight, x).float(), rtol=1e-5 if dtype == torch.float32
                                    else 1e-2, atol=1e-5)
-        assert torch.equal(built_ops.quant_dequant(weight, 0, 26, torch.float32).clone(),
-                           native.quant_dequant(weight, 0, 26, torch.float32))
+        assert torch.equal(built_ops.quant_dequant(weight, 0, n, torch.float32).clone(),
+                           native.quant_dequant(weight, 0, n, torch.float32))
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K])
