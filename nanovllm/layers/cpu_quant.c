@@ -254,7 +254,7 @@ static inline __m512 scales512(const float *sc, int64_t b, int64_t gpb) {
 /* Batch 1, one row of 8-bit W (scales as float32) against one row of x: a block per 512-bit
  * register, its int16 dot products in one `madd`. One W row at a time, not four interleaved (as
  * before): a single stream through memory, which the hardware prefetcher follows; the LM head
- * read from memory took 1.6x the time interleaved (Zen 4). A block is half a cache line, so
+ * read from memory took about twice the time interleaved (Zen 4). A block is half a cache line, so
  * every other block prefetches. */
 static inline float dot_row8_512(const uint8_t *codes, const float *sc, int64_t group, int64_t K, const xrow *x) {
     const int64_t nb = K / QK, gpb = QK / group;
