@@ -157,39 +157,12 @@ static inline __attribute__((always_inline)) void scores_group(const float *rest
             scores_keys(q + g * D, at(k, i * stride, BF), s + g * BSP + i, n - i, stride, D_rt, scale, HD, BF);
 }
 
-/* acc = acc * alpha + sum_i p[i] * v_i over n value rows (row i at element v + i * stride). With
- * a compile-time head size the accumulator is held in slices of four VL-lane registers, so it
- * stays in registers across the rows instead of going through memory on every one. */
-static inline void accumulate_values(float *restrict acc, const void *v, const float *restrict p, int64_t n,
-                                     int64_t stride, float alpha, int64_t D_rt, const int64_t HD, const int BF) {
-    if (HD && HD % (4 * VL) == 0) {
-        for (int64_t c = 0; c < HD; c += 4 * VL) {
-            vf a0 = loadv(acc + c) * alpha, a1 = loadv(acc + c + VL) * alpha;
-            vf a2 = loadv(acc + c + 2 * VL) * alpha, a3 = loadv(acc + c + 3 * VL) * alpha;
-            for (int64_t i = 0; i < n; i++) {
-                const int64_t vi = i * stride + c;
-                const float pi = p[i];
-                a0 += pi * vload(v, vi, BF);
-                a1 += pi * vload(v, vi + VL, BF);
-                a2 += pi * vload(v, vi + 2 * VL, BF);
-                a3 += pi * vload(v, vi + 3 * VL, BF);
-            }
-            storev(acc + c, a0); storev(acc + c + VL, a1);
-            storev(acc + c + 2 * VL, a2); storev(acc + c + 3 * VL, a3);
-        }
-        return;
-    }
-    const int64_t D = HD ? HD : D_rt;
-    for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
-    for (int64_t i = 0; i < n; i++) {
-        const float pi = p[i];
-        for (int64_t d = 0; d < D; d++) acc[d] += pi * sload(v, i * stride + d, BF);
-    }
-}
-
-/* accumulate_values for NG (2 or 3) heads of one KV group (head g's accumulator acc + g * D,
- * weights p + g * BSP, factor alpha[g]): each value row is loaded once for all of them, and each
- * head's accumulator sees the same operations in the same order as in accumulate_values. */
+/* acc = acc * alpha + sum_i p[i] * v_i over n value rows (row i at element v + i * stride) for NG
+ * (1 to 3) heads of one KV group: head g's accumulator acc + g * D, weights p + g * BSP, factor
+ * alpha[g]. With a compile-time head size the accumulators are held in slices of four VL-lane
+ * registers, so they stay in registers across the rows instead of going through memory on every
+ * one, and each value row is loaded once for all the heads; each head sees the same operations in
+ * the same order whatever NG is. */
 static inline __attribute__((always_inline)) void accumulate_group(float *restrict acc, const void *v,
                                                                    const float *restrict p, int64_t BSP, int64_t n,
                                                                    int64_t stride, const float *alpha, int64_t D_rt,
@@ -214,7 +187,13 @@ static inline __attribute__((always_inline)) void accumulate_group(float *restri
         return;
     }
     const int64_t D = HD ? HD : D_rt;
-    for (int g = 0; g < NG; g++) accumulate_values(acc + g * D, v, p + g * BSP, n, stride, alpha[g], D_rt, HD, BF);
+    for (int g = 0; g < NG; g++) {
+        float *restrict ag = acc + g * D;
+        const float *pg = p + g * BSP;
+        for (int64_t d = 0; d < D; d++) ag[d] *= alpha[g];
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t d = 0; d < D; d++) ag[d] += pg[i] * sload(v, i * stride + d, BF);
+    }
 }
 
 /* Softmax bookkeeping of one head for one block of n scores (in place: s becomes exp(s - max));
@@ -249,7 +228,7 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
     //       分数一次算 8 个 key（8 条独立的 FMA 链），AVX-512 且 D 是 16 的倍数时每条 16 路宽；
     //    c. 新最大值 mx 若超过 m[h]，旧累加按 alpha = exp(m[h] - mx) 缩放；
     //       s 变成 exp(s - mx)，l[h] = l[h] * alpha + sum(s)；
-    //    d. acc[h] = acc[h] * alpha + sum_i s[i] * v_i。
+    //    d. acc[h] = acc[h] * alpha + sum_i s[i] * v_i（单个 head 也走 accumulate_group，NG = 1）。
     // 4. 输出 out[h] = acc[h] / l[h]，bf16 时这里才舍入一次。
     // 只算 [h0, h1) 这些 head（h0 是每组 head 数的倍数）：各 head 互不依赖，
     // 一行可以按 head 分给几个线程。
@@ -287,7 +266,7 @@ static inline void attend_row(const void *q, void *out, const void *k_cache, con
             for (int64_t g = 0; g < hs; g++) alpha[g] = softmax_block(s + (h + g) * BSP, n, m + h + g, l + h + g);
             if (hs == 3) accumulate_group(acc + h * D, vh, s + h * BSP, BSP, n, row, alpha, D, HD, BF, 3);
             else if (hs == 2) accumulate_group(acc + h * D, vh, s + h * BSP, BSP, n, row, alpha, D, HD, BF, 2);
-            else accumulate_values(acc + h * D, vh, s + h * BSP, n, row, alpha[0], D, HD, BF);
+            else accumulate_group(acc + h * D, vh, s + h * BSP, BSP, n, row, alpha, D, HD, BF, 1);
         }
     }
     for (int64_t h = h0; h < h1; h++) {
