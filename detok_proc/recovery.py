@@ -87,7 +87,7 @@ class Recovery:
                 continue  # started after we came up: already streaming normally
             state = streams.start(entry.request_id, entry.meta, msg.instance_id, out, resumed=True)
             state.awaiting_resume = True
-            streams.advance(entry.output(), out)
+            streams.advance(entry.output, out)
         if msg.last:
             streams.resynced = True
             self.deadline = now + self.resume_window_s
@@ -135,7 +135,7 @@ class Recovery:
             state.skip_chars = max(0, num_chars - len(state.all_text))
             text, token_ids = state.all_text[num_chars:], p.pack_token_ids(state.all_ids[num_tokens:])
             out.add(identity, state.final.delta(client_rid, text, token_ids, state.reasoning_open)
-                    if state.final is not None else p.DeltaRow(client_rid, text, token_ids,
+                    if state.final is not None else p.DeltaRow(request_id=client_rid, text=text, token_ids=token_ids,
                                                                reasoning_open=state.reasoning_open))
             state.all_ids, state.all_text = [], ""
             if state.final is not None:

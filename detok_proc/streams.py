@@ -40,9 +40,11 @@ RESEND_ABORT_S = 1.0
 the last may have found no room."""
 
 
-def _terminal(reason: str, num_prompt: int, num_output: int, num_cached: int) -> Final:
-    """A terminal delta's fields: why the request ended, and its usage."""
-    return Final(reason, p.Usage(num_prompt, num_output, num_cached))
+def _terminal(reason: p.FinishReason, row: p.OutputRow) -> Final:
+    """A terminal delta's fields: why the request ended, and its usage as of `row`."""
+    return Final(finish_reason=reason, usage=p.Usage(prompt_tokens=row.num_prompt_tokens,
+                                                      completion_tokens=row.num_output_tokens,
+                                                      cached_tokens=row.num_cached_tokens))
 
 
 class Final(NamedTuple):
@@ -53,14 +55,15 @@ class Final(NamedTuple):
     # 【协作者】finished()/error 路径创建；RequestStreams.advance 与 fail 用它结束一条流。
     # [ZH-END]
     """The fields of a request's terminal delta."""
-    finish_reason: str
+    finish_reason: p.FinishReason
     usage: p.Usage | None = None
     error: str | None = None
 
     def delta(self, client_request_id: str, text: str = "", token_ids: bytes = b"",
               reasoning_open: bool = False) -> p.DeltaRow:
         """The terminal delta, with the last text and tokens."""
-        return p.DeltaRow(client_request_id, text, token_ids, self.finish_reason, self.error, self.usage,
+        return p.DeltaRow(request_id=client_request_id, text=text, token_ids=token_ids,
+                          finish_reason=self.finish_reason, error=self.error, usage=self.usage,
                           reasoning_open=reasoning_open)
 
 
@@ -169,18 +172,16 @@ class RequestStreams:
     def start(self, request_id: str, meta: p.RequestMeta, engine: str, out: Outcome,
               resumed: bool = False) -> RequestState:
         # [ZH-START]
-        # 1. 用 RequestMeta 建 IncrementalDetokenizer：prompt_tail（prompt 最后几个 token）、
-        #    skip_special_tokens、stop、include_stop、min_tokens。
+        # 1. 用 RequestMeta 建 IncrementalDetokenizer：prompt_tail（prompt 最后几个 token）和
+        #    meta.sampling（文本侧的采样参数：stop、include_stop_str_in_output、min_tokens、
+        #    skip_special_tokens）。
         # 2. 建 RequestState(客户端身份, 客户端 rid, 反分词器, 引擎实例) 记进 requests 和
         #    by_client；续写的流（meta.have_tokens / have_chars，客户端已有的输出）
         #    记为 skip_tokens / skip_chars：引擎会随第一个新 token 把它们再报告一次，advance 截掉；
         #    meta.reasoning_open（输出从思考块内开始）记下，之后每个增量都带上。
         # 3. 指标记录开始时间（resync 重建的额外记下恢复时间）；客户端记进 out.clients。
         # [ZH-END]
-        detok = IncrementalDetokenizer(
-            self.tokenizer, prompt_tail=p.unpack_token_ids(meta.prompt_tail),
-            skip_special_tokens=meta.skip_special_tokens, stop=meta.stop,
-            include_stop_str_in_output=meta.include_stop, min_tokens=meta.min_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, meta.sampling, prompt_tail=p.unpack_token_ids(meta.prompt_tail))
         client = meta.client
         state = self.requests[request_id] = RequestState(client, meta.client_request_id, detok, engine)
         state.skip_tokens, state.skip_chars = meta.have_tokens, meta.have_chars
@@ -199,15 +200,15 @@ class RequestStreams:
         # 2. 本地不认识这个请求（已结束、客户端已走、或比 resync 还早）：若引擎仍在生成且已 resync，
         #    就 abort 这个孤儿一次；返回 (None, None)。
         # 3. 解包 token，text = detok.add(token, finished)。
-        # 4. 反分词器命中 stop string：把终止字段（"stop"、此刻的 usage）
+        # 4. 反分词器命中 stop string：把终止字段（STOP、此刻的 usage）
         #    存进 state.stopped（命中在引擎最后一行上、或重启后 resync 里引擎已因旧 abort
-        #    结束的请求，也照 "stop" 结束）；引擎还没结束就把它放进 out.aborts，
+        #    结束的请求，也照 STOP 结束）；引擎还没结束就把它放进 out.aborts，
         #    这一行的文本照常发出，但终止增量要等引擎的最后一行（它确认已丢掉这个请求）到了才发——
         #    这样客户端收到终止增量后复用同一个 id，引擎里一定已经没有旧请求。
         #    已 stopped 的请求：引擎之后的非最后行不发送（超过 1 秒就再 abort 一次，
         #    防止上次没送到）；最后一行到了才结束。
         # 5. 已结束：final = state.stopped，或 Final(finish_reason, Usage(prompt_tokens,
-        #    completion_tokens, cached_tokens))，有错误（或 reason 为 error）加 error。
+        #    completion_tokens, cached_tokens))，有错误（或 reason 为 ERROR）加 error。
         # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，
         #    返回 (state, None)。
         # 7. 有 skip_tokens / skip_chars（resume 时客户端已有、引擎将再报告的续写前缀）：
@@ -216,7 +217,7 @@ class RequestStreams:
         #    已结束就由 final.delta 带上终止字段；已结束就 finished（计指标、遗忘该请求）；
         #    返回 (state, 增量)，调用方按 state.client 路由。
         # [ZH-END]
-        request_id, packed_ids, finished, finish_reason, num_prompt, num_output, num_cached, error = row
+        request_id, packed_ids, finished = row.request_id, row.token_ids, row.finished
         state = self.requests.get(request_id)
         if state is None:  # already ended here, orphaned (client gone), or older than our resync
             if not finished and self.resynced:
@@ -231,18 +232,18 @@ class RequestStreams:
         else:
             token_ids = p.unpack_token_ids(packed_ids)
             text = state.detok.add(token_ids, finished)
-            state.num_prompt, state.num_output = num_prompt, num_output
+            state.num_prompt, state.num_output = row.num_prompt_tokens, row.num_output_tokens
             if state.detok.stopped:  # its stop string ends it, on whichever row it completes
-                state.stopped = _terminal("stop", num_prompt, num_output, num_cached)
+                state.stopped = _terminal(p.FinishReason.STOP, row)
                 if not finished:  # the end, once the engine confirms it dropped it
                     self._abort_stopped(request_id, state, out)
         final = None
         if finished and state.stopped is not None:
             final = state.stopped
         elif finished:
-            final = _terminal(finish_reason, num_prompt, num_output, num_cached)
-            if error or finish_reason == "error":  # an abort may say why too (a drain that ran out)
-                final = final._replace(error=error or "the request failed in the engine")
+            final = _terminal(row.finish_reason, row)
+            if row.error or row.finish_reason is p.FinishReason.ERROR:  # an abort may say why too (a drain ran out)
+                final = final._replace(error=row.error or "the request failed in the engine")
         if state.awaiting_resume:  # hold everything until the client says what it has
             state.all_ids.extend(token_ids)
             state.all_text += text
@@ -258,7 +259,8 @@ class RequestStreams:
         if token_ids:
             self.metrics.tokens_streamed(request_id, len(token_ids), time.time())
         if final is None:
-            return state, p.DeltaRow(state.client_request_id, text, packed_ids, reasoning_open=state.reasoning_open)
+            return state, p.DeltaRow(request_id=state.client_request_id, text=text, token_ids=packed_ids,
+                                     reasoning_open=state.reasoning_open)
         self.finished(request_id, state, final.finish_reason)
         return state, final.delta(state.client_request_id, text, packed_ids, state.reasoning_open)
 
@@ -277,7 +279,7 @@ class RequestStreams:
 
     # ------------------------------------------------------------------ ends
 
-    def finished(self, request_id: str, state: RequestState, reason: str) -> None:
+    def finished(self, request_id: str, state: RequestState, reason: p.FinishReason) -> None:
         """A terminal delta went (or is going) to the client: count it, forget the request."""
         self.metrics.request_finished(request_id, reason, state.num_prompt, state.num_output, time.time())
         self.forget(request_id)
@@ -309,9 +311,9 @@ class RequestStreams:
         """End every request with an error (`why`), but those held by engine instance `spare`."""
         # [ZH-START]
         # 1. 遍历所有请求（持有它的引擎实例是 spare 的除外），生成错误增量（engine_dead=True），
-        #    按客户端放进 Outcome，并 finished(..., "error")。
+        #    按客户端放进 Outcome，并 finished(..., ERROR)。
         #    例外：已被 stop string 结束、只差引擎确认、且不在等客户端 resume 的请求——
-        #    文本已完整发出，照 "stop" 结束（发它的 stopped 终止增量）。
+        #    文本已完整发出，照 STOP 结束（发它的 stopped 终止增量）。
         # 2. 调用方把每个客户端的增量立即发出（排在该客户端本轮已积累的增量之后）。
         # [ZH-END]
         out = Outcome()
@@ -320,10 +322,10 @@ class RequestStreams:
                 continue
             if state.stopped is not None and not state.awaiting_resume:  # its text is complete: it ended by its stop
                 out.add(state.client, state.stopped.delta(state.client_request_id, reasoning_open=state.reasoning_open))
-                self.finished(request_id, state, "stop")
+                self.finished(request_id, state, p.FinishReason.STOP)
             else:
                 out.add(state.client, p.error_delta(state.client_request_id, why, engine_dead=True))
-                self.finished(request_id, state, "error")
+                self.finished(request_id, state, p.FinishReason.ERROR)
         return out
 
     def num_awaiting_resume(self) -> int:

@@ -70,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     from nanovllm.engine.policy import make_policy
     from nanovllm.metrics import EngineMetrics
     from nanovllm.plugins import load_hook
-    from nanovllm.sampling_params import SamplingParams
 
     from .server import EngineStage
 
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     def make(ctx: zmq.Context, security, metrics) -> EngineStage:
         nonlocal config
         config = Config(model=args.model, **overrides)
-        return EngineStage(None, SamplingParams, endpoints.engine, endpoints.detok, endpoints.control,
+        return EngineStage(None, endpoints.engine, endpoints.detok, endpoints.control,
                            heartbeat_s=args.heartbeat_s, stream_interval=args.stream_interval,
                            max_live=args.max_live, max_queued=args.max_queued, max_live_bytes=args.max_live_mib << 20,
                            max_queued_bytes=args.max_queued_mib << 20, drain_timeout_s=args.drain_timeout,

@@ -24,14 +24,15 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
-from nanovllm.engine.llm_engine import RequestOutput
+from nanovllm.engine.llm_engine import LLMEngine, RequestOutput
 from nanovllm.service.stage import RejectLog
 from nanovllm_client import protocol as p
+from nanovllm_client.protocol import FinishReason
 
 from .client_shares import ClientShares
-from .ledger import FinishedRing, LiveRequest
+from .ledger import FinishedRing, LiveRequest, output_row
 
 log = logging.getLogger("engine_proc")
 
@@ -44,20 +45,19 @@ DRAINING = "the engine is draining (shutting down): it takes no new requests; re
 
 @dataclass(slots=True)
 class Queued:
-    """A request received and not yet admitted: its sampling parameters built by the input
-    thread (off the step loop), its prompt still packed."""
+    """A request received and not yet admitted: its frame decoded (the sampling struct checked,
+    its response_format compiled by the input thread), its prompt still packed."""
     # [ZH-START]
-    # 【职责】收到、还没准入的一个请求：输入线程已建好它的采样参数（或记下为什么建不了），
-    # prompt 仍是打包的字节，带着它的字节额度 nbytes（帧长 + 每个 prompt token 40 字节），
-    # 从排队一直记到请求结束。
+    # 【职责】收到、还没准入的一个请求：帧已解开（采样参数已校验，response_format 已由输入线程
+    # 编译，编译不过则 error 记下原因），prompt 仍是打包的字节，带着它的字节额度 nbytes
+    # （帧长 + 每个 prompt token 和续写输出 token 40 字节），从排队一直记到请求结束。
     # 【边界】不做校验以外的事；准入、拒绝、abort 都由 Admission 决定。
-    # 【协作者】EngineStage._queued 创建；inbox / Admission.backlog 保存；Admission 的 admit、_add、
+    # 【协作者】Input._queued 创建；inbox / Admission.backlog 保存；Admission 的 admit、_add、
     # abort 和 dequeued 回调使用它的 nbytes。
     # [ZH-END]
     req: p.TokenizedReq
-    params: Any
-    """The built sampling parameters, or None when they were refused (`error` says why)."""
     error: str | None
+    """Why it is refused before admission (its response_format does not compile), or None."""
     nbytes: int
     """Its charge against the byte budgets (`ledger.request_bytes`), held until it ends."""
 
@@ -102,7 +102,7 @@ class Admission:
 
     def __init__(self, max_live: int, max_live_bytes: int, shares: ClientShares, rejects: RejectLog,
                  dequeued: Callable[[Queued], None]):
-        self.engine: Any = None
+        self.engine: LLMEngine | None = None
         """The LLMEngine, once loaded (requests are only queued before)."""
         self.max_live, self.max_live_bytes = max_live, max_live_bytes
         self.shares = shares
@@ -128,8 +128,8 @@ class Admission:
     def resync_entries(self) -> list[p.ResyncEntry]:
         """Everything a new detokenizer needs: each live request's output so far, and those that
         ended lately."""
-        return [p.ResyncEntry(rid, r.meta, p.pack_token_ids(r.tokens), False, None, *r.counts, None)
-                for rid, r in self.live.items()] + self.finished.values()
+        return [p.ResyncEntry(meta=r.meta, output=r.output_row(rid)) for rid, r in self.live.items()] \
+            + self.finished.values()
 
     def queue(self, queued: Queued, sent: StepMessages, draining: bool = False) -> None:
         # [ZH-START]
@@ -147,7 +147,7 @@ class Admission:
         rid = req.request_id
         if draining and rid not in self.live and rid not in self.backlog:
             self.dequeued(queued)
-            sent.rejected.append(p.RejectedRow(rid, req.meta, DRAINING))
+            sent.rejected.append(p.RejectedRow(request_id=rid, meta=req.meta, error=DRAINING))
             return
         # A resend (the client's tokenizer restarted) of a request that got through after all,
         # or a client reusing an id that is still live: the first one stands.
@@ -164,7 +164,7 @@ class Admission:
             why = self.shares.refusal(_client(req))
         if why is not None:  # one client may not fill the backlog every client shares
             self.dequeued(queued)
-            sent.rejected.append(p.RejectedRow(rid, req.meta, why))
+            sent.rejected.append(p.RejectedRow(request_id=rid, meta=req.meta, error=why))
             return
         self.backlog[rid] = queued
         self.shares.queued(_client(req))
@@ -201,33 +201,36 @@ class Admission:
 
     def _add(self, queued: Queued, sent: StepMessages) -> None:
         # [ZH-START]
-        # 1. 采样参数已由输入线程建好（queued.params）；建失败的（queued.error）直接走第 3 步。
+        # 1. 采样参数是解帧时校验过的 req.sampling；输入线程编译 response_format 失败的
+        #    （queued.error）直接走第 3 步。
         # 2. 此时才把打包的 prompt 解成 list，engine.add_request(id, prompt ids, params, priority,
         #    output_prefix)；output_prefix 是续写时客户端已收到的输出（引擎死后发给新引擎），
         #    它随第一个新 token 一起再报告一次。
         # 3. 失败：ValueError / TypeError 是请求本身的问题（参数、超过 max_model_len、
         #    永远放不进 KV cache、词表外 id），其他异常额外记 traceback；都作为 RejectedRow(id,
-        #    meta, 错误) 发出，并以 "error" 条目记进 FinishedRing，resync 时也知道它已结束。
+        #    meta, 错误) 发出，并以 FinishReason.ERROR 条目记进 FinishedRing，resync 时也知道它已结束。
         # 4. 成功：_go_live 记进 live（连同它的字节额度），sent.started 加 StartedRow(id, meta)——
         #    反分词进程在同一条有序管道上先拿到 meta，再拿到第一个 token。
         # [ZH-END]
         req, error = queued.req, queued.error
         if error is None:
             try:
-                self.engine.add_request(req.request_id, p.unpack_token_ids(req.prompt_token_ids), queued.params,
+                self.engine.add_request(req.request_id, p.unpack_token_ids(req.prompt_token_ids), req.sampling,
                                         priority=req.priority, output_prefix=p.unpack_token_ids(req.output_ids))
             except Exception as e:  # refused (ValueError/TypeError) or failed: either way this request's own
                 error = refusal(e, req.request_id)
         if error is not None:
-            sent.rejected.append(p.RejectedRow(req.request_id, req.meta, error))
-            n = queued.num_prompt_tokens
-            self.finished.add(p.ResyncEntry(req.request_id, req.meta, b"", True, "error", n, 0, 0, error))
+            sent.rejected.append(p.RejectedRow(request_id=req.request_id, meta=req.meta, error=error))
+            ended = RequestOutput(request_id=req.request_id, new_token_ids=[], finished=True,
+                                  finish_reason=FinishReason.ERROR, num_prompt_tokens=queued.num_prompt_tokens,
+                                  error=error)
+            self.finished.add(p.ResyncEntry(meta=req.meta, output=output_row(ended)))
             return
         self._go_live(queued)
-        sent.started.append(p.StartedRow(req.request_id, req.meta))
+        sent.started.append(p.StartedRow(request_id=req.request_id, meta=req.meta))
 
     def _go_live(self, queued: Queued) -> None:
-        self.live[queued.req.request_id] = LiveRequest(queued.req.meta, queued.nbytes)
+        self.live[queued.req.request_id] = LiveRequest(meta=queued.req.meta, nbytes=queued.nbytes)
         self.live_bytes += queued.nbytes
         self.shares.went_live(_client(queued.req))
 
@@ -237,7 +240,7 @@ class Admission:
         #    也不在 live、不在 FinishedRing：请求还没到（abort 走 control socket 超过了它），
         #    _remember_early_abort 记下。
         # 2. 在 backlog（从未准入）：移出、计数和字节额度退回；记进 live 并加入 started，再合成一个
-        #    RequestOutput(finished=True, reason="abort", prompt 长度) 放进 sent.outputs 并 record——
+        #    RequestOutput(finished=True, FinishReason.ABORT, prompt 长度) 放进 sent.outputs 并 record——
         #    开始和结束在同一条输出里发出，客户端立刻得到终止增量，abort 不必等准入。
         # [ZH-END]
         queued = self.backlog.pop(request_id, None)
@@ -251,8 +254,9 @@ class Admission:
         self.shares.unqueued(_client(queued.req))
         self.dequeued(queued)
         self._go_live(queued)
-        sent.started.append(p.StartedRow(request_id, queued.req.meta))
-        out = RequestOutput(request_id, [], True, "abort", queued.num_prompt_tokens, 0, 0)
+        sent.started.append(p.StartedRow(request_id=request_id, meta=queued.req.meta))
+        out = RequestOutput(request_id=request_id, new_token_ids=[], finished=True, finish_reason=FinishReason.ABORT,
+                            num_prompt_tokens=queued.num_prompt_tokens)
         sent.outputs.append(out)
         self.record(out)
 
@@ -273,7 +277,7 @@ class Admission:
         # 2. 已结束且 abort_notes 里有它的原因（例如 drain 超时）→ 把原因写进 out.error。
         # 3. 追加新 token，更新 (prompt, output, cached) 计数。
         # 4. 已结束：移出 live、退回它的字节额度、shares.ended 让它的客户端少算一个在引擎里的请求，
-        #    把完整的 ResyncEntry(id, meta, 打包的全部 token, True, reason, 计数..., error)
+        #    把完整的 ResyncEntry(meta, output = 全部 token 的 OutputRow：结束原因、计数、error)
         #    记进 FinishedRing。
         # [ZH-END]
         live = self.live.get(out.request_id)
@@ -282,23 +286,17 @@ class Admission:
         if out.finished and out.request_id in self.abort_notes:
             out.error = self.abort_notes.pop(out.request_id)
         live.tokens.extend(out.new_token_ids)
-        live.counts = (out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+        live.last = out
         if out.finished:
             del self.live[out.request_id]
             self.live_bytes -= live.nbytes
             self.shares.ended(live.meta.client)
-            self.finished.add(p.ResyncEntry(out.request_id, live.meta, p.pack_token_ids(live.tokens), True,
-                                            out.finish_reason, *live.counts, error_text(out)))
+            self.finished.add(p.ResyncEntry(meta=live.meta, output=live.output_row(out.request_id)))
 
 
 def _client(req: p.TokenizedReq) -> bytes:
     """The client a request came from: the routing identity its tokenizer stamped into its meta."""
     return req.meta.client
-
-
-def error_text(out: RequestOutput) -> str | None:
-    """A finished output's error, cut to what the wire carries."""
-    return p.clip(out.error) if out.error else None
 
 
 def refusal(e: Exception, request_id: str) -> str:

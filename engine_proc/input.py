@@ -1,14 +1,15 @@
 """The engine stage's input thread: it reads the input socket (requests from the tokenizer) and
-the control socket (aborts and detokenizer hellos), checks each frame, builds each request's
-sampling parameters off the step loop, and hands everything to the step loop through `inbox`, in
-arrival order. It stops reading requests while `max_queued` of them, or `max_queued_bytes`, wait
+the control socket (aborts and detokenizer hellos), checks each frame (a request's sampling
+struct by its own validator, as it decodes), compiles a request's response_format off the step
+loop, and hands everything to the step loop through `inbox`, in arrival order. It stops reading requests while `max_queued` of them, or `max_queued_bytes`, wait
 for admission (the socket then fills and the tokenizer holds its clients back); the control
 socket it reads whatever the load, so an abort never waits behind the requests that fill the queue.
 """
 # [ZH-START]
 # 【模块定位】引擎 stage 的输入线程：读 input socket（分词进程推来的请求）
-# 和 control socket（abort、DetokHello），检查每一帧，在这里（不占主线程）建好采样参数、
-# 编译 response_format（引擎自己的编译钩子），按到达顺序经 inbox 交给主线程。排队未准入的达到
+# 和 control socket（abort、DetokHello），检查每一帧（采样参数在解帧时由 SamplingParams 自己的
+# 校验器检查），在这里（不占主线程）编译 response_format（引擎自己的编译钩子），
+# 按到达顺序经 inbox 交给主线程。排队未准入的达到
 # max_queued 个或 max_queued_bytes 字节就停止读请求（socket 填满，分词进程挡住客户端）；
 # control 一直读，abort 不会排在请求后面。
 # [ZH-END]
@@ -44,11 +45,10 @@ class Input:
     # intake.accept / drain。
     # [ZH-END]
 
-    def __init__(self, in_sock: zmq.Socket, control_sock: zmq.Socket, make_sampling, max_queued: int,
+    def __init__(self, in_sock: zmq.Socket, control_sock: zmq.Socket, max_queued: int,
                  max_queued_bytes: int, rejects: RejectLog, metrics: EngineMetrics,
                  check_format: Callable[[dict], Any] | None = None):
         self.in_sock, self.control_sock = in_sock, control_sock
-        self.make_sampling = make_sampling
         self.check_format = check_format
         """Compiles a request's response_format (ValueError if it does not compile), here, off the step loop."""
         self.num_formats_refused = 0
@@ -118,10 +118,10 @@ class Input:
         # [ZH-START]
         # 1. 收一条，经 _accept（intake.accept）只接受 TokenizedReq（abort 和 DetokHello 走 control
         #    socket），否则按原因计数后丢弃（对面只有 stage，没有回复通道）。
-        # 2. _queued：在这里（不占主线程）建好采样参数（allowed_token_ids 存成 4 字节一个的
-        #    array），有 response_format 就经 check_format 编译（按文本缓存；帧可能没经过分词进程
-        #    的编译，编译不过即拒绝），丢掉解出来的 sampling 大 list；prompt 保持打包；
-        #    额度 = 帧长 + 每个 prompt token 40 字节。
+        # 2. _queued：采样参数解帧时已是校验过的 SamplingParams（allowed_token_ids 存成 4 字节
+        #    一个的 array）；有 response_format 就在这里（不占主线程）经 check_format 编译
+        #    （按文本缓存；编译不过即拒绝，原因随 RejectedRow 回给客户端）；prompt 保持打包；
+        #    额度 = 帧长 + 每个 prompt token（和续写的输出 token）40 字节。
         #    在锁内把 num_queued 加一、queued_bytes 加上额度。
         # 3. 放进 inbox，保持到达顺序。
         # [ZH-END]
@@ -146,24 +146,19 @@ class Input:
         return None if isinstance(msg, p.ErrorOutput) else msg
 
     def _queued(self, req: p.TokenizedReq, frame_bytes: int) -> Queued:
-        """Build the request's sampling parameters here, off the step loop: they hold large lists
-        compactly (allowed token ids as 4-byte ints), and the decoded lists are let go."""
-        params, error = None, None
-        try:
-            params = self.make_sampling(**req.sampling)
-            fmt = getattr(params, "response_format", None)
-            if fmt is not None and self.check_format is not None:
-                # The engine's own compile: a frame need not have come through the tokenizer's.
-                try:
-                    self.check_format(fmt)
-                except ValueError:
-                    self.num_formats_refused += 1
-                    raise
-        except Exception as e:
-            error = refusal(e, req.request_id)
-        req.sampling = {}
+        """Compile the request's response_format here, off the step loop (the one compile: adding
+        the request later copies the result); a format that does not compile is the request's
+        refusal."""
+        error = None
+        fmt = req.sampling.response_format
+        if fmt is not None and self.check_format is not None:
+            try:
+                self.check_format(fmt)
+            except Exception as e:
+                self.num_formats_refused += isinstance(e, ValueError)
+                error = refusal(e, req.request_id)
         num_tokens = (len(req.prompt_token_ids) + len(req.output_ids)) // 4  # the output to continue from too
-        return Queued(req, params, error, request_bytes(frame_bytes, num_tokens))
+        return Queued(req=req, error=error, nbytes=request_bytes(frame_bytes, num_tokens))
 
     def put_control(self, msg: p.Message) -> None:
         with self._lock:

@@ -9,20 +9,35 @@ import collections
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
 
-from nanovllm_client.protocol import ResyncEntry
+from nanovllm.engine.llm_engine import RequestOutput
+from nanovllm_client.protocol import OutputRow, RequestMeta, ResyncEntry, clip, pack_token_ids
+
+
+def output_row(out: RequestOutput, token_ids: list[int] | array | None = None) -> OutputRow:
+    """The wire's row for an engine output (its new tokens, or `token_ids`), the error cut to
+    what the wire carries: the one place one is made."""
+    return OutputRow(request_id=out.request_id, token_ids=pack_token_ids(out.new_token_ids if token_ids is None
+                                                                          else token_ids),
+                     finished=out.finished, finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
+                     num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens,
+                     error=clip(out.error) if out.error else None)
 
 
 @dataclass(slots=True)
 class LiveRequest:
-    meta: dict[str, Any]
+    meta: RequestMeta
     nbytes: int = 0
     """What the request is charged against the stage's byte budget (`request_bytes`)."""
     tokens: array = field(default_factory=lambda: array("I"))
     """Output token ids so far (for a resync)."""
-    counts: tuple[int, int, int] = (0, 0, 0)
-    """(num_prompt, num_output, num_cached) from its latest output."""
+    last: RequestOutput | None = None
+    """Its latest output (counts, and how it ended once it has)."""
+
+    def output_row(self, request_id: str) -> OutputRow:
+        """Everything it output so far as one row, with its latest counts."""
+        last = self.last or RequestOutput(request_id=request_id, new_token_ids=[], finished=False, finish_reason=None)
+        return output_row(last, self.tokens)
 
 
 PROMPT_TOKEN_BYTES = 40
@@ -40,7 +55,7 @@ def entry_bytes(entry: ResyncEntry) -> int:
     """What a finished entry holds: its packed output ids and its meta's stop strings (up to
     4 bytes a character), plus a fixed allowance for the rest."""
     meta = entry.meta
-    return 512 + len(entry.token_ids) + 4 * sum(len(s) for s in meta.stop) + len(meta.prompt_tail)
+    return 512 + len(entry.output.token_ids) + 4 * sum(len(s) for s in meta.sampling.stop) + len(meta.prompt_tail)
 
 
 class FinishedRing:

@@ -20,7 +20,8 @@ import zmq
 from nanovllm.engine.llm_engine import RequestOutput
 from nanovllm_client import protocol as p
 
-from .admission import StepMessages, error_text
+from .admission import StepMessages
+from .ledger import output_row
 
 STOP = object()
 """Put last in the outbox: send what is held, then end the thread."""
@@ -189,16 +190,17 @@ class Output:
         loop). One frame, unless it would exceed the frame limit (a step that starts many requests
         whose meta carries long stop strings): then several, in order, started rows first."""
         # [ZH-START]
-        # 1. 每个输出变成一个 OutputRow(id, 打包的新 token, finished, reason, prompt 数, output 数,
-        #    cached 数, error)，token 打包是每请求一次 C 调用，没有逐 token 的 Python 循环。
+        # 1. 每个输出经 output_row 变成一个 OutputRow（按关键字建：id、打包的新 token、finished、
+        #    结束原因、prompt / output / cached 数、error），token 打包是每请求一次 C 调用，
+        #    没有逐 token 的 Python 循环。
         # 2. 连同引擎实例 id、started、rejected 组成 StepOutput 帧：通常一帧；超过帧大小上限
         #    （一步开始了很多带长 stop string 的请求）就用 frames_within
         #    按顺序拆成几帧，started 仍在前。
         # [ZH-END]
-        rows = [p.OutputRow(o.request_id, p.pack_token_ids(o.new_token_ids), o.finished, o.finish_reason,
-                            o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens, error_text(o)) for o in step.outputs]
+        rows = [output_row(o) for o in step.outputs]
         tagged = [(0, r) for r in step.started] + [(1, r) for r in step.rejected] + [(2, r) for r in rows]
 
         def make(part: list) -> p.StepOutput:
-            return p.StepOutput(self.instance_id, *([r for kind, r in part if kind == k] for k in range(3)))
+            started, rejected, outputs = ([r for kind, r in part if kind == k] for k in range(3))
+            return p.StepOutput(instance_id=self.instance_id, started=started, rejected=rejected, outputs=outputs)
         return [frame for _, frame in p.frames_within(make, tagged)]

@@ -70,6 +70,7 @@ import zmq
 
 from prometheus_client import CollectorRegistry
 
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.metrics import EngineMetrics
 from nanovllm_client import protocol as p
 from nanovllm.service.notify import Notifier
@@ -105,7 +106,7 @@ class EngineStage:
     # 【协作者】tokenizer_proc（请求推到 input PULL，abort 推到 control PULL）与 detok_proc（abort、
     # DetokHello 推到 control）；Admission、Output、LLMEngine；EngineMetrics、Notifier（systemd）。
     # [ZH-END]
-    def __init__(self, engine: Any | None, make_sampling, input_endpoint: str, output_endpoint: str,
+    def __init__(self, engine: LLMEngine | None, input_endpoint: str, output_endpoint: str,
                  control_endpoint: str, heartbeat_s: float = 0.25, max_live: int = 4096, max_queued: int = 4096,
                  max_live_bytes: int = 2 << 30, max_queued_bytes: int = 512 << 20, drain_timeout_s: float = 30.0,
                  out_hwm: int = DEFAULT_HWM, ctx: zmq.Context | None = None,
@@ -140,7 +141,7 @@ class EngineStage:
         # Few frames in zmq's pipe: what waits there is outside the byte budget.
         self._in_sock = pipeline_pull(self.ctx, input_endpoint, hwm=REQUEST_PIPE_HWM, security=self.security)
         self._control_sock = pipeline_pull(self.ctx, control_endpoint, security=self.security)
-        self.input = Input(self._in_sock, self._control_sock, make_sampling, max_queued, max_queued_bytes,
+        self.input = Input(self._in_sock, self._control_sock, max_queued, max_queued_bytes,
                            self.rejects, self.metrics, check_format=self._compile_format)
         """The input thread's state; it hands the step loop requests and control messages through `inbox`."""
         self.inbox = self.input.inbox
@@ -156,7 +157,7 @@ class EngineStage:
     # ------------------------------------------------------------------ main loop
 
     @property
-    def engine(self) -> Any | None:
+    def engine(self) -> LLMEngine | None:
         """The LLMEngine, held by `Admission`; None until `run` loads it: meanwhile the stage
         answers, and says it is loading."""
         return self.admission.engine
@@ -233,7 +234,7 @@ class EngineStage:
         log.warning("drain timed out: aborting %d request(s)", len(left))
         for request_id in left:
             book.abort_notes[request_id] = why
-            self.input.put_control(p.AbortReq(request_id))
+            self.input.put_control(p.AbortReq(request_id=request_id))
         for _ in range(3):  # the aborts' final outputs come from the next step
             self.run_once()
         return f"engine shut down; {len(left)} request(s) aborted after the drain"
@@ -315,8 +316,8 @@ class EngineStage:
         # [ZH-START]
         # 1. 清掉待答 hello，下次最早 1 秒后（RESYNC_INTERVAL_S）：hello 只有几个字节，
         #    谁都能重复发，resync 可能有几千条。
-        # 2. 条目 = 每个 live 请求的 ResyncEntry(id, meta, 已输出 token, False, None, 计数...,
-        #    None) + FinishedRing 里最近结束的。
+        # 2. 条目 = 每个 live 请求的 ResyncEntry(meta, output = 已输出 token 和最新计数的 OutputRow，
+        #    未结束) + FinishedRing 里最近结束的。
         # 3. 每 256 条（RESYNC_CHUNK）一帧，超过帧大小上限（meta 里的长 stop string）
         #    的再用 frames_within 对半拆，最后一帧 last=True；没有条目也发一个空的最后帧。
         # 4. 经 _emit 进 outbox，与 step 同一管道，所以 resync 与后续 step 的顺序有保证。
@@ -327,9 +328,11 @@ class EngineStage:
         log.info("resync for detokenizer %s: %d request(s)", detok_instance, len(entries))
         chunks = [entries[i:i + RESYNC_CHUNK] for i in range(0, len(entries), RESYNC_CHUNK)] or [[]]
         parts = [part for chunk in chunks for part, _ in p.frames_within(
-            lambda rows: p.Resync(self.instance_id, detok_instance, rows, False), chunk)]
+            lambda rows: p.Resync(instance_id=self.instance_id, detok_instance=detok_instance, entries=rows,
+                                  last=False), chunk)]
         for i, part in enumerate(parts):
-            self._emit(p.Resync(self.instance_id, detok_instance, part, i == len(parts) - 1))
+            self._emit(p.Resync(instance_id=self.instance_id, detok_instance=detok_instance, entries=part,
+                                last=i == len(parts) - 1))
 
     def _start_drain_clock(self) -> float:
         """The drain's deadline, fixed the first time anyone asks after the stop request (a step
@@ -404,5 +407,5 @@ class EngineStage:
                     formats_refused_at_intake=self.input.num_formats_refused)
 
     def _status(self, alive: bool, reason: str = "") -> p.EngineStatus:
-        return p.EngineStatus(alive, self.instance_id, reason, self.latest_stats, self.state,
-                              time.monotonic() - self.started_at)
+        return p.EngineStatus(alive=alive, instance_id=self.instance_id, reason=reason, stats=self.latest_stats,
+                              state=self.state, uptime_s=time.monotonic() - self.started_at)

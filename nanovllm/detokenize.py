@@ -41,6 +41,8 @@ from typing import Any
 
 from nanovllm.sampling_params import SamplingParams
 
+_TEXT_DEFAULTS = SamplingParams()
+
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 8
 """Prompt tokens kept as left context for the first output tokens. Only the first decode window
@@ -220,10 +222,12 @@ class IncrementalDetokenizer:
     # 离线 LLM 同样使用；tokenizer.decode 是唯一依赖的分词器接口。
     # [ZH-END]
 
-    def __init__(self, tokenizer: Any, *, prompt_tail: Sequence[int] = (), skip_special_tokens: bool = True,
-                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False, min_tokens: int = 0):
+    def __init__(self, tokenizer: Any, params: SamplingParams = _TEXT_DEFAULTS, *, prompt_tail: Sequence[int] = ()):
+        """`params`: the request's sampling parameters (already checked by their validator); their
+        text-side fields are read: stop, include_stop_str_in_output, min_tokens, skip_special_tokens."""
         # [ZH-START]
-        # 1. stop 统一成列表，必须都是非空字符串；min_tokens 必须是 >= 0 的整数，否则 ValueError。
+        # 1. 从 params（已校验的 SamplingParams）读文本侧字段：stop、include_stop_str_in_output、
+        #    min_tokens、skip_special_tokens，这里不再重复检查。
         # 2. context = prompt_tail 的最后 PROMPT_CONTEXT_TOKENS = 8 个 token，
         #    先解码成 context_text。
         # 3. context_text 以 U+FFFD 结尾（prompt 停在一个字符中间）：输出的前几个字节会被并进上下文
@@ -232,17 +236,13 @@ class IncrementalDetokenizer:
         #    read = len(context)；_window_prefix = context_text，即 decode(ids[surr:read]) 的缓存。
         # 5. 有 stop 才建 _StopMatcher；_held 放扣住的文本，_released 放已发出的文本片段。
         # [ZH-END]
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
-        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
+        stop = params.stop
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.skip_special_tokens = params.skip_special_tokens
         self._decode_ids = direct_decode(tokenizer) or tokenizer.decode
         self.stop = stop
-        self.include_stop_str_in_output = include_stop_str_in_output
-        self.min_tokens = min_tokens
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
         self.stop_reason: str | None = None
         """The stop string that ended the text, once one has."""
         context = list(prompt_tail)[-PROMPT_CONTEXT_TOKENS:]
@@ -260,12 +260,6 @@ class IncrementalDetokenizer:
         self._held = _HeldText()
         self._released: list[str] = []
         self._finished = False
-
-    @classmethod
-    def from_params(cls, tokenizer: Any, params: SamplingParams, *, prompt_tail: Sequence[int] = ()) -> IncrementalDetokenizer:
-        return cls(tokenizer, prompt_tail=prompt_tail, skip_special_tokens=params.skip_special_tokens,
-                   stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
-                   min_tokens=params.min_tokens)
 
     @property
     def stopped(self) -> bool:

@@ -12,6 +12,7 @@ from nanovllm.engine.llm_engine import LLMEngine, RequestOutput
 from nanovllm.engine.policy import SchedulerPolicy
 from nanovllm.models.tokenizer import load_tokenizer
 from nanovllm.sampling_params import SamplingParams
+from nanovllm_client.protocol import FinishReason
 
 
 class LLM:
@@ -24,9 +25,10 @@ class LLM:
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[dict]:
         """Generate for every prompt (text or token ids); results in prompt order.
 
-        Each result has "text", "token_ids" and "finish_reason", plus "logprobs" (one
-        `TokenLogprobs` per token) when asked for, and "error" (its text) when finish_reason
-        is "error": that request's sampling failed, the others are unaffected. Stop strings
+        Each result has "text", "token_ids" and "finish_reason" (a `FinishReason`, equal to its
+        string), plus "logprobs" (one `TokenLogprobs` per token) when asked for, and "error" (its
+        text) when finish_reason is "error": that request's sampling failed, the others are
+        unaffected. Stop strings
         end the text (kept only with `include_stop_str_in_output`); "token_ids" keeps every
         generated token.
         """
@@ -48,7 +50,7 @@ class LLM:
             if p.logprobs is not None:
                 results[request_id]["logprobs"] = []
             if p.stop:
-                detoks[request_id] = IncrementalDetokenizer.from_params(self.tokenizer, p, prompt_tail=tokens)
+                detoks[request_id] = IncrementalDetokenizer(self.tokenizer, p, prompt_tail=tokens)
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         start, produced = time.perf_counter(), 0
         while self.engine.has_unfinished_requests():
@@ -72,7 +74,7 @@ class LLM:
         if detok is not None and not detok.stopped:
             detok.add(out.new_token_ids, finished=out.finished)
             if detok.stopped:
-                result["finish_reason"] = "stop"
+                result["finish_reason"] = FinishReason.STOP
                 if not out.finished:
                     self.engine.abort(out.request_id)  # its final (empty) output comes next step
         if out.finished and result["finish_reason"] is None:

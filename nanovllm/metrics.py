@@ -26,6 +26,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
+from nanovllm_client.protocol import FinishReason
+
 if TYPE_CHECKING:
     from nanovllm.engine.hooks import StepMetrics
 
@@ -47,7 +49,6 @@ TOKEN_COUNT_BUCKETS = tuple(float(2 ** i) for i in range(17))
 """Token counts: 1, 2, 4, ... 65536."""
 
 ENGINE_STATES = ("loading", "ready", "draining")
-FINISH_REASONS = ("stop", "length", "abort", "error")
 STAGES = ("tokenizer", "engine", "detokenizer")
 MAX_REASONS = 32
 """Distinct `frames_rejected` reasons kept as labels; more are counted as "other" (each label
@@ -220,8 +221,8 @@ class DetokMetrics(_ClientFacingMetrics):
                                                    buckets=TOKEN_COUNT_BUCKETS, registry=r)
         self.request_success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                        ["finished_reason"], registry=r)
-        for reason in FINISH_REASONS:  # every series exists from the start, as in vLLM
-            self.request_success.labels(finished_reason=reason)
+        for reason in FinishReason:  # every series exists from the start, as in vLLM
+            self.request_success.labels(finished_reason=reason.value)
         self.detokenize_latency = Histogram(PREFIX + "detokenize_latency_seconds",
                                             "Detokenizer work per engine step.", buckets=STAGE_TIME_BUCKETS, registry=r)
         self.output_bytes_held = Gauge(PREFIX + "client_output_bytes_held",
@@ -255,14 +256,13 @@ class DetokMetrics(_ClientFacingMetrics):
             self.inter_token_latency.observe(max(0.0, now - times.last_token))
         times.last_token = now
 
-    def request_finished(self, request_id: str, reason: str, prompt_tokens: int, generation_tokens: int,
+    def request_finished(self, request_id: str, reason: FinishReason, prompt_tokens: int, generation_tokens: int,
                          now: float) -> None:
         """The request's terminal output went out; frees its state. Token counts come from the
         final usage; latencies are observed only for a request seen from `request_started` on."""
-        if reason not in FINISH_REASONS:
-            raise ValueError(f"unknown finish reason {reason!r}; expected one of {FINISH_REASONS}")
+        reason = FinishReason(reason)  # ValueError naming the value for anything else
         times = self._requests.pop(request_id, None)
-        self.request_success.labels(finished_reason=reason).inc()
+        self.request_success.labels(finished_reason=reason.value).inc()
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generation_tokens)
         if times is None:

@@ -27,14 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     from nanovllm.metrics import TokenizerMetrics
     from nanovllm.models.model_config import context_length
     from nanovllm.models.tokenizer import load_tokenizer
-    from nanovllm.sampling_params import SamplingParams
 
-    from .requests import sampling_fields
     from .server import TokenizerStage
 
     def make(ctx: zmq.Context, security, metrics) -> TokenizerStage:
-        return TokenizerStage(load_tokenizer(args.model), sampling_fields(SamplingParams), SamplingParams,
-                              frontend=endpoints.tokenizer, engine=endpoints.engine, control=endpoints.control, ctx=ctx,
+        return TokenizerStage(load_tokenizer(args.model), frontend=endpoints.tokenizer, engine=endpoints.engine, control=endpoints.control, ctx=ctx,
                               max_prompt_tokens=context_length(args.model), security=security,
                               metrics=metrics, cache_salt_per_client=args.cache_salt_per_client,
                               max_pending_per_client=args.max_pending_per_client, max_priority=args.max_priority,

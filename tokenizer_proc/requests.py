@@ -1,16 +1,16 @@
 """What the tokenizer stage makes of a client's `GenerateReq`: the checked, tokenized
 `TokenizedReq` frame for the engine, or `RequestRejected` saying what was wrong. No sockets and
-no state beyond its settings and a cache of compiled response formats (`GrammarCache`, as in
-the engine: each format text is compiled once): every check a request meets before it reaches
-the engine is here, in order (priority ceilings, sampling fields, stop strings, the parameters
-themselves, the prompt's size before and after tokenizing, the engine's own frame checks).
+no state beyond its settings. The request's sampling struct was checked by its own validator when
+the frame was decoded; the checks left are here, in order (priority ceilings, what the service
+does not serve, the prompt's size before and after tokenizing, the engine's own frame checks). A
+response_format is compiled once, by the engine (it needs the compiled grammar to enforce it).
 """
 # [ZH-START]
 # 【模块定位】分词进程对一个 GenerateReq 做的全部事情：检查、套 chat 模板、分词，
 # 得到给引擎的 TokenizedReq 帧，或抛出 RequestRejected 说明哪里不对。没有 socket，
-# 除了设置和 response_format 的编译缓存（GrammarCache）不保存任何状态；
-# 请求到引擎之前要过的检查都在这里，按顺序：priority 上限、采样字段、stop string、采样参数本身、
-# 分词前后 prompt 的大小、引擎自己的帧检查。
+# 除了设置不保存任何状态。采样参数（SamplingParams）在解帧时已由它自己的校验器检查过；
+# 这里剩下的检查按顺序：priority 上限、服务还不支持的参数、分词前后 prompt 的大小、
+# 引擎自己的帧检查。response_format 只由引擎编译一次（它要用编译好的语法来约束采样）。
 # [ZH-END]
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ import time
 from typing import Any, Callable
 
 from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS
-from nanovllm.structured.cache import GrammarCache
 from nanovllm_client import protocol as p
-from nanovllm_client.checks import ProtocolError, check_strings, show
+from nanovllm_client.checks import ProtocolError
 
 from .chat import opens_reasoning, render_chat
 
@@ -36,7 +35,7 @@ class RequestRejected(ValueError):
     # [ZH-START]
     # 【职责】"这个请求被拒绝"的异常，消息文本原样作为错误增量回给客户端。
     # 【边界】只表示请求本身的问题（参数、长度、模板）；内部 bug 不用它，由 handle 的兜底捕获。
-    # 【协作者】RequestBuilder.build / _prompt_ids / _bounded / _as_stop_list 抛出，
+    # 【协作者】RequestBuilder.build / _prompt_ids / _bounded 抛出，
     # TokenizerStage._on_generate 捕获并回复。
     # [ZH-END]
 
@@ -44,20 +43,17 @@ class RequestRejected(ValueError):
 class RequestBuilder:
     # [ZH-START]
     # 【职责】把客户端的 GenerateReq 变成给引擎的 TokenizedReq 帧：校验（priority 上限、
-    # 采样字段与参数、stop string）、套 chat 模板、分词、检查长度，加上反分词进程需要的 meta；
+    # 服务不支持的参数）、套 chat 模板、分词、检查长度，加上反分词进程需要的 meta；
     # 按客户端给前缀缓存加盐（--cache-salt-per-client）。
     # 【边界】纯函数式：不碰 socket、不保存请求；出错只抛 RequestRejected，
-    # 回复由 TokenizerStage 负责。
-    # 【协作者】TokenizerStage._on_generate 调 build；分词器（encode、apply_chat_template）；
-    # SamplingParams 做参数校验。
+    # 回复由 TokenizerStage 负责。采样参数的取值不在这里查（解帧时 SamplingParams 已查过）。
+    # 【协作者】TokenizerStage._on_generate 调 build；分词器（encode、apply_chat_template）。
     # [ZH-END]
 
-    def __init__(self, tokenizer: Any, sampling_fields: set[str], make_sampling, max_prompt_tokens: int | None = None,
-                 cache_salt_per_client: bool = False, max_priority: int | None = None,
+    def __init__(self, tokenizer: Any, max_prompt_tokens: int | None = None, cache_salt_per_client: bool = False,
+                 max_priority: int | None = None,
                  key_max_priority: Callable[[str | None], int | None] = lambda key: None):
         self.tokenizer = tokenizer
-        self.sampling_fields = sampling_fields
-        self.make_sampling = make_sampling
         self.max_prompt_tokens = max_prompt_tokens
         """The model's context length: no longer prompt can ever be served, so none is tokenized."""
         self.cache_salt_per_client = cache_salt_per_client
@@ -66,72 +62,46 @@ class RequestBuilder:
         """The highest `priority` a request may ask for (None: any the protocol allows); an
         allow-listed key's file may set a lower one for that key (`key_max_priority`)."""
         self.key_max_priority = key_max_priority
-        self.formats: GrammarCache | None = None
-        """Compiled response formats by their text, errors included (built with the first format)."""
 
     def build(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> bytes:
         """Validate and tokenize: the TokenizedReq frame for the engine, or `RequestRejected` saying
         what was wrong. `key`: the client's CURVE key, which salts its cache where it is set."""
         # [ZH-START]
         # 1. priority 超过 --max-priority，或超过这把客户端钥匙在 allow-list 文件里的 max-priority →
-        #    拒绝并说出是哪个上限；sampling 里有未知字段 → 拒绝并列出允许的字段；
-        #    有服务尚不支持的字段（logprobs、logits_processors）→ 拒绝。
-        # 2. stop = req.stop + sampling.stop（单个字符串或列表），
-        #    两处合计受同一限制（最多 64 个、每个 1024 字符）。
-        # 3. 取出 skip_special_tokens、include_stop_str_in_output：这些是文本侧字段，
-        #    交给反分词进程，不给引擎。
-        # 4. 用 make_sampling(...) 试建一次 SamplingParams 做校验；
-        #    ValueError / TypeError → "invalid sampling parameters"。
-        #    有 response_format：_check_format 经 GrammarCache 按词表编译（按文本缓存，错误也缓存，
-        #    同一格式只编译一次），编译不过就带着原因拒绝。
-        # 5. 开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(客户端 CURVE
+        #    拒绝并说出是哪个上限；要了服务尚不支持的参数（logprobs）→ 拒绝。
+        #    req.sampling 已是校验过的 SamplingParams（解帧时旧客户端放在帧顶层的 stop、
+        #    skip_special_tokens 也已并进去）。
+        # 2. 开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(客户端 CURVE
         #    公钥，没有则路由 id，客户端自己给的盐)，前缀缓存只在同一客户端（同一把钥匙）内共享。
-        #    ids, reasoning_open = _prompt_ids(req)。
-        # 6. meta = RequestMeta(client 身份, 客户端 rid, stop, skip_special_tokens,
-        #    prompt_tail = prompt 最后 8 个 token（打包）, arrival = 时间, min_tokens, include_stop,
+        # 3. ids, reasoning_open = _prompt_ids(req)。
+        # 4. meta = RequestMeta(client 身份, 客户端 rid, sampling = sampling.text_params()（stop、
+        #    include_stop_str_in_output、skip_special_tokens、min_tokens，其余取默认值）,
+        #    prompt_tail = prompt 最后 8 个 token（打包）, arrival = 时间,
         #    have_tokens / have_chars = 续写时客户端已有的 token 数和字符数,
-        #    reasoning_open = chat 模板在 prompt 末尾打开了 <think>)，线上是按位置的数组；
+        #    reasoning_open = chat 模板在 prompt 末尾打开了 <think>)，按关键字建，线上是按位置的数组；
         #    引擎原样转给反分词进程，用来建 IncrementalDetokenizer 和路由输出。
-        # 7. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend,
+        # 5. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend,
         #    output_ids = 续写时客户端已收到的输出 token)，先用引擎自己的 validate 检查一遍，
-        #    再编码、检查帧长：引擎会丢掉的帧（它无法回答客户端：min_tokens 超过 2**31；
-        #    超过 16 MiB 的帧，引擎的 socket 会连同连接一起丢掉）在这里就拒绝，并说明原因；
-        #    通过则返回编码好的帧。
+        #    再编码、检查帧长：超过 16 MiB 的帧引擎的 socket 会连同连接一起丢掉，在这里就拒绝并
+        #    说明原因；通过则返回编码好的帧。
         # [ZH-END]
         self._check_priority(req.priority, key)
-        unknown = set(req.sampling) - self.sampling_fields
-        if unknown:
-            raise RequestRejected(f"unknown sampling parameter(s) {show(sorted(unknown))}; "
-                                  f"allowed: {sorted(self.sampling_fields - set(NOT_SERVED))}")
-        not_served = sorted(set(req.sampling) & set(NOT_SERVED))
+        sampling = req.sampling
+        not_served = [name for name, why in NOT_SERVED.items() if getattr(sampling, name) is not None]
         if not_served:
             raise RequestRejected("; ".join(f"sampling parameter {name!r} is not supported by the service: "
                                             f"{NOT_SERVED[name]}" for name in not_served))
-        sampling = dict(req.sampling)
-        # Text-side fields are the detokenizer's job; accept them in `sampling` too, as the
-        # offline API does (one string or a list), under the same limits as `GenerateReq.stop`.
-        stop = req.stop + _as_stop_list(sampling.pop("stop", None))
-        try:
-            check_strings("stop", stop, p.MAX_STOP_STRINGS, p.MAX_STOP_LEN)
-        except ProtocolError as e:
-            raise RequestRejected(f"{e} (stop strings in 'stop' and 'sampling.stop' count together)") from None
-        skip = sampling.pop("skip_special_tokens", req.skip_special_tokens)
-        include_stop = sampling.pop("include_stop_str_in_output", False)
-        try:
-            params = self.make_sampling(**sampling, stop=stop, skip_special_tokens=skip,
-                                        include_stop_str_in_output=include_stop)
-        except (ValueError, TypeError) as e:
-            raise RequestRejected(f"invalid sampling parameters: {e}") from None
-        if getattr(params, "response_format", None) is not None:
-            self._check_format(params.response_format)
         if self.cache_salt_per_client:
-            sampling["cache_salt"] = client_cache_salt(key or identity.hex(), sampling.get("cache_salt"))
+            sampling = dataclasses.replace(sampling, cache_salt=client_cache_salt(key or identity.hex(),
+                                                                                  sampling.cache_salt))
         ids, reasoning_open = self._prompt_ids(req)
-        have = (len(req.output_token_ids) // 4, req.output_chars) if req.output_token_ids else (0, 0)
-        meta = p.RequestMeta(identity, req.request_id, stop, skip, p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]),
-                             time.time(), sampling.get("min_tokens", 0), include_stop, *have, reasoning_open)
-        out = p.TokenizedReq(engine_request_id(identity, req.request_id), p.pack_token_ids(ids), sampling, meta,
-                             priority=req.priority, resend=req.resend, output_ids=req.output_token_ids or b"")
+        have_tokens, have_chars = (len(req.output_token_ids) // 4, req.output_chars) if req.output_token_ids else (0, 0)
+        meta = p.RequestMeta(client=identity, client_request_id=req.request_id, sampling=sampling.text_params(),
+                             prompt_tail=p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]), arrival=time.time(),
+                             have_tokens=have_tokens, have_chars=have_chars, reasoning_open=reasoning_open)
+        out = p.TokenizedReq(request_id=engine_request_id(identity, req.request_id), prompt_token_ids=p.pack_token_ids(ids),
+                             sampling=sampling, meta=meta, priority=req.priority, resend=req.resend,
+                             output_ids=req.output_token_ids or b"")
         try:  # the engine's own checks: a frame it would drop (it cannot answer the client) is refused here
             out.validate()
         except ProtocolError as e:
@@ -141,21 +111,6 @@ class RequestBuilder:
             raise RequestRejected(f"the request is {len(frame)} bytes once tokenized, over the {p.MAX_FRAME_BYTES}-byte "
                                   "frame limit: shorten the prompt or the sampling lists")
         return frame
-
-    def _check_format(self, fmt: dict) -> None:
-        """Compile a response_format against the vocabulary (once per text, errors included), so a
-        bad one is refused here, with the compiler's reason, before it reaches the engine."""
-        from nanovllm.structured import ll_tokenizer
-
-        try:
-            if self.formats is None:
-                self.formats = GrammarCache(ll_tokenizer(self.tokenizer, len(self.tokenizer)))
-            self.formats.template(fmt)
-        except ValueError as e:
-            raise RequestRejected(f"invalid sampling parameters: {e}") from None
-        except Exception as e:  # llguidance cannot read this tokenizer: many kinds of errors
-            raise RequestRejected(f"response_format is not available with this model's tokenizer: "
-                                  f"{str(e)[:300]}") from None
 
     def _check_priority(self, priority: int, key: str | None) -> None:
         """RequestRejected for a priority above the service's ceiling or the client key's own."""
@@ -216,27 +171,14 @@ class RequestBuilder:
         return text
 
 
-def _as_stop_list(value: Any) -> list[str]:
-    """`sampling.stop` as the offline API takes it: absent, one string, or a list of strings."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list):
-        return value
-    raise RequestRejected(f"sampling.stop must be a string or a list of strings, got {show(value)}")
-
-
 def engine_request_id(identity: bytes, request_id: str) -> str:
     """Client request ids are only unique per client; the engine sees '<client>:<request>'."""
     return f"{identity.hex()}:{request_id}"
 
 
-# SamplingParams fields the offline API has but the service does not carry yet.
-NOT_SERVED = {
-    "logprobs": "log-probabilities are not streamed yet",
-    "logits_processors": "custom processors are Python objects, available in-process only",
-}
+NOT_SERVED = {"logprobs": "log-probabilities are not streamed yet"}
+"""SamplingParams fields the offline API serves and the service does not carry yet (set: not None).
+(`logits_processors`, Python objects, never travel: the struct's wire form has no such field.)"""
 
 
 def client_cache_salt(client: str, own: str | None) -> str:
@@ -248,7 +190,3 @@ def client_cache_salt(client: str, own: str | None) -> str:
     if own is not None:
         digest.update(b"\0" + own.encode("utf-8", "surrogatepass"))
     return "client:" + digest.hexdigest()
-
-
-def sampling_fields(params_cls) -> set[str]:
-    return {f.name for f in dataclasses.fields(params_cls)}

@@ -85,8 +85,7 @@ class TokenizerStage:
     # PeerMonitor 看引擎是否连着；
     # RequestBuilder；RateLimit；Notifier 向 systemd 报 READY / 看门狗；TokenizerMetrics 记指标。
     # [ZH-END]
-    def __init__(self, tokenizer: Any, sampling_fields: set[str], make_sampling, frontend: str,
-                 engine: str, control: str, ctx: zmq.Context | None = None, max_prompt_tokens: int | None = None,
+    def __init__(self, tokenizer: Any, frontend: str, engine: str, control: str, ctx: zmq.Context | None = None, max_prompt_tokens: int | None = None,
                  security: ServiceSecurity | None = None, metrics: TokenizerMetrics | None = None,
                  cache_salt_per_client: bool = False, max_pending_per_client: int = 0,
                  max_priority: int | None = None, max_request_rate_per_client: float = 0.0):
@@ -102,8 +101,9 @@ class TokenizerStage:
         self.ctx = ctx or zmq.Context.instance()
         self.metrics = metrics or TokenizerMetrics(CollectorRegistry())
         self.security = security or ServiceSecurity(self.ctx, None, None)
-        self.requests = RequestBuilder(tokenizer, sampling_fields, make_sampling, max_prompt_tokens, cache_salt_per_client,
-                                       max_priority, self.security.max_priority_of)
+        self.requests = RequestBuilder(tokenizer, max_prompt_tokens=max_prompt_tokens,
+                                       cache_salt_per_client=cache_salt_per_client, max_priority=max_priority,
+                                       key_max_priority=self.security.max_priority_of)
         """Checks and tokenizes each request (no I/O)."""
         # Few request frames wait in zmq's pipes: while the engine holds us back, a client's
         # further requests wait on its side, not here (each frame may be 16 MiB).

@@ -119,7 +119,7 @@ class AsyncStream:
             self._done = True
             self._stop_timer()
             self._client._end_stream(self.request_id, self._wire_id)
-            if delta.finish_reason == "error" and self._raise_on_error:
+            if delta.finish_reason is p.FinishReason.ERROR and self._raise_on_error:
                 error = EngineDeadError if delta.engine_dead else RequestError
                 raise error(delta.error or "request failed", self.request_id)
         return delta

@@ -14,7 +14,7 @@ from typing import Any
 
 MAX_DEPTH = 7
 """Deepest nesting a message body may have. The deepest real one (a resync entry's stop strings)
-is 5 levels: {entries: [[id, {stop: [...]}]]}."""
+is 6 levels: {entries: [[[client, id, {stop: [...]}], output]]}."""
 
 
 class ProtocolError(ValueError):

@@ -50,6 +50,8 @@ import zmq
 from . import protocol as p
 from .checks import ProtocolError
 from .errors import EngineDeadError, ServiceDrainingError
+from .protocol import FinishReason
+from .sampling import SamplingParams
 from .security import CurveKeys, client_curve, client_socket_security, new_routing_id
 from .template_kwargs import template_kwargs_text
 from .endpoints import check_ipc_endpoint, default_url, service_endpoints
@@ -75,8 +77,8 @@ class Delta:
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None
-    """None while streaming; "stop", "length", "abort" or "error" on the last delta."""
+    finish_reason: FinishReason | None = None
+    """None while streaming; why it ended on the last delta (a str: "stop", "length", "abort", "error")."""
     usage: dict[str, int] | None = None
     """On the last delta: prompt_tokens, completion_tokens, cached_tokens."""
     error: str | None = None
@@ -89,6 +91,12 @@ class Delta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def failed(cls, request_id: str, why: str, engine_dead: bool = False) -> Delta:
+        """The terminal delta of a request that failed, for `why`."""
+        return cls(request_id=request_id, text="", token_ids=[], finish_reason=FinishReason.ERROR, error=why,
+                   engine_dead=engine_dead)
+
 
 @dataclass
 class Result:
@@ -99,42 +107,36 @@ class Result:
     request_id: str
     text: str
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: dict[str, int] | None = None
 
 
 def build_request(prompt: Any = None, *, messages: list[dict] | None = None,
-                  prompt_token_ids: list[int] | None = None, max_tokens: int | None = None,
-                  temperature: float | None = None, ignore_eos: bool | None = None,
-                  stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-                  skip_special_tokens: bool = True, request_id: str | None = None, priority: int = 0,
-                  response_format: dict | str | None = None, tools: list[dict] | str | None = None,
-                  chat_template_kwargs: dict | str | None = None, **sampling: Any) -> p.GenerateReq:
+                  prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
+                  tools: list[dict] | str | None = None, chat_template_kwargs: dict | str | None = None,
+                  sampling: SamplingParams | None = None, **params: Any) -> p.GenerateReq:
     """The GenerateReq for one call. `prompt` may be text, a chat message list or token ids.
 
-    `response_format` (OpenAI's shape: json_object, json_schema, regex, grammar, choice) is
-    sent as JSON text; the service enforces it while sampling. `tools` (OpenAI's list, with a
-    chat) is sent as JSON text; the model's chat template renders them into the prompt.
-    `chat_template_kwargs` (with a chat): extra variables for that template, e.g.
-    {"enable_thinking": False}, sent as JSON text."""
-    if response_format is not None:
-        sampling["response_format"] = (response_format if isinstance(response_format, str)
-                                       else json.dumps(response_format, separators=(",", ":")))
+    Sampling is `sampling` (one `SamplingParams`), or its fields as keywords (`max_tokens=64,
+    temperature=0, stop=..., response_format=...`; a keyword given as None is left at its
+    default), validated here by the struct's own checks: a bad value raises `SamplingError`
+    naming it before anything is sent. `tools` (OpenAI's list, with a chat) is sent as JSON text;
+    the model's chat template renders them into the prompt. `chat_template_kwargs` (with a
+    chat): extra variables for that template, e.g. {"enable_thinking": False}, sent as JSON text."""
+    if sampling is None:
+        sampling = SamplingParams.from_dict({k: v for k, v in params.items() if v is not None})
+    elif params:
+        raise TypeError(f"give sampling parameters either as `sampling` or as keywords, not both (got "
+                        f"{sorted(params)[:4]})")
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         messages, prompt = prompt, None
     elif isinstance(prompt, list):
         prompt_token_ids, prompt = prompt, None
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
-                        ("ignore_eos", ignore_eos), ("stop_token_ids", stop_token_ids)):
-        if value is not None:
-            sampling[name] = value
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
     ids = p.pack_token_ids(prompt_token_ids) if prompt_token_ids is not None else None
     tools_text = (tools if isinstance(tools, str) or tools is None
                   else json.dumps(tools, separators=(",", ":"), ensure_ascii=False))
     return p.GenerateReq(request_id=request_id or uuid.uuid4().hex, prompt=prompt, messages=messages,
-                         prompt_token_ids=ids, sampling=sampling, stop=stops,
-                         skip_special_tokens=skip_special_tokens, priority=priority, tools=tools_text,
+                         prompt_token_ids=ids, sampling=sampling, priority=priority, tools=tools_text,
                          chat_template_kwargs=(template_kwargs_text(chat_template_kwargs)
                                                if isinstance(chat_template_kwargs, dict) else chat_template_kwargs))
 
@@ -312,7 +314,7 @@ class ClientState:
             # the frame finds the request this client sent in it.
             wire_id = msg.request_id or self.unanswered.get(msg.frame_digest or "")
             if wire_id is not None:
-                delta = self._track(Delta(wire_id, "", [], "error", error=msg.message))
+                delta = self._track(Delta.failed(wire_id, msg.message))
                 return Reaction([delta] if delta is not None else [])
             log.warning("service error: %s", msg.message)
             return Reaction()
@@ -407,7 +409,7 @@ class ClientState:
         wait = f"{self.engine_restart_wait_s:.0f}s"
         why = (f"{parked.why}; the tokenizer reached no engine within {wait}" if parked.unsent
                else f"{parked.why}; no new engine came up within {wait}")
-        return Delta(wire_id, "", [], "error", engine_dead=True, error=why)
+        return Delta.failed(wire_id, why, engine_dead=True)
 
     def _unpark(self, reaction: Reaction) -> None:
         """While an engine is up, send the kept requests again that were sent to another instance
@@ -437,14 +439,14 @@ class ClientState:
                     else:
                         self._resume_in_flight(wire_id, parked, reaction)
                 elif parked.progress.resends >= MAX_ENGINE_RESENDS:
-                    reaction.deltas.append(Delta(wire_id, "", [], "error", engine_dead=True, error=(
+                    reaction.deltas.append(Delta.failed(wire_id, (
                         f"{parked.why}; the engine died {parked.progress.resends + 1} times while this request was "
-                        "in flight, so it is not sent again (it may be what kills it)")))
+                        "in flight, so it is not sent again (it may be what kills it)"), engine_dead=True))
                 else:
                     parked.progress.resends += 1
                     self._resume_in_flight(wire_id, parked, reaction)
             elif parked.dead_seen:
-                reaction.deltas.append(Delta(wire_id, "", [], "error", error=parked.why, engine_dead=True))
+                reaction.deltas.append(Delta.failed(wire_id, parked.why, engine_dead=True))
             else:
                 continue
             del self.parked[wire_id]
@@ -472,7 +474,7 @@ class ClientState:
     def _fail_all(self, why: str, engine_dead: bool) -> list[Delta]:
         """Fail the requests in flight; at an engine death each is kept for the next engine instead
         (`_park`), unless waiting is off."""
-        deltas = [Delta(wire_id, "", [], "error", error=why, engine_dead=engine_dead)
+        deltas = [Delta.failed(wire_id, why, engine_dead=engine_dead)
                   for wire_id in list(self.inflight) if not (engine_dead and self._park(wire_id, why, True))]
         self.inflight.clear()
         self.unanswered.clear()  # the parked send a new frame (`_sending`) when they go again
@@ -481,7 +483,7 @@ class ClientState:
     def _track(self, delta: Delta, unsent: bool = False) -> Delta | None:
         """Count the delta against its request; None when it is an engine death (or a refusal for
         want of an engine: `unsent`) that the request waits out for the next engine instead (`_park`)."""
-        if (delta.engine_dead and delta.finish_reason == "error"
+        if (delta.engine_dead and delta.finish_reason is FinishReason.ERROR
                 and self._park(delta.request_id, delta.error or "", False, unsent)):
             return None
         progress = self.inflight.get(delta.request_id)
@@ -499,12 +501,13 @@ class ClientState:
     @staticmethod
     def _delta(d: p.DeltaRow) -> Delta:
         usage = None if d.usage is None else d.usage._asdict()
-        return Delta(d.request_id, d.text, p.unpack_token_ids(d.token_ids), d.finish_reason, usage, d.error,
-                     d.engine_dead, d.reasoning_open)
+        return Delta(request_id=d.request_id, text=d.text, token_ids=p.unpack_token_ids(d.token_ids),
+                     finish_reason=d.finish_reason, usage=usage, error=d.error, engine_dead=d.engine_dead,
+                     reasoning_open=d.reasoning_open)
 
 
 def merge(deltas: list[Delta], request_id: str) -> Result:
-    result = Result(request_id, "".join(d.text for d in deltas))
+    result = Result(request_id=request_id, text="".join(d.text for d in deltas))
     for d in deltas:
         result.token_ids.extend(d.token_ids)
         if d.finished:

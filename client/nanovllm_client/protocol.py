@@ -22,19 +22,30 @@ import hashlib
 import sys
 from array import array
 from dataclasses import MISSING, dataclass, field, fields
+from enum import Enum
 from typing import Any, Callable, ClassVar, NamedTuple
 
 import msgpack
 
 from .checks import (ProtocolError, check, check_bool, check_bytes, check_depth, check_fields, check_int,
-                     check_list, check_map, check_number, check_opt_str, check_str, check_strings, is_int, show)
+                     check_list, check_map, check_number, check_opt_str, check_str, is_int, show)
+from .sampling import SamplingParams
 from .template_kwargs import parse_template_kwargs
 
-__all__ = ["ProtocolError", "PROTOCOL_VERSION", "decode", "pack_token_ids", "unpack_token_ids", "error_delta"]
+__all__ = ["ProtocolError", "PROTOCOL_VERSION", "STAGE_PROTOCOL_VERSION", "FinishReason", "decode", "pack_token_ids",
+           "unpack_token_ids", "error_delta"]
 
 PROTOCOL_VERSION = 2
-"""2: a request's meta, a stream's deltas and a resume's requests are positional rows
-(`RequestMeta`, `DeltaRow`, `ResumeRow`), where version 1 sent maps and bare lists."""
+"""The client protocol: the messages a client sends and receives (requests, aborts, pings,
+resumes, deltas, pongs, errors, engine status), also used between stages where they are the same.
+2: a stream's deltas and a resume's requests are positional rows (`DeltaRow`, `ResumeRow`), where
+version 1 sent maps and bare lists."""
+STAGE_PROTOCOL_VERSION = 3
+"""The messages only stages exchange (`TokenizedReq`, `DetokHello`, `StepOutput`, `Resync`). 3: the
+sampling parameters travel as one typed struct (`SamplingParams`), and a request's meta carries
+its text-side part instead of copies of those fields; a resync entry is a meta and an output row.
+Versioned apart from the client protocol, so a change between the stages leaves clients working;
+each message type has one version, and a frame of another is refused naming both."""
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 """Largest frame any stage accepts (ZMQ_MAXMSGSIZE on every receiving socket)."""
 MAX_ID_LEN = 256
@@ -44,19 +55,36 @@ MAX_ENGINE_ID_LEN = 2 * 255 + 1 + MAX_ID_LEN
 MAX_INSTANCE_ID_LEN = 64
 MAX_ERROR_LEN = 4096
 """Error and reason texts; longer ones are cut by `clip` before they are sent."""
-MAX_STOP_STRINGS, MAX_STOP_LEN = 64, 1024
-"""Stop strings are matched on every step in the detokenizer: bound what one request can ask."""
 MAX_CHAT_MESSAGES = 4096
-MAX_SAMPLING_FIELDS = 64
-MAX_RESPONSE_FORMAT_CHARS = 64 * 1024
-"""`sampling.response_format` travels as JSON text of at most this many characters: a schema
-nests as deep as it likes inside one string, never against the frame's nesting limit."""
+MAX_TOOLS_CHARS = 64 * 1024
+"""`GenerateReq.tools` travels as JSON text of at most this many characters (as a request's
+response_format does, `response_format.MAX_FORMAT_CHARS`): a parameter schema nests as deep as it
+likes inside one string, never against the frame's nesting limit."""
 MAX_PROMPT_TAIL = 64
 """Prompt tokens a request's meta may carry as left context for detokenization."""
 MAX_ROWS = 1 << 16
 """Rows in one step / resync / resume message."""
 MAX_PRIORITY = 1 << 31
-FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class FinishReason(str, Enum):
+    """Why a request ended. The values are the wire's strings and OpenAI's `finish_reason`, and a
+    member compares equal to its string, so code that reads "stop" keeps working."""
+    STOP = "stop"
+    """An EOS or stop token, or a stop string matched."""
+    LENGTH = "length"
+    """max_tokens, or the model's context, reached."""
+    ABORT = "abort"
+    """Cancelled: by its client, or by the service (draining, its client gone)."""
+    ERROR = "error"
+    """It failed alone (its sampling, a refusal, an engine that died twice): the error says why."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FINISH_REASONS = tuple(r.value for r in FinishReason)
+_FINISH_REASON_OF = {r.value: r for r in FinishReason}
 STAGE_STATES = ("loading", "ready", "draining")
 """A stage's life: loading (the engine's model), ready (serving), draining (stopping: in-flight
 requests finish, new ones are refused)."""
@@ -114,12 +142,24 @@ def unpack_token_ids(data: bytes | list[int]) -> list[int]:
     return ids.tolist()
 
 
-def check_response_format(sampling: dict) -> None:
-    """`sampling.response_format`, where present, is JSON text within its limit (its content is
-    the tokenizer stage's to check: it compiles it against the vocabulary)."""
-    value = sampling.get("response_format")
-    if value is not None:
-        check_str("sampling.response_format", value, MAX_RESPONSE_FORMAT_CHARS)
+def read_sampling(name: str, value: Any) -> SamplingParams:
+    """A decoded sampling map -> `SamplingParams`, through its one validator; `ProtocolError`
+    with the validator's own words (the same a client or the HTTP front gets for that value)."""
+    if isinstance(value, SamplingParams):  # built in this process (a stage checking its own frame)
+        return value
+    try:
+        return SamplingParams.from_dict(value)
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
+
+
+def read_finish_reason(name: str, value: Any) -> FinishReason | None:
+    if value is None:
+        return None
+    reason = _FINISH_REASON_OF.get(value) if isinstance(value, str) else None
+    if reason is None:
+        raise ProtocolError(f"{name} must be null or one of {FINISH_REASONS}, got {show(value)}")
+    return reason
 
 
 def check_packed(name: str, value: Any, max_tokens: int) -> None:
@@ -136,9 +176,10 @@ def check_packed(name: str, value: Any, max_tokens: int) -> None:
 _REGISTRY: dict[str, type[Message]] = {}
 
 
-def _message(type_name: str):
+def _message(type_name: str, version: int = PROTOCOL_VERSION):
     def register(cls: type[Message]) -> type[Message]:
         cls.TYPE = type_name
+        cls.VERSION = version
         cls._NAMES = tuple(f.name for f in fields(cls))
         cls._FIELDS = frozenset(cls._NAMES)
         cls._REQUIRED = frozenset(f.name for f in fields(cls)
@@ -152,6 +193,7 @@ def _message(type_name: str):
 @dataclass
 class Message:
     TYPE: ClassVar[str] = ""
+    VERSION: ClassVar[int] = PROTOCOL_VERSION
     _NAMES: ClassVar[tuple[str, ...]] = ()
     _FIELDS: ClassVar[frozenset[str]] = frozenset()
     _REQUIRED: ClassVar[frozenset[str]] = frozenset()
@@ -162,7 +204,7 @@ class Message:
 
     def encode(self) -> bytes:
         body = {name: getattr(self, name) for name in self._NAMES}
-        return msgpack.packb([PROTOCOL_VERSION, self.TYPE, body], use_bin_type=True)
+        return msgpack.packb([self.VERSION, self.TYPE, body], use_bin_type=True, default=_wire_value)
 
     def validate(self) -> None:
         """Check field values of a decoded message; raise `ProtocolError` naming the problem."""
@@ -178,12 +220,15 @@ def decode(frame: bytes) -> Message:
         raise ProtocolError(f"frame is not valid msgpack within the limits ({type(e).__name__}: {show(str(e))})") from None
     check(isinstance(obj, list) and len(obj) == 3, "a message must be a msgpack array [protocol_version, type, body]")
     version, type_name, body = obj  # only `show` (bounded) looks at these before the depth check
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {show(version)} is not supported; "
-                            f"this service speaks version {PROTOCOL_VERSION}")
+    if not (is_int(version) and version in _VERSIONS):
+        raise ProtocolError(f"protocol version {show(version)} is not supported; this service speaks version "
+                            f"{PROTOCOL_VERSION} (clients) and {STAGE_PROTOCOL_VERSION} (between its stages)")
     cls = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {show(type_name)}; known types: {', '.join(sorted(_REGISTRY))}")
+    if version != cls.VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported for {type_name!r} messages; this service "
+                            f"speaks version {cls.VERSION} for them (its stages must all run the same release)")
     if not isinstance(body, dict):
         raise ProtocolError(f"the body of a {type_name!r} message must be a map")
     rid = body.get("request_id")
@@ -200,6 +245,16 @@ def decode(frame: bytes) -> Message:
     return msg
 
 
+_VERSIONS = (PROTOCOL_VERSION, STAGE_PROTOCOL_VERSION)
+
+
+def _wire_value(value: Any) -> Any:
+    """msgpack's hook for the one non-plain value a message holds: the sampling struct, as its map."""
+    if isinstance(value, SamplingParams):
+        return value.to_dict()
+    raise TypeError(f"cannot encode a {type(value).__name__} in a message")
+
+
 # ---------------------------------------------------------------- client -> tokenizer
 
 @_message("generate")
@@ -210,10 +265,15 @@ class GenerateReq(Message):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     prompt_token_ids: bytes | list[int] | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
-    """Engine sampling parameters (temperature, max_tokens, ignore_eos, stop_token_ids, ...)."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """Every sampling parameter, the text-side ones included; a map of its non-default fields on
+    the wire (`SamplingParams.to_dict`), checked by its own validator on decode."""
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
+    """`stop` and `skip_special_tokens`: where clients before the sampling struct put them. Still
+    read (folded into `sampling` on decode: stop strings from both count against one limit, the
+    sampling map's skip_special_tokens wins), so those clients keep working; this client sends
+    them inside `sampling`."""
     priority: int = 0
     """Higher is admitted first under the engine's "priority" scheduling policy."""
     resend: bool = False
@@ -247,10 +307,8 @@ class GenerateReq(Message):
                       "each chat message must be a map with string 'role' and 'content'")
         if self.prompt_token_ids is not None:
             self.prompt_token_ids = unpack_token_ids(self.prompt_token_ids)
-        check_map("sampling", self.sampling, MAX_SAMPLING_FIELDS)
-        check_response_format(self.sampling)
-        check_strings("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_LEN)
-        check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.sampling = read_sampling("sampling", self._with_own_fields(self.sampling))
+        self.stop, self.skip_special_tokens = [], True  # folded into `sampling`: one place to read them
         check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
         check_bool("resend", self.resend)
         if self.output_token_ids is not None:
@@ -258,10 +316,26 @@ class GenerateReq(Message):
         check_int("output_chars", self.output_chars, 0, 2**31)
         if self.tools is not None:
             check(self.messages is not None, "tools are offered only with messages (a chat)")
-            check_str("tools", self.tools, MAX_RESPONSE_FORMAT_CHARS)
+            check_str("tools", self.tools, MAX_TOOLS_CHARS)
         if self.chat_template_kwargs is not None:
             check(self.messages is not None, "chat_template_kwargs apply only with messages (a chat)")
             parse_template_kwargs(self.chat_template_kwargs)
+
+    def _with_own_fields(self, sampling: Any) -> Any:
+        """The sampling map with this message's own `stop` and `skip_special_tokens` folded in."""
+        if self.stop == [] and self.skip_special_tokens is True:
+            return sampling
+        if isinstance(sampling, SamplingParams):  # the field's default: no sampling map was sent
+            sampling = sampling.to_dict()
+        if not isinstance(sampling, dict):
+            return sampling  # refused by its reader, naming what it is
+        check(isinstance(self.stop, list), "stop must be a list of strings, got {}", self.stop)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
+        own = sampling.get("stop")
+        check(own is None or isinstance(own, (str, list)), "stop must be a string or a list of non-empty strings, "
+              "got {}", own)
+        own = [own] if isinstance(own, str) else own or []
+        return {"skip_special_tokens": self.skip_special_tokens, **sampling, "stop": [*self.stop, *own]}
 
 
 @_message("abort")
@@ -317,16 +391,13 @@ class RequestMeta(NamedTuple):
     client: bytes
     """The client's routing id: where the request's deltas go."""
     client_request_id: str
-    stop: list[str] = []
-    skip_special_tokens: bool = True
+    sampling: SamplingParams
+    """The request's text-side sampling parameters (`SamplingParams.text_params`: stop strings,
+    include_stop_str_in_output, skip_special_tokens, min_tokens), the rest at their defaults."""
     prompt_tail: bytes = b""
     """The prompt's last token ids (packed, at most MAX_PROMPT_TAIL): left context for decoding."""
     arrival: float = 0.0
     """When the tokenizer received it (epoch seconds)."""
-    min_tokens: int = 0
-    """Before this many output tokens no stop string ends the text."""
-    include_stop: bool = False
-    """The matched stop string stays in the output."""
     have_tokens: int = 0
     have_chars: int = 0
     """A continued stream: the output tokens and characters its client has already. The engine
@@ -338,12 +409,8 @@ class RequestMeta(NamedTuple):
     def check(self) -> None:
         check_bytes("meta.client", self.client, 255)
         check_str("meta.client_request_id", self.client_request_id, MAX_ID_LEN)
-        check_strings("meta.stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_LEN)
-        check_bool("meta.skip_special_tokens", self.skip_special_tokens)
         check_packed("meta.prompt_tail", self.prompt_tail, MAX_PROMPT_TAIL)
         check_number("meta.arrival", self.arrival)
-        check_int("meta.min_tokens", self.min_tokens, 0, 2**31)
-        check_bool("meta.include_stop", self.include_stop)
         check_int("meta.have_tokens", self.have_tokens, 0, 2**31)
         check_int("meta.have_chars", self.have_chars, 0, 2**31)
         check_bool("meta.reasoning_open", self.reasoning_open)
@@ -356,13 +423,14 @@ def typed_meta(meta: Any) -> RequestMeta:
 
 # ---------------------------------------------------------------- tokenizer -> engine
 
-@_message("tokenized")
+@_message("tokenized", STAGE_PROTOCOL_VERSION)
 @dataclass
 class TokenizedReq(Message):
     request_id: str
     """Service-wide id: '<client id hex>:<client request id>'."""
     prompt_token_ids: bytes
-    sampling: dict[str, Any]
+    sampling: SamplingParams
+    """As the client's request had it (`GenerateReq.sampling`), checked again by the same validator."""
     meta: RequestMeta
     priority: int = 0
     resend: bool = False
@@ -373,8 +441,7 @@ class TokenizedReq(Message):
         check_str("request_id", self.request_id, MAX_ENGINE_ID_LEN)
         check_packed("prompt_token_ids", self.prompt_token_ids, MAX_FRAME_BYTES // 4)
         check_packed("output_ids", self.output_ids, MAX_FRAME_BYTES // 4)
-        check_map("sampling", self.sampling, MAX_SAMPLING_FIELDS)
-        check_response_format(self.sampling)
+        self.sampling = read_sampling("sampling", self.sampling)
         self.meta = typed_meta(self.meta)
         check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
         check_bool("resend", self.resend)
@@ -382,7 +449,7 @@ class TokenizedReq(Message):
 
 # ---------------------------------------------------------------- detokenizer -> engine
 
-@_message("detok_hello")
+@_message("detok_hello", STAGE_PROTOCOL_VERSION)
 @dataclass
 class DetokHello(Message):
     """A detokenizer that just started asks the engine for every request it holds (a `Resync`)."""
@@ -420,7 +487,7 @@ class OutputRow(NamedTuple):
     token_ids: bytes
     """New token ids, packed (`pack_token_ids`)."""
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
@@ -430,30 +497,29 @@ class OutputRow(NamedTuple):
         check_str("output request_id", self.request_id, MAX_ENGINE_ID_LEN)
         check_packed("output token ids", self.token_ids, MAX_FRAME_BYTES // 4)
         check_bool("output finished", self.finished)
-        _check_finish_reason(self.finish_reason)
         for count in (self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens):
             check_int("output token count", count, 0, 2**31)
         check_opt_str("output error", self.error, MAX_ERROR_LEN)
 
 
-_RESYNC_FIELDS = [("request_id", str), ("meta", RequestMeta), *list(OutputRow.__annotations__.items())[1:]]
+class ResyncEntry(NamedTuple):
+    """A request the engine holds or finished lately (`Resync.entries`): its meta and its whole
+    output so far as one `OutputRow` (token_ids: every output token id, packed)."""
+    meta: RequestMeta
+    output: OutputRow
 
-
-class ResyncEntry(NamedTuple("ResyncEntry", _RESYNC_FIELDS)):
-    """A request the engine holds or finished lately (`Resync.entries`): its id, its meta, then
-    the fields of an `OutputRow` (token_ids: every output token id so far, packed)."""
-    __slots__ = ()
-
-    def output(self) -> OutputRow:
-        return OutputRow(self.request_id, *self[2:])
+    @property
+    def request_id(self) -> str:
+        return self.output.request_id
 
     def check(self) -> None:
-        self.output().check()
+        pass  # both halves are rows, read and checked as such
 
 
 def typed_row(name: str, row: Any, row_type: type, tolerant: bool = False) -> Any:
     """One decoded row -> a `row_type` (a NamedTuple: positional on the wire, named in code),
-    checked, the rows nested in it (`_NESTED`: a meta, a usage) read the same way; `ProtocolError`
+    checked, the values in it that have a type of their own (`_READERS`: a meta, a usage, the
+    sampling struct, a finish reason) read by their readers; `ProtocolError`
     naming the problem. `tolerant`: a longer row (a newer service's added fields) is cut to the
     known ones, and a row from a service one version older, without the fields this version
     added (`_NEWEST_FIELDS`), takes their defaults. The one place rows are read."""
@@ -466,12 +532,11 @@ def typed_row(name: str, row: Any, row_type: type, tolerant: bool = False) -> An
         row = row[:width]
     elif len(row) < width:
         row = (*row, *(row_type._field_defaults[f] for f in row_type._fields[len(row):]))
-    nested = _NESTED.get(row_type)
-    if nested:
+    readers = _READERS.get(row_type)
+    if readers:
         row = list(row)
-        for i, inner, optional in nested:
-            if row[i] is not None or not optional:
-                row[i] = typed_row(row_type._fields[i], row[i], inner)
+        for i, read in readers:
+            row[i] = read(row_type._fields[i], row[i])
     typed = tuple.__new__(row_type, row)  # its width checked above; skips NamedTuple's slower __new__
     typed.check()
     return typed
@@ -483,12 +548,7 @@ def typed_rows(name: str, rows: Any, row_type: type, tolerant: bool = False) -> 
     return [typed_row(name, row, row_type, tolerant) for row in rows]
 
 
-def _check_finish_reason(reason: Any) -> None:
-    if reason is not None and reason not in FINISH_REASONS:
-        raise ProtocolError(f"finish_reason must be null or one of {FINISH_REASONS}")
-
-
-@_message("step")
+@_message("step", STAGE_PROTOCOL_VERSION)
 @dataclass
 class StepOutput(Message):
     """Everything one engine step produced, in one message: the requests accepted since the last
@@ -506,7 +566,7 @@ class StepOutput(Message):
         self.outputs = typed_rows("outputs", self.outputs, OutputRow)
 
 
-@_message("resync")
+@_message("resync", STAGE_PROTOCOL_VERSION)
 @dataclass
 class Resync(Message):
     """The engine's answer to `DetokHello`: a `ResyncEntry` for every request it holds and those it
@@ -574,8 +634,8 @@ class DeltaRow(NamedTuple):
     text: str = ""
     token_ids: bytes = b""
     """Packed (`pack_token_ids`)."""
-    finish_reason: str | None = None
-    """None while streaming; one of FINISH_REASONS on the terminal delta."""
+    finish_reason: FinishReason | None = None
+    """None while streaming; why it ended on the terminal delta."""
     error: str | None = None
     """Why, with finish_reason "error" (or an abort that says why)."""
     usage: Usage | None = None
@@ -591,7 +651,6 @@ class DeltaRow(NamedTuple):
         check_str("delta request_id", self.request_id, MAX_ENGINE_ID_LEN)
         check_str("delta text", self.text, MAX_FRAME_BYTES, empty=True)
         check_packed("delta token_ids", self.token_ids, MAX_FRAME_BYTES // 4)
-        _check_finish_reason(self.finish_reason)
         check_opt_str("delta error", self.error, MAX_ERROR_LEN)
         check_bool("delta engine_dead", self.engine_dead)
         check_bool("delta unsent", self.unsent)
@@ -669,13 +728,23 @@ class StatsOutput(Message):
 
 def error_delta(request_id: str, message: str, engine_dead: bool = False, unsent: bool = False) -> DeltaRow:
     """The terminal delta of a request that failed."""
-    return DeltaRow(request_id, "", b"", "error", clip(message), None, engine_dead, unsent)
+    return DeltaRow(request_id=request_id, finish_reason=FinishReason.ERROR, error=clip(message),
+                    engine_dead=engine_dead, unsent=unsent)
 
 
-_NESTED: dict[type, tuple[tuple[int, type, bool], ...]] = {
-    StartedRow: ((1, RequestMeta, False),), RejectedRow: ((1, RequestMeta, False),),
-    ResyncEntry: ((1, RequestMeta, False),), DeltaRow: ((5, Usage, True),)}
-"""Rows inside rows: (position, row type, may be null)."""
+def _row(row_type: type, optional: bool = False) -> Callable[[str, Any], Any]:
+    """The reader of a row nested in a row."""
+    def read(name: str, value: Any) -> Any:
+        return None if optional and value is None else typed_row(name, value, row_type)
+    return read
+
+
+_META = _row(RequestMeta)
+_READERS: dict[type, tuple[tuple[int, Callable[[str, Any], Any]], ...]] = {
+    RequestMeta: ((2, read_sampling),), StartedRow: ((1, _META),), RejectedRow: ((1, _META),),
+    OutputRow: ((3, read_finish_reason),), ResyncEntry: ((0, _META), (1, _row(OutputRow))),
+    DeltaRow: ((3, read_finish_reason), (5, _row(Usage, optional=True)))}
+"""Values inside rows with a type of their own: (position, reader)."""
 _NEWEST_FIELDS: dict[type, tuple[str, ...]] = {DeltaRow: ("reasoning_open",)}
 """The trailing fields a row gained in this version, each with a default. A client often runs
 against an older service: where tolerant, a row without them is read with their defaults, so

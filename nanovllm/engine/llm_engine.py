@@ -2,8 +2,9 @@
 
 This is what the engine stage wraps and what the offline `LLM` drives in a loop. Every request
 ends with exactly one output whose `finished` is True: on a stop token, on a length limit,
-(reported by the next `step()`) after `abort`, or with reason "error" when its own sampling
-failed (its logits processor raised, its logits went NaN): other requests carry on. Post-step
+(reported by the next `step()`) after `abort`, or with `FinishReason.ERROR` when its own sampling
+failed (its logits processor raised, its logits went NaN): other requests carry on. A request is
+one object here (`Sequence`): its tokens, blocks, frozen `SamplingParams` and sampling state. Post-step
 hooks (hooks.py) see a metrics snapshot after every step; the scheduling policy (policy.py)
 orders admission and preemption.
 """
@@ -18,7 +19,8 @@ orders admission and preemption.
 #   → ModelRunner.run()（前向 + Sampler 采样）
 #   → Scheduler.postprocess()（追加 token、判断结束、commit）
 #   → 每个有新 token 或刚结束的请求一条 RequestOutput → post-step hooks（指标）
-# 约定：每个请求恰好有一条 finished=True 的输出（stop / length / abort / error）。
+# 约定：每个请求恰好有一条 finished=True 的输出（FinishReason：STOP / LENGTH / ABORT / ERROR）。
+# 一个请求在引擎里就是一个 Sequence：token、块表、冻结的 SamplingParams 和采样状态都在它身上。
 # [ZH-END]
 from __future__ import annotations
 
@@ -41,13 +43,16 @@ from nanovllm.engine.policy import SchedulerPolicy, make_policy
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.logits_processors import WordIndex, build_logits_processors
+from nanovllm.layers.logprobs import TokenLogprobs
+from nanovllm.layers.sampling_state import SamplingState
+from nanovllm.layers.token_bytes import token_byte_table
 from nanovllm.structured import StructuredOutput, ll_tokenizer
 from nanovllm.structured.cache import GrammarCache
-from nanovllm.layers.sampler import TokenLogprobs
-from nanovllm.layers.token_bytes import token_byte_table
 from nanovllm.models.loader import is_gguf, read_hf_config, resolve_model_path
 from nanovllm.models.model_config import ModelConfig, resolve_max_model_len
-from nanovllm.sampling_params import SamplingParams, show
+from nanovllm.sampling_params import SamplingParams
+from nanovllm_client.checks import show
+from nanovllm_client.protocol import FinishReason
 
 
 
@@ -72,22 +77,22 @@ class StepStats:
 class RequestOutput:
     # [ZH-START]
     # step() 交给调用方的一条输出：只带本步新增的 token（new_token_ids，增量）和计数，不带文本——
-    # 文本在反分词进程（或离线 LLM 里）才解码。finished 为真时 finish_reason 必有值，
-    # error 只在 "error" 时有值；logprobs 每个新 token 一项（请求要了才有）。
+    # 文本在反分词进程（或离线 LLM 里）才解码。finished 为真时 finish_reason（FinishReason）
+    # 必有值，error 只在 ERROR 时有值（abort 也可能带原因）；logprobs 每个新 token 一项（请求要了才有）。
     # engine_proc 把一步的所有 RequestOutput 打包成一个 StepOutput 帧发给 detok_proc。
     # [ZH-END]
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None
-    """"stop", "length", "abort" or "error" once finished."""
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
+    finish_reason: FinishReason | None
+    """Why it ended, once finished (a str-valued enum: "stop", "length", "abort", "error")."""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     """One entry per new token when the request asked for logprobs."""
     error: str | None = None
-    """Why the request failed, when finish_reason is "error" (e.g. its logits processor raised)."""
+    """Why the request failed, with FinishReason.ERROR (e.g. its logits processor raised)."""
 
 
 class LLMEngine:
@@ -97,8 +102,9 @@ class LLMEngine:
     # 不做的事：不 tokenize / detokenize、不匹配 stop string、不碰网络（三个进程阶段的事）；
     # 不自己跑主循环——由调用方（engine_proc 的 step 线程，或 LLM.generate）反复调 step()。
     # 和谁打交道：上游 engine_proc / LLM；下游 Scheduler、BlockManager、
-    # ModelRunner（runner.sampler）。
-    # requests：request_id → Sequence，只放活着的请求（abort 时立刻移出）；
+    # ModelRunner（采样器只在 runner 里被调用，引擎不碰它的内部）。
+    # requests：request_id → Sequence（请求的全部状态，采样状态也在上面），只放活着的请求
+    # （abort 时立刻移出）；
     # _aborted：已 abort、等下一步报告终止输出的序列。
     # [ZH-END]
     def __init__(self, config: Config | None = None, *, scheduler_policy: str | SchedulerPolicy | None = None, **kwargs):
@@ -176,13 +182,13 @@ class LLMEngine:
         # 3. longest = min(len(prompt) + max_tokens, max_model_len)；blocks_for(longest)
         #    超过整个 cache 的块数
         #    → ValueError：这种请求永远放不下，接进来只会被反复抢占。
-        # 4. build_logits_processors 为它构造 logits 处理器，
-        #    runner.sampler.add_request 登记采样状态。
-        # 5. 创建 Sequence（arrival = _arrivals，随后 _arrivals += 1），放进 requests，
-        #    scheduler.add 入 waiting 堆。
+        # 4. build_logits_processors 为它构造 logits 处理器，SamplingState.build 建采样状态
+        #    （bias / min_tokens 张量、有种子时自己的 Generator）。
+        # 5. 创建 Sequence(params, sampling=状态)（arrival = _arrivals，随后 _arrivals += 1），
+        #    放进 requests，scheduler.add 入 waiting 堆。
         # 6. 续写（output_prefix，引擎死后客户端把已收到的输出发回来）：先校验（比 max_tokens 少、
         #    prompt + 前缀 < max_model_len、id 在词表内），再接到 token_ids 后面——
-        #    它们算输出（num_prompt_tokens 不变），和被抢占的序列一样整段 prefill；采样器里有种子的
+        #    它们算输出（num_prompt_tokens 不变），和被抢占的序列一样整段 prefill；有种子的
         #    Generator 前进 len(prefix) 个数（每个 token 恰好一个），所以续写与没中断时一样（只差
         #    prefill 与 decode 的舍入差异，与抢占后重算相同）；num_sent_tokens = 0：
         #    第一个新 token 和前缀一起报告。
@@ -202,10 +208,10 @@ class LLMEngine:
                 f"request needs up to {longest} tokens of KV cache but the cache holds only "
                 f"{self.block_manager.num_total_blocks * self.config.block_size}; lower max_tokens or enlarge the cache"
             )
-        processors = build_logits_processors(params, self.model_config.vocab_size, self.runner.device, self._words,
-                                             self._structured)
-        self.runner.sampler.add_request(request_id, params, processors, self.eos_token_ids, len(prefix))
-        seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, priority)
+        vocab, device = self.model_config.vocab_size, self.runner.device
+        processors = build_logits_processors(params, vocab, device, self._words, self._structured)
+        sampling = SamplingState.build(params, processors, self.eos_token_ids, vocab, device, len(prefix))
+        seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, priority, sampling=sampling)
         seq.token_ids.extend(prefix)
         self._arrivals += 1
         self.requests[request_id] = seq
@@ -240,18 +246,16 @@ class LLMEngine:
         """Stop a request and free its KV blocks now; idempotent. True if it was live."""
         # [ZH-START]
         # 1. 从 requests 弹出；不存在（未知 id 或已结束）→ 返回 False（幂等）。
-        # 2. scheduler.finish(seq, "abort")：KV 块立刻释放、标记 FINISHED；
-        #    队列里的条目之后惰性清理。
-        # 3. runner.sampler.remove_request：采样状态马上删——同一个 request_id
-        #    可能在下一步之前就被复用。
-        # 4. 追加到 _aborted：下一次 step() 开头为它产出唯一的终止输出（finish_reason="abort"）。
-        # 5. 返回 True。整个过程 O(1)，不扫描任何队列。
+        # 2. scheduler.finish(seq, FinishReason.ABORT)：KV 块立刻释放、标记 FINISHED；
+        #    队列里的条目之后惰性清理。采样状态在 Sequence 身上，同一个 request_id
+        #    在下一步之前就被复用也不会串。
+        # 3. 追加到 _aborted：下一次 step() 开头为它产出唯一的终止输出（ABORT）。
+        # 4. 返回 True。整个过程 O(1)，不扫描任何队列。
         # [ZH-END]
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq, "abort")
-        self.runner.sampler.remove_request(request_id)  # now: the id may be reused before the next step
+        self.scheduler.finish(seq, FinishReason.ABORT)
         self._aborted.append(seq)
         return True
 
@@ -272,7 +276,7 @@ class LLMEngine:
         #    generated = scheduler.postprocess(scheduled, sampled)。
         # 5. 记 last_step = StepStats(...)。
         # 6. 对每个调度项：有未报告的输出 token（num_output_tokens > num_sent_tokens）
-        #    或已结束 → _output 产出一条；已结束的从 requests 删除并 runner.sampler.remove_request。
+        #    或已结束 → _output 产出一条；已结束的从 requests 删除（采样状态随 Sequence 一起走）。
         #    prompt 中间分块的项本步没有输出。
         # 7. num_steps += 1；有 hook 就把本步耗时和指标快照（_metrics）交给它们。
         # 8. 返回 outputs。
@@ -287,15 +291,15 @@ class LLMEngine:
         if scheduled:
             sampled = self.runner.run(scheduled)
             generated = self.scheduler.postprocess(scheduled, sampled)
-        self.last_step = StepStats(prefill_tokens, decode_tokens, len(scheduled), generated,
-                                   tuple(self.scheduler.queue_times))
+        self.last_step = StepStats(num_prefill_tokens=prefill_tokens, num_decode_tokens=decode_tokens,
+                                   num_seqs=len(scheduled), num_generated_tokens=generated,
+                                   queue_times_s=tuple(self.scheduler.queue_times))
         for item in scheduled:
             seq = item.seq
             if seq.num_output_tokens > seq.num_sent_tokens or seq.is_finished:
                 outputs.append(self._output(seq))
                 if seq.is_finished:
                     del self.requests[seq.request_id]
-                    self.runner.sampler.remove_request(seq.request_id)
         self.num_steps += 1
         if self.post_step_hooks:
             self.post_step_hooks.run(self._metrics(time.perf_counter() - start))
@@ -305,23 +309,22 @@ class LLMEngine:
         # [ZH-START]
         # 1. new = 还没报告的输出 token：token_ids[num_prompt_tokens + num_sent_tokens:]；
         #    然后 num_sent_tokens = num_output_tokens。
-        # 2. logprobs = sampler.take_logprobs（取走即清）；请求要了 logprobs
-        #    但状态已没了（abort）→ []。
-        # 3. finish_reason == "error" 时 error = sampler.take_error(...)，
+        # 2. 请求要了 logprobs：seq.sampling.take_logprobs()（取走即清），否则 None。
+        # 3. finish_reason 是 ERROR 时 error = seq.sampling.take_error()，
         #    取不到就写 "sampling failed"。
-        # 4. 组装 RequestOutput：新 token、是否结束及原因、prompt / 输出 / 前缀缓存命中的 token
-        #    数、logprobs、error。
+        # 4. 按关键字组装 RequestOutput：新 token、是否结束及原因、prompt / 输出 / 前缀缓存命中的
+        #    token 数、logprobs、error。
         # [ZH-END]
         new = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
         seq.num_sent_tokens = seq.num_output_tokens
-        logprobs = self.runner.sampler.take_logprobs(seq.request_id)
-        if logprobs is None and seq.params.logprobs is not None:
-            logprobs = []  # aborted: its state is gone, and it had no unreported tokens
+        logprobs = seq.sampling.take_logprobs() if seq.params.logprobs is not None else None
         error = None
-        if seq.finish_reason == "error":
-            error = self.runner.sampler.take_error(seq.request_id) or "sampling failed"
-        return RequestOutput(seq.request_id, new, seq.is_finished, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens, logprobs, error)
+        if seq.finish_reason is FinishReason.ERROR:
+            error = seq.sampling.take_error() or "sampling failed"
+        return RequestOutput(request_id=seq.request_id, new_token_ids=new, finished=seq.is_finished,
+                             finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+                             num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
+                             logprobs=logprobs, error=error)
 
     def _words(self) -> WordIndex:
         """The vocabulary's token bytes, for string `banned_words`; waits if still being built."""

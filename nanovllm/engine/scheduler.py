@@ -39,6 +39,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.policy import FCFSPolicy, SchedulerPolicy
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.layers.sampler import SAMPLE_FAILED
+from nanovllm_client.protocol import FinishReason
 
 
 @dataclass(slots=True)
@@ -104,7 +105,7 @@ class Scheduler:
         heapq.heappush(self.waiting, (self.policy.key(seq), next(self._insertions), seq))
         self.num_waiting += 1
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (stop, length, abort or error) and free its blocks at once; idempotent."""
         # [ZH-START]
         # 1. 已经 FINISHED → 直接返回（幂等：abort 可能和正常结束撞在同一步）。
@@ -295,7 +296,8 @@ class Scheduler:
     def postprocess(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> int:
         """Advance sequences past the step: record computed tokens, append samples, finish.
 
-        A SAMPLE_FAILED sample ends its sequence with reason "error" (the sampler keeps the why).
+        A SAMPLE_FAILED sample ends its sequence with `FinishReason.ERROR` (the why is in its
+        `seq.sampling.error`).
         Returns the number of tokens appended (failed samples are not).
         """
         # [ZH-START]
@@ -303,12 +305,15 @@ class Scheduler:
         # 对 scheduled 里的每一项：
         # 1. num_computed_tokens += num_new_tokens；block_manager.commit(seq) 登记刚写满的块。
         # 2. num_computed_tokens 仍 < num_tokens（还不是最后一个 prefill 分块）→ 本步没采样，跳过。
-        # 3. token = next(samples)；等于 SAMPLE_FAILED → finish(seq, "error")（失败原因
-        #    留在 Sampler 里）。
+        # 3. token = next(samples)；等于 SAMPLE_FAILED → finish(seq, FinishReason.ERROR)（失败原因
+        #    在 seq.sampling.error 里）。
         # 4. 否则追加到 token_ids，num_appended += 1；_finish_reason 给出原因就 finish(seq, 原因)。
-        # 5. 返回追加的 token 数（失败的不算）。
+        # 5. 本步有序列结束：当场从 running 里去掉——空闲的引擎不会再调 schedule()，
+        #    否则最后一批结束的序列（连同它们的采样状态）会一直留在 running 里。
+        # 6. 返回追加的 token 数（失败的不算）。
         # [ZH-END]
         num_appended = 0
+        any_finished = False
         samples = iter(sampled)
         for item in scheduled:
             seq = item.seq
@@ -318,31 +323,35 @@ class Scheduler:
                 continue  # a prompt chunk that does not reach the end yet
             token = next(samples)
             if token == SAMPLE_FAILED:
-                self.finish(seq, "error")
+                self.finish(seq, FinishReason.ERROR)
+                any_finished = True
                 continue
             seq.token_ids.append(token)
             num_appended += 1
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
+                any_finished = True
+        if any_finished:  # now, not at the next schedule(): an idle engine would hold them (and their state)
+            self.running = [s for s in self.running if not s.is_finished]
         return num_appended
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         # [ZH-START]
         # 1. stopping = (token 在 eos_token_ids 里且没设 ignore_eos) 或 token 在
         #    params.stop_token_ids 里。
-        # 2. stopping 且 num_output_tokens >= min_tokens → "stop"（token 已追加，
+        # 2. stopping 且 num_output_tokens >= min_tokens → STOP（token 已追加，
         #    它是输出的最后一个）。
         #    Sampler 在 min_tokens 之前已把这些 token 屏蔽，这里的 min_tokens 判断只是兜底。
-        # 3. num_output_tokens >= max_tokens，或 num_tokens >= max_model_len → "length"。
+        # 3. num_output_tokens >= max_tokens，或 num_tokens >= max_model_len → LENGTH。
         # 4. 都不满足 → None，继续生成。
         # [ZH-END]
         params = seq.params
         stopping = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
         if stopping and seq.num_output_tokens >= params.min_tokens:
-            return "stop"
+            return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
 

@@ -1,4 +1,5 @@
-"""A request's live state inside the engine: its tokens, its KV blocks and how far it has run."""
+"""A request's live state inside the engine, all of it in one object: its tokens, its KV blocks,
+how far it has run, its frozen sampling parameters and its sampling state."""
 # [ZH-START]
 # 【模块定位】一个请求在引擎里的"活状态"，各部件共享的那份数据。
 # 整个服务：客户端 → 分词进程 → 引擎进程（LLMEngine.add_request 在这里创建 Sequence）
@@ -7,6 +8,7 @@
 #   Scheduler.schedule ─按 status 在 waiting 堆 / running 列表之间搬动→ BlockManager
 #     改 block_table 等
 #   → StepInput.from_scheduled 读 token_ids、block_table、num_computed_tokens 组本步输入
+#   → Sampler 读 params 和 sampling（SamplingState：processors、种子、logprobs……）
 #   → Scheduler.postprocess 推进 num_computed_tokens、把采样出的 token 追加进 token_ids
 # 状态机：
 #   WAITING ─schedule 接纳→ RUNNING ─stop / length / error→ FINISHED
@@ -18,13 +20,15 @@ from __future__ import annotations
 import time
 from enum import Enum, auto
 
+from nanovllm.layers.sampling_state import SamplingState
 from nanovllm.sampling_params import SamplingParams
+from nanovllm_client.protocol import FinishReason
 
 
 class SequenceStatus(Enum):
     # [ZH-START]
     # 只有三个状态，没有单独的"被抢占"：抢占就是 RUNNING → WAITING，块全部释放，之后重算。
-    # FINISHED 是终态，原因在 Sequence.finish_reason（"stop" / "length" / "abort" / "error"）。
+    # FINISHED 是终态，原因在 Sequence.finish_reason（FinishReason：STOP / LENGTH / ABORT / ERROR）。
     # [ZH-END]
     WAITING = auto()
     RUNNING = auto()
@@ -33,22 +37,23 @@ class SequenceStatus(Enum):
 
 class Sequence:
     # [ZH-START]
-    # 职责：保存一个请求的全部可变状态——token（prompt + 已生成的输出）、调度状态、
-    # KV 块表和几个进度计数。
+    # 职责：保存一个请求在引擎里的全部状态——token（prompt + 已生成的输出）、调度状态、
+    # KV 块表、几个进度计数、冻结的 SamplingParams 和采样状态 sampling（SamplingState）。
     # 不做的事：除了 num_tokens 等几个只读属性，没有逻辑。不分配块、不做调度、不采样，
     # 这些由 BlockManager、Scheduler、Sampler 完成，它们直接读写这里的字段（所以字段名就是接口）。
-    # 和谁打交道：LLMEngine 创建它并在 requests 里按 request_id 索引；Scheduler、
-    # BlockManager 修改它；StepInput 读它组批；Sampler 读 num_output_tokens 判断 min_tokens。
+    # 和谁打交道：LLMEngine 创建它（连同 SamplingState）并在 requests 里按 request_id 索引；
+    # Scheduler、BlockManager 修改它；StepInput 读它组批；Sampler 读 params、sampling、token_ids。
     # [ZH-END]
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
-                 priority: int = 0):
+                 priority: int = 0, sampling: SamplingState | None = None):
         # [ZH-START]
         # 1. token_ids 复制一份 prompt，之后的输出 token 直接追加在后面；num_prompt_tokens 记 prompt
         #    长度，所以输出就是 token_ids[num_prompt_tokens:]。
         # 2. arrival：LLMEngine 递增分配的到达序号（FCFS 的排序键）；arrival_time 记单调时钟，
         #    首次被调度时写 first_scheduled_time，两者之差就是排队时间（抢占后重新接纳不再改）。
         # 3. priority 只在 "priority" 策略下起作用；status = WAITING，
-        #    finish_reason = None，block_table 为空。
+        #    finish_reason = None，block_table 为空；sampling 是引擎建好的 SamplingState
+        #    （只排队、不采样的测试可以不给，采样时没有就报错）。
         # 4. 进度计数都从 0 开始：
         #    num_computed_tokens：K/V 已在缓存里的 token 数，prefill 分块时每步往前推；
         #    num_cached_tokens：最近一次接纳时前缀缓存命中的 token 数；
@@ -60,6 +65,9 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params
+        self.sampling = sampling
+        """What sampling keeps of it between steps (`SamplingState`); the engine builds it, and a
+        row without one cannot be sampled."""
         self.arrival = arrival
         """Arrival order (the FCFS key)."""
         self.arrival_time = time.monotonic()
@@ -69,7 +77,7 @@ class Sequence:
         self.priority = priority
         """Higher runs first under the priority scheduling policy."""
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         """Tokens whose K/V are in the cache."""

@@ -26,15 +26,12 @@ reported as failed, never raised: `Sampler` ends that request alone.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from nanovllm.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from nanovllm.layers.sampler import RequestState
+from nanovllm.layers.sampling_state import SampledRow, SamplingState
 
 _NEG_INF = float("-inf")
 MAX_ERROR_CHARS = 500
@@ -42,8 +39,7 @@ MAX_ERROR_CHARS = 500
 log = logging.getLogger(__name__)
 
 
-def constrain_rows(logits: torch.Tensor, seqs: list[Sequence], states: list[RequestState],
-                   failed: dict[int, str], cpu_ops=None) -> None:
+def constrain_rows(logits: torch.Tensor, seqs: Sequence[SampledRow], failed: dict[int, str], cpu_ops=None) -> None:
     """Apply each row's constraints; rows that fail them, or are left non-finite, go into `failed`.
     `cpu_ops` (the compiled `CpuOps`, on CPU) applies grammar-only rows' packed masks."""
     # [ZH-START]
@@ -62,8 +58,9 @@ def constrain_rows(logits: torch.Tensor, seqs: list[Sequence], states: list[Requ
     #    原因加上 "after penalties and constraints"。
     # [ZH-END]
     together, maskable, others = [], [], []
-    for i, (seq, st) in enumerate(zip(seqs, states)):
-        min_tokens_on = st.min_tokens_blocked is not None and seq.num_output_tokens < st.params.min_tokens
+    for i, seq in enumerate(seqs):
+        st = seq.sampling
+        min_tokens_on = st.min_tokens_blocked is not None and seq.num_output_tokens < seq.params.min_tokens
         if st.grammar is not None and len(st.processors) == 1 and st.bias_ids is None and not min_tokens_on:
             together.append(i)
         else:
@@ -74,9 +71,9 @@ def constrain_rows(logits: torch.Tensor, seqs: list[Sequence], states: list[Requ
     # the same grammar alone, so such a row fails below as it would after the undo.
     before = logits[maskable] if maskable else None  # (C, V) copy, to undo masks that leave nothing
     if together:
-        mask_grammar_rows(logits, together, seqs, states, failed, cpu_ops)
+        mask_grammar_rows(logits, together, seqs, failed, cpu_ops)
     for i in others:
-        error = apply_constraints(logits, i, seqs[i], states[i])
+        error = apply_constraints(logits, i, seqs[i])
         if error is not None:
             failed[i] = error
     best = logits.amax(dim=-1)  # (B,): NaN if the row has one, +inf if it has one, -inf if nothing is left
@@ -88,16 +85,16 @@ def constrain_rows(logits: torch.Tensor, seqs: list[Sequence], states: list[Requ
                         "alone, or unconstrained", [seqs[i].request_id for i in rows])
             logits[rows] = before[empty]
             for i in rows:  # the grammar wins: the output must stay parseable
-                if states[i].grammar is not None:
-                    states[i].grammar(seqs[i].output_token_ids, logits[i])
+                if seqs[i].sampling.grammar is not None:
+                    seqs[i].sampling.grammar(seqs[i].output_token_ids, logits[i])
             best[rows] = logits[rows].amax(dim=-1)
     bad = ~torch.isfinite(best)
     if bool(bad.any()):
         for i in bad.nonzero().flatten().tolist():
             failed.setdefault(i, non_finite(logits[i]) + " after penalties and constraints")
 
-def mask_grammar_rows(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], states: list[RequestState],
-                      failed: dict[int, str], cpu_ops=None) -> None:
+def mask_grammar_rows(logits: torch.Tensor, rows: list[int], seqs: Sequence[SampledRow], failed: dict[int, str],
+                      cpu_ops=None) -> None:
     """Mask the rows whose only constraint is their grammar, all in one op (their masks are
     usually ready: `MaskPrefetcher` filled them while the forward ran). On CPU with the compiled
     ops (`cpu_ops`) the grammars' packed bits are applied as they are (`CpuOps.mask_bits`);
@@ -105,10 +102,10 @@ def mask_grammar_rows(logits: torch.Tensor, rows: list[int], seqs: list[Sequence
     grammar raised (its output does not fit) goes into `failed`, as from `apply_constraints`."""
     # One vocabulary for all the rows (always, within one engine): one packed width to apply.
     packed = (cpu_ops is not None and cpu_ops.supports_draw(logits)
-              and len({states[i].grammar.n_vocab for i in rows}) == 1)
+              and len({seqs[i].sampling.grammar.n_vocab for i in rows}) == 1)
     masks, ok = [], []
     for i in rows:
-        grammar = states[i].grammar
+        grammar = seqs[i].sampling.grammar
         output = seqs[i].output_token_ids
         try:
             masks.append(grammar.bits(output) if packed else grammar.blocked(output))
@@ -118,7 +115,7 @@ def mask_grammar_rows(logits: torch.Tensor, rows: list[int], seqs: list[Sequence
     if not ok:
         return
     if packed:
-        cpu_ops.mask_bits(logits, ok, _stack_bits(masks), states[ok[0]].grammar.n_vocab)
+        cpu_ops.mask_bits(logits, ok, _stack_bits(masks), seqs[ok[0]].sampling.grammar.n_vocab)
         return
     blocked = _stack_rows(masks, logits.shape[1]).to(logits.device, non_blocking=True)  # (G, V) bool
     if len(ok) == len(logits):  # every row (every stream constrained): in place, no gather
@@ -152,8 +149,8 @@ def _stack_rows(masks: list[torch.Tensor], width: int) -> torch.Tensor:
     return torch.cat([stacked, pad], dim=1)
 
 
-def apply_constraints(logits: torch.Tensor, i: int, seq: Sequence, st: RequestState) -> str | None:
-    """Constrain row i in place; the error text if one of the request's processors failed."""
+def apply_constraints(logits: torch.Tensor, i: int, seq: SampledRow) -> str | None:
+    """Constrain row i (`seq`'s) in place; the error text if one of the request's processors failed."""
     # [ZH-START]
     # 1. 有 bias：logits[i].index_add_(bias_ids, bias_values)。
     # 2. 输出数 < min_tokens：把 min_tokens_blocked（stop token 和 EOS）填成 -inf。
@@ -163,9 +160,10 @@ def apply_constraints(logits: torch.Tensor, i: int, seq: Sequence, st: RequestSt
     #    （最长 500 字符；语法整批屏蔽那条路径用同一函数），由调用方把该行记为失败。
     # 5. 一切正常返回 None。
     # [ZH-END]
+    st: SamplingState = seq.sampling
     if st.bias_ids is not None:
         logits[i].index_add_(0, st.bias_ids, st.bias_values)
-    if st.min_tokens_blocked is not None and seq.num_output_tokens < st.params.min_tokens:
+    if st.min_tokens_blocked is not None and seq.num_output_tokens < seq.params.min_tokens:
         logits[i].index_fill_(0, st.min_tokens_blocked, _NEG_INF)
     if st.processors:
         output = seq.output_token_ids

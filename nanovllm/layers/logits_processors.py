@@ -36,7 +36,8 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from nanovllm.sampling_params import SamplingParams, show
+from nanovllm.sampling_params import SamplingParams
+from nanovllm_client.checks import show
 
 MAX_CACHED_WORDS = 4096
 MAX_CACHED_MATCHERS = 256

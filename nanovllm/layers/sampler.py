@@ -18,9 +18,9 @@ constraint or a seed. A batch of plain greedy requests is one argmax.
 
 A row that cannot be sampled ends its own request, never the batch: if a logits processor raises,
 the row holds NaN or +inf after penalties and constraints (or nothing but -inf), or the id
-drawn is outside the vocabulary, the row's token is SAMPLE_FAILED and the reason is kept for
-`take_error`. The engine finishes that request with reason "error"; the other rows are sampled
-as they would be without it. Finding such rows costs the greedy fast path a read of B chosen
+drawn is outside the vocabulary, the row's token is SAMPLE_FAILED and the reason is kept in its
+request's state (`SamplingState.take_error`). The engine finishes that request with
+`FinishReason.ERROR`; the other rows are sampled as they would be without it. Finding such rows costs the greedy fast path a read of B chosen
 values, and the general path one max over the (B, V) logits.
 
 Draws are by inverse CDF, one uniform number per row. Unseeded rows share the sampler's
@@ -33,8 +33,11 @@ none (with a warning), rather than from an empty set. Grammar masks are computed
 forward runs: the model runner calls `prepare` with the rows to sample before it (see
 `nanovllm.structured.prefetch`).
 
-This module holds the per-request state and the step's order; the parts live beside it:
-`penalties` (2), `constraints` (3), `sampling_ops` (4: filters and the draw) and `logprobs` (1).
+Each request's state between steps lives on the request (`SamplingState`, `Sequence.sampling`):
+the sampler is a function over the step's rows and holds only what all rows share (the unseeded
+generator, the mask prefetcher, the compiled CPU ops). This module holds the step's order; the
+parts live beside it: `penalties` (2), `constraints` (3), `sampling_ops` (4: filters and the
+draw) and `logprobs` (1).
 """
 # [ZH-START]
 # 【模块定位】引擎一步的最后一段：把 LM head 的 logits 变成下一个 token。
@@ -45,30 +48,29 @@ This module holds the per-request state and the step's order; the parts live bes
 # → 每请求的约束（logit_bias、min_tokens 前屏蔽 EOS / stop token、logits processors）
 # → greedy 取 argmax，其余按温度缩放、top_k / top_p / min_p 过滤，再用逆 CDF 抽样。
 # 全是整批张量运算，Python 循环只遍历"有约束或有种子"的请求；全是普通 greedy 的批只是一次 argmax。
-# 某一行采样失败只结束该请求（返回 SAMPLE_FAILED = -1，原因留给 take_error），不影响同批其他行。
-# 本模块只管每请求状态和一步的顺序；各段在旁边的模块里：penalties（惩罚）、
-# constraints（约束与语法优先）、sampling_ops（过滤与抽样）、logprobs。
+# 某一行采样失败只结束该请求（返回 SAMPLE_FAILED = -1，原因记进它自己的 SamplingState），
+# 不影响同批其他行。
+# 每请求的状态挂在请求身上（Sequence.sampling，见 sampling_state），采样器只是"这一步的行"上的
+# 函数，自己只保存所有行共享的东西（无种子行共用的 Generator、掩码预取、CPU 编译算子）。
+# 本模块管一步的顺序；各段在旁边的模块里：penalties（惩罚）、constraints（约束与语法优先）、
+# sampling_ops（过滤与抽样）、logprobs。
 # [ZH-END]
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import Sequence as Seq
+from typing import Sequence
 
 import torch
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.constraints import MAX_ERROR_CHARS, constrain_rows, non_finite
-from nanovllm.layers.logits_processors import LogitsProcessor
 from nanovllm.layers.logprobs import TokenLogprobs, token_logprobs
 from nanovllm.layers.penalties import apply_penalties_, penalty_tensors
 from nanovllm.layers.sampling_ops import draw, filter_candidates, has_filters, sample_rows
-from nanovllm.sampling_params import SamplingParams
-from nanovllm.structured import StructuredOutput
+from nanovllm.layers.sampling_state import SampledRow, SamplingState
 from nanovllm.structured.prefetch import MaskPrefetcher
 
-__all__ = ["Sampler", "RequestState", "SAMPLE_FAILED", "MAX_ERROR_CHARS", "TokenLogprobs", "token_logprobs",
+__all__ = ["Sampler", "SamplingState", "SAMPLE_FAILED", "MAX_ERROR_CHARS", "TokenLogprobs", "token_logprobs",
            "apply_penalties_", "sample_rows", "filter_candidates", "draw"]
 """The sampler's public names, importable from here wherever they live (`constraints`, `logprobs`,
 `penalties`, `sampling_ops` beside this module). Settings such as `sampling_ops.PROBE_WIDTH` are
@@ -79,47 +81,15 @@ SAMPLE_FAILED = -1
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class RequestState:
-    """What the sampler keeps per request between steps."""
-    # [ZH-START]
-    # 【职责】采样器为每个请求跨步保存的东西：SamplingParams、logits processors、预先建好的张量
-    # （min_tokens 期间要屏蔽的 id、logit_bias 的 id 与值）、有种子时自己的 Generator、
-    # 尚未上报的 logprobs、以及采样失败的原因。
-    # 【边界】不保存 token 序列（在 Sequence 里），不管请求何时开始结束（LLMEngine
-    # 调 add / remove）。
-    # 【协作者】Sampler._new_state 创建；plain_greedy 决定整批能否走 greedy 快路径。
-    # [ZH-END]
-    params: SamplingParams
-    processors: list[LogitsProcessor]
-    min_tokens_blocked: torch.Tensor | None
-    """EOS (unless ignore_eos) and stop token ids, masked while the output is shorter than min_tokens."""
-    bias_ids: torch.Tensor | None
-    bias_values: torch.Tensor | None
-    generator: torch.Generator | None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    """Computed but not yet reported by the engine."""
-    error: str | None = None
-    """Why the request's row could not be sampled, once it could not."""
-    grammar: StructuredOutput | None = None
-    """The request's response_format (one of `processors`): it wins where constraints conflict."""
-
-    @property
-    def plain_greedy(self) -> bool:
-        p = self.params
-        return p.is_greedy and not (p.has_penalties or self.processors or p.logprobs is not None
-                                    or self.bias_ids is not None or p.min_tokens)
-
-
 class Sampler:
     # [ZH-START]
-    # 【职责】整批采样，每行用自己请求的参数；管理每请求状态（add_request / remove_request），
-    # 暂存 logprobs 和失败原因供引擎取走（take_logprobs / take_error）。
-    # 【边界】不算 logits（ModelRunner / LM head）；不判定请求结束（EOS、max_tokens、
-    # SAMPLE_FAILED 都由 Scheduler 处理）；不管 stop string（detokenizer 的事）；
-    # 不抛异常结束整批，失败只落在单行上。
-    # 【协作者】ModelRunner.run 调 __call__(logits, seqs)；LLMEngine.add_request 传入由
-    # build_logits_processors 建好的 processors；整批算子在旁边的模块：
+    # 【职责】整批采样，每行用自己请求的参数（seq.params）和状态（seq.sampling）；
+    # logprobs 和失败原因记回各行自己的状态，由引擎取走。
+    # 【边界】不保存任何每请求的东西（没有按 id 的表）；不算 logits（ModelRunner / LM head）；
+    # 不判定请求结束（EOS、max_tokens、SAMPLE_FAILED 都由 Scheduler 处理）；不管 stop string
+    # （detokenizer 的事）；不抛异常结束整批，失败只落在单行上。
+    # 【协作者】ModelRunner.run 调 prepare(seqs) 和 __call__(logits, seqs)；状态由
+    # SamplingState.build 建（LLMEngine.add_request）；整批算子在旁边的模块：
     # apply_penalties_（penalties）、constrain_rows（constraints）、
     # sample_rows / filter_candidates / draw（sampling_ops）、token_logprobs（logprobs）。
     # [ZH-END]
@@ -130,102 +100,32 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         """Shared by requests without a seed."""
-        self.states: dict[str, RequestState] = {}
         threads = mask_threads or min(torch.get_num_threads(), len(os.sched_getaffinity(0)))
         self.masks = MaskPrefetcher(threads=max(1, threads))
         """Grammar masks computed while the forward runs (`prepare`); `masks.enabled = False` turns it off."""
-        self.num_grammars = 0
-        """Requests with a response_format: with none, `prepare` costs one comparison."""
         self.cpu_ops = None
         """The compiled `CpuOps` on CPU (the model runner sets it): its kernels draw unfiltered rows
         and apply grammar-only rows' packed masks."""
 
-    # -- per-request state ---------------------------------------------------------------------
-
-    def add_request(self, request_id: str, params: SamplingParams, processors: list[LogitsProcessor] | None = None,
-                    eos_token_ids: Seq[int] = (), num_output_tokens: int = 0) -> None:
-        """`num_output_tokens`: output the request already has (continued after an engine died).
-        A seeded request's generator is advanced past the numbers those tokens drew (one each,
-        see `sample_rows`), so it draws the numbers it would have drawn."""
-        state = self.states[request_id] = self._new_state(params, processors or [], eos_token_ids)
-        self.num_grammars += state.grammar is not None
-        if state.generator is not None:
-            for _ in range(num_output_tokens):
-                torch.rand(1, dtype=torch.float64, device=self.device, generator=state.generator)
-
-    def remove_request(self, request_id: str) -> None:
-        state = self.states.pop(request_id, None)
-        if state is not None and state.grammar is not None:
-            self.num_grammars -= 1
-
-    def take_logprobs(self, request_id: str) -> list[TokenLogprobs] | None:
-        """Logprobs computed since the last call, or None if the request did not ask for them."""
-        state = self.states.get(request_id)
-        if state is None or state.params.logprobs is None:
-            return None
-        out, state.logprobs = state.logprobs, []
-        return out
-
-    def take_error(self, request_id: str) -> str | None:
-        """Why the request's last row came back as SAMPLE_FAILED, or None if it did not."""
-        state = self.states.get(request_id)
-        if state is None:
-            return None
-        out, state.error = state.error, None
-        return out
-
-    def _new_state(self, params: SamplingParams, processors: list[LogitsProcessor], eos_token_ids: Seq[int]) -> RequestState:
-        # [ZH-START]
-        # 1. blocked = stop_token_ids + （除非 ignore_eos）模型的 EOS id 列表。
-        # 2. logit_bias 里有 id >= vocab_size 就抛 ValueError（add_request 时就拒绝，不等到采样）。
-        # 3. 非 greedy 且给了 seed：建一个只属于这个请求的 Generator(seed)。
-        # 4. 组装 RequestState：只有 min_tokens > 0 时才建 min_tokens_blocked 张量；
-        #    有 bias 才建 bias_ids / bias_values，都放在采样器的设备上，
-        #    之后每步直接 index_fill_ / index_add_；processors 里的 StructuredOutput 另记为
-        #    grammar（约束冲突时语法优先）。
-        # [ZH-END]
-        dev = self.device
-        blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
-        bias = [(t, b) for t, b in params.logit_bias.items() if t < self.vocab_size]
-        if len(bias) < len(params.logit_bias):
-            raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {self.vocab_size})")
-        generator = None
-        if params.seed is not None and not params.is_greedy:
-            generator = torch.Generator(device=dev).manual_seed(params.seed)
-        return RequestState(
-            params, processors,
-            torch.tensor([t for t in blocked if t < self.vocab_size], dtype=torch.long, device=dev) if params.min_tokens else None,
-            torch.tensor([t for t, _ in bias], dtype=torch.long, device=dev) if bias else None,
-            torch.tensor([b for _, b in bias], dtype=torch.float32, device=dev) if bias else None,
-            generator, grammar=next((p for p in processors if isinstance(p, StructuredOutput)), None),
-        )
-
-    def _state(self, seq: Sequence) -> RequestState:
-        state = self.states.get(seq.request_id)
-        if state is None:  # not added through the engine (a direct runner call): its params alone
-            state = self.states[seq.request_id] = self._new_state(seq.params, [], ())
-        return state
-
     # -- one step ------------------------------------------------------------------------------
 
-    def prepare(self, seqs: list[Sequence]) -> None:
+    def prepare(self, seqs: Sequence[SampledRow]) -> None:
         """Start computing the grammar masks of `seqs`, the rows the coming `__call__` samples;
         the model runner calls it just before the forward, which the computation then overlaps."""
-        if not self.num_grammars:
-            return
         jobs = [(st.grammar, seq.output_token_ids) for seq in seqs
-                if (st := self.states.get(seq.request_id)) is not None and st.grammar is not None]
-        self.masks.start(jobs)
+                if (st := seq.sampling) is not None and st.grammar is not None]
+        if jobs:
+            self.masks.start(jobs)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SampledRow]) -> list[int]:
         """logits (B, V) float32, one row per sequence -> one token id per sequence.
 
-        A row that could not be sampled gets SAMPLE_FAILED, and `take_error` says why.
+        A row that could not be sampled gets SAMPLE_FAILED, and its state's `error` says why.
         """
         # [ZH-START]
         # 0. 先 masks.wait()：等 prepare 在前向期间启动的语法掩码算完。
-        # 1. 为每条序列取 RequestState（直接调用 runner、没经引擎 add 的序列用它自己的
-        #    params 临时建一份）。
+        # 1. 取每行自己的 SamplingState（seq.sampling）；没有状态的行（没经引擎 add_request）
+        #    直接 ValueError，不临时造一个。
         # 2. 整批都是 plain_greedy（greedy 且无惩罚、processor、logprobs、bias、
         #    min_tokens）→ _greedy 快路径：不复制、不算 softmax、不取随机数。
         # 3. logits.float()（compute_logits 已是 float32，此处不复制，下面原地修改）。
@@ -240,49 +140,52 @@ class Sampler:
         # 7. 有失败行：tokens 先全填 SAMPLE_FAILED，只把好的行交给 _choose，失败行不参与抽样、
         #    不干扰别人；否则整批 _choose。
         # 8. _check_ids：抽到的 id 不在 [0, vocab_size)（logits 比词表宽时可能发生）的行也算失败。
-        # 9. 没失败的行把 logprobs 记进各自的 state。
+        # 9. 没失败的行把 logprobs 记进各自的 SamplingState。
         # 10. _report：转成 list，失败行改成 SAMPLE_FAILED 并记下 state.error、打 warning。
         # [ZH-END]
         self.masks.wait()  # the grammar masks `prepare` started, before any row is read
-        states = [self._state(s) for s in seqs]
+        states = [s.sampling for s in seqs]
+        if None in states:  # only the engine makes rows to sample, and it gives each its state
+            missing = seqs[states.index(None)].request_id
+            raise ValueError(f"request {missing!r} has no sampling state: add requests through LLMEngine.add_request")
         if all(st.plain_greedy for st in states):
-            return self._greedy(logits, seqs, states)  # no copies, no softmax, no random numbers
+            return self._greedy(logits, seqs)  # no copies, no softmax, no random numbers
         logits = logits.float()
         failed: dict[int, str] = {}
-        wants_logprobs = [i for i, st in enumerate(states) if st.params.logprobs is not None]
+        wants_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(_rows(logits, wants_logprobs), dim=-1) if wants_logprobs else None  # (R, V)
-        penalized = [i for i, st in enumerate(states) if st.params.has_penalties]
+        penalized = [i for i, s in enumerate(seqs) if s.params.has_penalties]
         if penalized:
             rows = apply_penalties_(_rows(logits, penalized), [seqs[i].token_ids for i in penalized],
                                     [seqs[i].output_token_ids for i in penalized],
-                                    *penalty_tensors([states[i].params for i in penalized], logits.device))
+                                    *penalty_tensors([seqs[i].params for i in penalized], logits.device))
             if rows is not logits:
                 logits[penalized] = rows
-        constrain_rows(logits, seqs, states, failed, self.cpu_ops)
+        constrain_rows(logits, seqs, failed, self.cpu_ops)
         if failed:  # sampled without the failed rows, so they cannot disturb the others
             good = [i for i in range(len(states)) if i not in failed]
             tokens = torch.full((len(states),), SAMPLE_FAILED, dtype=torch.long, device=logits.device)  # (B,)
             if good:
-                tokens[good] = self._choose(logits[good], [states[i] for i in good])
+                tokens[good] = self._choose(logits[good], [seqs[i] for i in good])
         else:
-            tokens = self._choose(logits, states)
+            tokens = self._choose(logits, seqs)
         self._check_ids(tokens, failed)
         if raw_logprobs is not None:
-            self._record_logprobs(raw_logprobs, wants_logprobs, tokens, states, failed)
-        return self._report(tokens, seqs, states, failed)
+            self._record_logprobs(raw_logprobs, wants_logprobs, tokens, seqs, failed)
+        return self._report(tokens, seqs, failed)
 
     @staticmethod
-    def _record_logprobs(raw_logprobs: torch.Tensor, rows: list[int], tokens: torch.Tensor, states: list[RequestState],
-                         failed: dict[int, str]) -> None:
+    def _record_logprobs(raw_logprobs: torch.Tensor, rows: list[int], tokens: torch.Tensor,
+                         seqs: Sequence[SampledRow], failed: dict[int, str]) -> None:
         """raw_logprobs (R, V) are the log-softmax of `rows`; each row that did not fail gets its entry."""
         keep = [j for j, i in enumerate(rows) if i not in failed]
         if len(keep) < len(rows):
             raw_logprobs, rows = raw_logprobs[keep], [rows[j] for j in keep]
         if rows:
-            for i, lp in zip(rows, token_logprobs(raw_logprobs, tokens[rows], [states[i].params.logprobs for i in rows])):
-                states[i].logprobs.append(lp)
+            for i, lp in zip(rows, token_logprobs(raw_logprobs, tokens[rows], [seqs[i].params.logprobs for i in rows])):
+                seqs[i].sampling.logprobs.append(lp)
 
-    def _greedy(self, logits: torch.Tensor, seqs: list[Sequence], states: list[RequestState]) -> list[int]:
+    def _greedy(self, logits: torch.Tensor, seqs: Sequence[SampledRow]) -> list[int]:
         # [ZH-START]
         # 1. tokens = argmax(logits, dim=-1)，形状 (B,)。
         # 2. chosen = 每行被选中的那个值 (B,)：行里有 NaN 或 +inf 时 argmax 会落在它上面，
@@ -301,7 +204,7 @@ class Sampler:
             return ids
         failed = {i: "the model's " + non_finite(logits[i]) for i in (~torch.isfinite(chosen)).nonzero().flatten().tolist()}
         self._check_ids(tokens, failed)
-        return self._report(tokens, seqs, states, failed)
+        return self._report(tokens, seqs, failed)
 
     def _check_ids(self, tokens: torch.Tensor, failed: dict[int, str]) -> None:
         """Fail the rows whose token is outside [0, vocab_size) (logits wider than the vocabulary)."""
@@ -311,15 +214,15 @@ class Sampler:
                 failed.setdefault(i, f"sampled token id {int(tokens[i])} is outside the vocabulary [0, {self.vocab_size})")
 
     @staticmethod
-    def _report(tokens: torch.Tensor, seqs: list[Sequence], states: list[RequestState], failed: dict[int, str]) -> list[int]:
+    def _report(tokens: torch.Tensor, seqs: Sequence[SampledRow], failed: dict[int, str]) -> list[int]:
         ids = tokens.tolist()
         for i, error in failed.items():
             ids[i] = SAMPLE_FAILED
-            states[i].error = error
+            seqs[i].sampling.error = error
             log.warning("request %s cannot be sampled: %s", seqs[i].request_id, error)
         return ids
 
-    def _choose(self, logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, seqs: Sequence[SampledRow]) -> torch.Tensor:
         # [ZH-START]
         # 1. tokens = empty (B,)。
         # 2. 按参数把行分三组：greedy（is_greedy）、filtered（0 < top_k < V、
@@ -329,19 +232,19 @@ class Sampler:
         #    cpu_ops）：分开是为了不让只有温度的行陪着做整词表排序；CPU 上 plain 组由 cpu_ops 的
         #    编译抽样（cpu_sample.c）完成。
         # [ZH-END]
-        tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)  # (B,)
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)  # (B,)
         vocab = logits.shape[1]
         # Sampled rows go in two batches, with and without top-k/top-p/min-p, so plain-temperature
         # rows do not force a sort of the whole vocabulary on the filtered ones.
         greedy, plain, filtered = [], [], []
-        for i, st in enumerate(states):
-            (greedy if st.params.is_greedy else filtered if has_filters(st.params, vocab) else plain).append(i)
+        for i, s in enumerate(seqs):
+            (greedy if s.params.is_greedy else filtered if has_filters(s.params, vocab) else plain).append(i)
         if greedy:
             tokens[greedy] = _rows(logits, greedy).argmax(dim=-1)
         for rows in (plain, filtered):
             if rows:
-                tokens[rows] = sample_rows(_rows(logits, rows), [states[i].params for i in rows],
-                                           [states[i].generator for i in rows], self.generator, self.cpu_ops)
+                tokens[rows] = sample_rows(_rows(logits, rows), [seqs[i].params for i in rows],
+                                           [seqs[i].sampling.generator for i in rows], self.generator, self.cpu_ops)
         return tokens
 
 

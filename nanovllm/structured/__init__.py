@@ -1,7 +1,7 @@
 """Structured output: a request's `response_format` enforced while sampling, built on llguidance.
 
-- `check_response_format(value)`: validates OpenAI's shape (json_object, json_schema, and the
-  extensions regex, grammar (Lark), choice) with size and depth limits; ValueError naming the problem.
+- `check_response_format(value)` (from `nanovllm_client.response_format`, where every door runs
+  it): validates OpenAI's shape with size and depth limits; ValueError naming the problem.
 - `grammar_text(fmt)`: the llguidance grammar for a checked format (cached by its JSON text).
 - `GrammarCache` (cache.py): compiled formats by text, the engine's own check (its input thread).
 - `MaskPrefetcher` (prefetch.py): masks computed while the model runs the step's forward;
@@ -16,7 +16,8 @@
 # 【模块定位】结构化输出：
 # 把请求的 response_format（json_object / json_schema / regex / grammar / choice）编译成 llguidance
 # 语法，在采样器里逐步屏蔽不合语法的 token（作为一个 logits processor 运行）。
-# check_response_format 校验形状和大小/深度上限；grammar_text 按 JSON 文本缓存编译结果；
+# check_response_format（在客户端包 nanovllm_client.response_format 里，每个入口都用它）校验形状和
+# 大小/深度上限；grammar_text 按 JSON 文本缓存编译结果；
 # StructuredOutput 跟踪一个请求的输出 token，填 bitmask，把不允许的 logits 设为 -inf。
 # [ZH-END]
 from __future__ import annotations
@@ -25,83 +26,9 @@ import json
 from functools import lru_cache
 from typing import Any, Sequence
 
-MAX_FORMAT_CHARS = 64 * 1024
-"""A response_format's JSON text (schema, regex or grammar included) is at most this long."""
-MAX_SCHEMA_DEPTH = 64
-"""Containers (maps and lists) nested deeper than this in a response_format are refused."""
-MAX_CHOICES = 256
-MAX_CHOICE_CHARS = 1024
-TYPES = ("json_object", "json_schema", "regex", "grammar", "choice")
-
-
-def _depth(value: Any, limit: int) -> int:
-    """Nesting depth of containers, stopping (iteratively) once past `limit`."""
-    stack = [(value, 1)]
-    deepest = 0
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, (dict, list)):
-            deepest = max(deepest, d)
-            if deepest > limit:
-                return deepest
-            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return deepest
-
-
-def check_response_format(value: Any) -> dict | None:
-    """The format as a plain dict (None for none / {"type": "text"}); ValueError naming the problem."""
-    if value is None:
-        return None
-    if isinstance(value, str):  # JSON text, as the wire carries it
-        if len(value) > MAX_FORMAT_CHARS:
-            raise ValueError(f"response_format is {len(value)} characters of JSON, at most {MAX_FORMAT_CHARS}")
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"response_format is not valid JSON text: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"response_format must be a map with a 'type', got {type(value).__name__}")
-    if _depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"response_format nests containers deeper than {MAX_SCHEMA_DEPTH} levels")
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"response_format must be JSON-serializable: {e}") from None
-    if len(text) > MAX_FORMAT_CHARS:
-        raise ValueError(f"response_format is {len(text)} characters of JSON, at most {MAX_FORMAT_CHARS}")
-    kind = value.get("type")
-    if kind == "text":
-        return None
-    if kind not in TYPES:
-        raise ValueError(f"response_format type must be one of {', '.join(('text',) + TYPES)}, got {str(kind)[:64]!r}")
-
-    def keys(*allowed: str) -> None:
-        extra = set(value) - {"type", *allowed}
-        if extra:
-            raise ValueError(f"response_format of type {kind} has unknown key(s) {sorted(map(str, extra))[:8]}")
-
-    if kind == "json_object":
-        keys()
-    elif kind == "json_schema":
-        keys("json_schema")
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
-            raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
-        extra = set(spec) - {"name", "schema", "strict", "description"}
-        if extra:
-            raise ValueError(f"response_format json_schema has unknown key(s) {sorted(map(str, extra))[:8]}")
-    elif kind in ("regex", "grammar"):
-        keys(kind)
-        if not isinstance(value.get(kind), str) or not value[kind]:
-            raise ValueError(f"response_format of type {kind} needs a non-empty string '{kind}'")
-    else:
-        keys("choices")
-        choices = value.get("choices")
-        if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES
-                or not all(isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_CHARS for c in choices)):
-            raise ValueError(f"response_format choice needs 'choices': 1 to {MAX_CHOICES} non-empty strings "
-                             f"of at most {MAX_CHOICE_CHARS} characters")
-    return value
+# The shape check every door runs (torch-free, in the client package), re-exported here.
+from nanovllm_client.response_format import (MAX_CHOICE_CHARS, MAX_CHOICES, MAX_FORMAT_CHARS, MAX_SCHEMA_DEPTH,  # noqa: F401
+                                             TYPES, check_response_format)
 
 
 def _lark_string(s: str) -> str:

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nanovllm_client import protocol as p
+from nanovllm_client.sampling import SamplingParams
 
 
 @given(st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=300))
@@ -16,45 +17,97 @@ def test_packed_token_ids_round_trip(ids):
     assert p.unpack_token_ids(packed) == ids
 
 
-META = p.RequestMeta(b"\x01\x02", "r", ["x"], True, p.pack_token_ids([1]), 1.5, 0, False, 0, 0)
-
-
-STEP = p.StepOutput("e1", [p.StartedRow("a", META)], [p.RejectedRow("b", META, "no")],
-                    [p.OutputRow("a", p.pack_token_ids([5]), True, "stop", 1, 1, 0, None)])
-RESYNC = p.Resync("e1", "d1", [p.ResyncEntry("a", META, p.pack_token_ids([5, 6]), False, None, 1, 2, 0, None)], True)
+META = p.RequestMeta(client=b"\x01\x02", client_request_id="r",
+                     sampling=SamplingParams(stop=["x"], skip_special_tokens=False),
+                     prompt_tail=p.pack_token_ids([1]), arrival=1.5)
+OUT = p.OutputRow(request_id="a", token_ids=p.pack_token_ids([5]), finished=True, finish_reason=p.FinishReason.STOP,
+                  num_prompt_tokens=1, num_output_tokens=1, num_cached_tokens=0, error=None)
+STEP = p.StepOutput(instance_id="e1", started=[p.StartedRow(request_id="a", meta=META)],
+                    rejected=[p.RejectedRow(request_id="b", meta=META, error="no")], outputs=[OUT])
+LIVE = OUT._replace(token_ids=p.pack_token_ids([5, 6]), finished=False, finish_reason=None, num_output_tokens=2)
+RESYNC = p.Resync(instance_id="e1", detok_instance="d1", entries=[p.ResyncEntry(meta=META, output=LIVE)], last=True)
 
 
 def test_typed_rows_travel_as_plain_arrays_and_come_back_named():
-    """Rows are named in code and positional on the wire: the same bytes as plain lists."""
-    as_lists = p.StepOutput("e1", [["a", META]], [["b", META, "no"]],
-                            [["a", p.pack_token_ids([5]), True, "stop", 1, 1, 0, None]])
+    """Rows are named in code and positional on the wire: the same bytes as plain lists (the
+    sampling struct as the map of its non-default fields, a finish reason as its string)."""
+    meta = [b"\x01\x02", "r", {"stop": ["x"], "skip_special_tokens": False}, p.pack_token_ids([1]), 1.5, 0, 0, False]
+    as_lists = p.StepOutput(instance_id="e1", started=[["a", meta]], rejected=[["b", meta, "no"]],
+                            outputs=[["a", p.pack_token_ids([5]), True, "stop", 1, 1, 0, None]])
     assert STEP.encode() == as_lists.encode()
-    assert p.Resync("e1", "d1", [list(RESYNC.entries[0])], True).encode() == RESYNC.encode()
+    assert p.decode(as_lists.encode()) == STEP
     step = p.decode(as_lists.encode())
-    assert step.outputs[0].finish_reason == "stop" and step.rejected[0].error == "no" and step.started[0].meta == META
+    assert step.outputs[0].finish_reason is p.FinishReason.STOP and step.outputs[0].finish_reason == "stop"
+    assert step.rejected[0].error == "no" and step.started[0].meta == META
+    assert step.started[0].meta.sampling.stop == ["x"] and not step.started[0].meta.sampling.skip_special_tokens
     entry = p.decode(RESYNC.encode()).entries[0]
-    assert entry.output() == p.OutputRow("a", p.pack_token_ids([5, 6]), False, None, 1, 2, 0, None)
-    for bad, why in (([["a", META]], "each outputs row must have 8 items"),
+    assert entry.output == LIVE and entry.request_id == "a" and entry.meta == META
+    for bad, why in (([["a", meta]], "each outputs row must have 8 items"),
                      ([["a", b"123", True, "stop", 1, 1, 0, None]], "multiple of 4 bytes"),
-                     ([["a", b"", True, "done", 1, 1, 0, None]], "finish_reason")):
+                     ([["a", b"", True, "done", 1, 1, 0, None]], "finish_reason must be null or one of")):
         with pytest.raises(p.ProtocolError, match=why):
-            p.decode(p.StepOutput("e1", outputs=bad).encode())
+            p.decode(p.StepOutput(instance_id="e1", outputs=bad).encode())
+
+
+def test_finish_reasons_are_one_enum_whose_values_are_the_wire_strings():
+    assert p.FINISH_REASONS == ("stop", "length", "abort", "error")
+    for reason in p.FinishReason:
+        assert reason == reason.value and str(reason) == reason.value and f"{reason}" == reason.value
+        assert msgpack.unpackb(msgpack.packb(reason)) == reason.value
+    import json
+    assert json.dumps({"finish_reason": p.FinishReason.LENGTH}) == '{"finish_reason": "length"}'
+    (delta,) = p.decode(p.StreamOutput(deltas=[p.error_delta("r", "boom")]).encode()).deltas
+    assert delta.finish_reason is p.FinishReason.ERROR
 
 
 def test_every_message_type_round_trips():
     messages = [
-        p.GenerateReq("r", prompt="hi", sampling={"max_tokens": 3}, stop=["x"], skip_special_tokens=False),
-        p.GenerateReq("r", messages=[{"role": "user", "content": "hi"}]),
-        p.AbortReq("r"), p.Ping(), p.StatsReq(),
-        p.TokenizedReq("c:r", p.pack_token_ids([1, 2]), {"temperature": 0}, META, priority=3, resend=True),
+        p.GenerateReq(request_id="r", prompt="hi", sampling=SamplingParams(max_tokens=3, stop=["x"],
+                                                                            skip_special_tokens=False)),
+        p.GenerateReq(request_id="r", messages=[{"role": "user", "content": "hi"}]),
+        p.AbortReq(request_id="r"), p.Ping(), p.StatsReq(),
+        p.TokenizedReq(request_id="c:r", prompt_token_ids=p.pack_token_ids([1, 2]),
+                       sampling=SamplingParams(temperature=0, logit_bias={7: 1.5}, allowed_token_ids=[1, 2]),
+                       meta=META, priority=3, resend=True),
         STEP, RESYNC,
-        p.DetokHello("d1"), p.Resume([p.ResumeRow("r#1", 3, 9)]),
-        p.EngineStatus(True, "abc", "", {"num_running": 1}),
-        p.StreamOutput([p.error_delta("r", "boom")]), p.ErrorOutput("bad", "r"), p.Pong("detokenizer", "i", True),
-        p.StatsOutput({"a": 1}),
+        p.DetokHello(instance_id="d1"), p.Resume(requests=[p.ResumeRow(request_id="r#1", num_tokens=3, num_chars=9)]),
+        p.EngineStatus(alive=True, instance_id="abc", stats={"num_running": 1}),
+        p.StreamOutput(deltas=[p.error_delta("r", "boom")]), p.ErrorOutput(message="bad", request_id="r"),
+        p.Pong(role="detokenizer", instance_id="i", engine_alive=True), p.StatsOutput(stats={"a": 1}),
     ]
     for msg in messages:
         assert p.decode(msg.encode()) == msg
+
+
+def test_a_client_of_the_previous_release_keeps_working():
+    """Clients before the sampling struct put stop strings and skip_special_tokens beside
+    `sampling`, and stop strings in it too: the message is still version 2, and both are read
+    into the one struct, under its one limit."""
+    old = msgpack.packb([2, "generate", {"request_id": "r", "prompt": "hi", "stop": ["a"], "skip_special_tokens": False,
+                                         "sampling": {"max_tokens": 5, "stop": "b"}}])
+    req = p.decode(old)
+    assert req.sampling == SamplingParams(max_tokens=5, stop=["a", "b"], skip_special_tokens=False)
+    over = msgpack.packb([2, "generate", {"request_id": "r", "prompt": "hi", "stop": ["s"] * 40,
+                                          "sampling": {"stop": ["t"] * 40}}])
+    with pytest.raises(p.ProtocolError, match="stop may have at most 64 strings, got 80"):
+        p.decode(over)
+    assert p.GenerateReq.VERSION == p.PROTOCOL_VERSION == 2  # what a client speaks did not change
+
+
+def test_each_message_type_has_one_version_and_a_frame_of_another_is_refused_naming_both():
+    """The messages between stages changed shape (version 3); a stage of the previous release
+    sending one to a stage of this release, or the other way round, is refused by name."""
+    assert {m.VERSION for m in (p.TokenizedReq, p.StepOutput, p.Resync, p.DetokHello)} == {p.STAGE_PROTOCOL_VERSION}
+    assert {m.VERSION for m in (p.GenerateReq, p.StreamOutput, p.Pong, p.AbortReq)} == {p.PROTOCOL_VERSION}
+    old_step = msgpack.packb([2, "step", {"instance_id": "e1"}])
+    with pytest.raises(p.ProtocolError, match="protocol version 2 is not supported for 'step' messages; this service "
+                                              "speaks version 3 for them"):
+        p.decode(old_step)
+    with pytest.raises(p.ProtocolError, match="protocol version 3 is not supported for 'ping' messages"):
+        p.decode(msgpack.packb([3, "ping", {}]))
+    with pytest.raises(p.ProtocolError, match="protocol version 9 is not supported; this service speaks version 2 "
+                                              r"\(clients\) and 3 \(between its stages\)"):
+        p.decode(msgpack.packb([9, "ping", {}]))
 
 
 def test_generate_token_ids_may_travel_packed_or_as_a_list():
@@ -66,7 +119,8 @@ def test_generate_token_ids_may_travel_packed_or_as_a_list():
 @pytest.mark.parametrize("frame, expected", [
     (b"\xc1", "not valid msgpack"),
     (msgpack.packb("hello"), "msgpack array [protocol_version, type, body]"),
-    (msgpack.packb([p.PROTOCOL_VERSION + 1, "ping", {}]), f"protocol version {p.PROTOCOL_VERSION + 1} is not supported"),
+    (msgpack.packb([p.STAGE_PROTOCOL_VERSION + 1, "ping", {}]),
+     f"protocol version {p.STAGE_PROTOCOL_VERSION + 1} is not supported"),
     (msgpack.packb([p.PROTOCOL_VERSION, "pickle", {}]), "unknown message type 'pickle'"),
     (msgpack.packb([p.PROTOCOL_VERSION, "abort", []]), "body of a 'abort' message must be a map"),
     (msgpack.packb([p.PROTOCOL_VERSION, "abort", {}]), "missing field(s) ['request_id']"),
@@ -78,6 +132,10 @@ def test_generate_token_ids_may_travel_packed_or_as_a_list():
      "non-negative integers"),
     (msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "a", "stop": [""]}]),
      "non-empty strings"),
+    (msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "a", "sampling": {"top_p": 7.0}}]),
+     "top_p must be in (0, 1], got 7.0"),
+    (msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "a", "sampling": {"tmp": 1}}]),
+     "unknown sampling parameter(s) ['tmp']"),
     (msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "a", "output_token_ids": [1, 2]}]),
      "output_token_ids must be packed uint32 bytes"),
     (msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "a", "output_token_ids": b"abc"}]),
@@ -119,6 +177,19 @@ def raw_message(version: bytes, type_name: bytes, body: bytes) -> bytes:
 
 
 V, GENERATE = msgpack.packb(p.PROTOCOL_VERSION), msgpack.packb("generate")
+TEXT = SamplingParams()
+
+
+def tokenized(meta, sampling=TEXT) -> bytes:
+    return p.TokenizedReq(request_id="c:r", prompt_token_ids=p.pack_token_ids([1]), sampling=sampling, meta=meta).encode()
+
+
+def meta_row(**fields) -> list:
+    """A meta row as a hostile stage might send it: `fields` over a valid one."""
+    row = dict(client=b"x", client_request_id="r", sampling={}, prompt_tail=b"", arrival=0.0, have_tokens=0,
+               have_chars=0, reasoning_open=False)
+    row.update(fields)
+    return list(row.values())
 HOSTILE = {
     "deep type": raw_message(V, nested(1000), msgpack.packb({})),
     "deep version": raw_message(nested(1000), GENERATE, msgpack.packb({})),
@@ -135,17 +206,24 @@ HOSTILE = {
     "truncated": msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "x" * 100}])[:-7],
     "trailing bytes": msgpack.packb([p.PROTOCOL_VERSION, "ping", {}]) + b"\x00",
     "too large": b"\xc4" + b"x" * 10,
-    "meta is empty": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, {}).encode(),
-    "meta not a row": msgpack.packb([p.PROTOCOL_VERSION, "tokenized", {"request_id": "c:r", "prompt_token_ids": b"\0" * 4,
-                                                                        "sampling": {}, "meta": [1]}]),
-    "meta client is str": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, p.RequestMeta("x", "r")).encode(),
-    "meta stop is int": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, p.RequestMeta(b"x", "r", stop=5)).encode(),
-    "meta tail of 3 bytes": p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, p.RequestMeta(b"x", "r", prompt_tail=b"abc")).encode(),
-    "step row too short": p.StepOutput("e", [], [], [["a", b"", True]]).encode(),
-    "step reason unknown": p.StepOutput("e", [], [], [["a", b"", True, "exploded", 1, 1, 0, None]]).encode(),
-    "step started without meta": p.StepOutput("e", [["a", {}]], [], []).encode(),
-    "delta without id": p.StreamOutput([{"text": "x"}]).encode(),
-    "negative count": p.Resume([["r", -1, 0]]).encode(),
+    "meta is empty": tokenized({}),
+    "meta not a row": msgpack.packb([p.STAGE_PROTOCOL_VERSION, "tokenized", {"request_id": "c:r",
+                                     "prompt_token_ids": b"\0" * 4, "sampling": {}, "meta": [1]}]),
+    "meta client is str": tokenized(meta_row(client="x")),
+    "meta stop is int": tokenized(meta_row(sampling={"stop": 5})),
+    "meta sampling not a map": tokenized(meta_row(sampling=[1])),
+    "meta sampling unknown field": tokenized(meta_row(sampling={"stops": ["a"]})),
+    "meta tail of 3 bytes": tokenized(meta_row(prompt_tail=b"abc")),
+    "sampling out of range": msgpack.packb([p.STAGE_PROTOCOL_VERSION, "tokenized", {
+        "request_id": "c:r", "prompt_token_ids": b"\0" * 4, "sampling": {"temperature": -1}, "meta": meta_row()}]),
+    "step row too short": p.StepOutput(instance_id="e", outputs=[["a", b"", True]]).encode(),
+    "step reason unknown": p.StepOutput(instance_id="e", outputs=[["a", b"", True, "exploded", 1, 1, 0, None]]).encode(),
+    "step reason not a string": p.StepOutput(instance_id="e", outputs=[["a", b"", True, ["stop"], 1, 1, 0, None]]).encode(),
+    "step started without meta": p.StepOutput(instance_id="e", started=[["a", {}]]).encode(),
+    "resync entry of the old shape": p.Resync(instance_id="e", detok_instance="d", last=True, entries=[
+        ["a", meta_row(), b"", False, None, 1, 0, 0, None]]).encode(),
+    "delta without id": p.StreamOutput(deltas=[{"text": "x"}]).encode(),
+    "negative count": p.Resume(requests=[["r", -1, 0]]).encode(),
     "huge string in error": msgpack.packb([p.PROTOCOL_VERSION, "error", {"message": "x" * 100_000}]),
 }
 
@@ -161,15 +239,21 @@ def test_hostile_frames_raise_a_short_protocol_error(name):
 
 
 def test_nesting_a_real_message_needs_is_allowed_and_one_level_more_is_not():
-    sampling = {"banned_words": [[1, 2]], "logit_bias": {"3": 1.0}}
-    assert p.decode(p.GenerateReq("r", prompt="x", sampling=sampling).encode()).sampling == sampling
+    sampling = SamplingParams(banned_words=[[1, 2]], logit_bias={3: 1.0})
+    assert p.decode(p.GenerateReq(request_id="r", prompt="x", sampling=sampling).encode()).sampling == sampling
+    long_stops = [p.ResyncEntry(meta=META._replace(sampling=SamplingParams(stop=["s"] * 64)), output=LIVE)]
+    assert p.decode(p.Resync(instance_id="e", detok_instance="d", entries=long_stops, last=True).encode()) \
+        .entries == long_stops  # the deepest real message: a resync entry's stop strings
+    too_deep = msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "x",
+                                                               "sampling": {"banned_words": [[[[[[1]]]]]]}}])
     with pytest.raises(p.ProtocolError, match="deeper than"):
-        p.decode(p.GenerateReq("r", prompt="x", sampling={"banned_words": [[[[[[1]]]]]]}).encode())
+        p.decode(too_deep)
 
 
 def test_frames_within_splits_only_what_does_not_fit_and_keeps_the_order():
     rows = [[f"c:r{i}", p.pack_token_ids([i] * (100 + i))] for i in range(40)]
-    make = lambda part: p.StepOutput("e1", [], [], [[rid, ids, False, None, 1, 1, 0, None] for rid, ids in part])
+    make = lambda part: p.StepOutput(instance_id="e1", outputs=[[rid, ids, False, None, 1, 1, 0, None]
+                                                                for rid, ids in part])
     (whole,) = p.frames_within(make, rows)  # fits: one frame, encoded once
     assert whole == (rows, make(rows).encode())
     limit = len(whole[1]) // 5
@@ -191,15 +275,15 @@ def test_what_the_service_sends_a_client_may_carry_fields_the_client_does_not_kn
 
     pong = p.decode(frame("pong", {"role": "detokenizer", "instance_id": "d1", "engine_alive": True, "later": [1]}))
     assert (pong.instance_id, pong.engine_alive) == ("d1", True)
-    delta = [*p.DeltaRow("r", "hi"), [[1, -0.5]]]  # a field a newer service appended to the row
+    delta = [*p.DeltaRow(request_id="r", text="hi"), [[1, -0.5]]]  # a field a newer service appended to the row
     (got,) = p.decode(frame("stream", {"deltas": [delta], "later": 1})).deltas
-    assert got == p.DeltaRow("r", "hi") and got.text == "hi"
+    assert got == p.DeltaRow(request_id="r", text="hi") and got.text == "hi"
     assert p.decode(frame("engine_status", {"alive": True, "later": 1})).alive is True
     with pytest.raises(p.ProtocolError, match="unknown field"):
         p.decode(frame("generate", {"request_id": "r", "prompt": "x", "later": 1}))
     with pytest.raises(p.ProtocolError, match="unknown field"):
-        p.decode(frame("tokenized", {"request_id": "c:r", "prompt_token_ids": b"", "sampling": {},
-                                     "meta": p.RequestMeta(b"c", "r"), "later": 1}))
+        p.decode(msgpack.packb([p.STAGE_PROTOCOL_VERSION, "tokenized", {
+            "request_id": "c:r", "prompt_token_ids": b"", "sampling": {}, "meta": meta_row(), "later": 1}]))
     with pytest.raises(p.ProtocolError, match="missing field"):  # dropping fields never makes a required one optional
         p.decode(frame("pong", {"instance_id": "d1", "later": 1}))
 
@@ -216,17 +300,18 @@ class _CountedRepr:
 def test_a_check_that_passes_never_builds_its_message(monkeypatch):
     """Checks formatted the value of every check that passed (a `show` per delta cost the client
     ~5 us a delta); the values are now shown only when the check fails."""
-    from nanovllm.sampling_params import _check
     from nanovllm_client.checks import ProtocolError, check
+    from nanovllm_client.sampling import SamplingError, _check
 
     value = _CountedRepr()
     check(True, "must be a map, got {}", value)
-    _check(True, "must be a map, got {}", value)
+    _check(True, "logit_bias", "must be a map, got {}", value)
     assert _CountedRepr.shown == 0
     with pytest.raises(ProtocolError, match="^must be a map, got <counted>$"):
         check(False, "must be a map, got {}", value)
-    with pytest.raises(ValueError, match="^must be a map, got <counted>$"):
-        _check(False, "must be a map, got {}", value)
+    with pytest.raises(SamplingError, match="^must be a map, got <counted>$") as info:
+        _check(False, "logit_bias", "must be a map, got {}", value)
+    assert info.value.field == "logit_bias"
     with pytest.raises(ProtocolError, match="^braces {} stay when no value is given$"):
         check(False, "braces {} stay when no value is given")
     # Decoding a frame of valid deltas shows none of them.
@@ -235,8 +320,9 @@ def test_a_check_that_passes_never_builds_its_message(monkeypatch):
     shown: list = []
     for module in (checks, p):
         monkeypatch.setattr(module, "show", lambda v, real=checks.show: shown.append(v) or real(v))
-    frame = p.StreamOutput([p.DeltaRow(f"c:{i}", "x", p.pack_token_ids([i])) for i in range(16)]).encode()
+    frame = p.StreamOutput(deltas=[p.DeltaRow(request_id=f"c:{i}", text="x", token_ids=p.pack_token_ids([i]))
+                                   for i in range(16)]).encode()
     assert len(p.decode(frame).deltas) == 16 and shown == []
     width = len(p.DeltaRow._fields)  # a row one version older may lack the newest field
     with pytest.raises(ProtocolError, match=rf"each deltas row must have {width - 1} to {width} items \(request_id, "):
-        p.decode(p.StreamOutput([7]).encode())
+        p.decode(p.StreamOutput(deltas=[7]).encode())

@@ -70,7 +70,7 @@ def test_an_impossible_continuation_is_refused_naming_why(tiny_model_dir):
         engine.add_request("b", [5] * 20, SamplingParams(max_tokens=30), output_prefix=[1] * 20)
     with pytest.raises(ValueError, match=r"output token id 1000000 is outside the vocabulary"):
         engine.add_request("c", [5, 6], SamplingParams(max_tokens=8), output_prefix=[1, 10**6])
-    assert not engine.has_unfinished_requests() and not engine.runner.sampler.states
+    assert not engine.has_unfinished_requests() and not engine.requests
 
 
 def first_pair_cut(ids: list[int]) -> int:

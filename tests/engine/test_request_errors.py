@@ -51,7 +51,7 @@ def test_one_failing_request_ends_alone_with_an_error(llm, how, bad_temperature)
         assert got["token_ids"] == expected["token_ids"] and got["finish_reason"] == "length"
         assert "error" not in got
     engine = llm.engine
-    assert engine.runner.sampler.states == {} and not engine.requests
+    assert not engine.requests and not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
     assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
 

@@ -10,6 +10,7 @@ import torch
 from nanovllm.layers.sampler import Sampler
 from nanovllm.layers.sampling_ops import draw
 from nanovllm.sampling_params import SamplingParams
+from tests.helpers.rows import sampled_row
 
 MARGIN = 1e-5
 """A uniform number this close (relative to the row's total) to a step of the CDF may land on
@@ -94,8 +95,8 @@ def test_the_sampler_draws_unfiltered_rows_with_the_kernel_and_seeds_stay_seeds(
     def run(cpu_ops, params):
         sampler = Sampler(vocab, torch.device("cpu"))
         sampler.cpu_ops = cpu_ops
-        states = [sampler._new_state(p, [], ()) for p in params]
-        return sampler._choose(logits.clone(), states).tolist()
+        rows = [sampled_row(f"r{i}", [1], p, vocab) for i, p in enumerate(params)]
+        return sampler._choose(logits.clone(), rows).tolist()
 
     plain = [SamplingParams(temperature=0.8, seed=100 + i) for i in range(8)]
     got = run(ops, plain)

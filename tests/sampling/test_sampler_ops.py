@@ -5,21 +5,19 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import sampling_ops
 from nanovllm.layers.sampler import Sampler, apply_penalties_
 from nanovllm.sampling_params import SamplingParams
+from tests.helpers.rows import sampled_row
 
 V = 64
 
 
 def sampler_for(params: list[SamplingParams], prompts: list[list[int]] | None = None, seed: int = 0,
-                eos: tuple[int, ...] = ()) -> tuple[Sampler, list[Sequence]]:
+                eos: tuple[int, ...] = ()) -> tuple[Sampler, list]:
     sampler = Sampler(V, torch.device("cpu"), seed)
-    seqs = []
-    for i, p in enumerate(params):
-        seqs.append(Sequence(f"r{i}", (prompts[i] if prompts else [1, 2, 3]), p, arrival=i))
-        sampler.add_request(f"r{i}", p, [], eos)
+    seqs = [sampled_row(f"r{i}", (prompts[i] if prompts else [1, 2, 3]), p, V, eos=eos, arrival=i)
+            for i, p in enumerate(params)]
     return sampler, seqs
 
 
@@ -187,10 +185,8 @@ def test_bias_allowed_ids_and_min_tokens_masks():
               SamplingParams(temperature=0, min_tokens=2)]
     from nanovllm.layers.logits_processors import AllowedTokenIds
     sampler = Sampler(V, torch.device("cpu"))
-    seqs = [Sequence(f"r{i}", [1], p, arrival=i) for i, p in enumerate(params)]
-    sampler.add_request("r0", params[0], [], (9,))
-    sampler.add_request("r1", params[1], [AllowedTokenIds([4, 5], V)], (9,))
-    sampler.add_request("r2", params[2], [], (9,))
+    processors = [[], [AllowedTokenIds([4, 5], V)], []]
+    seqs = [sampled_row(f"r{i}", [1], p, V, processors=processors[i], eos=(9,), arrival=i) for i, p in enumerate(params)]
     for _ in range(50):
         first, second, third = sampler(logits.clone(), seqs)
         assert first == 33 and second in (4, 5) and third != 9
@@ -206,13 +202,13 @@ def test_logprobs_are_of_the_raw_distribution():
     tokens = sampler(logits.clone(), seqs)
     ref = torch.log_softmax(logits, dim=-1)
     for i, tok in enumerate(tokens):
-        (lp,) = sampler.take_logprobs(f"r{i}")
+        (lp,) = seqs[i].sampling.take_logprobs()
         assert lp.token_id == tok
         assert lp.logprob == pytest.approx(ref[i, tok].item(), abs=1e-6)
         assert lp.rank == int((ref[i] > ref[i, tok]).sum()) + 1
         n = params[i].logprobs
         assert lp.top_token_ids == ref[i].topk(n).indices.tolist() if n else lp.top_token_ids == []
-        assert sampler.take_logprobs(f"r{i}") == []  # taken
+        assert seqs[i].sampling.take_logprobs() == []  # taken
 
 
 def test_plain_greedy_batch_is_one_argmax():
@@ -228,9 +224,9 @@ def test_constraints_that_leave_no_token_fall_back_to_the_unconstrained_row(capl
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(7))
     params = [SamplingParams(temperature=0, min_tokens=3), SamplingParams(temperature=1.0, min_tokens=3)]
     sampler = Sampler(V, torch.device("cpu"))
-    seqs = [Sequence(f"r{i}", [1], p, arrival=i) for i, p in enumerate(params)]
-    for s in seqs:  # only EOS is allowed, and EOS is held back by min_tokens
-        sampler.add_request(s.request_id, s.params, [AllowedTokenIds([9], V)], (9,))
+    # only EOS is allowed, and EOS is held back by min_tokens
+    seqs = [sampled_row(f"r{i}", [1], p, V, processors=[AllowedTokenIds([9], V)], eos=(9,), arrival=i)
+            for i, p in enumerate(params)]
     with caplog.at_level("WARNING"):
         greedy, sampled = sampler(logits.clone(), seqs)
     assert greedy == int(logits[0].argmax()) and 0 <= sampled < V

@@ -6,21 +6,18 @@ import itertools
 import pytest
 import torch
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import sampler as sampler_module
 from nanovllm.layers import sampling_ops
 from nanovllm.layers.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
+from tests.helpers.rows import sampled_row
 
 V = 512
 
 
 def sample(params: list[SamplingParams], logits: torch.Tensor) -> list[int]:
     sampler = Sampler(V, torch.device("cpu"))
-    seqs = []
-    for i, p in enumerate(params):
-        seqs.append(Sequence(f"r{i}", [1, 2, 3], p, arrival=i))
-        sampler.add_request(f"r{i}", p)
+    seqs = [sampled_row(f"r{i}", [1, 2, 3], p, V, arrival=i) for i, p in enumerate(params)]
     return sampler(logits.clone(), seqs)
 
 
@@ -84,12 +81,11 @@ class Poison:
 
 
 def run_steps(params: list[SamplingParams], processors: dict[int, list], steps: int,
-              absent: frozenset[int] = frozenset()) -> tuple[list[list[int]], Sampler]:
+              absent: frozenset[int] = frozenset()) -> tuple[list[list[int]], list]:
     """Sample `steps` tokens for each request, feeding each one back; per-step logits from a fixed stream."""
     sampler = Sampler(V, torch.device("cpu"), seed=1)
-    seqs = [Sequence(f"r{i}", [1, 2, 3], p, arrival=i) for i, p in enumerate(params)]
-    for i, (s, p) in enumerate(zip(seqs, params)):
-        sampler.add_request(s.request_id, p, processors.get(i, []))
+    seqs = [sampled_row(f"r{i}", [1, 2, 3], p, V, processors=processors.get(i, []), arrival=i)
+            for i, p in enumerate(params)]
     g = torch.Generator().manual_seed(0)
     out = [[] for _ in params]
     live = [i for i in range(len(params)) if i not in absent]
@@ -101,7 +97,7 @@ def run_steps(params: list[SamplingParams], processors: dict[int, list], steps: 
             if t != sampler_module.SAMPLE_FAILED:
                 seqs[i].token_ids.append(t)
         live = [i for i in live if out[i][-1] != sampler_module.SAMPLE_FAILED]
-    return out, sampler
+    return out, seqs
 
 
 @pytest.mark.parametrize("how", ["raise", "wrong-shape", "nan", "+inf"])
@@ -109,16 +105,16 @@ def run_steps(params: list[SamplingParams], processors: dict[int, list], steps: 
                          ids=["greedy", "sampled"])
 def test_a_failing_row_fails_alone(how, bad_params):
     params = NEIGHBOURS[:2] + [bad_params] + NEIGHBOURS[2:]
-    out, sampler = run_steps(params, {2: [Poison(how, at=3)]}, steps=6)
+    out, seqs = run_steps(params, {2: [Poison(how, at=3)]}, steps=6)
     assert out[2][:3] != [sampler_module.SAMPLE_FAILED] * 3 and out[2][3] == sampler_module.SAMPLE_FAILED
     assert len(out[2]) == 4  # not sampled again after it failed
-    error = sampler.take_error("r2")
+    error = seqs[2].sampling.take_error()
     expected = {"raise": "KeyError: 'the processor broke'", "wrong-shape": "processor", "nan": "NaN", "+inf": "+inf"}[how]
     assert expected in error, error
     alone, _ = run_steps(params, {}, steps=6, absent=frozenset({2}))  # the same batch without it
     for i in (0, 1, 3, 4):
         assert out[i] == alone[i] and all(0 <= t < V for t in out[i])
-        assert sampler.take_error(f"r{i}") is None
+        assert seqs[i].sampling.take_error() is None
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
@@ -128,12 +124,12 @@ def test_non_finite_model_logits_fail_their_row_on_the_greedy_fast_path(value):
     if value == float("-inf"):
         logits[1] = value  # nothing left to choose
     sampler = Sampler(V, torch.device("cpu"))
-    seqs = [Sequence(f"r{i}", [1], SamplingParams(temperature=0), arrival=i) for i in range(4)]
+    seqs = [sampled_row(f"r{i}", [1], SamplingParams(temperature=0), V, arrival=i) for i in range(4)]
     tokens = sampler(logits.clone(), seqs)
     expected = logits.argmax(dim=-1).tolist()
     expected[1] = sampler_module.SAMPLE_FAILED
     assert tokens == expected
-    assert "logits" in sampler.take_error("r1") and sampler.take_error("r0") is None
+    assert "logits" in seqs[1].sampling.take_error() and seqs[0].sampling.take_error() is None
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1)],
@@ -143,7 +139,7 @@ def test_an_id_outside_the_vocabulary_fails_its_row(params):
     logits = torch.randn(3, V + 8, generator=torch.Generator().manual_seed(6))
     logits[2, V + 3] = 1e4
     sampler = Sampler(V, torch.device("cpu"))
-    seqs = [Sequence(f"r{i}", [1], params, arrival=i) for i in range(3)]
+    seqs = [sampled_row(f"r{i}", [1], params, V, arrival=i) for i in range(3)]
     tokens = sampler(logits, seqs)
     assert tokens[2] == sampler_module.SAMPLE_FAILED and all(0 <= t < V for t in tokens[:2])
-    assert f"outside the vocabulary [0, {V})" in sampler.take_error("r2")
+    assert f"outside the vocabulary [0, {V})" in seqs[2].sampling.take_error()

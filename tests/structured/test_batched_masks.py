@@ -16,6 +16,7 @@ from nanovllm.layers.logits_processors import AllowedTokenIds
 from nanovllm.layers.sampler import SAMPLE_FAILED, Sampler
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured import StructuredOutput, compile_format, ll_tokenizer, prepare_masks
+from tests.helpers.rows import sampled_row
 
 PERSON = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
     "type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -72,12 +73,8 @@ def batch(tok, rows, ops, prefetch: bool = True) -> tuple[Sampler, list[Sequence
     t = tok[0]
     sampler = Sampler(len(t) + PAD, torch.device("cpu"), mask_threads=2)
     sampler.cpu_ops = ops
-    seqs = []
-    for i, (what, params, processors, output) in enumerate(rows):
-        seq = Sequence(what, [1, 2], params, arrival=i)
-        seq.token_ids += output
-        sampler.add_request(what, params, processors, (t.eos_token_id,))
-        seqs.append(seq)
+    seqs = [sampled_row(what, [1, 2], params, len(t) + PAD, processors=processors, eos=(t.eos_token_id,), arrival=i,
+                        output=output) for i, (what, params, processors, output) in enumerate(rows)]
     if prefetch:  # as in a step: the masks filled before the sampler runs, in one parallel call
         sampler.prepare(seqs)
     return sampler, seqs
@@ -97,15 +94,14 @@ def test_each_row_of_a_mixed_batch_is_masked_as_it_is_alone(tok, ops):
     sampler, seqs = batch(tok, rows, ops)
     sampler.masks.wait()
     logits = logits_for(tok, rows)
-    states = [sampler.states[s.request_id] for s in seqs]
     masked, failed = logits.clone(), {}
-    constrain_rows(masked, seqs, states, failed, ops)
+    constrain_rows(masked, seqs, failed, ops)
     unpacked = logits.clone()
-    constrain_rows(unpacked, seqs, states, {})  # the masks unpacked and filled by torch
+    constrain_rows(unpacked, seqs, {})  # the masks unpacked and filled by torch
     assert torch.equal(masked, unpacked)
     for i, (what, _, processors, _) in enumerate(rows):
         alone, failed_alone = logits[i:i + 1].clone(), {}
-        constrain_rows(alone, [seqs[i]], [states[i]], failed_alone, ops)
+        constrain_rows(alone, [seqs[i]], failed_alone, ops)
         assert torch.equal(masked[i], alone[0]), what
         assert failed.get(i) == failed_alone.get(0), what
         if what in ("grammar", "grammar later", "greedy grammar"):  # the processor's own row-by-row mask
@@ -126,7 +122,7 @@ def test_a_mixed_batch_samples_each_row_as_alone_and_fails_only_its_own_rows(tok
     for i, (what, params, processors, output) in enumerate(mixed_rows(tok)):  # fresh grammars, seeds
         one, one_seqs = batch(tok, [(what, params, processors, output)], ops, prefetch=False)
         assert together[i] == one(logits[i:i + 1].clone(), one_seqs)[0], what
-        assert sampler.take_error(what) == one.take_error(what), what
+        assert seqs[i].sampling.take_error() == one_seqs[0].sampling.take_error(), what
     assert [i for i, token in enumerate(together) if token == SAMPLE_FAILED] == [6, 7]
 
 
@@ -144,7 +140,7 @@ def test_a_batch_of_grammar_rows_is_masked_in_place_from_the_parallel_fill_witho
     sampler, seqs = batch(tok, rows, ops, prefetch=False)  # the masks above are used as they are
     logits = torch.randn(len(rows), len(t) + PAD, generator=torch.Generator().manual_seed(1))  # (B, V + PAD)
     masked, failed = logits.clone(), {}
-    constrain_rows(masked, seqs, [sampler.states[s.request_id] for s in seqs], failed, ops)
+    constrain_rows(masked, seqs, failed, ops)
     assert not failed
     for i, (g, o) in enumerate(zip(grammars, outputs)):
         assert torch.equal(masked[i], g(o, logits[i].clone()))

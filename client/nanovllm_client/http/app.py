@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from ..errors import (EngineDeadError, RequestError, RequestTimeoutError, ServiceDrainingError,
                       ServiceUnavailableError)
+from ..protocol import FinishReason
 from . import chat_output
 from .errors import ApiError, bad
 from .schema import Call, parse_chat, parse_completion
@@ -85,8 +86,9 @@ def _usage(u: dict | None) -> dict:
     return out
 
 
-def _finish(reason: str | None) -> str | None:
-    return {"abort": "stop"}.get(reason, reason)
+def _finish(reason: FinishReason | None) -> str | None:
+    """OpenAI's finish_reason for ours: an abort (the stream was stopped) reads as "stop"."""
+    return None if reason is None else "stop" if reason is FinishReason.ABORT else reason.value
 
 
 def build_app(client: Any, settings: Settings) -> Starlette:
@@ -149,7 +151,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
                 raise ApiError(429, f"too many requests in flight (at most {settings.max_streams})")
             metrics.active += 1
             try:
-                stream = await client.stream(call.prompt, **call.kwargs)
+                stream = await client.stream(call.prompt, sampling=call.sampling, **call.kwargs)
             except BaseException:
                 metrics.active -= 1
                 raise

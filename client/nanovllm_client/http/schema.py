@@ -1,49 +1,48 @@
 """Request bodies of /v1/completions and /v1/chat/completions mapped to the async client's call.
 
 Every field is either mapped (OpenAI's name or vLLM's extension name) or refused with a 400 naming
-it: nothing is silently ignored. The body is hostile: every value is type- and range-checked here,
-and the engine's own checks (SamplingParams) stand behind these.
+it: nothing is silently ignored. Sampling fields are mapped onto the one sampling struct
+(`SamplingParams`), whose own validator checks them, as at every other door: a value out of range
+gets the same words here as from the ZeroMQ client or `LLM`, in a 400 naming the body's field. The
+rest of the body (the prompt or messages, tools, stream options) is checked here.
 """
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checks import ProtocolError
-from ..protocol import MAX_RESPONSE_FORMAT_CHARS
+from ..checks import ProtocolError, check_int
+from ..protocol import MAX_PRIORITY, MAX_TOOLS_CHARS
+from ..response_format import MAX_FORMAT_CHARS
+from ..sampling import SamplingError, SamplingParams
 from ..template_kwargs import template_kwargs_text
 from .chat_output import ChatOutputParser
 from .errors import bad
 
-MAX_STOPS = 16
-MAX_STOP_LEN = 256
-MAX_LOGIT_BIAS = 1024
 MAX_MESSAGES = 4096
 MAX_TOOLS = 128
 MAX_TOOL_CALLS = 64
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
-# OpenAI's names and vLLM's extension names the engine honours, each with its check.
-_FLOAT = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
-          "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
-          "repetition_penalty": (0.01, 10.0)}
-_INT = {"top_k": (-1, 1 << 20), "min_tokens": (0, 1 << 20), "seed": (-(1 << 63), (1 << 64) - 1),
-        "priority": (-(1 << 20), 1 << 20)}
+# OpenAI's names and vLLM's extension names for the sampling struct's fields (the same names,
+# but chat's max_completion_tokens): mapped onto it, checked by it.
+_SAMPLING = {name: name for name in (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logit_bias",
+    "skip_special_tokens", "include_stop_str_in_output", "response_format")}
+_CHAT_SAMPLING = {**_SAMPLING, "max_completion_tokens": "max_tokens"}
 # Accepted and without effect on the output by definition (no silent loss of meaning).
 _NOOP = {"model", "stream", "stream_options", "user", "n"}
 # Accepted only when they ask for nothing: routers (SGLang's smg) fill in the defaults, e.g.
 # "logprobs": false on every chat request. Any other value is refused with a 400 naming it.
 _OFF = {"logprobs", "top_logprobs", "echo"}
 # Any other field is refused with a 400 naming it.
-_COMMON = set(_FLOAT) | set(_INT) | _NOOP | _OFF | {"response_format",
-    "max_tokens", "stop", "ignore_eos", "logit_bias", "stop_token_ids", "skip_special_tokens",
-    "include_stop_str_in_output"}
+_COMMON = set(_SAMPLING) | _NOOP | _OFF | {"priority"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
-                         "chat_template_kwargs"}
+CHAT_FIELDS = _COMMON | set(_CHAT_SAMPLING) | {"messages", "tools", "tool_choice", "parallel_tool_calls",
+                                                "chat_template_kwargs"}
 
 
 @dataclass
@@ -53,7 +52,9 @@ class Call:
     stream: bool
     include_usage: bool
     prompt: Any
+    sampling: SamplingParams
     kwargs: dict[str, Any] = field(default_factory=dict)
+    """The client call's other arguments: priority, tools, chat_template_kwargs."""
     tools: bool = False
     """The request offers tools: the output is parsed for tool calls."""
     max_tool_calls: int | None = None
@@ -67,14 +68,6 @@ class Call:
         """The parser a chat answer goes through, streamed or whole: one configuration for both.
         `reasoning_open`: the stream's deltas say the prompt ended inside a reasoning block."""
         return ChatOutputParser(tools=self.tools, max_calls=self.max_tool_calls, reasoning_open=reasoning_open)
-
-
-def _number(name: str, value: Any, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad(f"'{name}' must be a finite number", name)
-    if not lo <= value <= hi:
-        raise bad(f"'{name}' must be between {lo} and {hi}, got {value}", name)
-    return float(value)
 
 
 def _integer(name: str, value: Any, lo: int, hi: int) -> int:
@@ -91,44 +84,8 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
-def _stops(value: Any) -> list[str]:
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(
-            isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in stops):
-        raise bad(f"'stop' must be a string or a list of at most {MAX_STOPS} non-empty strings "
-                  f"of at most {MAX_STOP_LEN} characters", "stop")
-    return stops
-
-
-def _logit_bias(value: Any) -> dict[str, float]:
-    """Token id (as text: the wire's maps have string keys, as OpenAI's JSON does) to bias."""
-    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
-        raise bad(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} entries", "logit_bias")
-    out = {}
-    for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
-            raise bad(f"'logit_bias' keys must be token ids, got {key[:32]!r}", "logit_bias")
-        out[str(int(key))] = _number("logit_bias", bias, -100.0, 100.0)
-    return out
-
-
-def _response_format(value: Any) -> str:
-    """OpenAI's shape, as JSON text for the wire. Only its outline is checked here: the service
-    checks the rest and compiles it (a schema that does not compile comes back as a 400 too)."""
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise bad("'response_format' must be an object with a 'type' (json_object, json_schema, ...)",
-                  "response_format")
-    try:
-        text = json.dumps(value, separators=(",", ":"))
-    except (ValueError, RecursionError):
-        raise bad("'response_format' nests too deep", "response_format") from None
-    if len(text) > MAX_RESPONSE_FORMAT_CHARS:
-        raise bad(f"'response_format' is {len(text)} characters of JSON, at most {MAX_RESPONSE_FORMAT_CHARS}",
-                  "response_format")
-    return text
-
-
-def _common(body: dict, allowed: set[str], max_len_name: str) -> tuple[str, bool, bool, dict]:
+def _common(body: dict, allowed: set[str]) -> tuple[str, bool, bool, dict]:
+    """The body's model, stream and include_usage, and the call's keywords other than sampling."""
     unknown = sorted(k for k in body if k not in allowed)
     if unknown:
         name = str(unknown[0])[:64]
@@ -153,37 +110,32 @@ def _common(body: dict, allowed: set[str], max_len_name: str) -> tuple[str, bool
     if user is not None and (not isinstance(user, str) or len(user) > 256):
         raise bad("'user' must be a string of at most 256 characters", "user")
     kw: dict[str, Any] = {}
-    for name, (lo, hi) in _FLOAT.items():
-        if body.get(name) is not None:
-            kw[name] = _number(name, body[name], lo, hi)
-    for name, (lo, hi) in _INT.items():
-        if body.get(name) is not None:
-            kw[name] = _integer(name, body[name], lo, hi)
-    for name in (max_len_name, "max_tokens"):
-        if body.get(name) is not None:
-            kw["max_tokens"] = _integer(name, body[name], 1, 1 << 20)
-            break
-    if body.get("stop") is not None:
-        kw["stop"] = _stops(body["stop"])
-    if body.get("stop_token_ids") is not None:
-        ids = body["stop_token_ids"]
-        if not isinstance(ids, list) or len(ids) > MAX_STOPS:
-            raise bad(f"'stop_token_ids' must be a list of at most {MAX_STOPS} token ids", "stop_token_ids")
-        kw["stop_token_ids"] = [_integer("stop_token_ids", i, 0, (1 << 31) - 1) for i in ids]
-    if body.get("logit_bias") is not None:
-        kw["logit_bias"] = _logit_bias(body["logit_bias"])
-    for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-        if body.get(name) is not None:
-            kw[name] = _bool(name, body[name])
-    if body.get("response_format") is not None:
-        kw["response_format"] = _response_format(body["response_format"])
+    if body.get("priority") is not None:
+        try:
+            check_int("priority", body["priority"], -MAX_PRIORITY, MAX_PRIORITY)
+        except ProtocolError as e:
+            raise bad(str(e), "priority") from None
+        kw["priority"] = body["priority"]
     return model, stream, include_usage, kw
+
+
+def _sampling(body: dict, names: dict[str, str], **override: Any) -> SamplingParams:
+    """The body's sampling fields (`names`: body name -> struct field; null means the default) as
+    the one struct, checked by its validator; a 400 naming the body's field it refused."""
+    given = {field_name: (body_name, body[body_name]) for body_name, field_name in names.items()
+             if body.get(body_name) is not None}
+    values = {field_name: value for field_name, (_, value) in given.items()}
+    values.update(override)
+    try:
+        return SamplingParams(**values)
+    except SamplingError as e:
+        raise bad(str(e), given.get(e.field, (e.field,))[0]) from None
 
 
 def parse_completion(body: Any) -> Call:
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
-    model, stream, usage, kw = _common(body, COMPLETION_FIELDS, "max_tokens")
+    model, stream, usage, kw = _common(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -193,7 +145,8 @@ def parse_completion(body: Any) -> Call:
             raise bad("'prompt' must be a string, or a list of token ids (one prompt per request)", "prompt")
     elif not isinstance(prompt, str) or not prompt:
         raise bad("'prompt' is required and must be a non-empty string", "prompt")
-    return Call(model, stream, usage, prompt, kw)
+    return Call(model=model, stream=stream, include_usage=usage, prompt=prompt, sampling=_sampling(body, _SAMPLING),
+                kwargs=kw)
 
 
 def _forced(choice: Any, tools: list[dict] | None) -> list[dict] | None:
@@ -291,8 +244,8 @@ def _tools(body: dict) -> tuple[list[dict] | None, list[dict] | None]:
             raise bad(f"tools[{i}].function may have name, description (a string), parameters (a JSON "
                       f"schema object) and strict", "tools")
     text = json.dumps(tools, separators=(",", ":"))
-    if len(text) > MAX_RESPONSE_FORMAT_CHARS:
-        raise bad(f"'tools' is {len(text)} characters of JSON, at most {MAX_RESPONSE_FORMAT_CHARS}", "tools")
+    if len(text) > MAX_TOOLS_CHARS:
+        raise bad(f"'tools' is {len(text)} characters of JSON, at most {MAX_TOOLS_CHARS}", "tools")
     return (None if choice == "none" or not tools else tools), _forced(choice, tools)
 
 
@@ -315,21 +268,23 @@ def _tool_calls(i: int, calls: Any) -> list[dict]:
 def parse_chat(body: Any) -> Call:
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
-    model, stream, usage, kw = _common(body, CHAT_FIELDS, "max_completion_tokens")
+    model, stream, usage, kw = _common(body, CHAT_FIELDS)
     tools, forced = _tools(body)
     parallel = body.get("parallel_tool_calls")
     parallel = True if parallel is None else _bool("parallel_tool_calls", parallel)
     if tools is not None:
         kw["tools"] = tools
+    grammar = {}
     if forced:
-        if "response_format" in kw:
+        if body.get("response_format") is not None:
             raise bad("'tool_choice' that forces a call cannot be combined with 'response_format'", "tool_choice")
         try:
-            kw["response_format"] = _call_grammar(forced)
+            grammar["response_format"] = _call_grammar(forced)
         except RecursionError:
             raise bad("the forced tools' parameter schemas nest too deep", "tools") from None
-        if len(kw["response_format"]) > MAX_RESPONSE_FORMAT_CHARS:
+        if len(grammar["response_format"]) > MAX_FORMAT_CHARS:
             raise bad("the forced tools' parameter schemas are too large", "tool_choice")
+    sampling = _sampling(body, _CHAT_SAMPLING, **grammar)
     if body.get("chat_template_kwargs") is not None:  # vLLM's: variables for the chat template
         try:
             kw["chat_template_kwargs"] = template_kwargs_text(body["chat_template_kwargs"])
@@ -367,5 +322,5 @@ def parse_chat(body: Any) -> Call:
             message["tool_call_id"] = m["tool_call_id"]
         out.append(message)
     # parallel_tool_calls false: one call at most. A forced call is one already (its grammar).
-    return Call(model, stream, usage, out, kw, tools=tools is not None,
-                max_tool_calls=None if parallel or tools is None else 1, forced=bool(forced))
+    return Call(model=model, stream=stream, include_usage=usage, prompt=out, sampling=sampling, kwargs=kw,
+                tools=tools is not None, max_tool_calls=None if parallel or tools is None else 1, forced=bool(forced))
