@@ -129,7 +129,7 @@ def trace() -> list[str]:
     out = lines.append
 
     # The tokenizer stage's work: a GenerateReq in, a TokenizedReq frame out.
-    builder = RequestBuilder(tokenizer, sampling_fields(SamplingParams), SamplingParams)
+    builder = RequestBuilder(tokenizer)
     def generate_req(request_id: str, prompt: str, max_tokens: int) -> p.GenerateReq:
         return p.GenerateReq(request_id, prompt=prompt, sampling={"max_tokens": max_tokens, "temperature": 0.0,
                                                                    "ignore_eos": True})

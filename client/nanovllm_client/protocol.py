@@ -391,7 +391,7 @@ class RequestMeta(NamedTuple):
     client: bytes
     """The client's routing id: where the request's deltas go."""
     client_request_id: str
-    sampling: SamplingParams
+    sampling: SamplingParams = SamplingParams()
     """The request's text-side sampling parameters (`SamplingParams.text_params`: stop strings,
     include_stop_str_in_output, skip_special_tokens, min_tokens), the rest at their defaults."""
     prompt_tail: bytes = b""

@@ -9,6 +9,7 @@ import pytest
 from nanovllm_client import Client, ServiceUnavailableError, service_endpoints
 from nanovllm_client import protocol as p
 from nanovllm_client.client_state import ClientState, build_request
+from nanovllm_client.sampling import SamplingError, SamplingParams
 
 
 def test_importing_the_client_never_imports_torch_transformers_or_numpy():
@@ -48,12 +49,25 @@ def test_one_url_names_every_endpoint():
 
 
 def test_build_request_accepts_text_chat_or_token_ids():
-    text = build_request("hi", max_tokens=5, temperature=0, stop="END")
-    assert (text.prompt, text.sampling, text.stop) == ("hi", {"max_tokens": 5, "temperature": 0}, ["END"])
+    text = build_request("hi", max_tokens=5, temperature=0, stop="END", seed=None)
+    assert (text.prompt, text.sampling) == ("hi", SamplingParams(max_tokens=5, temperature=0, stop=["END"]))
+    assert build_request("hi", sampling=text.sampling).sampling is text.sampling
     chat = build_request([{"role": "user", "content": "hi"}])
     assert chat.messages == [{"role": "user", "content": "hi"}] and chat.prompt is None
     ids = p.decode(build_request([1, 2, 3]).encode())
-    assert ids.prompt_token_ids == [1, 2, 3] and ids.sampling == {}
+    assert ids.prompt_token_ids == [1, 2, 3] and ids.sampling == SamplingParams()
+
+
+def test_bad_sampling_is_refused_before_anything_is_sent():
+    """The client builds the one struct, so a bad value fails at the call, naming the field, with
+    the words every other door uses."""
+    with pytest.raises(SamplingError, match=r"^top_p must be in \(0, 1\], got 7$") as e:
+        build_request("hi", top_p=7)
+    assert e.value.field == "top_p"
+    with pytest.raises(SamplingError, match=r"unknown sampling parameter\(s\) \['temprature'\]"):
+        build_request("hi", temprature=0)
+    with pytest.raises(TypeError, match="not both"):
+        build_request("hi", sampling=SamplingParams(), max_tokens=3)
 
 
 def state_with(*wire_ids: str, engine_restart_wait_s: float = 60.0) -> ClientState:
@@ -65,7 +79,8 @@ def state_with(*wire_ids: str, engine_restart_wait_s: float = 60.0) -> ClientSta
 
 
 def answer(state: ClientState, *wire_ids: str, text: str = "xy", ids: tuple = (1, 2)) -> None:
-    state.handle(p.StreamOutput([p.DeltaRow(w, text, p.pack_token_ids(list(ids))) for w in wire_ids]).encode())
+    state.handle(p.StreamOutput(deltas=[p.DeltaRow(request_id=w, text=text, token_ids=p.pack_token_ids(list(ids)))
+                                        for w in wire_ids]).encode())
 
 
 def failures(deltas) -> list[tuple]:

@@ -13,7 +13,9 @@ pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
 
 from nanovllm_client.client_state import Delta  # noqa: E402
+from nanovllm_client.sampling import SamplingParams  # noqa: E402
 from nanovllm_client.errors import ServiceDrainingError  # noqa: E402
+from nanovllm_client.protocol import FinishReason  # noqa: E402
 from nanovllm_client.http.app import Settings, build_app  # noqa: E402
 from nanovllm_client.http.schema import parse_chat, parse_completion  # noqa: E402
 from nanovllm_client.http.errors import ApiError  # noqa: E402
@@ -33,12 +35,13 @@ class FakeStream:
             if self.slow:
                 await asyncio.sleep(self.slow)
             if self.stopped:  # as the service ends a request stopped mid-way: "abort", with its usage
-                yield Delta("r", "", [], "abort", {"prompt_tokens": 3, "completion_tokens": i, "cached_tokens": 0})
+                yield Delta(request_id="r", text="", token_ids=[], finish_reason=FinishReason.ABORT,
+                            usage={"prompt_tokens": 3, "completion_tokens": i, "cached_tokens": 0})
                 break
             last = i == len(self.words) - 1
-            yield Delta("r", w, [i], self.reason if last else None,
-                        {"prompt_tokens": 3, "completion_tokens": len(self.words), "cached_tokens": 0} if last else None,
-                        reasoning_open=self.reasoning_open)
+            yield Delta(request_id="r", text=w, token_ids=[i], finish_reason=FinishReason(self.reason) if last else None,
+                        usage={"prompt_tokens": 3, "completion_tokens": len(self.words), "cached_tokens": 0}
+                        if last else None, reasoning_open=self.reasoning_open)
         self.done = True
 
     def cancel(self):
@@ -106,20 +109,23 @@ def test_mapping_names_and_refusals():
                        "stop": "x", "logit_bias": {"42": -100}, "ignore_eos": True, "priority": 2,
                        "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 1, "user": "u"})
     assert call.prompt == [{"role": "user", "content": "hi"}]
-    assert call.kwargs == {"temperature": 0.0, "top_k": 3, "min_p": 0.1, "repetition_penalty": 1.1, "seed": 7,
-                           "max_tokens": 5, "stop": ["x"], "logit_bias": {"42": -100.0}, "ignore_eos": True,
-                           "priority": 2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 1}
+    assert call.sampling == SamplingParams(temperature=0, top_k=3, min_p=0.1, repetition_penalty=1.1, seed=7,
+                                           max_tokens=5, stop=["x"], logit_bias={42: -100.0}, ignore_eos=True,
+                                           presence_penalty=0.5, frequency_penalty=0.5, min_tokens=1)
+    assert call.kwargs == {"priority": 2}
     assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
     # What a router fills in (smg: "logprobs": false on chat, "echo": false on completions) asks for nothing.
-    assert parse_completion({"model": "m", "prompt": "a", "echo": False, "logprobs": None}).kwargs == {}
-    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": False,
-                       "top_logprobs": None}).kwargs == {}
+    plain = parse_completion({"model": "m", "prompt": "a", "echo": False, "logprobs": None, "temperature": None})
+    assert plain.kwargs == {} and plain.sampling == SamplingParams()
+    plain = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": False,
+                        "top_logprobs": None})
+    assert plain.kwargs == {} and plain.sampling == SamplingParams()
     with pytest.raises(ApiError) as e:
         parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True})
     assert e.value.status == 400 and e.value.param == "logprobs"
     schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}
     call = parse_completion({"model": "m", "prompt": "a", "response_format": schema})
-    assert json.loads(call.kwargs["response_format"]) == schema  # JSON text, as the wire carries it
+    assert call.sampling.response_format == schema
     too_big = {"type": "regex", "regex": "a" * (64 * 1024)}
     for body, param in [({"model": "m", "prompt": "a", "response_format": "json_object"}, "response_format"),
                         ({"model": "m", "prompt": "a", "response_format": {"schema": {}}}, "response_format"),
@@ -132,6 +138,8 @@ def test_mapping_names_and_refusals():
                         ({"model": "m", "prompt": "a", "temperature": float("nan")}, "temperature"),
                         ({"model": "m", "prompt": "a", "max_tokens": True}, "max_tokens"),
                         ({"model": "m", "prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+                        ({"model": "m", "prompt": "a", "top_p": 0}, "top_p"),
+                        ({"model": "m", "prompt": "a", "priority": 2 ** 40}, "priority"),
                         ({"model": "m", "prompt": ""}, "prompt"),
                         ({"prompt": "a"}, "model")]:
         with pytest.raises(ApiError) as e:
@@ -149,8 +157,8 @@ def test_mapping_names_and_refusals():
     assert call.tools and call.kwargs["tools"] == [weather]
     assert call.prompt[1] == {"role": "assistant", "content": "", "tool_calls": turns[1]["tool_calls"]}
     assert call.prompt[2] == turns[2]
-    forced = json.loads(parse_chat({"model": "m", "messages": turns[:1], "tools": [weather],
-                                    "tool_choice": "required"}).kwargs["response_format"])
+    forced = parse_chat({"model": "m", "messages": turns[:1], "tools": [weather],
+                         "tool_choice": "required"}).sampling.response_format
     assert forced["type"] == "grammar" and '{"const":"get_weather"}' in forced["grammar"]
     call = parse_chat({"model": "m", "messages": turns[:1], "tools": [weather], "tool_choice": "none"})
     assert not call.tools and "tools" not in call.kwargs
@@ -163,7 +171,7 @@ def test_mapping_names_and_refusals():
     forced = parse_chat({"model": "m", "messages": turns[:1], "parallel_tool_calls": False, "tool_choice": "required",
                          "tools": [weather, {"type": "function", "function": {"name": "f", "parameters": located}}]})
     assert forced.forced and forced.max_tool_calls == 1
-    grammar = json.loads(forced.kwargs["response_format"])["grammar"]
+    grammar = forced.sampling.response_format["grammar"]
     assert grammar.startswith('start: "<tool_call>\\n" call "\\n</tool_call>"\n')  # exactly one call
     defs = json.loads(grammar.split("%json ", 1)[1])["$defs"]
     assert defs["tool_0"] == city
@@ -201,7 +209,7 @@ def test_models_completion_chat(front):
     out = json.loads(body)
     assert status == 200 and out["choices"][0]["text"] == "Hello!" and out["choices"][0]["finish_reason"] == "length"
     assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
-    assert client.calls[-1] == ("hi", {"max_tokens": 3})
+    assert client.calls[-1] == ("hi", {"sampling": SamplingParams(max_tokens=3)})
     status, body = _req(port, "POST", "/v1/chat/completions",
                         {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert status == 200 and json.loads(body)["choices"][0]["message"] == {"role": "assistant", "content": "Hello!"}

@@ -51,7 +51,7 @@ ENGINE_WAIT = textwrap.dedent("""
     from nanovllm_client.endpoints import service_endpoints
 
     eps = service_endpoints("ipc://" + sys.argv[1])
-    stage = EngineStage(None, SamplingParams, eps.engine, eps.detok, eps.control, ctx=zmq.Context())
+    stage = EngineStage(None, eps.engine, eps.detok, eps.control, ctx=zmq.Context())
     signal.signal(signal.SIGUSR1, lambda *_: time.sleep(0.1))  # runs past the 0.05 s wait's end
     threading.Timer(0.02, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
     started = time.monotonic()

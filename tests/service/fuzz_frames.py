@@ -14,14 +14,15 @@ from typing import Any, Iterator
 import msgpack
 
 from nanovllm_client import protocol as p
+from nanovllm_client.sampling import SamplingParams
 
 VOCAB = 2048
 """The tiny test model's vocabulary: extreme token ids straddle it."""
 
 
 def _meta(rng: random.Random) -> p.RequestMeta:
-    return p.RequestMeta(rng.randbytes(16), f"fz{rng.randrange(10**6)}", [], True,
-                         p.pack_token_ids([rng.randrange(VOCAB)]), 0.0)
+    return p.RequestMeta(client=rng.randbytes(16), client_request_id=f"fz{rng.randrange(10**6)}",
+                         sampling=SamplingParams(stop=["\n"]), prompt_tail=p.pack_token_ids([rng.randrange(VOCAB)]))
 
 
 def random_value(rng: random.Random, depth: int = 0) -> Any:
@@ -72,9 +73,9 @@ def templates(rng: random.Random) -> list[p.Message]:
         p.GenerateReq(rid, prompt_token_ids=ids, sampling={"max_tokens": 1}),
         p.AbortReq(rid), p.Ping(), p.StatsReq(), p.Resume([[rid, 1, 2]]), p.DetokHello("fz"),
         p.TokenizedReq(f"fz:{rid}", ids, {"max_tokens": 1}, meta),
-        p.StepOutput("fz-engine", [], [], [[f"fz:{rid}", ids, False, None, 1, 1, 0, None]]),
+        p.StepOutput("fz-engine", [[f"fz:{rid}", meta]], [], [[f"fz:{rid}", ids, False, None, 1, 1, 0, None]]),
         p.EngineStatus(True, "fz-engine", "", {"num_running": 1}),
-        p.Resync("fz-engine", "fz-detok", [[f"fz:{rid}", meta, ids, False, None, 1, 1, 0, None]], True),
+        p.Resync("fz-engine", "fz-detok", [[meta, [f"fz:{rid}", ids, False, None, 1, 1, 0, None]]], True),
         p.StreamOutput([p.error_delta(rid, "x")]), p.ErrorOutput("x"), p.Pong("detokenizer", "fz", True),
         p.StatsOutput({"a": 1}),
     ]
@@ -82,8 +83,7 @@ def templates(rng: random.Random) -> list[p.Message]:
 
 def mutate(rng: random.Random, msg: p.Message) -> bytes:
     """A real message with one field (or one nested item) replaced by something else."""
-    body = {name: getattr(msg, name) for name in msg._FIELDS}
-    version, type_name = p.PROTOCOL_VERSION, msg.TYPE
+    version, type_name, body = msgpack.unpackb(msg.encode(), raw=False)  # as it travels: plain values
     choice = rng.randrange(8)
     if choice == 0 and body:
         body[rng.choice(sorted(body))] = random_value(rng)
@@ -171,5 +171,6 @@ def hostile_frames(rng: random.Random, count: int, big_every: int = 500) -> Iter
         elif kind == 7:
             yield extreme_generate(rng)
         else:
-            yield b"\x93" + msgpack.packb(p.PROTOCOL_VERSION) + msgpack.packb(
-                rng.choice(["generate", "tokenized", "step", "ping"])) + deep(rng)
+            name, version = rng.choice([("generate", p.PROTOCOL_VERSION), ("tokenized", p.STAGE_PROTOCOL_VERSION),
+                                        ("step", p.STAGE_PROTOCOL_VERSION), ("ping", p.PROTOCOL_VERSION)])
+            yield b"\x93" + msgpack.packb(version) + msgpack.packb(name) + deep(rng)

@@ -95,8 +95,9 @@ def test_an_abort_that_overtakes_its_request_ends_it_when_it_arrives(tiny_model_
         wait_for(lambda: "c:early" in stage.admission.early_aborts, timeout=60, what="the early abort kept")
         requests = raw_socket(ctx, zmq.PUSH, eps.engine)
         for rid in ("c:early", "c:other"):
-            requests.send(p.TokenizedReq(rid, p.pack_token_ids([1, 2, 3]), {"max_tokens": 4, "ignore_eos": True},
-                                         p.RequestMeta(b"c", rid)).encode())
+            requests.send(p.TokenizedReq(request_id=rid, prompt_token_ids=p.pack_token_ids([1, 2, 3]),
+                                         sampling={"max_tokens": 4, "ignore_eos": True},
+                                         meta=p.RequestMeta(client=b"c", client_request_id=rid)).encode())
         ends: dict[str, tuple] = {}
         started: list[str] = []
         deadline = time.monotonic() + 30

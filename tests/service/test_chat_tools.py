@@ -14,7 +14,7 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm_client import protocol as p
 from nanovllm_client.client_state import build_request
 from tokenizer_proc.chat import template_knows_tools
-from tokenizer_proc.requests import RequestBuilder, RequestRejected, sampling_fields
+from tokenizer_proc.requests import RequestBuilder, RequestRejected
 
 CLIENT = b"\x07" * 5
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -41,7 +41,7 @@ def tokenizer(tokenizer_dir):
 def prompt_text(tokenizer, messages, tools=None) -> str:
     req = build_request(messages, tools=tools, request_id="r")
     req = p.decode(req.encode())  # as the stage receives it: tools travel as JSON text
-    out = p.decode(RequestBuilder(tokenizer, sampling_fields(SamplingParams), SamplingParams).build(CLIENT, req))
+    out = p.decode(RequestBuilder(tokenizer).build(CLIENT, req))
     return tokenizer.decode(p.unpack_token_ids(out.prompt_token_ids))
 
 
@@ -74,7 +74,7 @@ def test_tools_are_checked_on_the_wire_and_in_the_stage(tokenizer):
         p.decode(p.GenerateReq("r", prompt="hi", tools="[]").encode())
     with pytest.raises(p.ProtocolError, match="tools"):
         p.decode(p.GenerateReq("r", messages=[{"role": "user", "content": "x"}], tools="x" * 70_000).encode())
-    build = RequestBuilder(tokenizer, sampling_fields(SamplingParams), SamplingParams).build
+    build = RequestBuilder(tokenizer).build
     for bad, why in [("{not json", "not valid JSON"), ('{"a": 1}', "list of tool objects")]:
         with pytest.raises(RequestRejected, match=why):
             build(CLIENT, p.GenerateReq("r", messages=[{"role": "user", "content": "x"}], tools=bad))
@@ -109,7 +109,7 @@ THINKING_TEMPLATE = (  # ChatML whose generation prompt opens the reasoning (as 
 
 def meta_of(tokenizer, messages) -> p.RequestMeta:
     req = p.decode(build_request(messages, request_id="r").encode())
-    return p.decode(RequestBuilder(tokenizer, sampling_fields(SamplingParams), SamplingParams).build(CLIENT, req)).meta
+    return p.decode(RequestBuilder(tokenizer).build(CLIENT, req)).meta
 
 
 def test_a_template_that_opens_think_in_the_prompt_is_told_in_the_meta(tokenizer):
@@ -124,7 +124,9 @@ def test_a_template_that_opens_think_in_the_prompt_is_told_in_the_meta(tokenizer
     assert meta_of(closed, chat).reasoning_open is False
     assert meta_of(tokenizer, [{"role": "user", "content": "<think>"}]).reasoning_open is False
     req = p.decode(build_request("a prompt that ends in <think>\n", request_id="r").encode())
-    out = p.decode(RequestBuilder(thinking, sampling_fields(SamplingParams), SamplingParams).build(CLIENT, req))
+    out = p.decode(RequestBuilder(thinking).build(CLIENT, req))
     assert out.meta.reasoning_open is False  # only a chat's template opens anything
     with pytest.raises(p.ProtocolError, match="reasoning_open"):
-        p.decode(p.TokenizedReq("c:r", p.pack_token_ids([1]), {}, p.RequestMeta(b"c", "r", reasoning_open=1)).encode())
+        meta = p.RequestMeta(client=b"c", client_request_id="r", sampling=SamplingParams(), reasoning_open=1)
+        p.decode(p.TokenizedReq(request_id="c:r", prompt_token_ids=p.pack_token_ids([1]), sampling=SamplingParams(),
+                                meta=meta).encode())

@@ -114,7 +114,7 @@ def test_stage_sockets_refuse_frames_without_the_service_key(curve_service, keys
     ctx = zmq.Context()
     try:
         for endpoint, frame in ((eps.engine, p.TokenizedReq("x:y", p.pack_token_ids([1, 2]), {"max_tokens": 3},
-                                                             p.RequestMeta(b"x", "y")).encode()),
+                                                             p.RequestMeta(client=b"x", client_request_id="y")).encode()),
                                 (eps.detok, p.EngineStatus(False, "forged", "forged death").encode()),
                                 (eps.control, p.Ping().encode())):  # a wrong type: counted, had it arrived
             push = ctx.socket(zmq.PUSH)

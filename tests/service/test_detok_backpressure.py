@@ -72,8 +72,8 @@ def feed_engine_steps(tok, stage, engine_out, identity, small_client: bytes | No
     none of them. With `small_client`, its request "s1" rides along with one token a step."""
     ids = tok.encode("def f(x):\n    return x * 2  # 中文🚀\n" * 800, add_special_tokens=False)
     ids = (ids * 20)[:TOKENS_PER_STEP * NUM_STEPS]
-    meta = p.RequestMeta(identity, "r1")
-    frames = [p.EngineStatus(True, "fake-engine").encode()]
+    meta = p.RequestMeta(client=identity, client_request_id="r1")
+    frames = [p.EngineStatus(alive=True, instance_id="fake-engine").encode()]
     for k in range(NUM_STEPS):
         chunk = ids[k * TOKENS_PER_STEP:(k + 1) * TOKENS_PER_STEP]
         last = k == NUM_STEPS - 1
@@ -82,7 +82,7 @@ def feed_engine_steps(tok, stage, engine_out, identity, small_client: bytes | No
         if small_client is not None:
             rows.append(["c:s1", p.pack_token_ids(ids[k:k + 1]), last, "length" if last else None, 5, k + 1, 0, None])
             started += [["c:s1", meta._replace(client=small_client, client_request_id="s1")]] if k == 0 else []
-        frames.append(p.StepOutput("fake-engine", started, [], rows).encode())
+        frames.append(p.StepOutput(instance_id="fake-engine", started=started, outputs=rows).encode())
     for frame in frames:
         seen = frames_received(stage)
         engine_out.send(frame)

@@ -62,7 +62,7 @@ def test_steps_handled_in_one_pass_reach_the_client_as_one_frame(rig):
     tok, stage, client, identity = rig
     texts = {"a": "def café(): return '你好' 😀 # naïve", "b": "Hello there, world! 🚀🎉 done."}
     ids = {rid: tok.encode(text, add_special_tokens=False) for rid, text in texts.items()}
-    started = [[f"c:{rid}", p.RequestMeta(identity, rid)] for rid in ids]
+    started = [[f"c:{rid}", p.RequestMeta(client=identity, client_request_id=rid)] for rid in ids]
     n = max(len(v) for v in ids.values())
     for k in range(n):
         rows = [row(f"c:{rid}", v[k], k, k == len(v) - 1) for rid, v in ids.items() if k < len(v)]
@@ -83,7 +83,7 @@ def test_steps_handled_in_one_pass_reach_the_client_as_one_frame(rig):
 def test_a_request_id_reused_within_a_pass_keeps_its_two_streams_apart(rig):
     tok, stage, client, identity = rig
     first, second = tok.encode("one two", add_special_tokens=False), tok.encode("three", add_special_tokens=False)
-    meta = p.RequestMeta(identity, "r")
+    meta = p.RequestMeta(client=identity, client_request_id="r")
     for k, token in enumerate(first):
         stage.on_engine_frames([step([row("c:r#1", token, k, k == len(first) - 1)], [["c:r#1", meta]] if k == 0 else [])])
     for k, token in enumerate(second):  # the client reused its id once the first had ended
@@ -98,7 +98,7 @@ def test_a_request_id_reused_within_a_pass_keeps_its_two_streams_apart(rig):
 def test_a_frame_sent_to_a_client_mid_pass_follows_what_the_pass_holds_for_it(rig):
     tok, stage, client, identity = rig
     ids = tok.encode("steady text", add_special_tokens=False)
-    stage.on_engine_frames([step([row("c:s", ids[0], 0, False)], [["c:s", p.RequestMeta(identity, "s")]])])
+    stage.on_engine_frames([step([row("c:s", ids[0], 0, False)], [["c:s", p.RequestMeta(client=identity, client_request_id="s")]])])
     stage.on_engine_frames([p.EngineStatus(False, ENGINE, "gone").encode()])  # fails the request mid-pass
     stage.delivery.flush_outbox()
     deltas = [d for m in receive(client) if isinstance(m, p.StreamOutput) for d in m.deltas]
@@ -130,7 +130,7 @@ def test_a_continued_stream_sends_only_what_follows_what_its_client_has(rig):
     tok, stage, client, identity = rig
     ids = tok.encode(TEXT, add_special_tokens=False)
     have, chars = 5, len(tok.decode(ids[:5]))
-    meta = p.RequestMeta(identity, "x", have_tokens=have, have_chars=chars)
+    meta = p.RequestMeta(client=identity, client_request_id="x", have_tokens=have, have_chars=chars)
     rows = continued_rows(ids, have)
     stage.on_engine_frames([step(rows[:1], [["c:x", meta]])])
     for r in rows[1:]:
@@ -151,7 +151,7 @@ def test_a_continued_stream_survives_a_detokenizer_restart(rig, reported):
     tok, stage, client, identity = rig
     ids = tok.encode(TEXT, add_special_tokens=False)
     have = 5
-    meta = p.RequestMeta(identity, "x", have_tokens=have, have_chars=len(tok.decode(ids[:have])))
+    meta = p.RequestMeta(client=identity, client_request_id="x", have_tokens=have, have_chars=len(tok.decode(ids[:have])))
     rows = continued_rows(ids, have)
     output = ids[:have + reported] if reported else []
     client_has = have + reported  # it received every reported token before the restart
@@ -173,7 +173,7 @@ def test_every_rejection_reaches_a_client_the_stage_has_not_heard_from(rig):
     quiet_id = uuid.uuid4().bytes
     quiet.setsockopt(zmq.ROUTING_ID, quiet_id)
     quiet.connect(stage.clients_sock.getsockopt(zmq.LAST_ENDPOINT).decode())
-    rejected = [[f"c:{rid}", p.RequestMeta(quiet_id, rid), f"{rid} refused"] for rid in ("a", "b")]
+    rejected = [[f"c:{rid}", p.RequestMeta(client=quiet_id, client_request_id=rid), f"{rid} refused"] for rid in ("a", "b")]
     for _ in range(50):  # until its connection is up: a frame to an unknown peer is refused, not held
         stage.on_engine_frames([p.StepOutput(ENGINE, [], rejected, []).encode()])
         stage.delivery.flush_outbox()

@@ -6,6 +6,7 @@ An in-process DetokStage fed engine frames directly (tests/service/test_detok_co
 from __future__ import annotations
 
 from nanovllm_client import protocol as p
+from nanovllm_client.sampling import SamplingParams
 from tests.service.test_detok_coalesce import ENGINE, rig, step, streamed  # noqa: F401 (rig: a fixture)
 
 TEXT = "one two three four"
@@ -20,7 +21,7 @@ def test_a_stop_string_completed_by_the_last_row_ends_with_stop(rig):
     tok, stage, client, identity = rig
     ids = tok.encode(TEXT, add_special_tokens=False)
     stop = tok.decode(ids[-1:])  # completes only with the engine's final token (max_tokens reached)
-    meta = p.RequestMeta(identity, "x", [stop])
+    meta = p.RequestMeta(client=identity, client_request_id="x", sampling=SamplingParams(stop=[stop]))
     rows = rows_of(ids, "length")
     stage.on_engine_frames([step(rows[:1], [["c:x", meta]])])
     for r in rows[1:]:
@@ -38,10 +39,11 @@ def test_a_resynced_request_the_engine_ended_on_a_stop_abort_ends_with_stop(rig)
     tok, stage, client, identity = rig
     ids = tok.encode(TEXT, add_special_tokens=False)
     stop = tok.decode(ids[2:3])
-    meta = p.RequestMeta(identity, "x", [stop])
-    entry = ["c:x", meta, p.pack_token_ids(ids[:3]), True, "abort", 3, 3, 0, None]
-    stage.on_engine_frames([p.Resync(ENGINE, stage.instance_id, [entry], True).encode()])
-    stage.on_client_frames(identity, [p.Resume([["x", 1, len(tok.decode(ids[:1]))]]).encode()])
+    meta = p.RequestMeta(client=identity, client_request_id="x", sampling=SamplingParams(stop=[stop]))
+    entry = [meta, ["c:x", p.pack_token_ids(ids[:3]), True, "abort", 3, 3, 0, None]]
+    stage.on_engine_frames([p.Resync(instance_id=ENGINE, detok_instance=stage.instance_id, entries=[entry],
+                                     last=True).encode()])
+    stage.on_client_frames(identity, [p.Resume(requests=[["x", 1, len(tok.decode(ids[:1]))]]).encode()])
     stage.delivery.flush_outbox()
     text, tokens, last = streamed(client)
     assert last.finish_reason == "stop", last

@@ -99,8 +99,8 @@ def test_a_client_gone_before_the_resync_does_not_stop_the_others_resumes(tokeni
         wait_for(lambda: len(stage.recovery.early) == 2, timeout=60, what="both resumes held")
         leaving.close()
         time.sleep(0.3)
-        meta = p.RequestMeta(staying_id, "v1")
-        entry = ["c:v1", meta, p.pack_token_ids([65, 66, 67]), True, "length", 3, 3, 0, None]
+        meta = p.RequestMeta(client=staying_id, client_request_id="v1")
+        entry = [meta, ["c:v1", p.pack_token_ids([65, 66, 67]), True, "length", 3, 3, 0, None]]
         engine_out.send(p.Resync("E1", stage.instance_id, [entry], True).encode())
         while True:
             msg = reply(staying)
@@ -139,7 +139,7 @@ def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_it
     with running(stage):
         engine_out = raw_socket(ctx, zmq.PUSH, eps.detok)
         identity = uuid.uuid4().bytes
-        meta = p.RequestMeta(identity, "r1")
+        meta = p.RequestMeta(client=identity, client_request_id="r1")
         engine_out.send(p.StepOutput("E1", [["c:r1", meta]], [], [["c:r1", p.pack_token_ids([65]), False, None,
                                                                    3, 1, 0, None]]).encode())
         wait_for(lambda: stage.engine.instance == "E1", timeout=60, what="the step applied")

@@ -9,6 +9,7 @@ from detok_proc.recovery import Recovery
 from detok_proc.streams import RequestStreams
 from nanovllm.metrics import DetokMetrics
 from nanovllm_client import protocol as p
+from nanovllm_client.sampling import SamplingParams
 
 ENGINE = "E1"
 CLIENT = b"client-1"
@@ -26,11 +27,15 @@ def ids(text: str) -> list[int]:
 
 
 def row(rid: str, text: str, n: int, finished: bool = False, reason: str | None = None) -> p.OutputRow:
-    return p.OutputRow(rid, p.pack_token_ids(ids(text)), finished, reason, 3, n, 0, None)
+    return p.OutputRow(request_id=rid, token_ids=p.pack_token_ids(ids(text)), finished=finished,
+                       finish_reason=p.FinishReason(reason) if reason else None, num_prompt_tokens=3,
+                       num_output_tokens=n, num_cached_tokens=0, error=None)
 
 
-def step(rows=(), started=(), rejected=()) -> p.StepOutput:
-    return p.StepOutput(ENGINE, [p.StartedRow(*s) for s in started], [p.RejectedRow(*r) for r in rejected], list(rows))
+def step(rows=(), started=(), rejected=(), engine: str = ENGINE) -> p.StepOutput:
+    return p.StepOutput(instance_id=engine, started=[p.StartedRow(request_id=rid, meta=m) for rid, m in started],
+                        rejected=[p.RejectedRow(request_id=rid, meta=m, error=e) for rid, m, e in rejected],
+                        outputs=list(rows))
 
 
 @pytest.fixture
@@ -38,8 +43,9 @@ def streams() -> RequestStreams:
     return RequestStreams(CharTokenizer(), DetokMetrics(CollectorRegistry()))
 
 
-def meta(rid: str = "x", **extra) -> p.RequestMeta:
-    return p.RequestMeta(CLIENT, rid, **extra)
+def meta(rid: str = "x", client: bytes = CLIENT, **text) -> p.RequestMeta:
+    """A request's meta; `text`: its text-side sampling parameters (stop=..., min_tokens=...)."""
+    return p.RequestMeta(client=client, client_request_id=rid, sampling=SamplingParams(**text))
 
 
 def test_a_request_streams_its_text_and_ends_with_usage(streams):
@@ -85,7 +91,7 @@ def test_outputs_with_no_owner_are_aborted_once_after_the_resync(streams):
 
 def test_failing_requests_spares_the_new_engines_and_ends_a_stopped_one_with_stop(streams):
     streams.step(step([row("c:a", "hello", 5)], started=[("c:a", meta("a", stop=["ll"])), ("c:b", meta("b"))]))
-    streams.step(p.StepOutput("E2", [p.StartedRow("c:c", meta("c"))], [], []))
+    streams.step(step(started=[("c:c", meta("c"))], engine="E2"))
     out = streams.fail("engine restarted", spare="E2")
     assert {d.request_id: d.finish_reason for d in out.deltas[CLIENT]} == {"a": "stop", "b": "error"}
     assert [d.engine_dead for d in out.deltas[CLIENT] if d.request_id == "b"] == [True]
@@ -93,16 +99,16 @@ def test_failing_requests_spares_the_new_engines_and_ends_a_stopped_one_with_sto
 
 
 def test_a_gone_client_loses_its_requests_and_the_running_ones_are_aborted(streams):
-    streams.step(step(started=[("c:a", meta("a")), ("c:b", meta("b")), ("c:o", p.RequestMeta(b"other", "o"))]))
+    streams.step(step(started=[("c:a", meta("a")), ("c:b", meta("b")), ("c:o", meta("o", client=b"other"))]))
     lost, out = streams.drop_client(CLIENT)
     assert sorted(lost) == ["a", "b"] and sorted(out.aborts) == ["c:a", "c:b"]
     assert list(streams.requests) == ["c:o"] and list(streams.by_client) == [b"other"]
 
 
 def resync(recovery: Recovery, entries: list[tuple], now: float = 0.0):
-    rows = [p.ResyncEntry(rid, m, p.pack_token_ids(ids(text)), finished, reason, 3, len(text), 0, None)
+    rows = [p.ResyncEntry(meta=m, output=row(rid, text, len(text), finished, reason))
             for rid, m, text, finished, reason in entries]
-    return recovery.resync(p.Resync(ENGINE, "D1", rows, True), now)
+    return recovery.resync(p.Resync(instance_id=ENGINE, detok_instance="D1", entries=rows, last=True), now)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import zmq
 from nanovllm_client import Client, RequestError
 from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
+from nanovllm_client.sampling import SamplingParams
 from tests.service.conftest import START_TIMEOUT, TINY_ENGINE_ARGS, start_service
 from tests.service.harness import STAGES, short_tmpdir, wait_for
 
@@ -71,7 +72,6 @@ def in_process_engine(model_dir: str, ctx: zmq.Context, *, detok: bool = True, n
     from engine_proc.server import EngineStage
     from nanovllm.config import Config
     from nanovllm.engine.llm_engine import LLMEngine
-    from nanovllm.sampling_params import SamplingParams
 
     eps = service_endpoints(f"ipc://{short_tmpdir()}")
     detok_in = None
@@ -79,7 +79,7 @@ def in_process_engine(model_dir: str, ctx: zmq.Context, *, detok: bool = True, n
         detok_in = ctx.socket(zmq.PULL)
         detok_in.bind(eps.detok)
     engine = LLMEngine(Config(model=model_dir, num_kvcache_blocks=num_kvcache_blocks, num_threads=1))
-    return EngineStage(engine, SamplingParams, eps.engine, eps.detok, eps.control, ctx=ctx, **stage_kwargs), eps, detok_in
+    return EngineStage(engine, eps.engine, eps.detok, eps.control, ctx=ctx, **stage_kwargs), eps, detok_in
 
 
 def test_deeply_nested_frames_get_an_error_and_no_stage_dies(service, client, ctx):
@@ -114,15 +114,23 @@ def test_sampling_values_at_the_extremes_end_their_request_not_the_engine(client
         assert result.finish_reason == "length" and all(0 <= t < 2048 for t in result.token_ids)
     greedy = client.generate("def f():", max_tokens=4, ignore_eos=True, temperature=0)
     assert client.generate("def f():", max_tokens=4, ignore_eos=True, temperature=1e-40).token_ids == greedy.token_ids
-    with pytest.raises(RequestError, match="repetition_penalty"):
+    with pytest.raises(ValueError, match="repetition_penalty"):  # refused by the client's own copy of the checks
         client.generate("x", repetition_penalty=1e-300)
-    with pytest.raises(RequestError, match="temperature must be a number"):
+    with pytest.raises(ValueError, match="temperature must be a number"):
         client.generate("x", temperature=[[[0.5]]])
+
+
+def test_hostile_sampling_values_sent_raw_get_the_validators_words_and_no_stage_dies(service, client, ctx):
+    """The same values on raw sockets, past any client's checks: the tokenizer's decode refuses
+    them with the struct's validator, for that request."""
     deep: list = [0.5]
     for _ in range(1000):
         deep = [deep]
-    with pytest.raises(RequestError, match="deeper than"):
-        client.generate("x", temperature=deep)
+    assert "deeper than" in run_raw(service, ctx, {"temperature": deep}).error
+    assert "temperature must be a number >= 0" in run_raw(service, ctx, {"temperature": [[[0.5]]]}).error
+    assert "repetition_penalty must be in [0.01, 100]" in run_raw(service, ctx, {"repetition_penalty": 1e-300}).error
+    assert client.generate("x", max_tokens=2, ignore_eos=True).finish_reason == "length"
+    service.assert_running()
 
 
 def raw_client(url: str, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
@@ -140,7 +148,8 @@ def run_raw(service, ctx, sampling: dict) -> dict:
     """One generate request with `sampling` exactly as given, over raw sockets: its terminal delta
     plus all its text."""
     out, tok = raw_client(service.url, ctx)
-    tok.send(p.GenerateReq("r", prompt="def f():", sampling=sampling).encode())
+    tok.send(msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "def f():",
+                                                             "sampling": sampling}]))
     poller = zmq.Poller()
     poller.register(tok, zmq.POLLIN)
     poller.register(out, zmq.POLLIN)
@@ -150,26 +159,28 @@ def run_raw(service, ctx, sampling: dict) -> dict:
         assert ready, "no answer"
         for sock in ready:
             msg = p.decode(sock.recv())
+            if isinstance(msg, p.ErrorOutput) and msg.request_id == "r":  # refused as the frame was read
+                return p.error_delta("r", msg.message)
             for d in getattr(msg, "deltas", []):
                 text += d.text
                 if d.finish_reason is not None:
                     return d._replace(text=text)
 
 
-def test_a_min_tokens_the_engine_would_refuse_is_refused_by_the_tokenizer_with_a_reason(service, ctx):
-    """min_tokens above 2**31 passes the sampling checks (max_tokens has no upper bound) but not the
-    engine's check of the meta it travels in: the engine dropped the frame, which has no way back
-    to the client, and the request was never answered."""
+def test_counts_beyond_what_the_wire_carries_are_refused_at_the_door_naming_the_field(service, ctx):
+    """min_tokens above 2**31 once passed the tokenizer's checks (max_tokens had no upper bound) but
+    not the engine's check of the meta it travels in: the engine dropped the frame, which has no
+    way back to the client, and the request was never answered. One validator now bounds both."""
     done = run_raw(service, ctx, {"max_tokens": 2**33, "min_tokens": 2**31 + 5})
-    assert done.finish_reason == "error" and "meta.min_tokens" in done.error, done
+    assert done.finish_reason == "error" and "max_tokens must be an integer in [1, 2147483647]" in done.error, done
     service.assert_running()
 
 
 def test_stop_strings_inside_sampling_are_checked_like_the_others(service, client, ctx):
     """sampling.stop = 5 once killed the tokenizer; a string there was split into one-character
     stop strings, and stop strings there skipped the limits `stop` has."""
-    assert "sampling.stop must be a string or a list of strings" in run_raw(service, ctx, {"stop": 5}).error
-    assert "at most 64" in run_raw(service, ctx, {"stop": [f"s{i}" for i in range(65)]}).error
+    assert "stop must be a string or a list of non-empty strings, got 5" in run_raw(service, ctx, {"stop": 5}).error
+    assert "stop may have at most 64 strings" in run_raw(service, ctx, {"stop": [f"s{i}" for i in range(65)]}).error
     assert "at most 1024 characters" in run_raw(service, ctx, {"stop": ["x" * 1025]}).error
     # One string is one stop string: first character + NUL never matches, so the text runs on.
     plain = run_raw(service, ctx, {"max_tokens": 40, "ignore_eos": True, "temperature": 0})
@@ -185,22 +196,26 @@ def test_malformed_stage_frames_are_dropped_and_counted(service, client, ctx):
     tail once killed the engine or the detokenizer; step rows were not checked at all."""
     eps = service_endpoints(service.url)
     ids = p.pack_token_ids([1, 2, 3])
-    good_meta = p.RequestMeta(b"x", "r")
-    bad_metas = [{}, [1], {"client": b"x", "client_request_id": "r"}, p.RequestMeta("x", "r"),
-                 good_meta._replace(stop=5), good_meta._replace(prompt_tail=b"abc")]
+    good_meta = [b"x", "r", {}, b"", 0.0, 0, 0, False]  # as a stage sends it: a positional row
+    bad_metas = [{}, [1], {"client": b"x", "client_request_id": "r"}, ["x", *good_meta[1:]],
+                 [*good_meta[:2], {"stop": 5}, *good_meta[3:]], [*good_meta[:3], b"abc", *good_meta[4:]],
+                 [*good_meta[:2], {"min_tokens": 2**40}, *good_meta[3:]]]
     before = client.server_stats()
     engine = raw_socket(ctx, zmq.PUSH, eps.engine)
+    v = p.STAGE_PROTOCOL_VERSION
     for meta in bad_metas:
-        engine.send(msgpack.packb([p.PROTOCOL_VERSION, "tokenized", {"request_id": "c:r", "prompt_token_ids": ids,
-                                                                      "sampling": {}, "meta": meta}]))
+        engine.send(msgpack.packb([v, "tokenized", {"request_id": "c:r", "prompt_token_ids": ids, "sampling": {},
+                                                    "meta": meta}]))
+    engine.send(msgpack.packb([v, "tokenized", {"request_id": "c:r", "prompt_token_ids": ids,
+                                                "sampling": {"top_p": 0}, "meta": good_meta}]))
     detok = raw_socket(ctx, zmq.PUSH, eps.detok)
     for meta in bad_metas:
-        detok.send(msgpack.packb([p.PROTOCOL_VERSION, "step", {"instance_id": "x", "started": [["c:r", meta]]}]))
-    detok.send(p.StepOutput("x", [], [], [["c:r", b"abc", True, "stop", 1, 1, 0, None]]).encode())
+        detok.send(msgpack.packb([v, "step", {"instance_id": "x", "started": [["c:r", meta]]}]))
+    detok.send(p.StepOutput(instance_id="x", outputs=[["c:r", b"abc", True, "stop", 1, 1, 0, None]]).encode())
 
     def counted():
         stats = client.server_stats()
-        return (stats["engine"]["rejected_frames"] - before["engine"]["rejected_frames"] >= len(bad_metas)
+        return (stats["engine"]["rejected_frames"] - before["engine"]["rejected_frames"] >= len(bad_metas) + 1
                 and sum(stats["detok"]["rejected_frames"].values())
                 - sum(before["detok"]["rejected_frames"].values()) >= len(bad_metas) + 1)
 
@@ -233,9 +248,9 @@ def test_a_client_the_detokenizer_gave_up_on_is_told_when_it_returns(tokenizer_d
         out = raw_socket(ctx, zmq.DEALER, eps.stream, identity)
         out.send(p.Ping().encode())
         assert isinstance(reply(out), p.Pong)
-        meta = p.RequestMeta(identity, "lost")
+        meta = p.RequestMeta(client=identity, client_request_id="lost")
         row = ["c:lost", p.pack_token_ids([65, 66]), False, None, 3, 2, 0, None]
-        engine_out.send(p.StepOutput("engine-1", [["c:lost", meta]], [], [row]).encode())
+        engine_out.send(p.StepOutput(instance_id="engine-1", started=[["c:lost", meta]], outputs=[row]).encode())
         assert isinstance(reply(out), p.EngineStatus)  # the stage now follows engine-1
         assert isinstance(reply(out), p.StreamOutput)
         while True:  # silence: the stage gives up on us and aborts the request in the engine
@@ -375,8 +390,9 @@ def test_the_engine_stops_promptly_when_its_detokenizer_is_gone(tiny_model_dir, 
     runner.start()
     tok = raw_socket(ctx, zmq.PUSH, eps.engine)
     for i in range(4):
-        tok.send(p.TokenizedReq(f"c:{i}", p.pack_token_ids([1, 2, 3]), {"max_tokens": 900, "ignore_eos": True},
-                                p.RequestMeta(b"c", str(i))).encode())
+        tok.send(p.TokenizedReq(request_id=f"c:{i}", prompt_token_ids=p.pack_token_ids([1, 2, 3]),
+                                sampling={"max_tokens": 900, "ignore_eos": True},
+                                meta=p.RequestMeta(client=b"c", client_request_id=str(i))).encode())
     wait_for(stage.outbox.full, timeout=60, what="the output queue to fill")
     stopped_at = time.monotonic()
     stop.set()
@@ -543,8 +559,10 @@ def test_recently_finished_requests_are_bounded_by_bytes_as_well_as_count():
     from engine_proc.ledger import FinishedRing, entry_bytes
 
     def entry(rid: str) -> p.ResyncEntry:
-        meta = p.RequestMeta(b"c", rid, ["s" * 1024] * 64)
-        return p.ResyncEntry(rid, meta, p.pack_token_ids(range(1000)), True, "length", 3, 1000, 0, None)
+        meta = p.RequestMeta(client=b"c", client_request_id=rid, sampling=SamplingParams(stop=["s" * 1024] * 64))
+        return p.ResyncEntry(meta=meta, output=p.OutputRow(
+            request_id=rid, token_ids=p.pack_token_ids(range(1000)), finished=True, finish_reason=p.FinishReason.LENGTH,
+            num_prompt_tokens=3, num_output_tokens=1000, num_cached_tokens=0, error=None))
     one = entry_bytes(entry("x"))
     assert one > 64 * 1024 * 4 + 4000
     ring = FinishedRing(max_entries=4096, max_bytes=10 * one)
@@ -574,12 +592,13 @@ def test_every_way_a_request_leaves_the_engine_returns_its_byte_charge(tiny_mode
         push = raw_socket(ctx, zmq.PUSH, eps.engine)
 
         def send(rid: str, sampling: dict, prompt=(1, 2, 3)) -> None:
-            push.send(p.TokenizedReq(rid, p.pack_token_ids(list(prompt)), sampling, p.RequestMeta(b"c", rid)).encode())
+            push.send(p.TokenizedReq(request_id=rid, prompt_token_ids=p.pack_token_ids(list(prompt)), sampling=sampling,
+                                     meta=p.RequestMeta(client=b"c", client_request_id=rid)).encode())
         send("long", {"max_tokens": 500, "ignore_eos": True})
         read(lambda: stage.admission.live_bytes > 0)
         send("queued", {"max_tokens": 5, "allowed_token_ids": list(range(100))})
         send("queued", {"max_tokens": 5})  # a duplicate of a queued id: ignored
-        send("bad", {"temperature": -1})  # refused by its sampling parameters
+        send("bad", {"max_tokens": 5, "response_format": '{"type":"regex","regex":"(unclosed"}'})  # does not compile
         send("too-long", {"max_tokens": 5}, prompt=range(1, 5000))  # refused at admission: longer than the model
         send("short", {"max_tokens": 3, "ignore_eos": True})
         read(lambda: stage.input.queued_bytes and len(stage.admission.backlog) == 4)

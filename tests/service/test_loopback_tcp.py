@@ -61,8 +61,8 @@ def test_another_user_can_neither_read_the_instance_key_nor_forge_a_stage_frame(
         first = next(stream)
         before = fresh_engine_stats(client)
         death = p.EngineStatus(False, engine, "forged death").encode()  # names the engine it follows
-        work = p.TokenizedReq("x:y", p.pack_token_ids(list(range(40))), {"max_tokens": 3},
-                              p.RequestMeta(b"x", "y")).encode()  # a request for the engine to run
+        work = p.TokenizedReq(request_id="x:y", prompt_token_ids=p.pack_token_ids(list(range(40))),
+                              sampling={"max_tokens": 3}, meta=p.RequestMeta(client=b"x", client_request_id="y")).encode()  # a request for the engine to run
         targets = [f"{port['detok']}:{death.hex()}", f"{port['engine']}:{work.hex()}"]
         targets += [f"{port[name]}:{p.Ping().encode().hex()}" for name in ("control", "tokenizer", "stream")]
         out = as_other_user(FORGE, instance_key_file(url), *targets).stdout

@@ -34,7 +34,7 @@ def test_a_stage_counts_an_engine_whose_handshake_completed_at_once(stage, token
         if stage == "tokenizer":
             engine = ctx.socket(zmq.PULL)
             engine.bind(eps.engine)
-            made = tokenizer_server.TokenizerStage(None, set(), None, eps.tokenizer, eps.engine, eps.control, ctx=ctx)
+            made = tokenizer_server.TokenizerStage(None, eps.tokenizer, eps.engine, eps.control, ctx=ctx)
         else:
             from transformers import AutoTokenizer
 

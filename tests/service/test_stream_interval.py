@@ -89,7 +89,7 @@ def test_the_output_thread_sends_what_it_holds_before_its_heartbeat():
     eps = service_endpoints(f"ipc://{short_tmpdir()}")
     detok_in = ctx.socket(zmq.PULL)
     detok_in.bind(eps.detok)
-    stage = EngineStage(None, SamplingParams, eps.engine, eps.detok, eps.control, ctx=ctx, heartbeat_s=0.5,
+    stage = EngineStage(None, eps.engine, eps.detok, eps.control, ctx=ctx, heartbeat_s=0.5,
                         stream_interval=100)
     output_thread = stage._threads[1]
     try:

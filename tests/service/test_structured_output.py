@@ -187,7 +187,7 @@ def test_a_bad_format_sent_straight_to_the_engine_is_refused_there_and_the_steps
         def send(name: str, fmt: dict) -> None:
             sampling = {"max_tokens": 32, "temperature": 0, "response_format": json.dumps(fmt)}
             engine.send(p.TokenizedReq(f"{identity.hex()}:{name}", p.pack_token_ids([1, 2, 3]), sampling,
-                                       p.RequestMeta(identity, name)).encode())
+                                       p.RequestMeta(client=identity, client_request_id=name)).encode())
 
         bad = [{"type": "regex", "regex": "(unclosed"}, {"type": "grammar", "grammar": "start: nothing_here"},
                {"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "#/$defs/x"}}}]

@@ -88,7 +88,7 @@ def _usage(u: dict | None) -> dict:
 
 def _finish(reason: FinishReason | None) -> str | None:
     """OpenAI's finish_reason for ours: an abort (the stream was stopped) reads as "stop"."""
-    return None if reason is None else "stop" if reason is FinishReason.ABORT else reason.value
+    return None if reason is None else "stop" if reason == FinishReason.ABORT else FinishReason(reason).value
 
 
 def build_app(client: Any, settings: Settings) -> Starlette:
