@@ -208,7 +208,8 @@ class Admission:
         #    它随第一个新 token 一起再报告一次。
         # 3. 失败：ValueError / TypeError 是请求本身的问题（参数、超过 max_model_len、
         #    永远放不进 KV cache、词表外 id），其他异常额外记 traceback；都作为 RejectedRow(id,
-        #    meta, 错误) 发出，并以 FinishReason.ERROR 条目记进 FinishedRing，resync 时也知道它已结束。
+        #    meta, 错误) 发出，并以 FinishReason.ERROR 条目记进 FinishedRing，
+        #    resync 时也知道它已结束。
         # 4. 成功：_go_live 记进 live（连同它的字节额度），sent.started 加 StartedRow(id, meta)——
         #    反分词进程在同一条有序管道上先拿到 meta，再拿到第一个 token。
         # [ZH-END]
@@ -240,7 +241,8 @@ class Admission:
         #    也不在 live、不在 FinishedRing：请求还没到（abort 走 control socket 超过了它），
         #    _remember_early_abort 记下。
         # 2. 在 backlog（从未准入）：移出、计数和字节额度退回；记进 live 并加入 started，再合成一个
-        #    RequestOutput(finished=True, FinishReason.ABORT, prompt 长度) 放进 sent.outputs 并 record——
+        #    RequestOutput(finished=True, FinishReason.ABORT, prompt 长度) 放进 sent.outputs
+        #    并 record——
         #    开始和结束在同一条输出里发出，客户端立刻得到终止增量，abort 不必等准入。
         # [ZH-END]
         queued = self.backlog.pop(request_id, None)

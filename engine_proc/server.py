@@ -316,8 +316,8 @@ class EngineStage:
         # [ZH-START]
         # 1. 清掉待答 hello，下次最早 1 秒后（RESYNC_INTERVAL_S）：hello 只有几个字节，
         #    谁都能重复发，resync 可能有几千条。
-        # 2. 条目 = 每个 live 请求的 ResyncEntry(meta, output = 已输出 token 和最新计数的 OutputRow，
-        #    未结束) + FinishedRing 里最近结束的。
+        # 2. 条目 = 每个 live 请求的 ResyncEntry(meta, output = 已输出 token 和最新计数的
+        #    OutputRow，未结束) + FinishedRing 里最近结束的。
         # 3. 每 256 条（RESYNC_CHUNK）一帧，超过帧大小上限（meta 里的长 stop string）
         #    的再用 frames_within 对半拆，最后一帧 last=True；没有条目也发一个空的最后帧。
         # 4. 经 _emit 进 outbox，与 step 同一管道，所以 resync 与后续 step 的顺序有保证。

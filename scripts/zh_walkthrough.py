@@ -118,7 +118,7 @@ def trace() -> list[str]:
     from nanovllm_client import protocol as p
     from nanovllm_client.client_state import ClientState
     from prometheus_client import CollectorRegistry
-    from tokenizer_proc.requests import RequestBuilder, sampling_fields
+    from tokenizer_proc.requests import RequestBuilder
 
     torch.manual_seed(0)
     engine = LLMEngine(Config(model="default", block_size=BLOCK_SIZE, max_num_batched_tokens=STEP_TOKENS,
@@ -131,15 +131,15 @@ def trace() -> list[str]:
     # The tokenizer stage's work: a GenerateReq in, a TokenizedReq frame out.
     builder = RequestBuilder(tokenizer)
     def generate_req(request_id: str, prompt: str, max_tokens: int) -> p.GenerateReq:
-        return p.GenerateReq(request_id, prompt=prompt, sampling={"max_tokens": max_tokens, "temperature": 0.0,
-                                                                   "ignore_eos": True})
+        return p.GenerateReq(request_id=request_id, prompt=prompt,
+                             sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
     def tokenized(request_id: str, prompt: str, max_tokens: int) -> p.TokenizedReq:
         return p.decode(builder.build(CLIENT, generate_req(request_id, prompt, max_tokens)))
 
     # An earlier request with the same first block: its K/V is in the prefix cache when ours comes.
     warm = tokenized("warm", WARM_PROMPT, 1)
-    engine.add_request(warm.request_id, p.unpack_token_ids(warm.prompt_token_ids), SamplingParams(**warm.sampling))
+    engine.add_request(warm.request_id, p.unpack_token_ids(warm.prompt_token_ids), warm.sampling)
     while engine.has_unfinished_requests():
         engine.step()
     out(f"warm.num_tokens = {len(p.unpack_token_ids(warm.prompt_token_ids))}")
@@ -168,11 +168,11 @@ def trace() -> list[str]:
     engine.runner.run = watched_run
 
     # The engine stage's work: add, step; each step's outputs as a StepOutput frame for the detokenizer.
-    engine.add_request(req.request_id, ids, SamplingParams(**req.sampling))
+    engine.add_request(req.request_id, ids, req.sampling)
     seq = engine.requests[req.request_id]
     output = Output(None, "engine-1", lambda: None, 1.0)
     streams = RequestStreams(tokenizer, DetokMetrics(CollectorRegistry()))
-    started = [p.StartedRow(req.request_id, req.meta)]
+    started = [p.StartedRow(request_id=req.request_id, meta=req.meta)]
     text = ""
     usage = None
     n = 0
@@ -219,7 +219,7 @@ def trace() -> list[str]:
         deltas = [d for frame in frames for d in streams.step(p.decode(frame)).deltas.get(CLIENT, [])]
         for delta in deltas:
             out(f"{key}.delta = request_id={delta.request_id} text={delta.text!r} finish_reason={delta.finish_reason}")
-        for delta in client.handle(p.StreamOutput(deltas).encode()).deltas:  # as the detokenizer sends them
+        for delta in client.handle(p.StreamOutput(deltas=deltas).encode()).deltas:  # as the detokenizer sends them
             text += delta.text
             usage = delta.usage or usage
     out(f"client.text = {text!r}")

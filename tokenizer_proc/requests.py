@@ -78,7 +78,8 @@ class RequestBuilder:
         #    include_stop_str_in_output、skip_special_tokens、min_tokens，其余取默认值）,
         #    prompt_tail = prompt 最后 8 个 token（打包）, arrival = 时间,
         #    have_tokens / have_chars = 续写时客户端已有的 token 数和字符数,
-        #    reasoning_open = chat 模板在 prompt 末尾打开了 <think>)，按关键字建，线上是按位置的数组；
+        #    reasoning_open = chat 模板在 prompt 末尾打开了 <think>)，按关键字建，
+        #    线上是按位置的数组；
         #    引擎原样转给反分词进程，用来建 IncrementalDetokenizer 和路由输出。
         # 5. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend,
         #    output_ids = 续写时客户端已收到的输出 token)，先用引擎自己的 validate 检查一遍，

@@ -78,7 +78,8 @@ class RequestOutput:
     # [ZH-START]
     # step() 交给调用方的一条输出：只带本步新增的 token（new_token_ids，增量）和计数，不带文本——
     # 文本在反分词进程（或离线 LLM 里）才解码。finished 为真时 finish_reason（FinishReason）
-    # 必有值，error 只在 ERROR 时有值（abort 也可能带原因）；logprobs 每个新 token 一项（请求要了才有）。
+    # 必有值，error 只在 ERROR 时有值（abort 也可能带原因）；logprobs 每个新 token 一项
+    # （请求要了才有）。
     # engine_proc 把一步的所有 RequestOutput 打包成一个 StepOutput 帧发给 detok_proc。
     # [ZH-END]
     request_id: str

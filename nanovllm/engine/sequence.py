@@ -28,7 +28,8 @@ from nanovllm_client.protocol import FinishReason
 class SequenceStatus(Enum):
     # [ZH-START]
     # 只有三个状态，没有单独的"被抢占"：抢占就是 RUNNING → WAITING，块全部释放，之后重算。
-    # FINISHED 是终态，原因在 Sequence.finish_reason（FinishReason：STOP / LENGTH / ABORT / ERROR）。
+    # FINISHED 是终态，原因在 Sequence.finish_reason
+    # （FinishReason：STOP / LENGTH / ABORT / ERROR）。
     # [ZH-END]
     WAITING = auto()
     RUNNING = auto()

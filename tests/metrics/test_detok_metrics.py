@@ -52,7 +52,7 @@ def test_request_latencies_and_outcomes():
 
 def test_every_finish_reason_is_exposed_before_it_happens():
     metrics = DetokMetrics(CollectorRegistry())
-    with pytest.raises(ValueError, match="unknown finish reason 'timeout'"):
+    with pytest.raises(ValueError, match="'timeout' is not a valid FinishReason"):
         metrics.request_finished("r", "timeout", 1, 1, 0.0)
     with serve_metrics(metrics.registry) as server:
         got = Scrape(server.port)

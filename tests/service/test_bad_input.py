@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import zmq
 
-from nanovllm_client import PROTOCOL_VERSION, RequestError
+from nanovllm_client import PROTOCOL_VERSION, RequestError, SamplingError
 from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
 
@@ -77,7 +77,7 @@ def test_each_bad_frame_gets_a_clear_error_while_another_client_streams(client, 
 def test_request_errors_come_back_as_request_errors(client):
     with pytest.raises(RequestError, match="context length is 1024"):  # refused by the tokenizer stage
         client.generate(prompt_token_ids=[7] * 5000, max_tokens=4)
-    with pytest.raises(RequestError, match="temperature"):
+    with pytest.raises(SamplingError, match="temperature"):  # refused by the client's copy of the checks
         client.generate("hi", temperature=-0.5)
     with pytest.raises(RequestError, match="outside the vocabulary"):
         client.generate(prompt_token_ids=[10**9], max_tokens=4)
@@ -121,13 +121,13 @@ def test_sampler_knobs_travel_through_the_service(client):
     knobs = dict(max_tokens=8, temperature=0.9, top_k=20, top_p=0.9, seed=7, ignore_eos=True)
     first, again = client.generate("hi", **knobs), client.generate("hi", **knobs)
     assert first.token_ids == again.token_ids  # the seed reached the engine's sampler
-    with pytest.raises(RequestError, match="top_p"):
+    with pytest.raises(SamplingError, match="top_p"):
         client.generate("hi", top_p=1.5)
 
 
 def test_sampling_fields_the_service_cannot_honour_are_refused_by_name(client):
     with pytest.raises(RequestError, match="'logprobs' is not supported by the service"):
         client.generate("hi", logprobs=2)
-    with pytest.raises(RequestError, match="unknown sampling parameter.*'bogus'"):
+    with pytest.raises(SamplingError, match="unknown sampling parameter.*'bogus'"):
         client.generate("hi", bogus=1)
     assert client.generate("hi", max_tokens=2, ignore_eos=True).finish_reason == "length"

@@ -71,7 +71,7 @@ def test_a_clients_own_salt_narrows_its_sharing_further(salted_service):
 
 
 def test_a_bad_salt_is_refused_naming_it(client):
-    from nanovllm_client import RequestError
+    from nanovllm_client import SamplingError
 
-    with pytest.raises(RequestError, match="cache_salt must be null or a non-empty string"):
+    with pytest.raises(SamplingError, match="cache_salt must be null or a non-empty string"):
         client.generate("x", max_tokens=2, cache_salt="")

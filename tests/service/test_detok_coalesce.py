@@ -156,9 +156,8 @@ def test_a_continued_stream_survives_a_detokenizer_restart(rig, reported):
     output = ids[:have + reported] if reported else []
     client_has = have + reported  # it received every reported token before the restart
     chars = len(tok.decode(ids[:client_has]))
-    stage.on_engine_frames([p.Resync(ENGINE, stage.instance_id,
-                                   [["c:x", meta, p.pack_token_ids(output), False, None, 7, len(output), 0, None]],
-                                   True).encode()])
+    stage.on_engine_frames([p.Resync(instance_id=ENGINE, detok_instance=stage.instance_id, last=True, entries=[
+        [meta, ["c:x", p.pack_token_ids(output), False, None, 7, len(output), 0, None]]]).encode()])
     stage.on_client_frames(identity, [p.Resume([["x", client_has, chars]]).encode()])
     for r in rows[reported:]:  # rows[0] holds the output again and the first new token
         stage.on_engine_frames([step([r])])
