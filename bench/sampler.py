@@ -22,6 +22,7 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampling_state import SamplingState
 from nanovllm.sampling_params import SamplingParams
 
 MIXES = {
@@ -41,9 +42,9 @@ def time_mix(name: str, batch: int, vocab: int, calls: int, prompt_len: int, out
     for i in range(batch):
         # Seeds make the mix per-request; they are only set where the mix says "seeded".
         params = SamplingParams(**MIXES[name], seed=i if name.startswith("seeded") else None)
-        seq = Sequence(f"r{i}", [rng.randrange(vocab) for _ in range(prompt_len)], params, arrival=i)
+        state = SamplingState.build(params, [], (), vocab, torch.device("cpu"))
+        seq = Sequence(f"r{i}", [rng.randrange(vocab) for _ in range(prompt_len)], params, arrival=i, sampling=state)
         seq.token_ids += [rng.randrange(vocab) for _ in range(output_len)]
-        sampler.add_request(seq.request_id, params)
         seqs.append(seq)
     logits = torch.randn(batch, vocab) * 3
     for _ in range(5):
@@ -52,7 +53,7 @@ def time_mix(name: str, batch: int, vocab: int, calls: int, prompt_len: int, out
     for _ in range(calls):
         sampler(logits.clone(), seqs)  # a fresh copy: the sampler may change its input in place
         for s in seqs:
-            sampler.take_logprobs(s.request_id)
+            s.sampling.take_logprobs()
     total = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(calls):

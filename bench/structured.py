@@ -165,7 +165,7 @@ def main() -> None:
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "List some numbers as JSON."}],
                                                add_generation_prompt=True, tokenize=False)
     run(llm, prompt, 2, 8, True)  # warm-up: the grammar's first compile, the kernels
-    masks = llm.engine.runner.sampler.masks
+    masks = llm.engine.sampler.masks
     if args.mask_threads:
         masks.threads = args.mask_threads
     load_before = os.getloadavg()

@@ -27,14 +27,18 @@ import time
 from typing import Annotated, Literal, Optional
 
 from nanovllm_client import protocol as p
+from nanovllm_client.sampling import SamplingParams
 
 
 def frames(rows: int) -> dict[str, object]:
-    meta = p.RequestMeta(b"\x00k" * 8, "r", [], True, p.pack_token_ids([1, 2, 3]), 1.0)
-    step = p.StepOutput("e" * 12, [p.StartedRow("c:new", meta)], [],
-                        [p.OutputRow(f"{'ab' * 8}:req-{i}", p.pack_token_ids([1000 + i]), False, None, 200, 10, 0, None)
-                         for i in range(rows)])
-    stream = p.StreamOutput([p.DeltaRow(f"req-{i}", " tok", p.pack_token_ids([1000 + i])) for i in range(rows)])
+    meta = p.RequestMeta(client=b"\x00k" * 8, client_request_id="r", sampling=SamplingParams(stop=["\n\n"]),
+                         prompt_tail=p.pack_token_ids([1, 2, 3]), arrival=1.0)
+    outputs = [p.OutputRow(request_id=f"{'ab' * 8}:req-{i}", token_ids=p.pack_token_ids([1000 + i]), finished=False,
+                           finish_reason=None, num_prompt_tokens=200, num_output_tokens=10, num_cached_tokens=0,
+                           error=None) for i in range(rows)]
+    step = p.StepOutput(instance_id="e" * 12, started=[p.StartedRow(request_id="c:new", meta=meta)], outputs=outputs)
+    stream = p.StreamOutput(deltas=[p.DeltaRow(request_id=f"req-{i}", text=" tok",
+                                               token_ids=p.pack_token_ids([1000 + i])) for i in range(rows)])
     return {"step": step, "stream": stream}
 
 
@@ -58,14 +62,12 @@ def msgspec_codec():
     class Meta_(Struct, array_like=True):
         client: Annotated[bytes, Meta(max_length=255)]
         client_request_id: Annotated[str, Meta(min_length=1, max_length=p.MAX_ID_LEN)]
-        stop: Annotated[list[Annotated[str, Meta(max_length=p.MAX_STOP_LEN)]], Meta(max_length=p.MAX_STOP_STRINGS)]
-        skip_special_tokens: bool
+        sampling: dict  # the text-side sampling map (the struct's own validator is not mirrored here)
         prompt_tail: Annotated[bytes, Meta(max_length=4 * p.MAX_PROMPT_TAIL)]
         arrival: float
-        min_tokens: Count
-        include_stop: bool
         have_tokens: Count
         have_chars: Count
+        reasoning_open: bool
 
         def __post_init__(self):
             packed(self.prompt_tail, "prompt_tail")
@@ -126,16 +128,18 @@ def msgspec_codec():
 
     def to_struct(msg: p.Message):
         if isinstance(msg, p.StepOutput):
-            return "step", Step(msg.instance_id, [Started(r.request_id, Meta_(*r.meta)) for r in msg.started], [],
-                                [Output(*r) for r in msg.outputs])
+            return "step", Step(msg.instance_id, [Started(r.request_id, Meta_(*r.meta._replace(
+                sampling=r.meta.sampling.to_dict()))) for r in msg.started], [], [Output(*r) for r in msg.outputs])
         return "stream", Stream([Delta(*d[:5], Usage(*d.usage) if d.usage else None, *d[6:]) for d in msg.deltas])
 
+    versions = {"step": p.StepOutput.VERSION, "stream": p.StreamOutput.VERSION}
+
     def encode(name: str, struct) -> bytes:
-        return encoder.encode((p.PROTOCOL_VERSION, name, struct))
+        return encoder.encode((versions[name], name, struct))
 
     def decode(frame: bytes):
         version, name, raw = envelope.decode(frame)
-        if version != p.PROTOCOL_VERSION:
+        if version != versions[name]:
             raise ValueError("protocol version")
         return bodies[name].decode(raw)
 

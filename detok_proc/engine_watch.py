@@ -116,7 +116,7 @@ class EngineWatch:
         if (alive, state) != (self.alive, self.state):
             self.alive, self.state = alive, state
             log.info("engine %s is %s", instance_id, state)
-            announce = p.EngineStatus(True, instance_id, state=state)
+            announce = p.EngineStatus(alive=True, instance_id=instance_id, state=state)
         return EngineEvent(fail=fail, spare=instance_id, announce=announce)
 
     def dead(self, reason: str) -> EngineEvent:
@@ -126,7 +126,7 @@ class EngineWatch:
         if self.alive is not False:
             log.warning("engine %s dead: %s", self.instance, reason)
             self.alive = False
-            announce = p.EngineStatus(False, self.instance, p.clip(reason))
+            announce = p.EngineStatus(alive=False, instance_id=self.instance, reason=p.clip(reason))
         return EngineEvent(fail=f"engine died: {reason}", announce=announce)
 
     def connection_closed(self) -> EngineEvent:
@@ -147,4 +147,4 @@ class EngineWatch:
 
     def announcement(self) -> p.EngineStatus | None:
         """Which engine we follow, for a client meeting us: one that knew another knows it restarted."""
-        return p.EngineStatus(True, self.instance, state=self.state) if self.alive else None
+        return p.EngineStatus(alive=True, instance_id=self.instance, state=self.state) if self.alive else None

@@ -275,7 +275,7 @@ class DetokStage:
         #    绝不阻塞反分词进程的主循环。
         # [ZH-END]
         try:
-            self.to_engine.send(p.AbortReq(request_id).encode(), zmq.NOBLOCK)
+            self.to_engine.send(p.AbortReq(request_id=request_id).encode(), zmq.NOBLOCK)
         except zmq.Again:  # no engine connected: there is nothing left to abort
             log.info("could not abort %s: engine unreachable", request_id)
 
@@ -312,7 +312,7 @@ class DetokStage:
 
     def _refuse_resume(self, identity: bytes, why: str) -> None:
         self.rejects("resume_flood", f"from {show_client(identity)}: {why}")
-        self.delivery.send(identity, p.ErrorOutput(p.clip(f"resume refused: {why}")).encode())
+        self.delivery.send(identity, p.ErrorOutput(message=p.clip(f"resume refused: {why}")).encode())
 
     # ------------------------------------------------------------------ client side
 
@@ -338,7 +338,8 @@ class DetokStage:
             # id in use take it once the first is gone): whatever is sent to the id would reach it.
             self.rejects("claimed_id", f"{show_client(identity)} from another CURVE key")
             self.client_gone(identity, "its routing id was taken by another CURVE key")
-            self.delivery.send(identity, p.ErrorOutput("refused: this routing id belongs to another CURVE key").encode())
+            refused = p.ErrorOutput(message="refused: this routing id belongs to another CURVE key")
+            self.delivery.send(identity, refused.encode())
             return
         first = self.delivery.heard_from(identity, time.monotonic())
         # Known again first: what it is told goes through its queue (a client given up for not
@@ -349,13 +350,15 @@ class DetokStage:
         if isinstance(msg, p.ErrorOutput):
             self.delivery.send(identity, msg.encode())
         elif isinstance(msg, p.Ping):
-            self.delivery.send(identity, p.Pong("detokenizer", self.instance_id, self.engine.alive, self.flush.state,
-                                                time.monotonic() - self.started_at, self.engine.state).encode())
+            pong = p.Pong(role="detokenizer", instance_id=self.instance_id, engine_alive=self.engine.alive,
+                          state=self.flush.state, uptime_s=time.monotonic() - self.started_at,
+                          engine_state=self.engine.state)
+            self.delivery.send(identity, pong.encode())
             announcement = self.engine.announcement() if first else None
             if announcement is not None:  # which engine we follow: a client that knew another one knows it restarted
                 self.delivery.send(identity, announcement.encode())
         elif isinstance(msg, p.StatsReq):
-            self.delivery.send(identity, p.StatsOutput(self.stats()).encode())
+            self.delivery.send(identity, p.StatsOutput(stats=self.stats()).encode())
         else:
             self.on_resume(identity, msg)
 
@@ -421,7 +424,7 @@ class DetokStage:
         if not self.streams.resynced and now >= self._next_hello:
             self._next_hello = now + HELLO_INTERVAL_S
             try:
-                self.to_engine.send(p.DetokHello(self.instance_id).encode(), zmq.NOBLOCK)
+                self.to_engine.send(p.DetokHello(instance_id=self.instance_id).encode(), zmq.NOBLOCK)
             except zmq.Again:
                 pass  # no engine yet: the next hello goes when it is there
         self._abort_all(self.recovery.expire(now).aborts)

@@ -1,9 +1,10 @@
 """The engine stage's input thread: it reads the input socket (requests from the tokenizer) and
 the control socket (aborts and detokenizer hellos), checks each frame (a request's sampling
 struct by its own validator, as it decodes), compiles a request's response_format off the step
-loop, and hands everything to the step loop through `inbox`, in arrival order. It stops reading requests while `max_queued` of them, or `max_queued_bytes`, wait
-for admission (the socket then fills and the tokenizer holds its clients back); the control
-socket it reads whatever the load, so an abort never waits behind the requests that fill the queue.
+loop, and hands everything to the step loop through `inbox`, in arrival order. It stops reading
+requests while `max_queued` of them, or `max_queued_bytes`, wait for admission (the socket then
+fills and the tokenizer holds its clients back); the control socket it reads whatever the load,
+so an abort never waits behind the requests that fill the queue.
 """
 # [ZH-START]
 # 【模块定位】引擎 stage 的输入线程：读 input socket（分词进程推来的请求）

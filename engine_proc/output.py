@@ -150,7 +150,7 @@ class Output:
                     next_heartbeat = time.monotonic() + self.heartbeat_s
                 self._send_message(item)
             else:
-                step = StepMessages(item.started, item.rejected, self.hold.take(item.outputs))
+                step = StepMessages(started=item.started, rejected=item.rejected, outputs=self.hold.take(item.outputs))
                 if step:
                     for frame in self.encode_step(step):
                         self._send(frame)

@@ -25,14 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     args, log, endpoints, stop = stage_setup(parser, argv, "tokenizer")
 
     from nanovllm.metrics import TokenizerMetrics
-    from nanovllm.models.model_config import context_length
+    from nanovllm.models.loader import context_length
     from nanovllm.models.tokenizer import load_tokenizer
 
     from .server import TokenizerStage
 
     def make(ctx: zmq.Context, security, metrics) -> TokenizerStage:
-        return TokenizerStage(load_tokenizer(args.model), frontend=endpoints.tokenizer, engine=endpoints.engine, control=endpoints.control, ctx=ctx,
-                              max_prompt_tokens=context_length(args.model), security=security,
+        return TokenizerStage(load_tokenizer(args.model), frontend=endpoints.tokenizer, engine=endpoints.engine,
+                              control=endpoints.control, ctx=ctx, max_prompt_tokens=context_length(args.model), security=security,
                               metrics=metrics, cache_salt_per_client=args.cache_salt_per_client,
                               max_pending_per_client=args.max_pending_per_client, max_priority=args.max_priority,
                               max_request_rate_per_client=args.max_request_rate_per_client)

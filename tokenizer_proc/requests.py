@@ -100,8 +100,8 @@ class RequestBuilder:
         meta = p.RequestMeta(client=identity, client_request_id=req.request_id, sampling=sampling.text_params(),
                              prompt_tail=p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]), arrival=time.time(),
                              have_tokens=have_tokens, have_chars=have_chars, reasoning_open=reasoning_open)
-        out = p.TokenizedReq(request_id=engine_request_id(identity, req.request_id), prompt_token_ids=p.pack_token_ids(ids),
-                             sampling=sampling, meta=meta, priority=req.priority, resend=req.resend,
+        out = p.TokenizedReq(request_id=engine_request_id(identity, req.request_id),
+                             prompt_token_ids=p.pack_token_ids(ids), sampling=sampling, meta=meta, priority=req.priority, resend=req.resend,
                              output_ids=req.output_token_ids or b"")
         try:  # the engine's own checks: a frame it would drop (it cannot answer the client) is refused here
             out.validate()

@@ -85,7 +85,8 @@ class TokenizerStage:
     # PeerMonitor 看引擎是否连着；
     # RequestBuilder；RateLimit；Notifier 向 systemd 报 READY / 看门狗；TokenizerMetrics 记指标。
     # [ZH-END]
-    def __init__(self, tokenizer: Any, frontend: str, engine: str, control: str, ctx: zmq.Context | None = None, max_prompt_tokens: int | None = None,
+    def __init__(self, tokenizer: Any, frontend: str, engine: str, control: str, ctx: zmq.Context | None = None,
+                 max_prompt_tokens: int | None = None,
                  security: ServiceSecurity | None = None, metrics: TokenizerMetrics | None = None,
                  cache_salt_per_client: bool = False, max_pending_per_client: int = 0,
                  max_priority: int | None = None, max_request_rate_per_client: float = 0.0):
@@ -192,7 +193,7 @@ class TokenizerStage:
         key that counts for limits (`ServiceSecurity.tenant_key`)."""
         if claimed_id(identity, key):  # another key's id: its requests are not this sender's to touch
             self.rejects("claimed_id", f"{show_client(identity)} from another CURVE key")
-            self._reply(identity, p.ErrorOutput(CLAIMED_ID))
+            self._reply(identity, p.ErrorOutput(message=CLAIMED_ID))
             return
         self.handle(identity, frames, self.security.tenant_key(key))
 
@@ -212,7 +213,7 @@ class TokenizerStage:
             self._handle(identity, frames, key)
         except Exception as e:
             self.rejects("internal", f"{type(e).__name__} while handling a frame from {show_client(identity)}", exc_info=True)
-            self._reply(identity, p.ErrorOutput(p.clip(f"internal error while handling this frame: "
+            self._reply(identity, p.ErrorOutput(message=p.clip(f"internal error while handling this frame: "
                                                        f"{type(e).__name__}: {e}")))
 
     def _handle(self, identity: bytes, frames: list[bytes], key: str | None) -> None:
@@ -240,8 +241,9 @@ class TokenizerStage:
         elif isinstance(msg, p.AbortReq):
             self._send_abort(engine_request_id(identity, msg.request_id))
         else:
-            self._reply(identity, p.Pong("tokenizer", self.instance_id, self.engine_peers.connected, self.flush.state,
-                                         time.monotonic() - self.started_at))
+            self._reply(identity, p.Pong(role="tokenizer", instance_id=self.instance_id,
+                                         engine_alive=self.engine_peers.connected, state=self.flush.state,
+                                         uptime_s=time.monotonic() - self.started_at))
 
     def _on_generate(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> None:
         # [ZH-START]
@@ -277,8 +279,8 @@ class TokenizerStage:
             return
         except Exception as e:  # the tokenizer or template failed in a way no check foresaw
             self.rejects("internal", f"{type(e).__name__} while tokenizing {req.request_id!r}", exc_info=True)
-            self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, f"could not tokenize the request: "
-                                                                                f"{type(e).__name__}: {e}")]))
+            why = f"could not tokenize the request: {type(e).__name__}: {e}"
+            self._reply(identity, p.StreamOutput(deltas=[p.error_delta(req.request_id, why)]))
             return
         self.metrics.tokenize_seconds(time.perf_counter() - started)
         self.metrics.request_forwarded()
@@ -287,7 +289,7 @@ class TokenizerStage:
     def _refuse(self, identity: bytes, req: p.GenerateReq, why: str) -> None:
         """Refuse a request: its client gets `why` as the request's error."""
         self.metrics.request_rejected()
-        self._reply(identity, p.StreamOutput([p.error_delta(req.request_id, why)]))
+        self._reply(identity, p.StreamOutput(deltas=[p.error_delta(req.request_id, why)]))
 
     def _forward(self, identity: bytes, request_id: str, frame: bytes) -> None:
         self.pending.append((time.monotonic(), identity, request_id, frame))
@@ -302,7 +304,7 @@ class TokenizerStage:
     def _send_abort(self, engine_id: str) -> None:
         """Straight to the engine's control socket, never behind the requests held in `pending`."""
         try:
-            self.to_control.send(p.AbortReq(engine_id).encode(), zmq.NOBLOCK)
+            self.to_control.send(p.AbortReq(request_id=engine_id).encode(), zmq.NOBLOCK)
         except zmq.Again:  # no engine connected (or its control pipe full): nothing there to abort
             log.info("could not pass on the abort of %s: engine unreachable", engine_id)
 
@@ -334,7 +336,7 @@ class TokenizerStage:
                          else p.error_delta(request_id, NO_ENGINE, engine_dead=True, unsent=True))
                 log.info("request %s refused after %.1fs: %s", request_id,
                          waited, "the engine took nothing (busy)" if connected else "no engine connected")
-                self._reply(identity, p.StreamOutput([delta]))
+                self._reply(identity, p.StreamOutput(deltas=[delta]))
                 continue
             self._pop_pending()
             self._last_taken = time.monotonic()

@@ -241,7 +241,7 @@ class AsyncClient(ClientBase):
         wire_id = self._wire_ids.get(request_id)
         if wire_id is not None:
             self._end_stream(request_id, wire_id)
-            await self._send(self._tok, p.AbortReq(wire_id).encode())
+            await self._send(self._tok, p.AbortReq(request_id=wire_id).encode())
 
     def abort_nowait(self, request_id: str) -> None:
         """Abort from synchronous code (a finalizer, another thread)."""
@@ -282,7 +282,7 @@ class AsyncClient(ClientBase):
         for app_id, wire_id in list(self._wire_ids.items()):
             self._end_stream(app_id, wire_id)
             try:  # best effort: a service that cannot take it aborts a silent client's requests itself
-                self._tok.send(p.AbortReq(wire_id).encode(), _NOBLOCK)
+                self._tok.send(p.AbortReq(request_id=wire_id).encode(), _NOBLOCK)
             except zmq.ZMQError:
                 pass
         _watched.get(self._loop, set()).discard(self)
@@ -315,7 +315,7 @@ class AsyncClient(ClientBase):
 
     async def _safe_abort(self, wire_id: str) -> None:
         if self._ctx is not None:
-            await self._send(self._tok, p.AbortReq(wire_id).encode())
+            await self._send(self._tok, p.AbortReq(request_id=wire_id).encode())
 
     async def _send(self, sock: zmq.Socket, frame: bytes) -> None:
         """Send without blocking the loop; while the pipe is full, wait for room."""

@@ -363,9 +363,10 @@ class ClientState:
             return reaction
         self.last_pong, self.detok_responsive = time.monotonic(), True
         if self.detok_instance is not None and msg.instance_id != self.detok_instance and self.inflight:
-            rows = [p.ResumeRow(wire_id, f.tokens, f.chars) for wire_id, f in self.inflight.items()]
+            rows = [p.ResumeRow(request_id=wire_id, num_tokens=f.tokens, num_chars=f.chars)
+                    for wire_id, f in self.inflight.items()]
             log.info("detokenizer restarted: resuming %d stream(s)", len(rows))
-            reaction.to_detok = [p.Resume(rows).encode()]
+            reaction.to_detok = [p.Resume(requests=rows).encode()]
         self.detok_instance, self.engine_state = msg.instance_id, msg.engine_state
         reaction.deltas += self._set_engine_alive(msg.engine_alive)
         self._unpark(reaction)
@@ -383,7 +384,7 @@ class ClientState:
             log.info("engine restarted (%s replaced %s): %d request(s) in flight", instance_id,
                      self.engine_instance, len(self.inflight))
             if not self.engine_restart_wait_s:
-                reaction.to_tokenizer += [p.AbortReq(wire_id).encode() for wire_id in self.inflight]
+                reaction.to_tokenizer += [p.AbortReq(request_id=wire_id).encode() for wire_id in self.inflight]
             reaction.deltas += self._fail_all(f"engine restarted (instance {instance_id} replaced "
                                               f"{self.engine_instance}); the request was lost", engine_dead=True)
         self.engine_instance = instance_id

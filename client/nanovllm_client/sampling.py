@@ -206,8 +206,9 @@ class SamplingParams:
     def _validate_penalties(self) -> None:
         _in_range("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
                   f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)")
-        _in_range("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
-        _in_range("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        penalty_range = f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+        _in_range("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY, penalty_range)
+        _in_range("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY, penalty_range)
         bias = self.logit_bias
         _check(isinstance(bias, dict), "logit_bias", "logit_bias must be a map of token id to bias, got {}", bias)
         _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias",
@@ -234,7 +235,8 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         _check(isinstance(stop, (list, tuple)), "stop", "stop must be a string or a list of non-empty strings, got {}",
                stop)
-        _check(len(stop) <= MAX_STOP_STRINGS, "stop", f"stop may have at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        _check(len(stop) <= MAX_STOP_STRINGS, "stop",
+               f"stop may have at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         for s in stop:
             _check(isinstance(s, str) and s != "", "stop",
                    "stop must be a string or a list of non-empty strings, got {} in the list", s)

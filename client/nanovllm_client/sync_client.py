@@ -114,7 +114,7 @@ class Stream:
         if not self._done:
             self._done = True
             self._client._end_stream(self.request_id, self._wire_id)
-            self._client._send(_ABORT, self._wire_id.encode(), p.AbortReq(self._wire_id).encode())
+            self._client._send(_ABORT, self._wire_id.encode(), p.AbortReq(request_id=self._wire_id).encode())
 
     def __del__(self) -> None:
         try:
@@ -212,7 +212,7 @@ class Client(ClientBase):
         wire_id = self._wire_ids.get(request_id)
         if wire_id is not None:
             self._end_stream(request_id, wire_id)
-            self._send(_ABORT, wire_id.encode(), p.AbortReq(wire_id).encode())
+            self._send(_ABORT, wire_id.encode(), p.AbortReq(request_id=wire_id).encode())
 
     def server_stats(self, timeout: float = 10.0) -> dict[str, Any]:
         """The detokenizer's state sizes and the engine's latest stats (from its heartbeat)."""

@@ -16,8 +16,8 @@ orders admission and preemption.
 # 离线使用时 nanovllm.LLM 在进程内循环调用 step()，不经过任何进程和 ZeroMQ。
 # 一次 step() 内部：
 #   _aborted 里的终止输出 → Scheduler.schedule()（向 BlockManager 要块）
-#   → ModelRunner.run()（前向 + Sampler 采样）
-#   → Scheduler.postprocess()（追加 token、判断结束、commit）
+#   → Sampler.prepare（语法掩码与前向并行）→ ModelRunner.run()（前向，要采样的行的 logits）
+#   → Sampler（每行一个 token）→ Scheduler.postprocess()（追加 token、判断结束、commit）
 #   → 每个有新 token 或刚结束的请求一条 RequestOutput → post-step hooks（指标）
 # 约定：每个请求恰好有一条 finished=True 的输出（FinishReason：STOP / LENGTH / ABORT / ERROR）。
 # 一个请求在引擎里就是一个 Sequence：token、块表、冻结的 SamplingParams 和采样状态都在它身上。
@@ -44,6 +44,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.logits_processors import WordIndex, build_logits_processors
 from nanovllm.layers.logprobs import TokenLogprobs
+from nanovllm.layers.sampler import Sampler
 from nanovllm.layers.sampling_state import SamplingState
 from nanovllm.layers.token_bytes import token_byte_table
 from nanovllm.structured import StructuredOutput, ll_tokenizer
@@ -98,12 +99,13 @@ class RequestOutput:
 
 class LLMEngine:
     # [ZH-START]
-    # 职责：装配 ModelRunner、BlockManager、Scheduler（含策略）、Sampler 的每请求状态；
-    # 校验并接收请求；一步步推进整个批，把结果整理成 RequestOutput。
+    # 职责：装配 ModelRunner、BlockManager、Scheduler（含策略）、Sampler；
+    # 校验并接收请求（建 Sequence 和它的采样状态）；一步步推进整个批：调度 → 前向 → 采样 →
+    # 推进，把结果整理成 RequestOutput。
     # 不做的事：不 tokenize / detokenize、不匹配 stop string、不碰网络（三个进程阶段的事）；
     # 不自己跑主循环——由调用方（engine_proc 的 step 线程，或 LLM.generate）反复调 step()。
-    # 和谁打交道：上游 engine_proc / LLM；下游 Scheduler、BlockManager、
-    # ModelRunner（采样器只在 runner 里被调用，引擎不碰它的内部）。
+    # 和谁打交道：上游 engine_proc / LLM；下游 Scheduler、BlockManager、ModelRunner（只做前向）、
+    # Sampler（引擎自己持有；每请求的状态在 Sequence 上，采样器没有按 id 的表）。
     # requests：request_id → Sequence（请求的全部状态，采样状态也在上面），只放活着的请求
     # （abort 时立刻移出）；
     # _aborted：已 abort、等下一步报告终止输出的序列。
@@ -112,7 +114,8 @@ class LLMEngine:
         # [ZH-START]
         # 1. config：传了 Config 就用，否则用 kwargs 构造（Config.__post_init__ 校验各项）。
         # 2. 解析模型路径，读 HF config.json 得到 ModelConfig，定下 max_model_len。
-        # 3. ModelRunner：加载权重、按内存预算分配 KV cache，给出块数 runner.num_blocks。
+        # 3. ModelRunner：加载权重、按内存预算分配 KV cache，给出块数 runner.num_blocks；
+        #    Sampler(词表, 设备, seed)，CPU 上用 runner 编译好的算子（sample_ops）抽样。
         # 4. BlockManager(runner.num_blocks, block_size, enable_prefix_caching)。
         # 5. eos_token_ids = 模型 config 的 eos + generation_config.json 里额外的
         #    eos（去重，GGUF 不读）。
@@ -131,6 +134,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf_dict(read_hf_config(self.model_path))
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.model_config)
         self.runner = ModelRunner(config, self.model_config, self.model_path)
+        self.sampler = Sampler(self.model_config.vocab_size, self.runner.device, config.seed,
+                               cpu_ops=self.runner.sample_ops)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = self.model_config.eos_token_ids + self._generation_eos_ids()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -212,7 +217,8 @@ class LLMEngine:
         vocab, device = self.model_config.vocab_size, self.runner.device
         processors = build_logits_processors(params, vocab, device, self._words, self._structured)
         sampling = SamplingState.build(params, processors, self.eos_token_ids, vocab, device, len(prefix))
-        seq = Sequence(request_id, prompt_token_ids, params, self._arrivals, priority, sampling=sampling)
+        seq = Sequence(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, arrival=self._arrivals,
+                       priority=priority, sampling=sampling)
         seq.token_ids.extend(prefix)
         self._arrivals += 1
         self.requests[request_id] = seq
@@ -273,7 +279,8 @@ class LLMEngine:
         # 3. 统计：decode token 数 = num_computed_tokens >= num_prompt_tokens（prompt 已算完）
         #    的项数，各 1 个；prefill token 数 = 本步 token 总数 - decode 数。
         #    抢占后重新接纳的序列从 0 重算，算作 prefill。
-        # 4. 有调度项时：sampled = runner.run(scheduled)（前向 + 采样），
+        # 4. 有调度项时：rows = 要采样的序列；sampler.prepare(rows)（语法掩码在工作线程上与前向
+        #    并行）；logits = runner.run(scheduled)（前向）；sampled = sampler(logits, rows)；
         #    generated = scheduler.postprocess(scheduled, sampled)。
         # 5. 记 last_step = StepStats(...)。
         # 6. 对每个调度项：有未报告的输出 token（num_output_tokens > num_sent_tokens）
@@ -290,7 +297,10 @@ class LLMEngine:
         prefill_tokens = sum(s.num_new_tokens for s in scheduled) - decode_tokens
         generated = 0
         if scheduled:
-            sampled = self.runner.run(scheduled)
+            rows = [item.seq for item in scheduled if item.samples]
+            self.sampler.prepare(rows)  # grammar masks, computed while the forward runs
+            logits = self.runner.run(scheduled)  # (len(rows), V), or None when no row samples
+            sampled = self.sampler(logits, rows) if rows else []
             generated = self.scheduler.postprocess(scheduled, sampled)
         self.last_step = StepStats(num_prefill_tokens=prefill_tokens, num_decode_tokens=decode_tokens,
                                    num_seqs=len(scheduled), num_generated_tokens=generated,

@@ -1,19 +1,20 @@
-"""Runs one engine step through the model: builds the batch, attends over the paged cache, samples.
+"""Runs one engine step's forward: builds the batch, attends over the paged cache, returns logits.
 
 The runner owns the model weights and the KV cache tensor. Its input is the scheduler's list of
-`ScheduledSeq`; its output is one sampled token per sequence whose chunk reaches its end, in
-scheduled order. The batch is reordered decode-first (engine/step_input.py).
+`ScheduledSeq`; its output is the logits of every sequence whose chunk reaches its end, in
+scheduled order, which the engine's sampler turns into tokens. The batch is reordered
+decode-first (engine/step_input.py).
 
 On CPU attention is torch / compiled C; on CUDA it is the Triton kernels, the KV budget comes
 from memory measured after a warm-up forward (engine/kv_budget.py) and decode-only steps replay
 CUDA graphs (engine/cuda_graphs.py). With `tensor_parallel_size` N this object is rank 0: it
 starts ranks 1..N-1 as worker processes (engine/tp_workers.py), each running its own ModelRunner
-shard, and broadcasts every step's inputs to them; only rank 0 samples. With `null_model` (a
+shard, and broadcasts every step's inputs to them; only rank 0 gets logits. With `null_model` (a
 benchmark tool) the model is `models/null_model.py`: no weights, no cache tensor, fixed logits.
 """
 # [ZH-START]
-# 【模块定位】引擎里"真正执行一步"的那一层：调度器决定这一步算哪些 token，
-# ModelRunner 把它们送进模型、读写分页 KV cache、采样出下一个 token。
+# 【模块定位】引擎里"真正执行一步前向"的那一层：调度器决定这一步算哪些 token，
+# ModelRunner 把它们送进模型、读写分页 KV cache，交回要采样的行的 logits；采样是引擎的事。
 # 服务整体：客户端 → tokenizer_proc → engine_proc(LLMEngine) → detok_proc → 客户端
 # 引擎内部的一步（本文件是中间这段的总控）：
 #   Scheduler.schedule() → list[ScheduledSeq]
@@ -21,13 +22,14 @@ benchmark tool) the model is `models/null_model.py`: no weights, no cache tensor
 #         StepInput.from_scheduled()          纯 list 数据（step_input.py）
 #         → build_cpu_batch / build_gpu_batch  张量 + AttentionMetadata
 #         → DecoderForCausalLM 前向，每层 PagedAttention 读写 KV（attention.py）
-#         → compute_logits (B, V) → Sampler（sampler.py）→ 每条序列一个 token id
+#         → compute_logits (B, V)
+#     → LLMEngine 的 Sampler（sampler.py）→ 每条序列一个 token id
 #     → Scheduler.postprocess() 追加 token、判定结束 → LLMEngine 产出 RequestOutput
 # 它独占两样资源：模型权重，和所有层共用的一整块 KV cache 张量。
 # KV 块数在这里算出（CPU 按 kv_cache_memory_gib，GPU 靠预热实测，见 kv_budget.py），
 # BlockManager 再按这个块数管理块 id。
 # 张量并行时本对象就是 rank 0：拉起 rank 1..N-1 的 worker 进程，每步把 StepInput
-# 广播过去，各 rank 同步前向，只有 rank 0 采样。
+# 广播过去，各 rank 同步前向，只有 rank 0 拿到 logits。
 # [ZH-END]
 from __future__ import annotations
 
@@ -52,7 +54,6 @@ from nanovllm.layers.attention import PagedAttention
 from nanovllm.layers.cpu_gemm import pack_linear_weights, packs
 from nanovllm.layers.cpu_kernels import CpuAttentionKernel, CpuOps, auto_cpu_dtype
 from nanovllm.layers.quant import quantize_model_int8
-from nanovllm.layers.sampler import Sampler
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.loader import iter_weights, load_weights
 from nanovllm.models.model_config import DTYPES, ModelConfig, resolve_max_model_len
@@ -123,12 +124,13 @@ def _say_goodbye(channel: StepChannel) -> None:
 
 class ModelRunner:
     # [ZH-START]
-    # 【职责】持有模型权重、整块 KV cache 和（仅 rank 0）Sampler；选注意力路径
-    # （Triton / 编译好的 C 核 / torch 算子）；算出 KV 块数；把调度结果执行成一步前向 + 采样。
-    # 【边界】不决定调度谁、不分配块（Scheduler / BlockManager 的事，它只照块表读写 slot）；
-    # 不管请求生命周期、不做停止判定、不做 detokenize；不知道引擎层的 max_model_len，
+    # 【职责】持有模型权重和整块 KV cache；选注意力路径（Triton / 编译好的 C 核 / torch 算子）；
+    # 算出 KV 块数；把调度结果执行成一步前向，交回要采样的行的 logits。
+    # 【边界】不采样（LLMEngine 持有 Sampler）；不决定调度谁、不分配块（Scheduler /
+    # BlockManager 的事，它只照块表读写 slot）；不管请求生命周期、不做停止判定、
+    # 不做 detokenize；不知道引擎层的 max_model_len，
     # 自己用 resolve_max_model_len 重算同一个默认值（用于块表宽度和 CUDA 图）。
-    # 【协作者】LLMEngine 调 run() 并读 num_blocks / sampler / device；
+    # 【协作者】LLMEngine 调 run() 并读 num_blocks / device / sample_ops；
     # PagedAttention 各层从这里拿到 k_cache / v_cache 视图和 cpu_kernel / triton_ops；
     # DecodeGraphs 负责解码步的 CUDA 图；WorkerProcesses + StepChannel 负责张量并行。
     # [ZH-END]
@@ -206,7 +208,8 @@ class ModelRunner:
                 self.workers = WorkerProcesses.start(config, model_path)
                 self.workers.wait_ready()
             self.tp, self.channel = init_tensor_parallel(config.dist_init_method, self.rank, size, self.device)
-        self.sampler = Sampler(self.model_config.vocab_size, self.device, config.seed) if self.rank == 0 else None
+        self.sample_ops: CpuOps | None = None
+        """The compiled CPU ops the engine's sampler draws with (any model, on CPU)."""
         self.model = self._load_model(model_path)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         if self.device.type == "cuda":
@@ -220,8 +223,7 @@ class ModelRunner:
             self.set_attention_kernels(CpuAttentionKernel.load() if supported else None, None)
             ops = CpuOps.load()
             self.set_cpu_ops(ops if supported else None)
-            if self.sampler is not None:  # the draw kernel serves any model on CPU
-                self.sampler.cpu_ops = ops
+            self.sample_ops = ops  # the draw kernel serves any model on CPU
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         if self.device.type == "cpu":
@@ -400,32 +402,22 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> list[int]:
+    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor | None:
+        """The step's forward: the logits (B, V) of the scheduled items that sample, in their
+        order, or None when none does (prompt chunks short of their end only fill the cache)."""
         # [ZH-START]
         # 1. StepInput.from_scheduled(scheduled)：转成纯 list 数据，
         #    decode 行在前、prefill 分块在后。
         # 2. 张量并行时先经 channel 广播 ["step", step.to_wire()]：worker 在 serve_steps
         #    里收到后同步执行，前向中的 all-reduce 才凑得齐所有 rank。
-        # 3. 本步没有任何序列要采样（都是没到末尾的 prefill 分块）：只做前向把 K/V
-        #    写进 cache，返回 []。
-        # 4. 否则 logits = _execute(step)，形状 (B, V)，B 为要采样的序列数，
-        #    顺序与 scheduled 中的采样项一致。
-        #    （前向之前先 sampler.prepare(seqs)：有 response_format 的请求的语法掩码在工作线程
-        #    上与前向并行计算。）
-        # 5. sampler(logits, [s.seq ...]) → 每条序列一个 token id；采样失败的行是
-        #    SAMPLE_FAILED(-1)，由 Scheduler 以 finish_reason "error" 结束该请求。
+        # 3. logits = _execute(step)：本步有要采样的行时形状 (B, V)，B 为要采样的序列数，
+        #    顺序与 scheduled 中的采样项一致；都是没到末尾的 prefill 分块时只把 K/V 写进
+        #    cache，返回 None。采样由 LLMEngine 的 Sampler 做。
         # [ZH-END]
         step = StepInput.from_scheduled(scheduled)
         if self.channel is not None:
             self.channel.send(["step", step.to_wire()])
-        sampling = [s for s in scheduled if s.samples]
-        if not sampling:
-            self._execute(step)
-            return []
-        seqs = [s.seq for s in sampling]
-        self.sampler.prepare(seqs)  # grammar masks, computed while the forward runs
-        logits = self._execute(step)  # (B, V) for the sampled rows
-        return self.sampler(logits, seqs)
+        return self._execute(step)  # (B, V) for the sampled rows
 
     def serve_steps(self) -> None:
         """Worker ranks: run each step rank 0 broadcasts, in lockstep, until it sends "exit"."""

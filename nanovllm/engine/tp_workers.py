@@ -1,6 +1,6 @@
 """Tensor-parallel worker processes: started by rank 0's ModelRunner, tied to its lifetime.
 
-Rank 0 starts ranks 1..N-1 as fresh interpreters running `main()` here (unlike multiprocessing's
+Rank 0 starts ranks 1..N-1 as fresh interpreters running `tp_worker.main()` (unlike multiprocessing's
 spawn, the engine's `__main__` is never re-imported, and nothing is pickled: the config travels
 as JSON on the command line). Each worker builds its own ModelRunner shard, joins the rendezvous at
 `Config.dist_init_method`, then runs every step rank 0 broadcasts until told to stop.
@@ -11,14 +11,12 @@ as its parent process is gone, even if the parent was killed and could not say g
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import select
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict
 
@@ -41,7 +39,7 @@ class WorkerProcesses:
         procs, ready_fds = {}, {}
         for rank in range(1, config.tensor_parallel_size):
             read_fd, write_fd = os.pipe()
-            cmd = [sys.executable, "-c", "from nanovllm.engine.tp_workers import main; main()", "--rank", str(rank),
+            cmd = [sys.executable, "-c", "from nanovllm.engine.tp_worker import main; main()", "--rank", str(rank),
                    "--model-path", model_path, "--config", json.dumps(asdict(config)),
                    "--parent-pid", str(os.getpid()), "--ready-fd", str(write_fd)]
             procs[rank] = subprocess.Popen(cmd, env=env, pass_fds=(write_fd,))
@@ -95,35 +93,3 @@ class WorkerProcesses:
         for fd in self._ready_fds.values():
             os.close(fd)
         self._ready_fds = {}
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)  # rank 0 is gone: nothing will ever be sent again
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="one tensor-parallel worker rank (started by nanovllm itself)")
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--model-path", required=True)
-    ap.add_argument("--config", required=True, help="the engine's Config as JSON")
-    ap.add_argument("--parent-pid", type=int, required=True)
-    ap.add_argument("--ready-fd", type=int, required=True)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format=f"tp-rank-{args.rank} %(levelname)s %(name)s: %(message)s")
-    threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
-
-    from nanovllm.engine.model_runner import ModelRunner
-    from nanovllm.models.loader import read_hf_config
-    from nanovllm.models.model_config import ModelConfig
-
-    config = Config(**json.loads(args.config))
-    model_config = ModelConfig.from_hf_dict(read_hf_config(args.model_path))
-    os.write(args.ready_fd, b"r")
-    os.close(args.ready_fd)
-    runner = ModelRunner(config, model_config, args.model_path, rank=args.rank)
-    try:
-        runner.serve_steps()
-    finally:
-        runner.close()

@@ -19,7 +19,7 @@ class TokenLogprobs:
     # 【职责】一个已生成 token 在原始模型分布（惩罚、约束、温度之前）
     # 下的 logprob、排名和前几名候选。
     # 【边界】纯数据，不参与采样决策。
-    # 【协作者】token_logprobs() 生成，存进 RequestState.logprobs，LLMEngine 经 take_logprobs
+    # 【协作者】token_logprobs() 生成，存进请求的 SamplingState.logprobs，LLMEngine 经 take_logprobs
     # 取走放进 RequestOutput。
     # [ZH-END]
     token_id: int

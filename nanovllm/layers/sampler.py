@@ -20,8 +20,9 @@ A row that cannot be sampled ends its own request, never the batch: if a logits 
 the row holds NaN or +inf after penalties and constraints (or nothing but -inf), or the id
 drawn is outside the vocabulary, the row's token is SAMPLE_FAILED and the reason is kept in its
 request's state (`SamplingState.take_error`). The engine finishes that request with
-`FinishReason.ERROR`; the other rows are sampled as they would be without it. Finding such rows costs the greedy fast path a read of B chosen
-values, and the general path one max over the (B, V) logits.
+`FinishReason.ERROR`; the other rows are sampled as they would be without it. Finding such rows
+costs the greedy fast path a read of B chosen values, and the general path one max over the
+(B, V) logits.
 
 Draws are by inverse CDF, one uniform number per row. Unseeded rows share the sampler's
 generator; a seeded request takes its number from its own generator, and everything else its
@@ -30,7 +31,7 @@ its tokens do not depend on which other requests share the batch. If a request's
 leave no token at all, its row is sampled with its response_format's grammar alone (the grammar
 wins over banned words, logit_bias, allowed ids and custom processors), or without any if it has
 none (with a warning), rather than from an empty set. Grammar masks are computed while the
-forward runs: the model runner calls `prepare` with the rows to sample before it (see
+forward runs: the engine calls `prepare` with the rows to sample before the forward (see
 `nanovllm.structured.prefetch`).
 
 Each request's state between steps lives on the request (`SamplingState`, `Sequence.sampling`):
@@ -88,14 +89,16 @@ class Sampler:
     # 【边界】不保存任何每请求的东西（没有按 id 的表）；不算 logits（ModelRunner / LM head）；
     # 不判定请求结束（EOS、max_tokens、SAMPLE_FAILED 都由 Scheduler 处理）；不管 stop string
     # （detokenizer 的事）；不抛异常结束整批，失败只落在单行上。
-    # 【协作者】ModelRunner.run 调 prepare(seqs) 和 __call__(logits, seqs)；状态由
+    # 【协作者】LLMEngine.step 在前向前调 prepare(seqs)、前向后调 __call__(logits, seqs)；状态由
     # SamplingState.build 建（LLMEngine.add_request）；整批算子在旁边的模块：
     # apply_penalties_（penalties）、constrain_rows（constraints）、
     # sample_rows / filter_candidates / draw（sampling_ops）、token_logprobs（logprobs）。
     # [ZH-END]
-    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, mask_threads: int | None = None):
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, mask_threads: int | None = None,
+                 cpu_ops=None):
         """`mask_threads`: threads that fill a step's grammar masks; by default the engine's CPU
-        threads (`torch.get_num_threads()`, which the model runner sets from the config)."""
+        threads (`torch.get_num_threads()`, which the model runner sets from the config).
+        `cpu_ops`: the compiled `CpuOps` on CPU (the model runner loads them)."""
         self.vocab_size = vocab_size
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -103,9 +106,9 @@ class Sampler:
         threads = mask_threads or min(torch.get_num_threads(), len(os.sched_getaffinity(0)))
         self.masks = MaskPrefetcher(threads=max(1, threads))
         """Grammar masks computed while the forward runs (`prepare`); `masks.enabled = False` turns it off."""
-        self.cpu_ops = None
-        """The compiled `CpuOps` on CPU (the model runner sets it): its kernels draw unfiltered rows
-        and apply grammar-only rows' packed masks."""
+        self.cpu_ops = cpu_ops
+        """The compiled `CpuOps` on CPU: its kernels draw unfiltered rows and apply grammar-only
+        rows' packed masks."""
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -117,6 +120,7 @@ class Sampler:
         if jobs:
             self.masks.start(jobs)
 
+    @torch.inference_mode()  # the forward's logits are inference tensors, changed here in place
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SampledRow]) -> list[int]:
         """logits (B, V) float32, one row per sequence -> one token id per sequence.
 

@@ -1,4 +1,5 @@
-"""Load a GGUF checkpoint as if it were a Hugging Face one: config dict, weights, tokenizer.
+"""Load a GGUF checkpoint as if it were a Hugging Face one: config dict and weights (its tokenizer:
+`nanovllm.models.tokenizer`).
 
 The model code only knows HF names and layouts, so this module is the one place that speaks GGUF:
 it turns llama.cpp metadata into an HF-style `config.json` dict, renames tensors to HF names,
@@ -11,16 +12,14 @@ read by a small header parser instead of `GGUFReader`, which is ~50x slower on m
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import mmap
 import os
 import re
 import struct
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,9 +27,6 @@ from gguf import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueTy
 from gguf.quants import dequantize
 
 from nanovllm.layers.quant import QuantizedWeight
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 # GGUF `general.architecture` -> HF `architectures[0]`; the model_type is the GGUF name itself.
 _HF_ARCHITECTURES = {
@@ -68,7 +64,8 @@ _FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GG
 logger = logging.getLogger(__name__)
 
 
-def _check_exists(path: str) -> None:
+def check_gguf_file(path: str) -> None:
+    """FileNotFoundError naming `path` unless it is a file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
 
@@ -138,7 +135,7 @@ def _read_header(path: str) -> _GGUFHeader:
     tokenizer strings; plain struct reads take ~0.1 s, which matters because the config is read
     at every engine start and in every process that needs it.
     """
-    _check_exists(path)
+    check_gguf_file(path)
     if os.path.getsize(path) < _MIN_HEADER_BYTES:  # mmap refuses empty files with a vague error
         raise ValueError(f"{path} is too small to be a GGUF file")
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
@@ -204,6 +201,11 @@ def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict | None:
     if original is not None:
         scaling["original_max_position_embeddings"] = original
     return scaling
+
+
+def read_gguf_metadata(path: str) -> dict[str, Any]:
+    """The file's metadata (key -> value), read by the header parser alone."""
+    return _read_header(path).metadata
 
 
 def read_gguf_config(path: str) -> dict:
@@ -353,51 +355,3 @@ def _raw_rows(buffer: mmap.mmap, start: int, info: _TensorInfo) -> np.ndarray:
     num_rows = int(np.prod(info.shape[1:], dtype=np.int64))
     row_bytes = row_elements // block_size * type_size
     return np.frombuffer(buffer, dtype=np.uint8, count=num_rows * row_bytes, offset=start).reshape(num_rows, row_bytes)
-
-
-def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The transformers tokenizer embedded in the GGUF file, with its chat template.
-
-    transformers converts a GGUF vocabulary in ~10 s; the result is saved once under the cache
-    directory (keyed by the file's path, size and mtime) and loaded from there in ~0.2 s, which
-    every stage process and CLI start benefits from.
-    """
-    return gguf_tokenizer_loader(path)()
-
-
-def gguf_tokenizer_loader(path: str) -> Callable[[], PreTrainedTokenizerBase]:
-    """`load_gguf_tokenizer(path)` in two halves (see `nanovllm.models.tokenizer`): the imports,
-    and a first conversion, happen now; the returned call only reads the saved copy."""
-    from nanovllm.models.tokenizer import folder_tokenizer_loader
-
-    _check_exists(path)
-    cached = _tokenizer_cache_dir(path)
-    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
-        return folder_tokenizer_loader(cached)
-    from transformers import AutoTokenizer  # heavy import, only needed here
-
-    directory, filename = os.path.split(os.path.abspath(path))
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-    if not tokenizer.chat_template:
-        # Some transformers versions drop the template while converting; the engine needs it.
-        tokenizer.chat_template = _read_header(path).metadata.get("tokenizer.chat_template")
-    _save_atomically(tokenizer, cached)
-    return lambda: tokenizer
-
-
-def _tokenizer_cache_dir(path: str) -> str:
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("NANOVLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanovllm")
-    return os.path.join(root, "tokenizers", key)
-
-
-def _save_atomically(tokenizer: PreTrainedTokenizerBase, target: str) -> None:
-    """Save under a private name and rename, so concurrent processes never read half a folder."""
-    try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        staging = tempfile.mkdtemp(dir=os.path.dirname(target))
-        tokenizer.save_pretrained(staging)
-        os.rename(staging, target)
-    except OSError:
-        pass  # another process won the race, or the cache is read-only: both are fine

@@ -16,6 +16,7 @@ import torch
 
 from nanovllm.layers.linear import default_weight_loader
 from nanovllm.models.decoder import DecoderForCausalLM
+from nanovllm.models.model_config import ModelConfig
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -97,3 +98,9 @@ def load_weights(model: DecoderForCausalLM, weights: Iterator[tuple[str, torch.T
             model.lm_head.quant, model.lm_head.weight = embedding.quant, embedding.weight
     if unloaded:
         raise ValueError(f"checkpoint is missing weights: {sorted(unloaded)[:8]}")
+
+
+def context_length(model: str) -> int:
+    """The context length of a model named as the engine takes it ("default", a folder, a .gguf),
+    read from its config alone (no weights): no engine can serve a longer prompt."""
+    return ModelConfig.from_hf_dict(read_hf_config(resolve_model_path(model))).max_position_embeddings

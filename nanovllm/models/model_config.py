@@ -87,11 +87,3 @@ def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
     if requested > limit:
         raise ValueError(f"max_model_len={requested} exceeds the model's context length {limit}")
     return requested
-
-
-def context_length(model: str) -> int:
-    """The context length of a model named as the engine takes it ("default", a folder, a .gguf),
-    read from its config alone (no weights): no engine can serve a longer prompt."""
-    from nanovllm.models.loader import read_hf_config, resolve_model_path
-
-    return ModelConfig.from_hf_dict(read_hf_config(resolve_model_path(model))).max_position_embeddings

@@ -10,11 +10,14 @@ on the calling thread; the second half only reads files.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from nanovllm.models.gguf_loader import check_gguf_file, read_gguf_metadata
 from nanovllm.models.loader import is_gguf, resolve_model_path
 
 
@@ -30,7 +33,6 @@ def tokenizer_loader(model: str) -> Callable[[], Any]:
     the conversion imports half of transformers."""
     path = resolve_model_path(model)
     if is_gguf(path):
-        from nanovllm.models.gguf_loader import gguf_tokenizer_loader
         return gguf_tokenizer_loader(path)
     return folder_tokenizer_loader(path)
 
@@ -61,3 +63,51 @@ def _import_tokenizer_class(path: str) -> None:
         return
     if isinstance(name, str):
         tokenizer_class_from_name(name)
+
+
+# ---------------------------------------------------------------- a GGUF file's own tokenizer
+
+def load_gguf_tokenizer(path: str) -> Any:
+    """The transformers tokenizer embedded in the GGUF file, with its chat template.
+
+    transformers converts a GGUF vocabulary in ~10 s; the result is saved once under the cache
+    directory (keyed by the file's path, size and mtime) and loaded from there in ~0.2 s, which
+    every stage process and CLI start benefits from.
+    """
+    return gguf_tokenizer_loader(path)()
+
+
+def gguf_tokenizer_loader(path: str) -> Callable[[], Any]:
+    """`load_gguf_tokenizer(path)` in two halves (see `nanovllm.models.tokenizer`): the imports,
+    and a first conversion, happen now; the returned call only reads the saved copy."""
+    check_gguf_file(path)
+    cached = _tokenizer_cache_dir(path)
+    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        return folder_tokenizer_loader(cached)
+    from transformers import AutoTokenizer  # heavy import, only needed here
+
+    directory, filename = os.path.split(os.path.abspath(path))
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    if not tokenizer.chat_template:
+        # Some transformers versions drop the template while converting; the engine needs it.
+        tokenizer.chat_template = read_gguf_metadata(path).get("tokenizer.chat_template")
+    _save_atomically(tokenizer, cached)
+    return lambda: tokenizer
+
+
+def _tokenizer_cache_dir(path: str) -> str:
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get("NANOVLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanovllm")
+    return os.path.join(root, "tokenizers", key)
+
+
+def _save_atomically(tokenizer: Any, target: str) -> None:
+    """Save under a private name and rename, so concurrent processes never read half a folder."""
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        staging = tempfile.mkdtemp(dir=os.path.dirname(target))
+        tokenizer.save_pretrained(staging)
+        os.rename(staging, target)
+    except OSError:
+        pass  # another process won the race, or the cache is read-only: both are fine

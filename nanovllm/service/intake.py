@@ -74,14 +74,14 @@ def accept(frames: list[bytes], accepted: tuple[type[p.Message], ...], rejects: 
     # [ZH-END]
     if len(frames) != 1:
         rejects("multipart", f"{len(frames)} frames {source}")
-        return p.ErrorOutput(f"expected exactly one frame per message, got {len(frames)}")
+        return p.ErrorOutput(message=f"expected exactly one frame per message, got {len(frames)}")
     try:
         msg = p.decode(frames[0])
     except ProtocolError as e:
         rejects("bad_frame", f"{source}: {e}")
-        return p.ErrorOutput(p.clip(str(e)), e.request_id)
+        return p.ErrorOutput(message=p.clip(str(e)), request_id=e.request_id)
     if not isinstance(msg, accepted):
         rejects("wrong_type", f"{msg.TYPE!r} {source}")
         names = ", ".join(repr(t.TYPE) for t in accepted)
-        return p.ErrorOutput(p.clip(f"{receiver} accepts only {names} messages, got {msg.TYPE!r}{hint}"))
+        return p.ErrorOutput(message=p.clip(f"{receiver} accepts only {names} messages, got {msg.TYPE!r}{hint}"))
     return msg

@@ -27,8 +27,8 @@ from functools import lru_cache
 from typing import Any, Sequence
 
 # The shape check every door runs (torch-free, in the client package), re-exported here.
-from nanovllm_client.response_format import (MAX_CHOICE_CHARS, MAX_CHOICES, MAX_FORMAT_CHARS, MAX_SCHEMA_DEPTH,  # noqa: F401
-                                             TYPES, check_response_format)
+from nanovllm_client.response_format import (MAX_CHOICE_CHARS, MAX_CHOICES, MAX_FORMAT_CHARS,  # noqa: F401
+                                             MAX_SCHEMA_DEPTH, TYPES, check_response_format)
 
 
 def _lark_string(s: str) -> str:

@@ -12,7 +12,7 @@ reported, on the step thread: the result is the same either way, only the thread
 # [ZH-START]
 # 【模块定位】把语法掩码移出关键路径：第 t 步要用的掩码只取决于到 t-1 步为止的输出，
 #   前向开始前就已确定。
-#   ModelRunner.run：Sampler.prepare(本步采样的序列) → MaskPrefetcher.start（工作线程填 bitmask）
+#   LLMEngine.step：Sampler.prepare(本步采样的序列) → MaskPrefetcher.start（工作线程填 bitmask）
 #     → 模型前向（与掩码计算重叠；llguidance 的 Rust 代码和 torch 都释放 GIL）
 #     → Sampler.__call__ 先 wait 再套掩码。
 # 多于一行时由 prepare_masks 一次并行调用（LLExecutor，threads 个 Rust 线程）填整批，

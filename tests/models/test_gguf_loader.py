@@ -20,9 +20,9 @@ from nanovllm.models.default_model import resolve_default_model  # noqa: E402
 from nanovllm.models.gguf_loader import (  # noqa: E402
     _hf_architecture,
     iter_gguf_weights,
-    load_gguf_tokenizer,
     read_gguf_config,
 )
+from nanovllm.models.tokenizer import load_gguf_tokenizer  # noqa: E402
 
 @pytest.fixture(scope="module")
 def default_gguf() -> str:

@@ -118,7 +118,7 @@ def test_masks_computed_during_the_forward_give_the_outputs_computed_after_it(ll
     params = [SamplingParams(max_tokens=40, response_format=fmt(s),
                              **(dict(temperature=0) if i % 2 else dict(temperature=0.9, top_p=0.95, seed=i)))
               for i, (_, s) in enumerate(cases)]
-    masks = llm.engine.runner.sampler.masks
+    masks = llm.engine.sampler.masks
     llm.generate(prompts, params, use_tqdm=False)
     before = masks.num_prefetched
     ahead = llm.generate(prompts, params, use_tqdm=False)
@@ -146,7 +146,7 @@ def test_masks_filled_in_parallel_give_the_outputs_filled_one_by_one(llm):
     params = [SamplingParams(max_tokens=32, response_format=f,
                              **(dict(temperature=0) if i % 2 else dict(temperature=0.9, top_k=40, seed=i)))
               for i, f in enumerate(formats)]
-    masks = llm.engine.runner.sampler.masks
+    masks = llm.engine.sampler.masks
     threads = masks.threads
     llm.generate(prompts, params, use_tqdm=False)  # the prompts into the prefix cache: the same logits below
     try:
