@@ -43,7 +43,8 @@ def time_mix(name: str, batch: int, vocab: int, calls: int, prompt_len: int, out
         # Seeds make the mix per-request; they are only set where the mix says "seeded".
         params = SamplingParams(**MIXES[name], seed=i if name.startswith("seeded") else None)
         state = SamplingState.build(params, [], (), vocab, torch.device("cpu"))
-        seq = Sequence(f"r{i}", [rng.randrange(vocab) for _ in range(prompt_len)], params, arrival=i, sampling=state)
+        seq = Sequence(request_id=f"r{i}", prompt_token_ids=[rng.randrange(vocab) for _ in range(prompt_len)],
+                       params=params, arrival=i, sampling=state)
         seq.token_ids += [rng.randrange(vocab) for _ in range(output_len)]
         seqs.append(seq)
     logits = torch.randn(batch, vocab) * 3

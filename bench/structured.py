@@ -99,6 +99,7 @@ def sampler(rows: int, threads: list[int], reps: int = 30) -> None:
     from nanovllm import SamplingParams
     from nanovllm.engine.sequence import Sequence
     from nanovllm.layers.sampler import Sampler
+    from nanovllm.layers.sampling_state import SamplingState
     from nanovllm.layers.cpu_kernels import CpuOps
     from nanovllm.models.tokenizer import load_tokenizer
     from nanovllm.structured import StructuredOutput, compile_format, ll_tokenizer
@@ -113,15 +114,14 @@ def sampler(rows: int, threads: list[int], reps: int = 30) -> None:
 
     def batch(every: int) -> tuple[Sampler, list[Sequence]]:
         """Every `every`-th row under the schema (0: none)."""
-        s = Sampler(vocab, torch.device("cpu"))
-        s.cpu_ops = CpuOps.load()  # as the model runner sets it on CPU (the compiled draw)
+        s = Sampler(vocab, torch.device("cpu"), cpu_ops=CpuOps.load())  # as the engine makes it on CPU
         seqs = []
         for i in range(rows):
             params = SamplingParams(temperature=0.7, seed=i, max_tokens=64)
-            seq = Sequence(f"r{i}", [1, 2, 3], params, arrival=i)
-            seq.token_ids += prefix[: i % (len(prefix) + 1)]
             procs = [StructuredOutput(grammar, lltok)] if every and i % every == 0 else []
-            s.add_request(seq.request_id, params, procs)
+            state = SamplingState.build(params, procs, (), vocab, torch.device("cpu"))
+            seq = Sequence(request_id=f"r{i}", prompt_token_ids=[1, 2, 3], params=params, arrival=i, sampling=state)
+            seq.token_ids += prefix[: i % (len(prefix) + 1)]
             seqs.append(seq)
         s.prepare(seqs)  # the masks filled as in a step (in parallel), ready before the clock starts
         return s, seqs

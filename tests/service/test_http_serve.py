@@ -13,7 +13,9 @@ import subprocess
 import sys
 
 import jsonschema
+import msgpack
 import pytest
+import zmq
 
 pytest.importorskip("uvicorn")
 
@@ -332,6 +334,56 @@ def test_reasoning_content_apart_from_the_answer(front):
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
     assert "".join(d.content or "" for d in deltas) == message.content
+
+
+OUT_OF_RANGE = [("temperature", -0.5), ("top_p", 1.5), ("repetition_penalty", 1000), ("stop", ["s"] * 65),
+                ("max_tokens", 2 ** 31), ("top_k", -2), ("logit_bias", {"7": 101}), ("stop_token_ids", [-1])]
+
+
+@pytest.mark.parametrize("name, value", OUT_OF_RANGE, ids=[n for n, _ in OUT_OF_RANGE])
+def test_one_value_out_of_range_gets_the_same_words_at_every_door(front, name, value):
+    """One sampling struct, one validator: the in-process struct, the ZeroMQ client, a raw frame
+    to the tokenizer (past any client's checks), the HTTP front and a raw frame to the engine all
+    refuse the value with the validator's sentence, naming the field; the stage serves on."""
+    from nanovllm_client import SamplingError, SamplingParams, protocol as p
+    from nanovllm_client.endpoints import service_endpoints
+
+    _, runtime_dir, port, client, model = front
+    with pytest.raises(SamplingError) as offline:  # LLM, LLMEngine.add_request: built before either sees it
+        SamplingParams(**{name: value})
+    words = str(offline.value)
+    assert offline.value.field == name and words.startswith(name)
+    with pytest.raises(SamplingError) as zmq_client:
+        client.generate("hi", **{name: value})
+    assert str(zmq_client.value) == words
+    status, out = _post(port, "/v1/completions", {"model": model, "prompt": "hi", name: value})
+    assert (status, out["error"]["message"], out["error"]["param"]) == (400, words, name)
+    status, out = _post(port, "/v1/chat/completions", {"model": model, name: value,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+    assert (status, out["error"]["message"], out["error"]["param"]) == (400, words, name)
+    eps = service_endpoints(f"ipc://{runtime_dir}")
+    ctx = zmq.Context()
+    try:
+        tokenizer = ctx.socket(zmq.DEALER)
+        tokenizer.setsockopt(zmq.LINGER, 0)
+        tokenizer.connect(eps.tokenizer)
+        tokenizer.send(msgpack.packb([p.PROTOCOL_VERSION, "generate", {"request_id": "r", "prompt": "hi",
+                                                                       "sampling": {name: value}}]))
+        assert tokenizer.poll(30_000), "no answer from the tokenizer"
+        reply = p.decode(tokenizer.recv())
+        assert isinstance(reply, p.ErrorOutput) and (reply.message, reply.request_id) == (words, "r")
+        before = client.server_stats()["engine"]["rejected_frames"]
+        engine = ctx.socket(zmq.PUSH)
+        engine.setsockopt(zmq.LINGER, 1000)
+        engine.connect(eps.engine)
+        meta = [b"c", "r", {}, b"", 0.0, 0, 0, False]
+        engine.send(msgpack.packb([p.STAGE_PROTOCOL_VERSION, "tokenized", {
+            "request_id": "c:r", "prompt_token_ids": p.pack_token_ids([1, 2]), "sampling": {name: value}, "meta": meta}]))
+        wait_for(lambda: client.server_stats()["engine"]["rejected_frames"] > before, timeout=60,
+                 what="the engine to refuse the frame")  # it has no client to answer: counted, logged
+    finally:
+        ctx.destroy(linger=0)
+    assert client.generate("hi", max_tokens=2, ignore_eos=True).finish_reason == "length"
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
