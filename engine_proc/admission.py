@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from nanovllm.engine.llm_engine import LLMEngine, RequestOutput
@@ -32,7 +32,8 @@ from nanovllm_client import protocol as p
 from nanovllm_client.protocol import FinishReason
 
 from .client_shares import ClientShares
-from .ledger import FinishedRing, LiveRequest, output_row
+from .ledger import FinishedRing, LiveRequest
+from .output import StepMessages, output_row
 
 log = logging.getLogger("engine_proc")
 
@@ -64,28 +65,6 @@ class Queued:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.req.prompt_token_ids) // 4
-
-
-@dataclass
-class StepMessages:
-    """What one pass of the step loop sends the detokenizer: the requests it admitted and refused
-    (their meta goes before their first output) and the outputs, from the engine's step or made
-    here (a request aborted before admission ends at once). The admission code adds to it; the
-    output thread turns it into `StepOutput` frames."""
-    # [ZH-START]
-    # 【职责】主线程一轮要告诉反分词进程的全部：准入的请求（StartedRow，
-    # meta 总在它的第一个输出之前）、被拒的（RejectedRow，带原因）、输出（引擎这一步的，
-    # 加上未准入就被 abort、当场结束的）。
-    # 【边界】只是容器：不编码、不发送；输出线程把它变成一个或几个 StepOutput 帧。
-    # 【协作者】EngineStage.run_once 创建；Admission 的 queue / admit / abort 往里加；Output.loop 里
-    # StreamHold 与 encode_step 取用。
-    # [ZH-END]
-    started: list[p.StartedRow] = field(default_factory=list)
-    rejected: list[p.RejectedRow] = field(default_factory=list)
-    outputs: list[RequestOutput] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.started or self.rejected or self.outputs)
 
 
 class Admission:

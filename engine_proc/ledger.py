@@ -11,17 +11,9 @@ from array import array
 from dataclasses import dataclass, field
 
 from nanovllm.engine.llm_engine import RequestOutput
-from nanovllm_client.protocol import OutputRow, RequestMeta, ResyncEntry, clip, pack_token_ids
+from nanovllm_client.protocol import OutputRow, RequestMeta, ResyncEntry
 
-
-def output_row(out: RequestOutput, token_ids: list[int] | array | None = None) -> OutputRow:
-    """The wire's row for an engine output (its new tokens, or `token_ids`), the error cut to
-    what the wire carries: the one place one is made."""
-    return OutputRow(request_id=out.request_id, token_ids=pack_token_ids(out.new_token_ids if token_ids is None
-                                                                          else token_ids),
-                     finished=out.finished, finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
-                     num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens,
-                     error=clip(out.error) if out.error else None)
+from .output import output_row
 
 
 @dataclass(slots=True)

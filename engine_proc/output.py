@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import queue
 import time
+from array import array
+from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq
@@ -20,8 +22,38 @@ import zmq
 from nanovllm.engine.llm_engine import RequestOutput
 from nanovllm_client import protocol as p
 
-from .admission import StepMessages
-from .ledger import output_row
+
+def output_row(out: RequestOutput, token_ids: list[int] | array | None = None) -> p.OutputRow:
+    """The wire's row for an engine output (its new tokens, or `token_ids`: a resync's whole
+    output), the error cut to what the wire carries: the one place one is made."""
+    ids = out.new_token_ids if token_ids is None else token_ids
+    return p.OutputRow(request_id=out.request_id, token_ids=p.pack_token_ids(ids), finished=out.finished,
+                       finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
+                       num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens,
+                       error=p.clip(out.error) if out.error else None)
+
+
+@dataclass
+class StepMessages:
+    """What one pass of the step loop sends the detokenizer: the requests it admitted and refused
+    (their meta goes before their first output) and the outputs, from the engine's step or made
+    here (a request aborted before admission ends at once). The admission code adds to it; the
+    output thread turns it into `StepOutput` frames."""
+    # [ZH-START]
+    # 【职责】主线程一轮要告诉反分词进程的全部：准入的请求（StartedRow，
+    # meta 总在它的第一个输出之前）、被拒的（RejectedRow，带原因）、输出（引擎这一步的，
+    # 加上未准入就被 abort、当场结束的）。
+    # 【边界】只是容器：不编码、不发送；输出线程把它变成一个或几个 StepOutput 帧。
+    # 【协作者】EngineStage.run_once 创建；Admission 的 queue / admit / abort 往里加；Output.loop 里
+    # StreamHold 与 encode_step 取用。
+    # [ZH-END]
+    started: list[p.StartedRow] = field(default_factory=list)
+    rejected: list[p.RejectedRow] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.started or self.rejected or self.outputs)
+
 
 STOP = object()
 """Put last in the outbox: send what is held, then end the thread."""
@@ -150,7 +182,8 @@ class Output:
                     next_heartbeat = time.monotonic() + self.heartbeat_s
                 self._send_message(item)
             else:
-                step = StepMessages(started=item.started, rejected=item.rejected, outputs=self.hold.take(item.outputs))
+                step = StepMessages(started=item.started, rejected=item.rejected,
+                                    outputs=self.hold.take(item.outputs))
                 if step:
                     for frame in self.encode_step(step):
                         self._send(frame)

@@ -78,10 +78,10 @@ from nanovllm.service.security import ServiceSecurity
 from nanovllm.service.stage import (DEFAULT_HWM, REQUEST_PIPE_HWM, RejectLog, new_instance_id, pipeline_pull,
                                    pipeline_push)
 
-from .admission import Admission, Queued, StepMessages
+from .admission import Admission, Queued
 from .client_shares import ClientShares
 from .input import Input
-from .output import STOP, Output
+from .output import STOP, Output, StepMessages
 
 log = logging.getLogger("engine_proc")
 

@@ -106,7 +106,7 @@ def trace() -> list[str]:
         sys.path.insert(0, str(ROOT))
     import torch
 
-    from engine_proc.admission import StepMessages
+    from engine_proc.output import StepMessages
     from engine_proc.output import Output
     from detok_proc.streams import RequestStreams
     from nanovllm.config import Config

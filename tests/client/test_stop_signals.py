@@ -45,7 +45,7 @@ def test_a_stop_signal_is_seen_while_the_main_thread_is_in_native_code():
 ENGINE_WAIT = textwrap.dedent("""
     import os, signal, sys, threading, time
     import zmq
-    from engine_proc.admission import StepMessages
+    from engine_proc.output import StepMessages
     from engine_proc.server import EngineStage
     from nanovllm.sampling_params import SamplingParams
     from nanovllm_client.endpoints import service_endpoints

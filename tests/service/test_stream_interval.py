@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from engine_proc.admission import StepMessages
+from engine_proc.output import StepMessages
 from engine_proc.output import StreamHold
 from nanovllm.engine.llm_engine import RequestOutput
 from nanovllm_client import Client
