@@ -21,8 +21,8 @@ import time
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Sampler
-from nanovllm.layers.sampling_state import SamplingState
+from nanovllm.engine.sampler import Sampler
+from nanovllm.engine.sequence import SamplingState
 from nanovllm.sampling_params import SamplingParams
 
 MIXES = {

@@ -98,8 +98,8 @@ def sampler(rows: int, threads: list[int], reps: int = 30) -> None:
 
     from nanovllm import SamplingParams
     from nanovllm.engine.sequence import Sequence
-    from nanovllm.layers.sampler import Sampler
-    from nanovllm.layers.sampling_state import SamplingState
+    from nanovllm.engine.sampler import Sampler
+    from nanovllm.engine.sequence import SamplingState
     from nanovllm.layers.cpu_kernels import CpuOps
     from nanovllm.models.tokenizer import load_tokenizer
     from nanovllm.structured import StructuredOutput, compile_format, ll_tokenizer

@@ -40,12 +40,11 @@ from nanovllm.engine.heap import release_free_heap
 from nanovllm.engine.hooks import PostStepHook, PostStepHooks, StepMetrics
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.policy import SchedulerPolicy, make_policy
+from nanovllm.engine.sampler import Sampler
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import SamplingState, Sequence
 from nanovllm.layers.logits_processors import WordIndex, build_logits_processors
 from nanovllm.layers.logprobs import TokenLogprobs
-from nanovllm.layers.sampler import Sampler
-from nanovllm.layers.sampling_state import SamplingState
 from nanovllm.layers.token_bytes import token_byte_table
 from nanovllm.structured import StructuredOutput, ll_tokenizer
 from nanovllm.structured.cache import GrammarCache

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.policy import FCFSPolicy, SchedulerPolicy
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.layers.sampler import SAMPLE_FAILED
+from nanovllm.engine.sampler import SAMPLE_FAILED
 from nanovllm_client.protocol import FinishReason
 
 

@@ -1,14 +1,18 @@
-"""A request's live state inside the engine, all of it in one object: its tokens, its KV blocks,
-how far it has run, its frozen sampling parameters and its sampling state."""
+"""A request inside the engine, all of it in one object: its tokens, its KV blocks, how far it
+has run, its frozen sampling parameters and its sampling state (`SamplingState`: processors, seed
+generator, bias tensors, logprobs and errors not yet reported). The scheduler, the block manager
+and the sampler read and write its fields; the engine builds it in `add_request` and drops it when
+the request ends, and nothing else keeps a table of requests beside it."""
 # [ZH-START]
-# 【模块定位】一个请求在引擎里的"活状态"，各部件共享的那份数据。
+# 【模块定位】一个请求在引擎里的全部状态，各部件共享的那份数据：Sequence（token、块表、进度、
+# 冻结的 SamplingParams）和挂在它身上的 SamplingState（采样跨步要记的东西）。
 # 整个服务：客户端 → 分词进程 → 引擎进程（LLMEngine.add_request 在这里创建 Sequence）
 #   → 反分词进程 → 客户端。
 # 引擎一步之内谁碰它：
 #   Scheduler.schedule ─按 status 在 waiting 堆 / running 列表之间搬动→ BlockManager
 #     改 block_table 等
 #   → StepInput.from_scheduled 读 token_ids、block_table、num_computed_tokens 组本步输入
-#   → Sampler 读 params 和 sampling（SamplingState：processors、种子、logprobs……）
+#   → Sampler 读 params 和 sampling（本模块的 SamplingState：processors、种子、logprobs……）
 #   → Scheduler.postprocess 推进 num_computed_tokens、把采样出的 token 追加进 token_ids
 # 状态机：
 #   WAITING ─schedule 接纳→ RUNNING ─stop / length / error→ FINISHED
@@ -18,10 +22,16 @@ how far it has run, its frozen sampling parameters and its sampling state."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Sequence as Seq
 
-from nanovllm.layers.sampling_state import SamplingState
+import torch
+
+from nanovllm.layers.logits_processors import LogitsProcessor
+from nanovllm.layers.logprobs import TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured import StructuredOutput
 from nanovllm_client.protocol import FinishReason
 
 
@@ -110,3 +120,84 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+
+@dataclass(slots=True, eq=False)  # a holder of mutable state: the same object, not equal values
+class SamplingState:
+    """One request's sampling state: its processors, its bias and min_tokens tensors on the
+    sampler's device, its own generator when seeded, and what a step left for the engine to
+    report (logprobs, or why its row could not be sampled)."""
+    # [ZH-START]
+    # 【职责】一个请求跨步的采样状态：logits processors（其中的 StructuredOutput 另记为 grammar，
+    # 约束冲突时语法优先）、预先建好的张量（min_tokens 期间要屏蔽的 id、logit_bias 的 id 与值）、
+    # 有种子时自己的 Generator、尚未上报的 logprobs、采样失败的原因；plain_greedy 在建的时候
+    # 算好一次（SamplingParams 是冻结的，不会再变）。
+    # 【边界】不保存 token 序列、不知道请求何时开始结束：这些在 Sequence 和 LLMEngine。
+    # 【协作者】LLMEngine.add_request 用 build 建好挂到 Sequence.sampling；
+    # Sampler 与 constraints 每步读写；
+    # LLMEngine._output 调 take_logprobs / take_error。
+    # [ZH-END]
+    processors: list[LogitsProcessor]
+    min_tokens_blocked: torch.Tensor | None
+    """EOS (unless ignore_eos) and stop token ids, masked while the output is shorter than min_tokens."""
+    bias_ids: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    generator: torch.Generator | None
+    grammar: StructuredOutput | None
+    """The request's response_format (one of `processors`): it wins where constraints conflict."""
+    plain_greedy: bool
+    """Greedy with nothing else on its row (no penalties, processors, logprobs, bias or
+    min_tokens): a batch of such rows is one argmax."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Computed but not yet reported by the engine."""
+    error: str | None = None
+    """Why the request's row could not be sampled, once it could not."""
+
+    @classmethod
+    def build(cls, params: SamplingParams, processors: list[LogitsProcessor], eos_token_ids: Seq[int],
+              vocab_size: int, device: torch.device, num_output_tokens: int = 0) -> SamplingState:
+        """The state of a request with `params`; ValueError for a logit_bias id outside the
+        vocabulary. `num_output_tokens`: output the request already has (continued after an
+        engine died): a seeded generator skips the numbers those tokens drew (one each, see
+        `sampling_ops.sample_rows`), so it draws what it would have drawn."""
+        # [ZH-START]
+        # 1. blocked = stop_token_ids + （除非 ignore_eos）模型的 EOS id 列表。
+        # 2. logit_bias 里有 id >= vocab_size 就抛 ValueError（add_request 时就拒绝，不等到采样）。
+        # 3. 非 greedy 且给了 seed：建一个只属于这个请求的 Generator(seed)，
+        #    并跳过已有输出抽过的 num_output_tokens 个随机数（续写时与没中断一样）。
+        # 4. 只有 min_tokens > 0 时才建 min_tokens_blocked 张量；有 bias 才建 bias_ids /
+        #    bias_values，都放在采样器的设备上，之后每步直接 index_fill_ / index_add_；
+        #    processors 里的 StructuredOutput 另记为 grammar；plain_greedy 一次算好。
+        # [ZH-END]
+        blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+        bias = [(t, b) for t, b in params.logit_bias.items() if t < vocab_size]
+        if len(bias) < len(params.logit_bias):
+            raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {vocab_size})")
+        generator = None
+        if params.seed is not None and not params.is_greedy:
+            generator = torch.Generator(device=device).manual_seed(params.seed)
+            for _ in range(num_output_tokens):
+                torch.rand(1, dtype=torch.float64, device=device, generator=generator)
+        min_tokens_blocked = None
+        if params.min_tokens:
+            min_tokens_blocked = torch.tensor([t for t in blocked if t < vocab_size], dtype=torch.long, device=device)
+        return cls(
+            processors=list(processors),
+            min_tokens_blocked=min_tokens_blocked,
+            bias_ids=torch.tensor([t for t, _ in bias], dtype=torch.long, device=device) if bias else None,
+            bias_values=torch.tensor([b for _, b in bias], dtype=torch.float32, device=device) if bias else None,
+            generator=generator,
+            grammar=next((p for p in processors if isinstance(p, StructuredOutput)), None),
+            plain_greedy=params.is_greedy and not (params.has_penalties or processors or params.logprobs is not None
+                                                   or bias or params.min_tokens),
+        )
+
+    def take_logprobs(self) -> list[TokenLogprobs]:
+        """The logprobs computed since the last call."""
+        out, self.logprobs = self.logprobs, []
+        return out
+
+    def take_error(self) -> str | None:
+        """Why the request's last row could not be sampled, or None."""
+        out, self.error = self.error, None
+        return out

@@ -5,8 +5,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampling_state import SamplingState
+from nanovllm.engine.sequence import SamplingState, Sequence
 from nanovllm.sampling_params import SamplingParams
 
 

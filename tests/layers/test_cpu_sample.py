@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler
+from nanovllm.engine.sampler import Sampler
 from nanovllm.layers.sampling_ops import draw
 from nanovllm.sampling_params import SamplingParams
 from tests.helpers.rows import sampled_row

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanovllm.layers import sampling_ops
-from nanovllm.layers.sampler import Sampler, apply_penalties_
+from nanovllm.engine.sampler import Sampler, apply_penalties_
 from nanovllm.sampling_params import SamplingParams
 from tests.helpers.rows import sampled_row
 

@@ -6,9 +6,9 @@ import itertools
 import pytest
 import torch
 
-from nanovllm.layers import sampler as sampler_module
+from nanovllm.engine import sampler as sampler_module
 from nanovllm.layers import sampling_ops
-from nanovllm.layers.sampler import Sampler
+from nanovllm.engine.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
 from tests.helpers.rows import sampled_row
 

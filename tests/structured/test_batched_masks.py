@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.constraints import _stack_bits, constrain_rows
+from nanovllm.engine.constraints import _stack_bits, constrain_rows
 from nanovllm.layers.cpu_kernels import CpuOps
 from nanovllm.layers.logits_processors import AllowedTokenIds
-from nanovllm.layers.sampler import SAMPLE_FAILED, Sampler
+from nanovllm.engine.sampler import SAMPLE_FAILED, Sampler
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured import StructuredOutput, compile_format, ll_tokenizer, prepare_masks
 from tests.helpers.rows import sampled_row

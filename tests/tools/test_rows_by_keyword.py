@@ -34,8 +34,7 @@ def typed_values() -> set[str]:
     from engine_proc.ledger import LiveRequest
     from engine_proc.output import StepMessages
     from nanovllm.engine.llm_engine import RequestOutput, StepStats
-    from nanovllm.engine.sequence import Sequence
-    from nanovllm.layers.sampling_state import SamplingState
+    from nanovllm.engine.sequence import SamplingState, Sequence
     from nanovllm_client.client_state import Delta, Result
     from nanovllm_client.http.schema import Call
     from nanovllm_client.sampling import SamplingParams

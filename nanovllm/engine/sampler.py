@@ -36,9 +36,10 @@ forward runs: the engine calls `prepare` with the rows to sample before the forw
 
 Each request's state between steps lives on the request (`SamplingState`, `Sequence.sampling`):
 the sampler is a function over the step's rows and holds only what all rows share (the unseeded
-generator, the mask prefetcher, the compiled CPU ops). This module holds the step's order; the
-parts live beside it: `penalties` (2), `constraints` (3), `sampling_ops` (4: filters and the
-draw) and `logprobs` (1).
+generator, the mask prefetcher, the compiled CPU ops); the engine owns it and calls it after the
+forward. This module holds the step's order; the parts: `constraints` (3) beside it, and the
+tensor work in `nanovllm/layers/`: `penalties` (2), `sampling_ops` (4: filters and the draw) and
+`logprobs` (1).
 """
 # [ZH-START]
 # 【模块定位】引擎一步的最后一段：把 LM head 的 logits 变成下一个 token。
@@ -51,30 +52,30 @@ draw) and `logprobs` (1).
 # 全是整批张量运算，Python 循环只遍历"有约束或有种子"的请求；全是普通 greedy 的批只是一次 argmax。
 # 某一行采样失败只结束该请求（返回 SAMPLE_FAILED = -1，原因记进它自己的 SamplingState），
 # 不影响同批其他行。
-# 每请求的状态挂在请求身上（Sequence.sampling，见 sampling_state），采样器只是"这一步的行"上的
-# 函数，自己只保存所有行共享的东西（无种子行共用的 Generator、掩码预取、CPU 编译算子）。
-# 本模块管一步的顺序；各段在旁边的模块里：penalties（惩罚）、constraints（约束与语法优先）、
-# sampling_ops（过滤与抽样）、logprobs。
+# 每请求的状态挂在请求身上（Sequence.sampling，见 sequence.py 的 SamplingState），
+# 采样器只是"这一步的行"上的函数，自己只保存所有行共享的东西（无种子行共用的 Generator、
+# 掩码预取、CPU 编译算子）；引擎持有它，在前向之后调用。
+# 本模块管一步的顺序；各段：旁边的 constraints（约束与语法优先），layers/ 里的张量运算
+# penalties（惩罚）、sampling_ops（过滤与抽样）、logprobs。
 # [ZH-END]
 from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
 
 import torch
 
-from nanovllm.layers.constraints import MAX_ERROR_CHARS, constrain_rows, non_finite
+from nanovllm.engine.constraints import MAX_ERROR_CHARS, constrain_rows, non_finite
+from nanovllm.engine.sequence import SamplingState, Sequence
 from nanovllm.layers.logprobs import TokenLogprobs, token_logprobs
 from nanovllm.layers.penalties import apply_penalties_, penalty_tensors
 from nanovllm.layers.sampling_ops import draw, filter_candidates, has_filters, sample_rows
-from nanovllm.layers.sampling_state import SampledRow, SamplingState
 from nanovllm.structured.prefetch import MaskPrefetcher
 
 __all__ = ["Sampler", "SamplingState", "SAMPLE_FAILED", "MAX_ERROR_CHARS", "TokenLogprobs", "token_logprobs",
            "apply_penalties_", "sample_rows", "filter_candidates", "draw"]
 """The sampler's public names, importable from here wherever they live (`constraints`, `logprobs`,
-`penalties`, `sampling_ops` beside this module). Settings such as `sampling_ops.PROBE_WIDTH` are
+`penalties`, `sampling_ops`). Settings such as `sampling_ops.PROBE_WIDTH` are
 read where they live: set them there."""
 
 SAMPLE_FAILED = -1
@@ -112,7 +113,7 @@ class Sampler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def prepare(self, seqs: Sequence[SampledRow]) -> None:
+    def prepare(self, seqs: list[Sequence]) -> None:
         """Start computing the grammar masks of `seqs`, the rows the coming `__call__` samples;
         the model runner calls it just before the forward, which the computation then overlaps."""
         jobs = [(st.grammar, seq.output_token_ids) for seq in seqs
@@ -121,7 +122,7 @@ class Sampler:
             self.masks.start(jobs)
 
     @torch.inference_mode()  # the forward's logits are inference tensors, changed here in place
-    def __call__(self, logits: torch.Tensor, seqs: Sequence[SampledRow]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits (B, V) float32, one row per sequence -> one token id per sequence.
 
         A row that could not be sampled gets SAMPLE_FAILED, and its state's `error` says why.
@@ -180,7 +181,7 @@ class Sampler:
 
     @staticmethod
     def _record_logprobs(raw_logprobs: torch.Tensor, rows: list[int], tokens: torch.Tensor,
-                         seqs: Sequence[SampledRow], failed: dict[int, str]) -> None:
+                         seqs: list[Sequence], failed: dict[int, str]) -> None:
         """raw_logprobs (R, V) are the log-softmax of `rows`; each row that did not fail gets its entry."""
         keep = [j for j, i in enumerate(rows) if i not in failed]
         if len(keep) < len(rows):
@@ -189,7 +190,7 @@ class Sampler:
             for i, lp in zip(rows, token_logprobs(raw_logprobs, tokens[rows], [seqs[i].params.logprobs for i in rows])):
                 seqs[i].sampling.logprobs.append(lp)
 
-    def _greedy(self, logits: torch.Tensor, seqs: Sequence[SampledRow]) -> list[int]:
+    def _greedy(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         # [ZH-START]
         # 1. tokens = argmax(logits, dim=-1)，形状 (B,)。
         # 2. chosen = 每行被选中的那个值 (B,)：行里有 NaN 或 +inf 时 argmax 会落在它上面，
@@ -218,7 +219,7 @@ class Sampler:
                 failed.setdefault(i, f"sampled token id {int(tokens[i])} is outside the vocabulary [0, {self.vocab_size})")
 
     @staticmethod
-    def _report(tokens: torch.Tensor, seqs: Sequence[SampledRow], failed: dict[int, str]) -> list[int]:
+    def _report(tokens: torch.Tensor, seqs: list[Sequence], failed: dict[int, str]) -> list[int]:
         ids = tokens.tolist()
         for i, error in failed.items():
             ids[i] = SAMPLE_FAILED
@@ -226,7 +227,7 @@ class Sampler:
             log.warning("request %s cannot be sampled: %s", seqs[i].request_id, error)
         return ids
 
-    def _choose(self, logits: torch.Tensor, seqs: Sequence[SampledRow]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         # [ZH-START]
         # 1. tokens = empty (B,)。
         # 2. 按参数把行分三组：greedy（is_greedy）、filtered（0 < top_k < V、

@@ -26,12 +26,11 @@ reported as failed, never raised: `Sampler` ends that request alone.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
 
 import numpy as np
 import torch
 
-from nanovllm.layers.sampling_state import SampledRow, SamplingState
+from nanovllm.engine.sequence import SamplingState, Sequence
 
 _NEG_INF = float("-inf")
 MAX_ERROR_CHARS = 500
@@ -39,7 +38,7 @@ MAX_ERROR_CHARS = 500
 log = logging.getLogger(__name__)
 
 
-def constrain_rows(logits: torch.Tensor, seqs: Sequence[SampledRow], failed: dict[int, str], cpu_ops=None) -> None:
+def constrain_rows(logits: torch.Tensor, seqs: list[Sequence], failed: dict[int, str], cpu_ops=None) -> None:
     """Apply each row's constraints; rows that fail them, or are left non-finite, go into `failed`.
     `cpu_ops` (the compiled `CpuOps`, on CPU) applies grammar-only rows' packed masks."""
     # [ZH-START]
@@ -93,7 +92,7 @@ def constrain_rows(logits: torch.Tensor, seqs: Sequence[SampledRow], failed: dic
         for i in bad.nonzero().flatten().tolist():
             failed.setdefault(i, non_finite(logits[i]) + " after penalties and constraints")
 
-def mask_grammar_rows(logits: torch.Tensor, rows: list[int], seqs: Sequence[SampledRow], failed: dict[int, str],
+def mask_grammar_rows(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], failed: dict[int, str],
                       cpu_ops=None) -> None:
     """Mask the rows whose only constraint is their grammar, all in one op (their masks are
     usually ready: `MaskPrefetcher` filled them while the forward ran). On CPU with the compiled
@@ -149,7 +148,7 @@ def _stack_rows(masks: list[torch.Tensor], width: int) -> torch.Tensor:
     return torch.cat([stacked, pad], dim=1)
 
 
-def apply_constraints(logits: torch.Tensor, i: int, seq: SampledRow) -> str | None:
+def apply_constraints(logits: torch.Tensor, i: int, seq: Sequence) -> str | None:
     """Constrain row i (`seq`'s) in place; the error text if one of the request's processors failed."""
     # [ZH-START]
     # 1. 有 bias：logits[i].index_add_(bias_ids, bias_values)。
