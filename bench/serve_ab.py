@@ -34,7 +34,9 @@ def run_side(checkout: str, extra: list[str]) -> dict[int, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "sweep.json")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([checkout, os.path.join(checkout, "client")]))
-        subprocess.run([sys.executable, os.path.join(checkout, "bench", "serve.py"), "--sweep", "--null-model",
+        # As a module from the checkout's root: run as a file, bench/ would come first on the path
+        # and its http.py would hide the standard library's.
+        subprocess.run([sys.executable, "-m", "bench.serve", "--sweep", "--null-model",
                         "--skip-offline", "--json", out, *extra], check=True, env=env, cwd=checkout,
                        stdout=subprocess.DEVNULL)
         with open(out) as f:

@@ -534,9 +534,14 @@ def typed_row(name: str, row: Any, row_type: type, tolerant: bool = False) -> An
         row = (*row, *(row_type._field_defaults[f] for f in row_type._fields[len(row):]))
     readers = _READERS.get(row_type)
     if readers:
-        row = list(row)
+        copied = False
         for i, read in readers:
-            row[i] = read(row_type._fields[i], row[i])
+            value = row[i]
+            typed_value = read(row_type._fields[i], value)
+            if typed_value is not value:  # most rows' readers return what they got (a null reason)
+                if not copied:
+                    row, copied = list(row), True
+                row[i] = typed_value
     typed = tuple.__new__(row_type, row)  # its width checked above; skips NamedTuple's slower __new__
     typed.check()
     return typed
