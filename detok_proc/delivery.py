@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
+from nanovllm.metrics import DetokMetrics
 from nanovllm_client import protocol as p
 
 NO_ROOM = "no room"
@@ -67,7 +68,7 @@ class Delivery:
     # 【协作者】DetokStage（给出 send / give_up，调用 stage_delta / send / flush_*）；
     # DetokMetrics（排队字节）。
     # [ZH-END]
-    def __init__(self, send: Send, give_up: Callable[[bytes, str], None], metrics: Any,
+    def __init__(self, send: Send, give_up: Callable[[bytes, str], None], metrics: DetokMetrics,
                  max_pending_frames: int = 1000, max_pending_bytes: int = 256 << 20):
         self._send, self._give_up, self.metrics = send, give_up, metrics
         self.max_pending_frames, self.max_pending_bytes = max_pending_frames, max_pending_bytes

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
+from nanovllm.metrics import DetokMetrics
 from nanovllm_client import protocol as p
 
 log = logging.getLogger("detok_proc")
@@ -52,7 +53,7 @@ class EngineWatch:
     # 【协作者】DetokStage 把引擎消息、连接事件、超时检查交给它，按 EngineEvent 结束请求、
     # 广播 EngineStatus、记拒绝帧。
     # [ZH-END]
-    def __init__(self, timeout_s: float, metrics: Any):
+    def __init__(self, timeout_s: float, metrics: DetokMetrics):
         self.timeout_s, self.metrics = timeout_s, metrics
         self.instance = ""
         """The engine instance followed; "" until one is heard."""

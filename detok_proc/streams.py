@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from nanovllm.detokenize import IncrementalDetokenizer
+from nanovllm.metrics import DetokMetrics
 from nanovllm_client import protocol as p
 
 log = logging.getLogger("detok_proc")
@@ -136,7 +137,7 @@ class RequestStreams:
     # 【协作者】DetokStage（把引擎 step、客户端离开、引擎事件交给它，按 Outcome 投递增量、
     #   发 abort）；Recovery；IncrementalDetokenizer；DetokMetrics。
     # [ZH-END]
-    def __init__(self, tokenizer: Any, metrics: Any):
+    def __init__(self, tokenizer: Any, metrics: DetokMetrics):
         self.tokenizer, self.metrics = tokenizer, metrics
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[bytes, dict[str, None]] = {}

@@ -139,7 +139,7 @@ class Input:
             self.queued_bytes += queued.nbytes
         self.inbox.put(queued)
 
-    def _accept(self, frames: list[bytes], accepted: tuple, socket_name: str) -> Any:
+    def _accept(self, frames: list[bytes], accepted: tuple, socket_name: str) -> p.Message | None:
         """The message if it is one of `accepted`; otherwise None, the frame counted as rejected
         (only stages talk to us, and they have no reply path)."""
         self.metrics.frame_received()

@@ -111,7 +111,7 @@ class Result:
     usage: dict[str, int] | None = None
 
 
-def build_request(prompt: Any = None, *, messages: list[dict] | None = None,
+def build_request(prompt: str | list[int] | list[dict] | None = None, *, messages: list[dict] | None = None,
                   prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
                   tools: list[dict] | str | None = None, chat_template_kwargs: dict | str | None = None,
                   sampling: SamplingParams | None = None, **params: Any) -> p.GenerateReq:

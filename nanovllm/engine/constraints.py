@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.sequence import SamplingState, Sequence
+from nanovllm.layers.cpu_kernels import CpuOps
 
 _NEG_INF = float("-inf")
 MAX_ERROR_CHARS = 500
@@ -38,7 +39,8 @@ MAX_ERROR_CHARS = 500
 log = logging.getLogger(__name__)
 
 
-def constrain_rows(logits: torch.Tensor, seqs: list[Sequence], failed: dict[int, str], cpu_ops=None) -> None:
+def constrain_rows(logits: torch.Tensor, seqs: list[Sequence], failed: dict[int, str],
+                   cpu_ops: CpuOps | None = None) -> None:
     """Apply each row's constraints; rows that fail them, or are left non-finite, go into `failed`.
     `cpu_ops` (the compiled `CpuOps`, on CPU) applies grammar-only rows' packed masks."""
     # [ZH-START]
@@ -93,7 +95,7 @@ def constrain_rows(logits: torch.Tensor, seqs: list[Sequence], failed: dict[int,
             failed.setdefault(i, non_finite(logits[i]) + " after penalties and constraints")
 
 def mask_grammar_rows(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], failed: dict[int, str],
-                      cpu_ops=None) -> None:
+                      cpu_ops: CpuOps | None = None) -> None:
     """Mask the rows whose only constraint is their grammar, all in one op (their masks are
     usually ready: `MaskPrefetcher` filled them while the forward ran). On CPU with the compiled
     ops (`cpu_ops`) the grammars' packed bits are applied as they are (`CpuOps.mask_bits`);

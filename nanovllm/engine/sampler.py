@@ -67,6 +67,7 @@ import torch
 
 from nanovllm.engine.constraints import MAX_ERROR_CHARS, constrain_rows, non_finite
 from nanovllm.engine.sequence import SamplingState, Sequence
+from nanovllm.layers.cpu_kernels import CpuOps
 from nanovllm.layers.logprobs import TokenLogprobs, token_logprobs
 from nanovllm.layers.penalties import apply_penalties_, penalty_tensors
 from nanovllm.layers.sampling_ops import draw, filter_candidates, has_filters, sample_rows
@@ -96,7 +97,7 @@ class Sampler:
     # sample_rows / filter_candidates / draw（sampling_ops）、token_logprobs（logprobs）。
     # [ZH-END]
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, mask_threads: int | None = None,
-                 cpu_ops=None):
+                 cpu_ops: CpuOps | None = None):
         """`mask_threads`: threads that fill a step's grammar masks; by default the engine's CPU
         threads (`torch.get_num_threads()`, which the model runner sets from the config).
         `cpu_ops`: the compiled `CpuOps` on CPU (the model runner loads them)."""

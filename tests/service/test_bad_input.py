@@ -11,6 +11,7 @@ import zmq
 from nanovllm_client import PROTOCOL_VERSION, RequestError, SamplingError
 from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
+from tests.service.harness import wait_for
 
 
 @pytest.fixture
@@ -131,3 +132,49 @@ def test_sampling_fields_the_service_cannot_honour_are_refused_by_name(client):
     with pytest.raises(SamplingError, match="unknown sampling parameter.*'bogus'"):
         client.generate("hi", bogus=1)
     assert client.generate("hi", max_tokens=2, ignore_eos=True).finish_reason == "length"
+
+
+def test_a_client_of_the_previous_release_is_served_as_before(service, client):
+    """Frames exactly as a client from before the sampling struct builds them: protocol version
+    2, every field of `generate`, stop strings and skip_special_tokens beside `sampling` and
+    a stop string inside it too. The service streams the answer the current client gets for the
+    same request; a stage frame of that release is refused, naming the versions."""
+    ctx = zmq.Context()
+    identity = uuid.uuid4().bytes
+    eps = service_endpoints(service.url)
+    try:
+        out = ctx.socket(zmq.DEALER)
+        tok = ctx.socket(zmq.DEALER)
+        for sock, endpoint in ((out, eps.stream), (tok, eps.tokenizer)):
+            sock.setsockopt(zmq.ROUTING_ID, identity)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+        assert isinstance(ask(out, p.Ping().encode()), p.Pong)  # the detokenizer knows where to stream
+        plain = client.generate("def main():", max_tokens=40, temperature=0, ignore_eos=True).text
+        stop = plain[10:13]  # surely in the answer: it must end there, by a stop string sent beside `sampling`
+        assert len(stop) == 3 and plain.find(stop) >= 0
+        old = {"request_id": "old#1", "prompt": "def main():", "messages": None, "prompt_token_ids": None,
+               "sampling": {"max_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": "\x00\x01"},
+               "stop": [stop], "skip_special_tokens": True, "priority": 0, "resend": False,
+               "output_token_ids": None, "output_chars": 0, "tools": None, "chat_template_kwargs": None}
+        tok.send(msgpack.packb([2, "generate", old], use_bin_type=True))
+        text, last = "", None
+        while last is None:
+            assert out.poll(60_000), "no answer for the old client's request"
+            for d in getattr(p.decode(out.recv()), "deltas", []):
+                text += d.text
+                last = d if d.finish_reason is not None else None
+        want = client.generate("def main():", max_tokens=40, temperature=0, ignore_eos=True, stop=[stop, "\x00\x01"])
+        assert (text, last.finish_reason) == (want.text, want.finish_reason) == (plain[:plain.find(stop)], "stop")
+        before = client.server_stats()["engine"]["rejected_frames"]
+        engine = ctx.socket(zmq.PUSH)
+        engine.connect(eps.engine)
+        engine.send(msgpack.packb([2, "tokenized", {"request_id": "c:r", "prompt_token_ids": b"\0\0\0\0",
+                                                    "sampling": {}, "meta": [b"c", "r", [], True, b"", 0.0, 0,
+                                                                             False, 0, 0, False]}]))
+        wait_for(lambda: client.server_stats()["engine"]["rejected_frames"] > before, timeout=60,
+                 what="the engine to refuse the previous release's frame")
+    finally:
+        ctx.destroy(linger=0)
+    with pytest.raises(p.ProtocolError, match="protocol version 2 is not supported for 'tokenized' messages"):
+        p.decode(msgpack.packb([2, "tokenized", {}]))  # the words that frame was refused with

@@ -51,7 +51,8 @@ class Call:
     model: str
     stream: bool
     include_usage: bool
-    prompt: Any
+    prompt: str | list[int] | list[dict[str, Any]]
+    """Text, token ids (completions) or the chat's messages as the template reads them."""
     sampling: SamplingParams
     kwargs: dict[str, Any] = field(default_factory=dict)
     """The client call's other arguments: priority, tools, chat_template_kwargs."""
