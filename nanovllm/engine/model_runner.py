@@ -176,7 +176,7 @@ class ModelRunner:
         # 2. TP size > 1：rank 0 先 check_can_init()，再 WorkerProcesses.start + wait_ready（worker
         #    起不来立刻报错）；然后所有 rank 调 init_tensor_parallel，
         #    得到计算组 tp 和控制组 channel。
-        # 3. 只有 rank 0 建 Sampler(vocab_size, device, seed)，其他 rank 为 None。
+        # 3. sample_ops = None（引擎的 Sampler 用的编译算子，CPU 上第 6 步填上；采样不在这里做）。
         # 4. 在目标设备上构建 DecoderForCausalLM → load_weights 逐张量流式加载 → 再转成 dtype
         #    （单 rank CPU 且 gguf_weights="packed" 时 GGUF 矩阵保持量化打包，否则反量化成浮点；
         #    先加载后转换：保持打包的矩阵从不写入其浮点参数，加载峰值不含它们）
@@ -187,8 +187,8 @@ class ModelRunner:
         #    NANOVLLM_TRITON_FUSED=0 时不给，走 torch 算子）；CPU 上 dtype 为 fp32/bf16 且
         #    head_dim <= 256 时加载 CpuAttentionKernel 和融合算子 CpuOps，否则（或无编译器、
         #    NANOVLLM_CPU_KERNELS=0 时 load() 返回 None）走 torch 算子；CpuOps 只加载一次，
-        #    CPU 上 rank 0 的 Sampler 无论如何都拿到它（cpu_ops）：无过滤的采样行用编译抽样 draw，
-        #    只有语法约束的行用 mask_bits 直接套打包掩码（都在 cpu_sample.c）。
+        #    无论注意力走哪条路都存为 sample_ops，交给引擎的 Sampler：无过滤的采样行用编译抽样
+        #    draw，只有语法约束的行用 mask_bits 直接套打包掩码（都在 cpu_sample.c）。
         # 7. num_blocks = _num_kv_blocks()，再 _allocate_kv_cache() 分配真正的 cache；
         #    CPU 上随后 release_free_heap()（malloc_trim），把加载时的临时内存还给操作系统。
         # 8. CUDA、非 enforce_eager 且不是 null model：DecodeGraphs 捕获 decode CUDA 图
