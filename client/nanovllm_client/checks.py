@@ -111,13 +111,6 @@ def check_map(name: str, value: Any, max_len: int) -> None:
         raise ProtocolError(f"{name} must be a map of at most {max_len} entries with string keys, got {show(value)}")
 
 
-def check_strings(name: str, value: Any, max_count: int, max_len: int) -> None:
-    if not (isinstance(value, list) and len(value) <= max_count
-            and all(isinstance(s, str) and s != "" and len(s) <= max_len for s in value)):
-        raise ProtocolError(f"{name} must be a list of at most {max_count} non-empty strings of at most {max_len} "
-                            f"characters, got {show(value)}")
-
-
 def check_fields(name: str, value: dict, allowed: frozenset[str], required: frozenset[str] = frozenset()) -> None:
     """Exactly the keys a structured map may have: unknown keys and missing required ones are errors."""
     unknown = [k for k in value if k not in allowed]

@@ -20,7 +20,7 @@ from array import array
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
-from .checks import show
+from .checks import is_int, show
 from .response_format import check_response_format
 
 __all__ = ["SamplingParams", "SamplingError", "WIRE_FIELDS", "TEXT_FIELDS", "MAX_COUNT", "TOKEN_ID_LIMIT", "SEED_MIN",
@@ -78,10 +78,6 @@ def _check(ok: bool, name: str, message: str, *values: Any) -> None:
         raise SamplingError(name, message.format(*map(show, values)) if values else message)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_number(v: Any) -> bool:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
@@ -99,7 +95,7 @@ def _in_range(name: str, value: Any, lo: float, hi: float, allowed: str, key: An
 
 
 def _is_token_id(v: Any) -> bool:
-    return _is_int(v) and 0 <= v < TOKEN_ID_LIMIT
+    return is_int(v) and 0 <= v < TOKEN_ID_LIMIT
 
 
 def _bias_key(k: Any) -> int | None:
@@ -192,15 +188,15 @@ class SamplingParams:
     def _validate_sampling(self) -> None:
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
                "temperature must be a number >= 0 (0 means greedy), got {}", self.temperature)
-        _check(_is_int(self.top_k) and -1 <= self.top_k <= MAX_COUNT, "top_k",
+        _check(is_int(self.top_k) and -1 <= self.top_k <= MAX_COUNT, "top_k",
                f"top_k must be -1 or 0 (disabled) or an integer in [1, {MAX_COUNT}], got {{}}", self.top_k)
         if self.top_k == 0:
             _set(self, "top_k", -1)
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1], got {}", self.top_p)
         _in_range("min_p", self.min_p, 0, 1, "in [0, 1]")
-        _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX), "seed",
+        _check(self.seed is None or (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX), "seed",
                "seed must be null or an integer in [-2**63, 2**64), got {}", self.seed)
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+        _check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
                f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {{}}", self.logprobs)
 
     def _validate_penalties(self) -> None:
@@ -223,9 +219,9 @@ class SamplingParams:
         _set(self, "logit_bias", normal)
 
     def _validate_lengths(self) -> None:
-        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_COUNT, "max_tokens",
+        _check(is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_COUNT, "max_tokens",
                f"max_tokens must be an integer in [1, {MAX_COUNT}], got {{}}", self.max_tokens)
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                "min_tokens must be an integer in [0, max_tokens={}], got {}", self.max_tokens, self.min_tokens)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, f"{name} must be true or false, got {{}}",
@@ -286,12 +282,6 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
-
-    @property
-    def has_constraints(self) -> bool:
-        """Whether anything besides penalties changes this request's logits before sampling."""
-        return bool(self.logit_bias or self.banned_words or self.allowed_token_ids is not None
-                    or self.logits_processors or self.min_tokens or self.response_format is not None)
 
     def text_params(self) -> SamplingParams:
         """These parameters with only the text-side fields kept (`TEXT_FIELDS`), the rest at their

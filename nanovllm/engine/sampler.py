@@ -1,7 +1,7 @@
 """Token sampling for a whole batch at once, each row with its own parameters.
 
-The model runner hands over the last-position logits (B, V) of every sequence that samples this
-step. Per step, in this order:
+The engine hands over the last-position logits (B, V) the model runner computed for every
+sequence that samples this step. Per step, in this order:
 
 1. logprobs (if asked) are read from the raw model distribution, before anything below;
 2. penalties (repetition over prompt + output, presence / frequency over the output);

@@ -156,7 +156,7 @@ class Scheduler:
         #    再接纳只会互相抢占、来回抖动。
         # 6. 返回 scheduled：前面是 running 的，后面是新接纳的。
         # [ZH-END]
-        self.running = [s for s in self.running if not s.is_finished]
+        self._drop_finished_running()
         self.running.sort(key=self.policy.key)  # already sorted under FCFS: a linear check
         budget = self.max_num_batched_tokens
         self.queue_times = []
@@ -333,8 +333,12 @@ class Scheduler:
                 self.finish(seq, reason)
                 any_finished = True
         if any_finished:  # now, not at the next schedule(): an idle engine would hold them (and their state)
-            self.running = [s for s in self.running if not s.is_finished]
+            self._drop_finished_running()
         return num_appended
+
+    def _drop_finished_running(self) -> None:
+        """`running` without the sequences `finish` left in it (it never removes one: O(1) per finish)."""
+        self.running = [s for s in self.running if not s.is_finished]
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         # [ZH-START]

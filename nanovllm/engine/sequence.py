@@ -161,15 +161,14 @@ class SamplingState:
         engine died): a seeded generator skips the numbers those tokens drew (one each, see
         `sampling_ops.sample_rows`), so it draws what it would have drawn."""
         # [ZH-START]
-        # 1. blocked = stop_token_ids + （除非 ignore_eos）模型的 EOS id 列表。
-        # 2. logit_bias 里有 id >= vocab_size 就抛 ValueError（add_request 时就拒绝，不等到采样）。
-        # 3. 非 greedy 且给了 seed：建一个只属于这个请求的 Generator(seed)，
+        # 1. logit_bias 里有 id >= vocab_size 就抛 ValueError（add_request 时就拒绝，不等到采样）。
+        # 2. 非 greedy 且给了 seed：建一个只属于这个请求的 Generator(seed)，
         #    并跳过已有输出抽过的 num_output_tokens 个随机数（续写时与没中断一样）。
-        # 4. 只有 min_tokens > 0 时才建 min_tokens_blocked 张量；有 bias 才建 bias_ids /
+        # 3. 只有 min_tokens > 0 时才建 min_tokens_blocked 张量（stop_token_ids + 除非 ignore_eos
+        #    模型的 EOS id，min_tokens 之前屏蔽）；有 bias 才建 bias_ids /
         #    bias_values，都放在采样器的设备上，之后每步直接 index_fill_ / index_add_；
         #    processors 里的 StructuredOutput 另记为 grammar；plain_greedy 一次算好。
         # [ZH-END]
-        blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
         bias = [(t, b) for t, b in params.logit_bias.items() if t < vocab_size]
         if len(bias) < len(params.logit_bias):
             raise ValueError(f"logit_bias has a token id outside the vocabulary [0, {vocab_size})")
@@ -180,6 +179,7 @@ class SamplingState:
                 torch.rand(1, dtype=torch.float64, device=device, generator=generator)
         min_tokens_blocked = None
         if params.min_tokens:
+            blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
             min_tokens_blocked = torch.tensor([t for t in blocked if t < vocab_size], dtype=torch.long, device=device)
         return cls(
             processors=list(processors),
