@@ -73,6 +73,14 @@ class Config:
     seed: int = 0
     enforce_eager: bool = False
     """On CUDA, run decode steps eagerly instead of replaying CUDA graphs."""
+    overlap_scheduling: bool | None = None
+    """Schedule and launch step t+1 while the device still runs step t, reading step t's tokens
+    back one step late (stop conditions and aborts then take effect one step late; greedy and
+    seeded output is the same either way). It applies while every live request samples from the
+    logits alone (no penalties, logprobs, logit_bias, min_tokens, logits processors or
+    response_format) and no preemption is due; otherwise that step runs synchronously. None: on
+    with CUDA on one rank, off on CPU (where the forward runs on the host's own cores, so nothing
+    overlaps it). Not with tensor parallelism."""
     tensor_parallel_size: int = 1
     """Ranks (processes, one GPU each on CUDA) the model is split over; must divide the heads,
     the key/value heads and the MLP width."""
@@ -104,5 +112,9 @@ class Config:
         if self.gguf_weights not in ("packed", "float"):
             raise ValueError(f"gguf_weights must be 'packed' (the file's quantized form, read by the packed CPU "
                              f"kernels) or 'float' (dequantized at load); got {self.gguf_weights!r}")
+        if self.overlap_scheduling not in (None, True, False):
+            raise ValueError(f"overlap_scheduling must be true, false or null (auto), got {self.overlap_scheduling!r}")
+        if self.overlap_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("overlap_scheduling does not run with tensor_parallel_size > 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be one of auto, cpu, cuda; got {self.device!r}")

@@ -1,8 +1,9 @@
 """Paged KV-cache blocks: O(1) allocate/free, reference counts and prefix caching.
 
 A full block is identified by a chained hash (xxh64 of the previous block's hash and its token
-ids) plus a token-equality check on a hit. A block is registered in the cache only after its
-K/V have been written (`commit`, called after each step), and the block holding a prompt's last
+ids) plus a token-equality check on a hit. A block is registered in the cache only once the
+step that writes its K/V has run, or on CUDA been queued (`commit`, called after each step's
+launch: a step that reads it is queued after), and the block holding a prompt's last
 token is never a hit, so every admitted sequence computes at least one token. Freed blocks keep
 their hash until they are handed out again (lazy eviction, least recently freed first). Two
 sequences with the same prefix scheduled in one step both compute it; `commit` then keeps one
@@ -15,7 +16,7 @@ copy and returns the other block at once, so no duplicate stays resident. A requ
 #   LLMEngine.step
 #     ├─ Scheduler.schedule ─能否分配 / 追加？→ BlockManager → 写好 seq.block_table
 #     ├─ ModelRunner.run：按 block_table 把本步 K/V 写进 kv_cache[block_id]，并读出来做 attention
-#     └─ Scheduler.postprocess → BlockManager.commit：把刚写满的块登记进前缀缓存
+#     └─ Scheduler.advance → BlockManager.commit：把刚写满的块登记进前缀缓存
 # 整个服务：客户端 → 分词进程 → 引擎进程（本模块在这里）→ 反分词进程 → 客户端。
 # 三个核心结构：
 #   - blocks[i]：第 i 个物理块的元数据（ref_count、hash、token_ids）；
@@ -169,8 +170,9 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """Offer the blocks whose K/V are now written to the prefix cache (after a step)."""
         # [ZH-START]
-        # 在 Scheduler.postprocess 里、num_computed_tokens 已加上本步 token 之后调用。
-        # 为什么等到步后才登记：登记前 K/V 还没写进去，别的序列命中就会读到垃圾。
+        # 在 Scheduler.advance 里、num_computed_tokens 已加上本步 token 之后调用（本步已发射）。
+        # 为什么等到这一步发射后才登记：登记前 K/V 还没排进要写的队列，别的序列命中就会读到垃圾；
+        # 发射之后，命中它的序列最早在下一步才读，排在写它的这一步后面（CPU 上这一步已跑完）。
         # 1. 没开前缀缓存 → 返回。
         # 2. num_full = num_computed_tokens // block_size：K/V 已写满的块数。
         # 3. 对还没登记的块 i ∈ [num_registered_blocks, num_full)：

@@ -40,9 +40,10 @@ from nanovllm.engine.heap import release_free_heap
 from nanovllm.engine.hooks import PostStepHook, PostStepHooks, StepMetrics
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.policy import SchedulerPolicy, make_policy
-from nanovllm.engine.sampler import Sampler
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sampler import SAMPLE_FAILED, Sampler
+from nanovllm.engine.scheduler import ScheduledSeq, Scheduler
 from nanovllm.engine.sequence import SamplingState, Sequence
+from nanovllm.layers.host_copy import Download
 from nanovllm.layers.logits_processors import WordIndex, build_logits_processors
 from nanovllm.layers.logprobs import TokenLogprobs
 from nanovllm.layers.token_bytes import token_byte_table
@@ -96,6 +97,28 @@ class RequestOutput:
     """Why the request failed, with FinishReason.ERROR (e.g. its logits processor raised)."""
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose forward and sampling were launched and whose tokens are not yet settled."""
+    # [ZH-START]
+    # 已经发射（前向 + 采样）、结果还没落地的一步：settle 它所需要的一切。
+    # tokens 不为 None 时是重叠调度在设备上采样的结果，download 把它异步拷回 pinned 内存，
+    # host 要用时才等；logits 留着，只为说明哪一行为什么采样失败。
+    # 同步的一步（有需要 host 采样的请求）tokens 为 None，sampled 直接是 token 列表。
+    # [ZH-END]
+    scheduled: list[ScheduledSeq]
+    rows: list[Sequence]
+    """The sequences it samples for, in row order."""
+    sampled: list[int] | None = None
+    """Their tokens, when sampled on the host path (`Sampler.__call__`)."""
+    tokens: torch.Tensor | None = None
+    """(len(rows),) on the device, when sampled there (`Sampler.sample_plain`)."""
+    download: Download | None = None
+    """`tokens` on their way to host memory."""
+    logits: torch.Tensor | None = None
+    """The rows' logits, kept to say why a row sampled on the device failed."""
+
+
 class LLMEngine:
     # [ZH-START]
     # 职责：装配 ModelRunner、BlockManager、Scheduler（含策略）、Sampler；
@@ -142,6 +165,14 @@ class LLMEngine:
                                    config.kv_watermark, config.preempt_ratio)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
+        self.overlap = (config.overlap_scheduling if config.overlap_scheduling is not None
+                        else self.runner.device.type == "cuda" and config.tensor_parallel_size == 1)
+        """Whether steps overlap (Config.overlap_scheduling, resolved for this device)."""
+        self._pending: LaunchedStep | None = None
+        """The overlapped step launched last, settled by the next `step()`."""
+        self._host_sampled: set[str] = set()
+        """Live requests whose rows need the host's sampler (not `SamplingState.plain`): while
+        there is one, steps do not overlap."""
         self._arrivals = 0
         self.last_step = StepStats()
         self.num_steps = 0
@@ -221,6 +252,8 @@ class LLMEngine:
         seq.token_ids.extend(prefix)
         self._arrivals += 1
         self.requests[request_id] = seq
+        if not sampling.plain:
+            self._host_sampled.add(request_id)
         self.scheduler.add(seq)
 
     def _validate_output_prefix(self, prompt: list[int], prefix: list[int], params: SamplingParams) -> None:
@@ -261,6 +294,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
+        self._host_sampled.discard(request_id)
         self.scheduler.finish(seq, FinishReason.ABORT)
         self._aborted.append(seq)
         return True
@@ -271,49 +305,107 @@ class LLMEngine:
     # -- stepping ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that advanced or ended."""
+        """Run one step; return an output for every request that advanced or ended.
+
+        Overlapped (`self.overlap`), a step launches its forward and sampling on the device, then
+        settles the step before it while the device runs, and leaves its own tokens on the device
+        until the next call: outputs come one call later, and a request that stops is computed
+        for one more step whose token is dropped. A step runs synchronously instead (the one in
+        flight settled first) while some live request needs the host's sampler, or when the
+        next schedule would preempt."""
         # [ZH-START]
         # 1. 先为 _aborted 里的每个序列生成终止输出，清空 _aborted。
-        # 2. scheduled = scheduler.schedule()。
-        # 3. 统计：decode token 数 = num_computed_tokens >= num_prompt_tokens（prompt 已算完）
-        #    的项数，各 1 个；prefill token 数 = 本步 token 总数 - decode 数。
-        #    抢占后重新接纳的序列从 0 重算，算作 prefill。
-        # 4. 有调度项时：rows = 要采样的序列；sampler.prepare(rows)（语法掩码在工作线程上与前向
-        #    并行）；logits = runner.run(scheduled)（前向）；sampled = sampler(logits, rows)；
-        #    generated = scheduler.postprocess(scheduled, sampled)。
-        # 5. 记 last_step = StepStats(...)。
-        # 6. 对每个调度项：有未报告的输出 token（num_output_tokens > num_sent_tokens）
-        #    或已结束 → _output 产出一条；已结束的从 requests 删除（采样状态随 Sequence 一起走）。
-        #    prompt 中间分块的项本步没有输出。
-        # 7. num_steps += 1；有 hook 就把本步耗时和指标快照（_metrics）交给它们。
-        # 8. 返回 outputs。
+        # 2. 上一步还在飞（_pending），而这一步不能重叠：有需要 host 采样的请求（_host_sampled：
+        #    惩罚、logprobs、bias、min_tokens、processors、语法），或调度将要抢占（被抢占的序列要
+        #    重算，需要真 token）→ 先 _settle 它（等设备、读回 token）。
+        # 3. scheduled = scheduler.schedule()；统计 decode / prefill token 数：decode 是
+        #    num_computed_tokens >= num_prompt_tokens 的项，各 1 个；抢占后重新接纳的从 0 重算，算 prefill。
+        # 4. 有调度项就 _launch：前向 + 采样都发射出去（重叠时 token 留在设备上，下一步的输入
+        #    直接在设备上取用上一步的 token）。
+        # 5. 再 _settle 上一步（重叠的正是这里：host 读上一步的结果、出输出时，设备在跑这一步）。
+        # 6. scheduler.advance(本步)：进度前移、采样的序列末尾放占位 token；重叠时本步成为
+        #    _pending，留给下一次 step()；否则（同步）立刻 _settle。
+        # 7. 记 last_step = StepStats(...)（generated 是本次 settle 落地的 token 数），
+        #    num_steps += 1，有 hook 就把本步耗时和指标快照交给它们，返回 outputs。
         # [ZH-END]
         start = time.perf_counter()
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted.clear()
+        generated = 0
+        if self._pending is not None and (self._host_sampled or self.scheduler.must_preempt()):
+            generated += self._settle(self._pending, outputs)  # this step needs its tokens on the host
+            self._pending = None
         scheduled = self.scheduler.schedule()
         decode_tokens = sum(1 for s in scheduled if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
         prefill_tokens = sum(s.num_new_tokens for s in scheduled) - decode_tokens
-        generated = 0
-        if scheduled:
-            rows = [item.seq for item in scheduled if item.samples]
-            self.sampler.prepare(rows)  # grammar masks, computed while the forward runs
-            logits = self.runner.run(scheduled)  # (len(rows), V), or None when no row samples
-            sampled = self.sampler(logits, rows) if rows else []
-            generated = self.scheduler.postprocess(scheduled, sampled)
+        launched = self._launch(scheduled) if scheduled else None
+        if self._pending is not None:  # the device runs `launched` meanwhile
+            generated += self._settle(self._pending, outputs)
+            self._pending = None
+        if launched is not None:
+            self.scheduler.advance(launched.scheduled)
+            if launched.tokens is not None:
+                self._pending = launched
+            else:
+                generated += self._settle(launched, outputs)
         self.last_step = StepStats(num_prefill_tokens=prefill_tokens, num_decode_tokens=decode_tokens,
                                    num_seqs=len(scheduled), num_generated_tokens=generated,
                                    queue_times_s=tuple(self.scheduler.queue_times))
-        for item in scheduled:
-            seq = item.seq
-            if seq.num_output_tokens > seq.num_sent_tokens or seq.is_finished:
-                outputs.append(self._output(seq))
-                if seq.is_finished:
-                    del self.requests[seq.request_id]
         self.num_steps += 1
         if self.post_step_hooks:
             self.post_step_hooks.run(self._metrics(time.perf_counter() - start))
         return outputs
+
+    def _launch(self, scheduled: list[ScheduledSeq]) -> LaunchedStep:
+        """The step's forward and sampling: on the device with nothing read back when overlapping
+        (no live request needs the host's sampler), else sampled on the host path."""
+        rows = [item.seq for item in scheduled if item.samples]
+        previous = self._pending.tokens if self._pending is not None else None
+        launched = LaunchedStep(scheduled, rows)
+        if self.overlap and not self._host_sampled:
+            logits = self.runner.run(scheduled, previous)  # (len(rows), V), or None when no row samples
+            if rows:
+                launched.tokens = self.sampler.sample_plain(logits, rows)
+                launched.download, launched.logits = Download(launched.tokens), logits
+            else:
+                launched.sampled = []
+        else:
+            self.sampler.prepare(rows)  # grammar masks, computed while the forward runs
+            logits = self.runner.run(scheduled, previous)
+            launched.sampled = self.sampler(logits, rows) if rows else []
+        return launched
+
+    def _settle(self, launched: LaunchedStep, outputs: list[RequestOutput]) -> int:
+        """Land a launched step (`Scheduler.advance` ran for it): its tokens into its sequences,
+        an output for each request it advanced or ended, appended to `outputs`. Returns the
+        number of tokens landed."""
+        # [ZH-START]
+        # 1. 设备上采样的：download.wait() 等拷贝完成、读成列表；SAMPLE_FAILED 的行（序列还活着）
+        #    用留下的 logits 算出原因（record_failure，记进 sampling.error）。host 上采样的：直接用 sampled。
+        # 2. scheduler.settle：占位换成 token、commit 前缀缓存、判定结束。
+        # 3. 对每个调度项：序列还是 requests 里的这一个（没被 abort、没在前面报告过结束）且有未报告的
+        #    输出 token 或刚结束 → _output 产出一条；结束的从 requests 和 _host_sampled 删除
+        #    （采样状态随 Sequence 一起走）。prompt 中间分块的项没有输出。
+        # [ZH-END]
+        if launched.sampled is not None:
+            sampled = launched.sampled
+        else:
+            sampled = launched.download.wait()
+            for i, token in enumerate(sampled):
+                seq = launched.rows[i]
+                if token == SAMPLE_FAILED and not seq.is_finished:
+                    self.sampler.record_failure(seq, launched.logits[i])
+        generated = self.scheduler.settle(launched.scheduled, sampled)
+        for item in launched.scheduled:
+            seq = item.seq
+            if self.requests.get(seq.request_id) is not seq:
+                continue  # aborted (reported then), or ended by the step before (reported then)
+            if seq.num_output_tokens > seq.num_sent_tokens or seq.is_finished:
+                outputs.append(self._output(seq))
+                if seq.is_finished:
+                    del self.requests[seq.request_id]
+                    self._host_sampled.discard(seq.request_id)
+        return generated
 
     def _output(self, seq: Sequence) -> RequestOutput:
         # [ZH-START]

@@ -24,7 +24,7 @@ benchmark tool) the model is `models/null_model.py`: no weights, no cache tensor
 #         → DecoderForCausalLM 前向，每层 PagedAttention 读写 KV（attention.py）
 #         → compute_logits (B, V)
 #     → LLMEngine 的 Sampler（sampler.py）→ 每条序列一个 token id
-#     → Scheduler.postprocess() 追加 token、判定结束 → LLMEngine 产出 RequestOutput
+#     → Scheduler.advance() / settle() 追加 token、判定结束 → LLMEngine 产出 RequestOutput
 # 它独占两样资源：模型权重，和所有层共用的一整块 KV cache 张量。
 # KV 块数在这里算出（CPU 按 kv_cache_memory_gib，GPU 靠预热实测，见 kv_budget.py），
 # BlockManager 再按这个块数管理块 id。
@@ -48,11 +48,12 @@ from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.heap import release_free_heap
 from nanovllm.engine.kv_budget import gpu_kv_cache_bytes, num_blocks_for
 from nanovllm.engine.scheduler import ScheduledSeq
-from nanovllm.engine.step_input import StepInput, build_cpu_batch, build_gpu_batch
+from nanovllm.engine.step_input import StepInput, build_cpu_batch, build_gpu_batch, resolve_pending
 from nanovllm.engine.tp_workers import WorkerProcesses
 from nanovllm.layers.attention import PagedAttention
 from nanovllm.layers.cpu_gemm import pack_linear_weights, packs
 from nanovllm.layers.cpu_kernels import CpuAttentionKernel, CpuOps, auto_cpu_dtype
+from nanovllm.layers.host_copy import upload
 from nanovllm.layers.quant import quantize_model_int8
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.loader import iter_weights, load_weights
@@ -402,9 +403,11 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor | None:
+    def run(self, scheduled: list[ScheduledSeq], previous: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's forward: the logits (B, V) of the scheduled items that sample, in their
-        order, or None when none does (prompt chunks short of their end only fill the cache)."""
+        order, or None when none does (prompt chunks short of their end only fill the cache).
+        `previous`: the tokens the step before sampled, still on the device (the overlapped
+        step), which the stand-ins among the decode tokens (`pending_token`) stand for."""
         # [ZH-START]
         # 1. StepInput.from_scheduled(scheduled)：转成纯 list 数据，
         #    decode 行在前、prefill 分块在后。
@@ -417,7 +420,7 @@ class ModelRunner:
         step = StepInput.from_scheduled(scheduled)
         if self.channel is not None:
             self.channel.send(["step", step.to_wire()])
-        return self._execute(step)  # (B, V) for the sampled rows
+        return self._execute(step, previous)  # (B, V) for the sampled rows
 
     def serve_steps(self) -> None:
         """Worker ranks: run each step rank 0 broadcasts, in lockstep, until it sends "exit"."""
@@ -435,7 +438,7 @@ class ModelRunner:
             with torch.inference_mode():
                 self._execute(StepInput.from_wire(message[1]))
 
-    def _execute(self, step: StepInput) -> torch.Tensor | None:
+    def _execute(self, step: StepInput, previous: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward one step on this rank; logits of `step.sample_rows` on rank 0, None elsewhere."""
         # [ZH-START]
         # 1. Triton 路径（CUDA，或测试里 TRITON_INTERPRET）：build_gpu_batch 生成设备上的
@@ -444,25 +447,29 @@ class ModelRunner:
         #    块表不比捕获时宽）时重放 CUDA 图，否则 eager 调 model。
         # 2. CPU 路径：build_cpu_batch；每个 prefill 分块都交给编译好的分块内核，只有 cpu_kernel 为
         #    None（走 torch 注意力）时才额外生成 mask 和 slot 列表。eager 前向得到 hidden (T, C)。
+        #    两条路径都一样：给了 previous（重叠调度时上一步在设备上的采样结果）且 decode 行里有
+        #    占位 token 时，resolve_pending 在设备上把它们换成真 token，再做前向。
         # 3. 没有 sample_rows → 返回 None（纯 prefill 分块的步）。
         # 4. hidden[sample_rows] → (B, C) → compute_logits → rank 0 上 (B, V)
         #    float32，其他 rank 为 None。
         #    sample_rows 恰为 0..T-1（纯解码步的常态）时直接用 hidden，不建索引；
-        #    否则索引从 pinned 内存异步上传——同步的 torch.tensor(..., device=cuda) 会让 host
+        #    否则索引用 upload 从 pinned 内存异步上传——同步的 torch.tensor(..., device=cuda) 会让 host
         #    在这里干等整个前向（图重放）跑完。
         # [ZH-END]
-        if self.triton_ops is not None:
+        triton = self.triton_ops is not None
+        if triton:
             input_ids, positions, meta = build_gpu_batch(step, self.block_size, self.device)
-            graphed = (self.graphs is not None and not step.prefill_token_ids
-                       and self.graphs.can_run(step.num_decode, meta.decode_block_tables.shape[1]))
-            hidden = self.graphs.run(input_ids, positions, meta) if graphed else self.model(input_ids, positions, meta)
         else:
             input_ids, positions, meta = build_cpu_batch(step, self.block_size, torch_attention=self.cpu_kernel is None)
-            hidden = self.model(input_ids, positions, meta)  # (T, C)
+        if previous is not None and step.num_decode and min(step.decode_token_ids) < 0:
+            input_ids = resolve_pending(input_ids, previous)  # on the device: no wait for the step before
+        graphed = (triton and self.graphs is not None and not step.prefill_token_ids
+                   and self.graphs.can_run(step.num_decode, meta.decode_block_tables.shape[1]))
+        forward = self.graphs.run if graphed else self.model
+        hidden = forward(input_ids, positions, meta)  # (T, C)
         if not step.sample_rows:
             return None
         if len(step.sample_rows) == hidden.shape[0] and step.sample_rows == list(range(hidden.shape[0])):
             return self.model.compute_logits(hidden)  # every row samples, in order (decode-only steps)
-        pin = self.device.type == "cuda"  # an asynchronous copy: no wait here for the forward to finish
-        rows = torch.tensor(step.sample_rows, pin_memory=pin).to(self.device, non_blocking=True)
+        rows = upload(step.sample_rows, torch.long, self.device)  # no wait here for the forward to finish
         return self.model.compute_logits(hidden[rows])

@@ -17,7 +17,7 @@ change while the request lives (key on `arrival`, `priority`, `num_prompt_tokens
 # 【模块定位】调度策略：waiting 里谁先被接纳、running 里谁先分到 token 预算、显存不够时谁先被抢占。
 # 在引擎一步之内的位置：
 #   LLMEngine.step → Scheduler.schedule ─policy.key(seq)→ 排序（接纳 / 分预算 / 抢占）
-#                  → ModelRunner.run（含 Sampler）→ Scheduler.postprocess
+#                  → ModelRunner.run → Sampler → Scheduler.advance / settle
 # 整个服务：客户端 → 分词进程 → 引擎进程（本模块在这里）→ 反分词进程 → 客户端。
 # 只有一个排序键 key(seq)：键小的先接纳、后抢占；键大的后接纳、先抢占。
 # 一个键管两件事，两者就不会矛盾——最先接纳的最后被踢。

@@ -44,7 +44,7 @@ tensor work in `nanovllm/layers/`: `penalties` (2), `sampling_ops` (4: filters a
 # [ZH-START]
 # 【模块定位】引擎一步的最后一段：把 LM head 的 logits 变成下一个 token。
 #   scheduler → step_input → model runner → 解码层 / PagedAttention → compute_logits (B, V)
-#     → 【Sampler】→ list[int]（每条序列一个 token id）→ Scheduler.postprocess
+#     → 【Sampler】→ list[int]（每条序列一个 token id）→ Scheduler.settle
 #     → 反分词进程 → 客户端
 # 只在 rank 0 运行。每一步的顺序：原始分布的 logprobs → 惩罚项（repetition / presence / frequency）
 # → 每请求的约束（logit_bias、min_tokens 前屏蔽 EOS / stop token、logits processors）
@@ -68,6 +68,7 @@ import torch
 from nanovllm.engine.constraints import MAX_ERROR_CHARS, constrain_rows, non_finite
 from nanovllm.engine.sequence import SamplingState, Sequence
 from nanovllm.layers.cpu_kernels import CpuOps
+from nanovllm.layers.host_copy import upload
 from nanovllm.layers.logprobs import TokenLogprobs, token_logprobs
 from nanovllm.layers.penalties import apply_penalties_, penalty_tensors
 from nanovllm.layers.sampling_ops import draw, filter_candidates, has_filters, sample_rows
@@ -180,6 +181,41 @@ class Sampler:
             self._record_logprobs(raw_logprobs, wants_logprobs, tokens, seqs, failed)
         return self._report(tokens, seqs, failed)
 
+    @torch.inference_mode()
+    def sample_plain(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits (B, V) of plain rows (`SamplingState.plain`: temperature and filters only) -> (B,)
+        token ids on the device, SAMPLE_FAILED where a row cannot be sampled (non-finite logits, an
+        id outside the vocabulary); `record_failure` says why once the host reads it. Nothing here
+        waits for the device: the overlapped step reads the tokens back one step later.
+
+        Each row gets what `__call__` would give it (`_choose`, without the probe): the same
+        tokens for greedy and seeded rows, and the same draws from the shared generator."""
+        # [ZH-START]
+        # 重叠调度用的采样：整批都是 plain 行（只有温度和 top_k / top_p / min_p），全程不从设备读回任何值。
+        # 1. 都是 greedy：argmax，取出选中的值 chosen，不是有限数的行失败（NaN / +inf）。
+        # 2. 否则：每行最大值 best 非有限即失败；_choose(probe=False) 按 __call__ 的分组抽样
+        #    （不探测，直接整词表排序），所以有种子的行两条路径结果相同。
+        # 3. 失败行和越界 id 用 torch.where 换成 SAMPLE_FAILED，返回设备上的 (B,)。
+        # [ZH-END]
+        if all(s.sampling.plain_greedy for s in seqs):
+            tokens = logits.argmax(dim=-1)  # (B,)
+            bad = ~torch.isfinite(logits.gather(1, tokens.unsqueeze(1)).squeeze(1))
+        else:
+            logits = logits.float()
+            bad = ~torch.isfinite(logits.amax(dim=-1))
+            tokens = self._choose(logits, seqs, probe=False)
+        bad |= (tokens < 0) | (tokens >= self.vocab_size)
+        return torch.where(bad, SAMPLE_FAILED, tokens)
+
+    def record_failure(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """`sample_plain` gave SAMPLE_FAILED for `seq`, whose row of logits (V,) these are: say why
+        in its state (as `__call__` does for the rows it fails)."""
+        if not bool(torch.isfinite(logits.float().amax())):
+            error = "the model's " + non_finite(logits)
+        else:
+            error = f"the sampled token id is outside the vocabulary [0, {self.vocab_size})"
+        self._report(torch.tensor([SAMPLE_FAILED]), [seq], {0: error})
+
     @staticmethod
     def _record_logprobs(raw_logprobs: torch.Tensor, rows: list[int], tokens: torch.Tensor,
                          seqs: list[Sequence], failed: dict[int, str]) -> None:
@@ -228,29 +264,42 @@ class Sampler:
             log.warning("request %s cannot be sampled: %s", seqs[i].request_id, error)
         return ids
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], probe: bool = True) -> torch.Tensor:
+        """One token per row (B,) by each row's temperature and filters; nothing here waits for
+        the device unless `probe` (`filter_candidates`)."""
         # [ZH-START]
-        # 1. tokens = empty (B,)。
-        # 2. 按参数把行分三组：greedy（is_greedy）、filtered（0 < top_k < V、
+        # 1. 按参数把行分三组：greedy（is_greedy）、filtered（0 < top_k < V、
         #    top_p < 1 或 min_p > 0）、plain（只有温度）。
-        # 3. greedy 组直接 argmax。
-        # 4. plain 和 filtered 各调一次 sample_rows（带各行的 Generator、共享 Generator 和
-        #    cpu_ops）：分开是为了不让只有温度的行陪着做整词表排序；CPU 上 plain 组由 cpu_ops 的
-        #    编译抽样（cpu_sample.c）完成。
+        # 2. 某组就是整批时直接算出 tokens；否则 tokens = empty (B,)，每组用上传的行号
+        #    index_select 取出自己的行、算完 index_copy_ 写回（不用 Python 列表做下标：
+        #    CUDA 上那是一次要等设备的拷贝）。
+        # 3. greedy 组 argmax；plain 和 filtered 各调一次 sample_rows（带各行的 Generator、
+        #    共享 Generator、cpu_ops 和 probe）：分开是为了不让只有温度的行陪着做整词表排序；
+        #    CPU 上 plain 组由 cpu_ops 的编译抽样（cpu_sample.c）完成。
         # [ZH-END]
-        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)  # (B,)
-        vocab = logits.shape[1]
+        vocab, batch = logits.shape[1], len(seqs)
         # Sampled rows go in two batches, with and without top-k/top-p/min-p, so plain-temperature
         # rows do not force a sort of the whole vocabulary on the filtered ones.
         greedy, plain, filtered = [], [], []
         for i, s in enumerate(seqs):
             (greedy if s.params.is_greedy else filtered if has_filters(s.params, vocab) else plain).append(i)
-        if greedy:
-            tokens[greedy] = _rows(logits, greedy).argmax(dim=-1)
-        for rows in (plain, filtered):
-            if rows:
-                tokens[rows] = sample_rows(_rows(logits, rows), [seqs[i].params for i in rows],
-                                           [seqs[i].sampling.generator for i in rows], self.generator, self.cpu_ops)
+        tokens = None
+        for group in (greedy, plain, filtered):
+            if not group:
+                continue
+            whole = len(group) == batch
+            index = None if whole else upload(group, torch.long, logits.device)
+            rows = logits if whole else logits.index_select(0, index)
+            if group is greedy:
+                chosen = rows.argmax(dim=-1)
+            else:
+                chosen = sample_rows(rows, [seqs[i].params for i in group], [seqs[i].sampling.generator for i in group],
+                                     self.generator, self.cpu_ops, probe)
+            if whole:
+                return chosen
+            if tokens is None:
+                tokens = torch.empty(batch, dtype=torch.long, device=logits.device)  # (B,)
+            tokens.index_copy_(0, index, chosen)
         return tokens
 
 

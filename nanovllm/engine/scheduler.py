@@ -13,6 +13,12 @@ An abort is O(1) amortized and counts are O(1): a sequence aborted while waiting
 heap as a dead entry (skipped when it reaches the top), and the heap is rebuilt without them
 whenever they outnumber the live ones, so it never holds more than twice the live sequences.
 Finished sequences leave `running` on the next `schedule()`.
+
+After a step, `advance` counts its tokens as computed and ends each sampled sequence with a
+stand-in for its new token; `settle` writes the tokens once they are on the host and finishes the
+sequences that stop. A synchronous step calls the two back to back; the overlapped step
+(`LLMEngine`) schedules and launches the next step between them, so stop conditions and aborts
+take effect one step late, and a sequence at its length limit is not scheduled again meanwhile.
 """
 # [ZH-START]
 # 【模块定位】连续批处理（continuous batching）的调度器：每一步决定哪些序列参与、各算几个 token。
@@ -20,7 +26,8 @@ Finished sequences leave `running` on the next `schedule()`.
 #   LLMEngine.step
 #     ├─ Scheduler.schedule()       → list[ScheduledSeq]（本模块；向 BlockManager 要块、必要时抢占）
 #     ├─ ModelRunner.run(scheduled) → 每个到达序列末尾的项采样 1 个 token（Sampler 在里面）
-#     └─ Scheduler.postprocess()    → 推进进度、追加 token、判断结束（本模块；顺带 commit 前缀缓存）
+#     ├─ Scheduler.advance()        → 推进进度，采样的序列末尾先放占位 token（本模块）
+#     └─ Scheduler.settle()         → 占位换成读回的 token、判断结束（本模块；顺带 commit 前缀缓存）
 # 整个服务：客户端 → 分词进程 → 引擎进程（本模块在这里）→ 反分词进程 → 客户端。
 # 每步一个 token 预算 max_num_batched_tokens：先给 running（decode 各 1 个 token，或未算完的 prompt
 # 的下一块），剩下的再接纳 waiting（prompt 可跨步做 prefill 分块），所以 prefill 和
@@ -33,11 +40,11 @@ import heapq
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.policy import FCFSPolicy, SchedulerPolicy
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence, SequenceStatus, is_pending, pending_token
 from nanovllm.engine.sampler import SAMPLE_FAILED
 from nanovllm_client.protocol import FinishReason
 
@@ -48,15 +55,17 @@ class ScheduledSeq:
     # 调度结果里的一项：序列 + 本步要为它算的新 token 数 num_new_tokens（decode
     # 为 1，prefill 为一块）。
     # samples 为真：这一块算到了序列末尾（num_computed_tokens + num_new_tokens == num_tokens），
-    # 本步要为它采样一个 token；prompt 中间的分块不采样。ModelRunner / StepInput 只读它，不改。
+    # 本步要为它采样一个 token；prompt 中间的分块不采样。调度时算定一次：之后 settle 可能改动
+    # 序列（失败时去掉占位 token），这一项是否采样不能跟着变。ModelRunner / StepInput 只读它，不改。
     # [ZH-END]
     seq: Sequence
     num_new_tokens: int
+    samples: bool = field(init=False)
+    """Whether this chunk reaches the end of the sequence, so a token is sampled after it; fixed
+    when scheduled."""
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so a token is sampled after it."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 class Scheduler:
@@ -66,7 +75,7 @@ class Scheduler:
     # max_tokens / max_model_len 判断结束。
     # 不做的事：不跑模型、不采样（ModelRunner、Sampler 的事）；不匹配 stop string（在
     # detokenize.py）；不持有请求表（那是 LLMEngine.requests）。
-    # 和谁打交道：被 LLMEngine 调用（add / finish / schedule / postprocess）；调用 BlockManager
+    # 和谁打交道：被 LLMEngine 调用（add / finish / schedule / advance / settle / must_preempt）；调用 BlockManager
     # （match_prefix / can_allocate / allocate / can_append / blocks_short / append_slots / commit
     # / free）和 policy.key。
     # num_waiting / num_running 在每次搬动时精确维护，从不现数（指标每步都要读）。
@@ -112,7 +121,8 @@ class Scheduler:
         # 2. 还在 WAITING（排队时被 abort）：num_waiting -= 1，_num_dead_waiting += 1——
         #    不从堆里 O(n) 删除，留作"死条目"，到堆顶时再丢；RUNNING 的：num_running -= 1，
         #    也不从 running 列表删，下一次 schedule() 开头统一过滤。
-        # 3. block_manager.free(seq)：KV 块立刻归还。
+        # 3. block_manager.free(seq)：KV 块立刻归还；末尾若还是占位 token（重叠的一步里，
+        #    结果还没读回就被 abort），去掉它——这个 token 不会上报。
         # 4. status = FINISHED，记下 finish_reason。
         # 5. _drop_dead_if_most()：死条目多过活条目时重建堆。
         # [ZH-END]
@@ -124,6 +134,8 @@ class Scheduler:
         else:
             self.num_running -= 1
         self.block_manager.free(seq)
+        if seq.token_ids and is_pending(seq.token_ids[-1]):  # ended before its last token was read back
+            seq.token_ids.pop()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._drop_dead_if_most()
@@ -186,6 +198,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not self._wants_step(seq):
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_append(seq, num_new):
                 victim = self.running.pop()  # the policy's last; never one already scheduled
@@ -216,13 +231,7 @@ class Scheduler:
         # 4. 返回 True：剩下的序列本步都装得下。通常步后还空着 preempt_blocks 块（滞回，
         #    不会每步抢一个）；但只剩一个序列时循环就停了，这份余量不保证。
         # [ZH-END]
-        needs = []
-        for seq in self.running:  # what `_schedule_running` will take, in the same order
-            if budget <= 0:
-                break
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            needs.append(self.block_manager.blocks_short(seq, num_new))
-            budget -= num_new
+        needs = self._growth(budget)
         short = sum(needs)
         if short <= self.block_manager.num_free_blocks:
             return False
@@ -233,6 +242,32 @@ class Scheduler:
                 short -= needs.pop()
             self._preempt(self.running.pop())
         return True
+
+    def _growth(self, budget: int) -> list[int]:
+        """The blocks each running sequence `_schedule_running` would take this step is short of,
+        in its order (sequences with no step to run take none and are left out)."""
+        needs = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if self._wants_step(seq):
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                needs.append(self.block_manager.blocks_short(seq, num_new))
+                budget -= num_new
+        return needs
+
+    def must_preempt(self) -> bool:
+        """Whether the next `schedule()` would preempt (the running sequences cannot all grow).
+        The overlapped step asks first: a sequence whose last token is still on the device
+        cannot be preempted (recomputing it needs the token), so the engine reads it back before."""
+        self._drop_finished_running()
+        return sum(self._growth(self.max_num_batched_tokens)) > self.block_manager.num_free_blocks
+
+    def _wants_step(self, seq: Sequence) -> bool:
+        """Whether a running sequence has a token to compute: not one whose output is already at
+        its length limit, counting a token sampled on the device and not yet read back (it ends
+        when that token is read; computing the next one would be wasted)."""
+        return seq.num_output_tokens < seq.params.max_tokens and seq.num_tokens < self.max_model_len
 
     def _schedule_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         # [ZH-START]
@@ -293,40 +328,67 @@ class Scheduler:
         self.add(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> int:
-        """Advance sequences past the step: record computed tokens, append samples, finish.
+    def advance(self, scheduled: list[ScheduledSeq]) -> None:
+        """After a step's forward and sampling were launched: its tokens count as computed (the
+        blocks they fill go to the prefix cache now: their K/V are written by the step in flight,
+        before any later step can read them), and each sequence it samples for ends with a
+        stand-in (`pending_token(row)`, row among the step's samples) until `settle` writes the
+        token. Sequences that ended meanwhile are left alone."""
+        # [ZH-START]
+        # 同步的一步里 advance 之后紧接着 settle；重叠的一步里，settle 要等下一步发射之后才做，
+        # 中间这段时间序列末尾是占位 token，下一步的输入在设备上把它换成真 token（step_input.resolve_pending）。
+        # 1. 对每一项：samples 为真就分给它下一个采样行号 row（与 Sampler 的行序一致，
+        #    已结束的序列也占一行）。
+        # 2. 已结束的序列（abort，或重叠时上一步刚读到它的 stop）跳过：这一步替它算的结果会被丢弃。
+        # 3. 否则 num_computed_tokens += num_new_tokens，block_manager.commit(seq) 登记刚写满的块
+        #    （此刻除了马上要放的占位 token，序列里全是真 token：上一步已经 settle 过；块里的 K/V
+        #    由在飞的这一步写，命中它的序列最早下一步才读，同一条流上排在后面）；
+        #    采样的项在 token_ids 末尾追加 pending_token(row)。
+        # [ZH-END]
+        row = 0
+        for item in scheduled:
+            seq = item.seq
+            if item.samples:
+                row += 1
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit(seq)  # every token but the stand-in below is real by now
+            if item.samples:
+                seq.token_ids.append(pending_token(row - 1))
 
-        A SAMPLE_FAILED sample ends its sequence with `FinishReason.ERROR` (the why is in its
-        `seq.sampling.error`).
-        Returns the number of tokens appended (failed samples are not).
-        """
+    def settle(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> int:
+        """After a step's tokens reached the host (`advance` ran for it): write each token in
+        place of its stand-in and finish the sequences that stop. A SAMPLE_FAILED sample ends its sequence with `FinishReason.ERROR`
+        (the why is in its `seq.sampling.error`). Sequences that ended meanwhile are skipped: their
+        token is dropped. Returns the number of tokens written (failed samples are not)."""
         # [ZH-START]
         # sampled 只含"本步采样了的"项的 token，按 scheduled 顺序排列，所以用迭代器按需取。
         # 对 scheduled 里的每一项：
-        # 1. num_computed_tokens += num_new_tokens；block_manager.commit(seq) 登记刚写满的块。
-        # 2. num_computed_tokens 仍 < num_tokens（还不是最后一个 prefill 分块）→ 本步没采样，跳过。
-        # 3. token = next(samples)；等于 SAMPLE_FAILED → finish(seq, FinishReason.ERROR)（失败原因
-        #    在 seq.sampling.error 里）。
-        # 4. 否则追加到 token_ids，num_appended += 1；_finish_reason 给出原因就 finish(seq, 原因)。
-        # 5. 本步有序列结束：当场从 running 里去掉——空闲的引擎不会再调 schedule()，
+        # 1. samples 为真就先取出它的 token（已结束的序列也要取，行序才对得上）。
+        # 2. 序列已结束（这一步在飞时被 abort，或重叠时上一步就停了）→ 丢弃，跳过。
+        # 3. 不采样（prompt 中间的分块）→ 下一项（块已在 advance 里登记）。
+        # 4. token 等于 SAMPLE_FAILED → finish(seq, FinishReason.ERROR)（finish 会去掉占位 token；
+        #    失败原因在 seq.sampling.error 里）。
+        # 5. 否则把末尾的占位 token 换成它，num_appended += 1；_finish_reason 给出原因就
+        #    finish(seq, 原因)。
+        # 6. 本步有序列结束：当场从 running 里去掉——空闲的引擎不会再调 schedule()，
         #    否则最后一批结束的序列（连同它们的采样状态）会一直留在 running 里。
-        # 6. 返回追加的 token 数（失败的不算）。
+        # 7. 返回写入的 token 数（失败的不算）。
         # [ZH-END]
         num_appended = 0
         any_finished = False
         samples = iter(sampled)
         for item in scheduled:
+            token = next(samples) if item.samples else None
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prompt chunk that does not reach the end yet
-            token = next(samples)
+            if seq.is_finished or token is None:
+                continue  # ended meanwhile, or a prompt chunk that does not reach the end yet
             if token == SAMPLE_FAILED:
                 self.finish(seq, FinishReason.ERROR)
                 any_finished = True
                 continue
-            seq.token_ids.append(token)
+            seq.token_ids[-1] = token  # the stand-in `advance` put there
             num_appended += 1
             reason = self._finish_reason(seq, token)
             if reason is not None:

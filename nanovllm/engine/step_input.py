@@ -24,6 +24,7 @@ import torch
 
 from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.layers.attention import AttentionMetadata, PrefillSpan
+from nanovllm.layers.host_copy import upload
 
 
 @dataclass(slots=True)
@@ -148,7 +149,8 @@ def build_cpu_batch(step: StepInput, block_size: int, torch_attention: bool):
 def build_gpu_batch(step: StepInput, block_size: int, device: torch.device):
     """(input_ids, positions, meta) on `device` for the Triton path; built on the host, copied once each."""
     # [ZH-START]
-    # 1. upload()：先在 host 上建张量（CUDA 上用 pinned 内存），再 non_blocking 拷到设备，
+    # 1. upload()（layers/host_copy.py）：先在 host 上建张量（CUDA 上用 pinned 内存），
+    #    再 non_blocking 拷到设备，
     #    每个张量一次拷贝，不触发设备同步。
     # 2. decode 行：input_ids / positions / slot 与 CPU 路径相同；块表补 0 成 (B, max_blocks)
     #    int32，decode_context_lens = pos + 1（int32）。没有 mask：
@@ -160,18 +162,13 @@ def build_gpu_batch(step: StepInput, block_size: int, device: torch.device):
     # 4. slot_mapping (T,) long 上传；返回设备上的 input_ids、positions 和 meta。
     # [ZH-END]
     bs = block_size
-    pin = device.type == "cuda"  # pinned host memory makes the copies asynchronous
-
-    def upload(values, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
-
     input_ids = list(step.decode_token_ids)
     positions = list(step.decode_positions)
     slots = [table[pos // bs] * bs + pos % bs for pos, table in zip(positions, step.decode_block_tables)]
     meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode=step.num_decode)
     if step.num_decode:
-        meta.decode_block_tables = upload(_pad(step.decode_block_tables), torch.int32)  # (B, max_blocks)
-        meta.decode_context_lens = upload([p + 1 for p in positions], torch.int32)
+        meta.decode_block_tables = upload(_pad(step.decode_block_tables), torch.int32, device)  # (B, max_blocks)
+        meta.decode_context_lens = upload([p + 1 for p in positions], torch.int32, device)
     if step.prefill_token_ids:
         cu_seqlens, context_lens = [0], []
         for tokens, start, block_table in zip(step.prefill_token_ids, step.prefill_starts, step.prefill_block_tables):
@@ -183,9 +180,24 @@ def build_gpu_batch(step: StepInput, block_size: int, device: torch.device):
             positions.extend(range(start, start + n))
             cu_seqlens.append(cu_seqlens[-1] + n)
             context_lens.append(start + n)
-        meta.gpu_prefill_cu_seqlens = upload(cu_seqlens, torch.int32)
-        meta.gpu_prefill_context_lens = upload(context_lens, torch.int32)
-        meta.gpu_prefill_block_tables = upload(_pad(step.prefill_block_tables), torch.int32)
+        meta.gpu_prefill_cu_seqlens = upload(cu_seqlens, torch.int32, device)
+        meta.gpu_prefill_context_lens = upload(context_lens, torch.int32, device)
+        meta.gpu_prefill_block_tables = upload(_pad(step.prefill_block_tables), torch.int32, device)
         meta.gpu_max_prefill_len = max(map(len, step.prefill_token_ids))
-    meta.slot_mapping = upload(slots, torch.long)
-    return upload(input_ids, torch.long), upload(positions, torch.long), meta
+    meta.slot_mapping = upload(slots, torch.long, device)
+    return upload(input_ids, torch.long, device), upload(positions, torch.long, device), meta
+
+
+def resolve_pending(input_ids: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """`input_ids` (T,) with each stand-in `pending_token(r)` replaced by row r of `previous`, the
+    tokens the step before sampled on the device (the overlapped step): no value goes to the host.
+    A row that failed there (SAMPLE_FAILED) feeds token 0; its request ends when the host reads it."""
+    # [ZH-START]
+    # 重叠调度时，上一步在设备上采样的 token 还没读回 host，这一步 decode 行的输入先用
+    # 占位值 pending_token(r) = -2 - r（r 是它在上一步采样结果里的行号）。
+    # 这里在设备上按行号从 previous 取出真 token 换进去：不读回 host，也就没有同步。
+    # 上一步采样失败的行（SAMPLE_FAILED = -1）取 0 代替，那个请求在 host 读到结果时以 error 结束，
+    # 这一步替它算的结果被丢弃。
+    # [ZH-END]
+    rows = (-2 - input_ids).clamp_(0, previous.shape[0] - 1)
+    return torch.where(input_ids <= -2, previous[rows].clamp(min=0), input_ids)

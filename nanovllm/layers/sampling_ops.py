@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from nanovllm.layers.host_copy import upload
 from nanovllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -25,15 +26,16 @@ def has_filters(p: SamplingParams, vocab: int) -> bool:
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                shared: torch.Generator, cpu_ops=None) -> torch.Tensor:
+                shared: torch.Generator, cpu_ops=None, probe: bool = True) -> torch.Tensor:
     """Draw one token per row of logits (R, V) with each row's temperature and filters -> (R,).
 
     Each row takes one uniform number: from its own generator if it has one, else from `shared`.
     `cpu_ops` (the compiled `CpuOps`, or None): rows without filters, float32 on CPU, are drawn by
     its compiled kernel (cpu_sample.c) instead of the torch ops below, ~10x faster at 64 rows.
+    Nothing here waits for the device, unless `probe` lets `filter_candidates` probe.
     """
     # [ZH-START]
-    # 1. 温度先转 float64，clamp 到 dtype 的 [tiny, max]，再转回 logits 的 dtype：
+    # 1. 温度（upload：CUDA 上经 pinned 内存异步上传，不等设备）先转 float64，clamp 到 dtype 的 [tiny, max]，再转回 logits 的 dtype：
     #    1e-40 这种会变成 0 的温度不会除出 inf / NaN。
     # 2. uniform (R,) float64 从共享 Generator 取；有种子的行再用自己的 Generator 取一个数覆盖，
     #    所以它的结果不受同批其他请求影响。
@@ -50,7 +52,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     # Clamped to the dtype's normal range: a temperature that rounds to 0 (1e-40 in float32) or
     # to inf would divide into inf or NaN. Each row's best logit is moved to 0 first, so a tiny
     # temperature sends it to 0 and every other token towards -inf: greedy, never NaN.
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=logits.device)
+    temperature = upload([p.temperature for p in params], torch.float64, logits.device)
     temperature = temperature.clamp_(finfo.tiny, finfo.max).to(logits.dtype)
     uniform = torch.rand(len(params), dtype=torch.float64, device=logits.device, generator=shared)  # (R,)
     for j, g in enumerate(generators):
@@ -62,7 +64,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     scaled = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1))  # (R, V)
     if filtered:
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        candidates, ids = filter_candidates(scaled, top_k, [p.top_p for p in params], [p.min_p for p in params])
+        candidates, ids = filter_candidates(scaled, top_k, [p.top_p for p in params], [p.min_p for p in params], probe)
     else:
         candidates, ids = scaled, None
     choice = draw(candidates, uniform)
@@ -74,17 +76,19 @@ PROBE_WIDTH = 256
 
 
 def filter_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float],
-                      min_p: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+                      min_p: list[float], probe: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature-scaled logits (R, V) -> candidate logits and their token ids, both (R, W).
 
     Candidates are sorted most likely first and W is the largest top_k of the rows. Entries
     outside a row's top_k / top_p / min_p set are -inf. Rows without a top_k first try the
     PROBE_WIDTH most likely tokens: when every such row's set ends inside them, the full sort of
-    the vocabulary is skipped (the result is the same; only the cost differs).
+    the vocabulary is skipped (the result is the same; only the cost differs). Knowing whether
+    they did reads a value back from the device: `probe=False` (the overlapped step, which must
+    not wait for the device) sorts at once.
     """
     # [ZH-START]
     # 1. W = 各行 top_k 的最大值（没有 top_k 的行记为 V）。
-    # 2. 探测：若 W == V、V > 256，且每行的 k 要么 <= 256 要么是 V（没有 top_k），
+    # 2. 探测（probe 为 False 时不做：要从设备读回一个值）：若 W == V、V > 256，且每行的 k 要么 <= 256 要么是 V（没有 top_k），
     #    先只取 topk(256) 调 _filter；每个无 top_k 行的保留集合都在这 256 个内结束，
     #    就直接返回，省掉整词表排序。
     # 3. 否则 W < V 时 topk(W)，W == V 时整词表降序 sort，再 _filter。
@@ -92,17 +96,18 @@ def filter_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     # [ZH-END]
     vocab = logits.shape[1]
     width = max(top_k)
-    if width == vocab and vocab > PROBE_WIDTH and all(k <= PROBE_WIDTH or k == vocab for k in top_k):
-        probed = _filter(logits, *logits.topk(PROBE_WIDTH, dim=-1), top_k, top_p, min_p)
+    if probe and width == vocab and vocab > PROBE_WIDTH and all(k <= PROBE_WIDTH or k == vocab for k in top_k):
+        probed = _filter(logits, *logits.topk(PROBE_WIDTH, dim=-1), top_k, top_p, min_p, probed=True)
         if probed is not None:
             return probed
     values, ids = logits.topk(width, dim=-1) if width < vocab else logits.sort(dim=-1, descending=True)
-    return _filter(logits, values, ids, top_k, top_p, min_p)
+    return _filter(logits, values, ids, top_k, top_p, min_p, probed=False)
 
 
 def _filter(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, top_k: list[int], top_p: list[float],
-            min_p: list[float]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Mask sorted candidates (R, W); None if a row's set may extend past the W candidates."""
+            min_p: list[float], probed: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Mask sorted candidates (R, W); when `probed` (W is the probe's, short of some rows'
+    top_k), None if a row's set may extend past the W candidates."""
     # [ZH-START]
     # 1. 每行第 k 个之后的候选置 -inf（top_k）。
     # 2. norm = 候选的 logsumexp (R, 1)；没有 top_k 的行改用整词表的 logsumexp（候选可能
@@ -113,15 +118,15 @@ def _filter(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, top_k
     #    cumsum 可能提前到 1）。
     # 5. min_p：概率 < min_p × 最优 token 概率的丢掉。
     # 6. 第 0 列（最可能的 token）永远保留，哪怕 top_p 小到 1e-50。
-    # 7. W < V 时，若某个无 top_k 的行连最后一个候选都保留着，它的集合可能延续到 W 之外 → 返回 None
+    # 7. probed（W 是探测的宽度）时，若某个无 top_k 的行连最后一个候选都保留着，它的集合可能延续到 W 之外 → 返回 None
     #    让调用方整词表排序。
     # 8. 返回 (丢弃位置填 -inf 的 values, ids)。
     # [ZH-END]
     dev, vocab, width = logits.device, logits.shape[1], values.shape[1]
-    k = torch.tensor(top_k, device=dev).unsqueeze(1)
+    k = upload(top_k, torch.long, dev).unsqueeze(1)
     values = values.masked_fill(torch.arange(width, device=dev).unsqueeze(0) >= k, _NEG_INF)
-    p = torch.tensor(top_p, device=dev).unsqueeze(1)
-    m = torch.tensor(min_p, device=dev).unsqueeze(1)
+    p = upload(top_p, torch.float32, dev).unsqueeze(1)
+    m = upload(min_p, torch.float32, dev).unsqueeze(1)
     # top_p is judged on the top_k-renormalized distribution: normalize over the row's top_k
     # candidates, or over the whole vocabulary when the row has no top_k.
     norm = values.logsumexp(dim=-1, keepdim=True)  # (R, 1)
@@ -133,7 +138,7 @@ def _filter(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, top_k
     drop = ((probs.cumsum(dim=-1) - probs) >= p) & (p < 1)
     drop |= probs < m * probs[:, :1]
     drop[:, 0] = False  # the most likely token always stays, however small top_p (1e-50 rounds to 0)
-    if width < vocab and not bool((drop[:, -1] | (k.squeeze(1) < vocab)).all()):
+    if probed and not bool((drop[:, -1] | (k.squeeze(1) < vocab)).all()):
         return None  # a row without top_k keeps the last candidate: its set may go on past W
     return values.masked_fill(drop, _NEG_INF), ids
 

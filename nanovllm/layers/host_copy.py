@@ -1,0 +1,40 @@
+"""Host values onto the device and device values back, without making the host wait.
+
+On CUDA a copy from ordinary (pageable) host memory waits for the stream to drain first, so a
+small `torch.tensor(values, device="cuda")` in the middle of a step makes the host wait for every
+kernel queued before it. `upload` stages the values in pinned memory and copies asynchronously;
+`download` starts the copy back into pinned memory and returns an event to wait on only when the
+values are needed. On CPU both are plain tensors and nothing waits.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` (a list of numbers, or of equal-length lists) as a tensor on `device`, copied
+    without a host wait on CUDA."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+class Download:
+    """A device tensor on its way to host memory: `wait()` returns it as a list."""
+
+    __slots__ = ("host", "ready")
+
+    def __init__(self, values: torch.Tensor):
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.ready: torch.cuda.Event | None = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host, self.ready = values, None
+
+    def wait(self) -> list:
+        """The values, once the copy (and everything queued before it) has finished."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
