@@ -4,7 +4,8 @@
 runs `steps` decode-only steps under torch.profiler (CUDA activities on a GPU; kernels inside a
 replayed CUDA graph are reported one by one). From the kernel events it derives, per step: the
 number of kernels, the GPU time summed over kernels, the GPU busy time (the union of kernel
-intervals, so overlap counts once) and the wall time of the step on the host; and per kernel
+intervals, so overlap counts once) and the wall time of the step on the host; the kernels per
+decoder layer (`kernels_per_layer`, which bench/kernel_count.py predicts on CPU); and per kernel
 name and per kernel class (GEMM, attention, norm, elementwise, ...) the count and time per step.
 On CPU there are no kernels: the same figures are taken over the profiler's CPU ops (nested ops
 count inside their parents as well), which only checks the plumbing.
@@ -59,8 +60,12 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(events: list[tuple[str, float, float]], steps: int, wall_s: float, activity: str) -> dict:
-    """Per-step figures from (name, start_us, end_us) events of `steps` profiled steps."""
+def summarize(events: list[tuple[str, float, float]], steps: int, wall_s: float, activity: str,
+              layers: int | None = None) -> dict:
+    """Per-step figures from (name, start_us, end_us) events of `steps` profiled steps; with the
+    model's `layers`, also `kernels_per_layer`: per kernel name, its launches per step floor-divided
+    by the layers (a kernel of every layer runs `layers` times a step, while the embedding, final
+    norm, LM head and sampling add fewer than `layers` launches to a name), summed over names."""
     by_name: dict[str, list[float]] = {}
     for name, start, end in events:
         by_name.setdefault(name, [0, 0.0])
@@ -75,8 +80,10 @@ def summarize(events: list[tuple[str, float, float]], steps: int, wall_s: float,
         c["per_step"] = round(c["per_step"] + k["per_step"], 2)
         c["us_per_step"] = round(c["us_per_step"] + k["us_per_step"], 2)
     summed = sum(end - start for _, start, end in events)
+    per_layer = {} if not layers else {
+        "kernels_per_layer": sum(round(count / steps) // layers for count, _ in by_name.values())}
     return {"activity": activity, "steps": steps,
-            "kernels_per_step": round(len(events) / steps, 1),
+            "kernels_per_step": round(len(events) / steps, 1), **per_layer,
             "kernel_us_per_step": round(summed / steps, 1),
             "busy_us_per_step": round(_union_us([(s, e) for _, s, e in events]) / steps, 1),
             "wall_ms_per_step": round(1e3 * wall_s / steps, 3),
@@ -119,7 +126,8 @@ def record_timeline(engine: LLMEngine, batch: int, steps: int, prompt_len: int, 
         engine.step()
     if profiled == 0:
         raise RuntimeError(f"no decode-only step of batch {batch} was profiled")
-    return summarize(_profiled_events(prof, activity), profiled, wall, activity)
+    return summarize(_profiled_events(prof, activity), profiled, wall, activity,
+                     layers=engine.runner.model_config.num_layers)
 
 
 def write_timeline(prefix: str, mode: str, batch: int, timeline: dict, top: int = 25) -> str:
@@ -129,7 +137,8 @@ def write_timeline(prefix: str, mode: str, batch: int, timeline: dict, top: int 
     with open(path + ".json", "w") as f:
         json.dump({"mode": mode, "batch": batch, **timeline}, f, indent=1)
     lines = [f"{mode} batch {batch}: {timeline['steps']} steps ({timeline['activity']} events); per step: "
-             f"{timeline['kernels_per_step']} kernels, {timeline['kernel_us_per_step']} us summed, "
+             f"{timeline['kernels_per_step']} kernels ({timeline.get('kernels_per_layer', '?')} per layer), "
+             f"{timeline['kernel_us_per_step']} us summed, "
              f"{timeline['busy_us_per_step']} us busy, {timeline['wall_ms_per_step']} ms wall", "",
              f"{'class':<22}{'per step':>10}{'us/step':>10}"]
     lines += [f"{c['class']:<22}{c['per_step']:>10}{c['us_per_step']:>10}" for c in timeline["classes"]]

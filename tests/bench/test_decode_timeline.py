@@ -26,6 +26,16 @@ def test_summarize_counts_per_step_and_counts_overlap_once():
     assert got["kernels"][0]["name"] == "ampere_bf16_gemm_128x64"  # the most time first
 
 
+def test_kernels_per_layer_leave_out_the_launches_outside_the_layers():
+    # Two steps of a 3-layer model: per layer a GEMM twice and a norm once; per step one more GEMM
+    # (the LM head) and one more norm (the final one), and an embedding lookup.
+    layer = [("gemm", 0.0, 1.0)] * 2 + [("_rms_norm_kernel", 0.0, 1.0)]
+    step = layer * 3 + [("gemm", 0.0, 1.0), ("_rms_norm_kernel", 0.0, 1.0), ("embedding", 0.0, 1.0)]
+    got = summarize(step * 2, steps=2, wall_s=0.001, activity="cuda", layers=3)
+    assert got["kernels_per_step"] == 12 and got["kernels_per_layer"] == 3
+    assert "kernels_per_layer" not in summarize(step, steps=1, wall_s=0.001, activity="cuda")
+
+
 def test_kernel_classes_follow_the_names():
     assert kernel_class("_qk_norm_rope_store_kernel") == "fused_qk_rope_store"
     assert kernel_class("_store_kvcache_kernel") == "kv_store"
@@ -44,6 +54,7 @@ def test_a_cpu_run_profiles_the_decode_steps_and_writes_both_files(tiny_model_di
     assert not engine.has_unfinished_requests()  # the requests ran to their end
     assert timeline["activity"] == "cpu" and timeline["steps"] == 2
     assert timeline["kernels_per_step"] > 0 and timeline["wall_ms_per_step"] > 0
+    assert timeline["kernels_per_layer"] > 0
     path = write_timeline(str(tmp_path / "tl"), "eager", 3, timeline)
     saved = json.loads(open(path).read())
     assert saved["batch"] == 3 and saved["kernels"] == timeline["kernels"]
