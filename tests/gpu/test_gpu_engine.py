@@ -1,6 +1,7 @@
 """The CUDA path through the whole engine: Triton attention equals the CPU path, CUDA graphs equal
 eager decode, the fused Triton decoder ops equal torch's, the KV budget follows
-gpu_memory_utilization. Skipped without CUDA.
+gpu_memory_utilization, overlapped steps equal synchronous ones and launch without a CUDA sync.
+Skipped without CUDA.
 
 fp32 throughout the equality tests (the Triton dots run in IEEE fp32, cuBLAS without TF32 by
 default), on tiny models whose peaked logits keep greedy choices far from ties.
@@ -76,6 +77,43 @@ def test_fused_triton_ops_match_the_torch_ops_with_graphs(tiny_model_dir, monkey
     assert plain.engine.runner.model.model.norm.gpu_ops is None
     assert got == token_ids(plain, prompts)
     assert fused.engine.runner.graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_overlapped_steps_equal_synchronous_ones_with_graphs(tiny_model_dir, dtype):
+    # The same greedy tokens with the host one step behind the GPU (stand-ins resolved on the
+    # device, tokens read back a step late) as with the host waiting every step, in fp32 and bf16.
+    config = dict(block_size=8, num_kvcache_blocks=256, max_num_seqs=6, dtype=dtype, max_num_batched_tokens=32)
+    prompts = prefix_sharing_prompts(seed=3)
+    sync = LLM(tiny_model_dir, device="cuda", overlap_scheduling=False, **config)
+    overlapped = LLM(tiny_model_dir, device="cuda", **config)  # the default on CUDA
+    assert overlapped.engine.overlap and not sync.engine.overlap
+    assert token_ids(overlapped, prompts) == token_ids(sync, prompts)
+    assert overlapped.engine.runner.graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1, max_tokens=20,
+                                                           ignore_eos=True)], ids=["greedy", "top-k-top-p"])
+def test_an_overlapped_decode_step_never_waits_for_the_gpu(tiny_model_dir, monkeypatch, params):
+    # Launching a decode step (inputs, stand-ins, graph replay, sampling, the copy back) makes no
+    # synchronising CUDA call: torch's sync debug mode turns any into an error.
+    llm = LLM(tiny_model_dir, device="cuda", num_kvcache_blocks=128, max_num_seqs=8)
+    engine = llm.engine
+    launch, checked = engine._launch, []
+
+    def checked_launch(scheduled):
+        if not all(item.num_new_tokens == 1 for item in scheduled):
+            return launch(scheduled)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(scheduled)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(len(scheduled))
+
+    monkeypatch.setattr(engine, "_launch", checked_launch)
+    outs = llm.generate(random_prompts([4, 19, 60], vocab=2048, seed=5), params, use_tqdm=False)
+    assert all(len(o["token_ids"]) == 20 for o in outs) and len(checked) >= 15
 
 
 def test_kv_budget_follows_gpu_memory_utilization(tiny_model_dir):

@@ -5,7 +5,8 @@ A GPU runs the real thing (test_gpu_engine.py); this keeps the metadata and the 
 in CI, with the decoder's elementwise work in torch ops or in the fused Triton kernels
 (kernels/triton_fused.py) as the CUDA runner runs it. The graph replay is swapped for an eager
 call on the graph's own input buffers, so the padded rows (slot -1, context length 0) go through
-the kernels exactly as a replay sends them.
+the kernels exactly as a replay sends them. Overlapped (`overlap_scheduling`), the decode
+inputs' stand-ins for tokens still on the device go through the same buffers.
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ class EagerReplay(DecodeGraphs):
         self.hidden[:batch] = self.model(self.input_ids[:batch], self.positions[:batch], self._metadata(batch))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["torch-elementwise", "triton-fused"])
-def test_triton_path_with_padded_decode_batches_matches_the_cpu_path(tiny_model_dir, fused):
+@pytest.mark.parametrize("fused, overlap", [(False, False), (True, False), (True, True)],
+                         ids=["torch-elementwise", "triton-fused", "triton-fused-overlapped"])
+def test_triton_path_with_padded_decode_batches_matches_the_cpu_path(tiny_model_dir, fused, overlap):
     # Prefix hits and a 16-token step budget: chunks continue after cached blocks, mixed with
     # decode rows; max_num_seqs 6 gives buckets 1, 2, 4, 6, so 5 running sequences pad to 6.
     shared = random_prompts([13], vocab=2048, seed=1)[0]
@@ -46,7 +48,7 @@ def test_triton_path_with_padded_decode_batches_matches_the_cpu_path(tiny_model_
     config = dict(block_size=4, num_kvcache_blocks=100, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64)
     expected = LLM(tiny_model_dir, **config).generate(prompts, params, use_tqdm=False)
 
-    llm = LLM(tiny_model_dir, **config)
+    llm = LLM(tiny_model_dir, overlap_scheduling=overlap, **config)  # overlapped: the stand-ins go through the graphs
     runner = llm.engine.runner
     runner.set_attention_kernels(None, triton_attention)
     if fused:  # norms, q/k norm + rotary + cache store, SiLU-and-multiply as the CUDA runner sets them
