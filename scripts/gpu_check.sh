@@ -1,24 +1,34 @@
 #!/usr/bin/env bash
-# The GPU check: GPU tests, then the offline benchmark and the decode-latency benchmark on the
+# The GPU check: GPU tests, then nano-vllm and its peer (HF transformers) side by side on the
 # Qwen3-0.6B shape (random weights, built here offline). Everything goes to $OUT:
 #
 #   gpu_check.log        the whole run (this script's stdout and stderr)
 #   env.json             python / torch / triton / transformers versions, the GPU
-#   pytest.txt, pytest.xml   tests/gpu and tests/kernels on CUDA
+#   pytest.txt, pytest.xml   tests/gpu and tests/kernels on CUDA (the CPU path's greedy tokens equal
+#                        the GPU's on tiny fp32 models; overlapped steps equal synchronous ones and
+#                        launch without a CUDA sync; the kernels match torch at real sizes)
 #   offline.json         nano-vllm's published workload: 256 requests, input and output lengths
 #                        uniform in 100-1024, ignore_eos (greedy here; nano-vllm samples at T=0.6)
-#   decode_latency.json  batch-1 inter-token latency and decode step time, CUDA graphs vs eager
+#   decode_latency.json  decode step time at batch 1..128: CUDA graphs overlapped (the default),
+#                        graphs with the host waiting every step (graph-sync), and eager
+#   hf_peer.json         HF transformers on the same weights and dtype: batch-1 decode with a
+#                        static cache under torch.compile, and plain `generate` throughput
+#   greedy_check.json    nano-vllm's greedy tokens against HF's (bf16, 32 tokens, 8 prompts)
 #   timeline.tar.gz      kernel-level timelines (torch.profiler) of graphed decode steps at batch 1
-#                        and 64, with the fused Triton ops (fused.*) and without (torch.*,
-#                        NANOVLLM_TRITON_FUSED=0): per step kernels, GPU time, busy time, wall time
-#   summary.json         each step's exit status and the headline numbers
+#                        and 64: fused Triton ops overlapped and synchronous (fused.*), torch ops
+#                        (torch.*, NANOVLLM_TRITON_FUSED=0): kernels per step and per layer, GPU
+#                        time, busy time, wall time
+#   summary.json         every headline figure and goal, and each step's exit status
+#                        (bench/gpu_summary.py says what each field is)
 #
 # Needs: Python with torch (CUDA), triton, transformers, safetensors, msgpack, xxhash, pytest.
 # Installs nothing and reaches no network; does not need gguf (no GGUF default model is used).
-# Budget: well under 10 minutes on one H200 (each step has its own timeout; steps run even if an
+# Budget: under 8 minutes on one H100/H200 (each step has its own timeout; steps run even if an
 # earlier one failed, and the exit status is non-zero if any failed).
 #
 #   OUT=/some/dir scripts/gpu_check.sh
+#   GPU_CHECK_SMOKE=1 OUT=/some/dir scripts/gpu_check.sh   # on CPU: every step that runs there, on
+#                        the tiny shape with small sizes, to check the plumbing and summary.json
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
@@ -31,6 +41,21 @@ unset TRITON_INTERPRET  # real kernels, never the interpreter
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/nanovllm-gpu-check.XXXXXX")"
 export NANOVLLM_CACHE_DIR="$WORK/cache"
 MODELS="$WORK/models"
+if [ "${GPU_CHECK_SMOKE:-0}" = 1 ]; then  # CPU: tiny sizes; the tests are the suite's, not run here
+  SHAPE=tiny DEVICE=cpu MODES=eager BATCHES=1,4 TL_BATCHES=1,4 TL_STEPS=4 PROMPT=16 OUTPUT=16 DTYPE=float32
+  OFFLINE_ARGS=(--num-seqs 8 --min-input 8 --max-input 32 --min-output 4 --max-output 16 --max-model-len 256
+                --max-num-seqs 8 --max-num-batched-tokens 256 --dtype float32 --device cpu)
+  PEER_ARGS=(--device cpu --dtype float32 --no-compile --decode-steps 8 --prompt-len 16 --num-seqs 8
+             --min-input 8 --max-input 32 --min-output 4 --max-output 16 --batch-size 4)
+  GREEDY_ARGS=(--device cpu --dtype float32 --num-prompts 3 --max-prompt-len 40 --tokens 8)
+else
+  SHAPE=qwen3-0.6b DEVICE=cuda MODES=graph,graph-sync,eager BATCHES=1,8,32,64,128 TL_BATCHES=1,64 TL_STEPS=50
+  PROMPT=128 OUTPUT=128 DTYPE=auto
+  OFFLINE_ARGS=(--num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024
+                --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 16384)
+  PEER_ARGS=(--device cuda)
+  GREEDY_ARGS=(--device cuda)
+fi
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, time, record the exit status
   local name=$1 limit=$2; shift 2
@@ -50,7 +75,7 @@ json_line() {  # the benchmark's JSON result line from its output
 main() {
 declare -A STATUS
 step env 60 "$PYTHON" - "$OUT/env.json" <<'EOF'
-import json, platform, sys
+import json, os, platform, sys
 import torch, transformers
 try:
     import triton
@@ -64,73 +89,63 @@ if torch.cuda.is_available():
     free, total = torch.cuda.mem_get_info()
     info.update(gpu=torch.cuda.get_device_name(), gpu_total_gib=round(total / 2**30, 1),
                 gpu_free_gib=round(free / 2**30, 1))
+try:  # the card's name as nvidia-smi gives it (an H100 and an H200 differ)
+    import subprocess
+    info["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                         "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+except (OSError, subprocess.SubprocessError):
+    info["nvidia_smi"] = None
 print(json.dumps(info))
 json.dump(info, open(sys.argv[1], "w"), indent=1)
-sys.exit(0 if torch.cuda.is_available() else 1)
+sys.exit(0 if torch.cuda.is_available() or os.environ.get("GPU_CHECK_SMOKE") == "1" else 1)
 EOF
 
-step tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 --junitxml="$OUT/pytest.xml" \
-  tests/gpu tests/kernels 2>&1 | tee "$OUT/pytest.txt"
-STATUS[tests]=${PIPESTATUS[0]}
+if [ "${GPU_CHECK_SMOKE:-0}" != 1 ]; then
+  step tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 --junitxml="$OUT/pytest.xml" \
+    tests/gpu tests/kernels 2>&1 | tee "$OUT/pytest.txt"
+  STATUS[tests]=${PIPESTATUS[0]}
+fi
 
-# Build the random-weight Qwen3-0.6B checkpoint once (both benchmarks reuse it).
-step model 90 "$PYTHON" -c "from bench.models import make_bench_model; print(make_bench_model('qwen3-0.6b', '$MODELS'))"
+# Build the random-weight checkpoint once (every benchmark below reuses it).
+step model 90 "$PYTHON" -c "from bench.models import make_bench_model; print(make_bench_model('$SHAPE', '$MODELS'))"
 
-step offline 180 "$PYTHON" -m bench.offline --shape qwen3-0.6b --model-dir "$MODELS" --skip-hf \
-  --num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 --max-output 1024 \
-  --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 16384 | tee "$WORK/offline.out"
+step offline 150 "$PYTHON" -m bench.offline --shape "$SHAPE" --model-dir "$MODELS" --skip-hf "${OFFLINE_ARGS[@]}" \
+  | tee "$WORK/offline.out"
 STATUS[offline]=${PIPESTATUS[0]}
 json_line "$WORK/offline.out" > "$OUT/offline.json"
 
-step decode_latency 120 "$PYTHON" -m bench.decode_latency --shape qwen3-0.6b --model-dir "$MODELS" \
-  --modes graph,eager --batch-sizes 1,8,32,128 --prompt-len 128 --output-len 128 | tee "$WORK/decode.out"
+# Decode steps, and the timelines of graphed ones: overlapped and synchronous, fused Triton ops.
+mkdir -p "$WORK/timeline"
+step decode_latency 200 "$PYTHON" -m bench.decode_latency --shape "$SHAPE" --model-dir "$MODELS" --device "$DEVICE" \
+  --dtype "$DTYPE" --modes "$MODES" --batch-sizes "$BATCHES" --prompt-len "$PROMPT" --output-len "$OUTPUT" \
+  --timeline "$WORK/timeline/fused" --timeline-batch-sizes "$TL_BATCHES" --timeline-steps "$TL_STEPS" \
+  | tee "$WORK/decode.out"
 STATUS[decode_latency]=${PIPESTATUS[0]}
 json_line "$WORK/decode.out" > "$OUT/decode_latency.json"
 
-# The same engine with and without the fused Triton ops, side by side: what a graphed step launches.
-mkdir -p "$WORK/timeline"
-for variant in fused torch; do
-  fused=1; [ "$variant" = torch ] && fused=0
-  NANOVLLM_TRITON_FUSED=$fused step "timeline_$variant" 180 "$PYTHON" -m bench.decode_latency --shape qwen3-0.6b \
-    --model-dir "$MODELS" --modes graph --batch-sizes 1,64 --prompt-len 128 --output-len 256 \
-    --timeline "$WORK/timeline/$variant" --timeline-steps 50 | tee "$WORK/timeline/$variant.out"
-  STATUS[timeline_$variant]=${PIPESTATUS[0]}
-done
+# The same graphed steps with torch's ops instead of the fused Triton ones: what fusing saves.
+NANOVLLM_TRITON_FUSED=0 step timeline_torch_ops 120 "$PYTHON" -m bench.decode_latency --shape "$SHAPE" \
+  --model-dir "$MODELS" --device "$DEVICE" --dtype "$DTYPE" --modes "${MODES%%,*}" --batch-sizes "$TL_BATCHES" \
+  --prompt-len "$PROMPT" --output-len "$OUTPUT" --timeline "$WORK/timeline/torch" --timeline-steps "$TL_STEPS" \
+  | tee "$WORK/timeline/torch.out"
+STATUS[timeline_torch_ops]=${PIPESTATUS[0]}
 tar -czf "$OUT/timeline.tar.gz" -C "$WORK" timeline
+
+# The peer on the same weights and dtype, each part in a fresh process.
+step hf_peer 200 "$PYTHON" -m bench.hf_peer --shape "$SHAPE" --model-dir "$MODELS" "${PEER_ARGS[@]}" \
+  | tee "$WORK/hf_peer.out"
+STATUS[hf_peer]=${PIPESTATUS[0]}
+json_line "$WORK/hf_peer.out" > "$OUT/hf_peer.json"
+
+step greedy_check 120 "$PYTHON" -m bench.greedy_check --shape "$SHAPE" --model-dir "$MODELS" "${GREEDY_ARGS[@]}" \
+  | tee "$WORK/greedy.out"
+STATUS[greedy_check]=${PIPESTATUS[0]}
+json_line "$WORK/greedy.out" > "$OUT/greedy_check.json"
 
 STATUS_JSON="{"
 for name in "${!STATUS[@]}"; do STATUS_JSON+="\"$name\": ${STATUS[$name]}, "; done
 STATUS_JSON="${STATUS_JSON%, }}"
-"$PYTHON" - "$OUT" "$STATUS_JSON" "$WORK/timeline" <<'EOF'
-import glob, json, os, sys
-out, status, timeline_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-
-def load(name):
-    try:
-        with open(os.path.join(out, name)) as f:
-            return json.loads(f.read() or "null")
-    except (OSError, ValueError):
-        return None
-
-offline, decode = load("offline.json"), load("decode_latency.json")
-summary = {"exit_status": status, "env": load("env.json"),
-           "offline_out_tok_s": offline and offline.get("nanovllm_out_tok_s"),
-           "offline_output_tokens": offline and offline.get("output_tokens"),
-           "offline_s": offline and offline.get("nanovllm_s"),
-           "nano_vllm_published_out_tok_s": {"nano-vllm, RTX 4070 laptop": 1434, "vLLM, RTX 4070 laptop": 1362}}
-if decode:
-    rows = {(r["mode"], r["batch"]): r for r in decode["rows"]}
-    summary["batch1_itl_ms"] = {mode: rows[(mode, 1)]["median_step_ms"] for mode in ("graph", "eager") if (mode, 1) in rows}
-    summary["graph_speedup_over_eager"] = decode.get("graph_speedup")
-timelines = {}
-for path in sorted(glob.glob(os.path.join(timeline_dir, "*.json"))):
-    t = json.load(open(path))
-    timelines[os.path.basename(path)[:-5]] = {k: t[k] for k in (
-        "kernels_per_step", "kernel_us_per_step", "busy_us_per_step", "wall_ms_per_step")}
-summary["decode_timelines"] = timelines
-print(json.dumps(summary, indent=1))
-json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
-EOF
+"$PYTHON" -m bench.gpu_summary "$OUT" "$WORK/timeline" --status "$STATUS_JSON" --elapsed "$SECONDS"
 
 rm -rf "$WORK"
 for rc in "${STATUS[@]}"; do [ "$rc" -eq 0 ] || return 1; done
