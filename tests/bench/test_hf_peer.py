@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench.hf_peer import decode_step, decode_worker, load_hf_model, prefill
@@ -73,5 +74,6 @@ def test_a_cpu_run_reports_decode_latency_and_generate_throughput(tmp_path):
     # every batch runs to its longest request
     assert result["offline_generated_tokens"] == sum(max(b) * len(b) for b in batches) >= sum(lens)
     assert result["offline_s"] > 0
-    assert result["offline_output_tok_s"] == round(sum(lens) / result["offline_s"], 1) > 0
+    # requested tokens over the seconds (rounded to ms in the JSON: a short run's rate moves by ~1%)
+    assert result["offline_output_tok_s"] == pytest.approx(sum(lens) / result["offline_s"], rel=0.02)
     assert "generate" in ran.stdout.split(json.dumps(result))[1]  # the table follows the JSON line
