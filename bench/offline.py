@@ -275,10 +275,16 @@ def hf_timed_runs(path: str, prompt_sets: list[list[list[int]]], output_len: int
     return [run_hf(path, ps, output_len, sampling) for ps in prompt_sets]
 
 
-def _random_output_lengths(params: SamplingParams, low: int, high: int, n: int) -> list[SamplingParams]:
-    """One copy of `params` per request with max_tokens uniform in [low, high] (seeded)."""
+def random_output_lengths(low: int, high: int, n: int) -> list[int]:
+    """n output lengths uniform in [low, high], the same on every call (bench/hf_peer.py asks
+    HF for the lengths this bench asks nanovllm for)."""
     rng = random.Random(1)
-    return [dataclasses.replace(params, max_tokens=rng.randint(low, high)) for _ in range(n)]
+    return [rng.randint(low, high) for _ in range(n)]
+
+
+def _random_output_lengths(params: SamplingParams, low: int, high: int, n: int) -> list[SamplingParams]:
+    """One copy of `params` per request with max_tokens from `random_output_lengths`."""
+    return [dataclasses.replace(params, max_tokens=m) for m in random_output_lengths(low, high, n)]
 
 
 def _extra(sampling: dict | None) -> dict:
