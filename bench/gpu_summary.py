@@ -4,7 +4,8 @@ Reads what the script's steps wrote into its output folder (env.json, offline.js
 decode_latency.json, hf_peer.json, greedy_check.json, and the kernel timelines
 `<timeline_dir>/{fused,torch}.<mode>.b<batch>.json`) and writes `summary.json` with:
 
-- `device` (the GPU's name as CUDA reports it, as nvidia-smi prints it), `commit`, `exit_status`
+- `device` (the GPU's name as CUDA reports it; `env.nvidia_smi` has nvidia-smi's line; "cpu" in
+  the CPU smoke run), `commit`, `exit_status`
   (each step's exit status) and `elapsed_s`;
 - `decode_ms_batch1_graph` / `_graph_sync` / `_eager`: a batch-1 decode step of nano-vllm (CUDA
   graphs, overlapped; graphs with the host waiting every step; eager), and
@@ -81,7 +82,8 @@ def summarize(out: str, timeline_dir: str, status: dict, elapsed_s: float | None
     def timeline(variant: str, mode: str, batch: int) -> dict | None:
         return load(os.path.join(timeline_dir, f"{variant}.{mode}.b{batch}.json"))
 
-    s = {"device": env.get("gpu") or env.get("device"), "commit": commit(), "exit_status": status, "elapsed_s": elapsed_s,
+    device = env.get("gpu") or ("cpu" if env and not env.get("cuda_available") else None)
+    s = {"device": device, "commit": commit(), "exit_status": status, "elapsed_s": elapsed_s,
          "env": env,
          "decode_ms_batch1_graph": step_ms("graph"), "decode_ms_batch1_graph_sync": step_ms("graph-sync"),
          "decode_ms_batch1_eager": step_ms("eager"), "peer_decode_ms_batch1": peer.get("decode_ms_batch1"),
@@ -89,7 +91,7 @@ def summarize(out: str, timeline_dir: str, status: dict, elapsed_s: float | None
          "decode_rows": decode.get("rows"), "overlap_speedup": decode.get("overlap_speedup"),
          "offline_output_tok_s": offline.get("nanovllm_out_tok_s"), "offline_output_tokens": offline.get("output_tokens"),
          "offline_s": offline.get("nanovllm_s"), "hf_offline_output_tok_s": peer.get("offline_output_tok_s"),
-         "hf_offline": {k: peer.get(k) for k in ("offline_requests", "offline_requested_tokens",
+         "hf_offline": {k: peer.get(k) for k in ("num_seqs", "batch_size", "offline_requested_tokens",
                                                   "offline_generated_tokens", "offline_s")},
          "kernels_per_layer": (timeline("fused", "graph", 1) or {}).get("kernels_per_layer"),
          "kernels_per_layer_torch_ops": (timeline("torch", "graph", 1) or {}).get("kernels_per_layer"),
