@@ -161,10 +161,10 @@ def trace() -> list[str]:
     batches: list[tuple] = []
     run = engine.runner.run
 
-    def watched_run(scheduled):
+    def watched_run(scheduled, previous=None):
         step = StepInput.from_scheduled(scheduled)
         batches.append((step, build_cpu_batch(step, BLOCK_SIZE, torch_attention=False)))
-        return run(scheduled)
+        return run(scheduled, previous)
     engine.runner.run = watched_run
 
     # The engine stage's work: add, step; each step's outputs as a StepOutput frame for the detokenizer.

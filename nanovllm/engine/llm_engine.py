@@ -17,7 +17,8 @@ orders admission and preemption.
 # 一次 step() 内部：
 #   _aborted 里的终止输出 → Scheduler.schedule()（向 BlockManager 要块）
 #   → Sampler.prepare（语法掩码与前向并行）→ ModelRunner.run()（前向，要采样的行的 logits）
-#   → Sampler（每行一个 token）→ Scheduler.postprocess()（追加 token、判断结束、commit）
+#   → Sampler（每行一个 token）→ Scheduler.advance()（推进进度、commit、放占位 token）
+#   → Scheduler.settle()（占位换成 token、判断结束；重叠调度时晚一步，在下一步发射之后）
 #   → 每个有新 token 或刚结束的请求一条 RequestOutput → post-step hooks（指标）
 # 约定：每个请求恰好有一条 finished=True 的输出（FinishReason：STOP / LENGTH / ABORT / ERROR）。
 # 一个请求在引擎里就是一个 Sequence：token、块表、冻结的 SamplingParams 和采样状态都在它身上。
@@ -130,7 +131,9 @@ class LLMEngine:
     # Sampler（引擎自己持有；每请求的状态在 Sequence 上，采样器没有按 id 的表）。
     # requests：request_id → Sequence（请求的全部状态，采样状态也在上面），只放活着的请求
     # （abort 时立刻移出）；
-    # _aborted：已 abort、等下一步报告终止输出的序列。
+    # _aborted：已 abort、等下一步报告终止输出的序列；
+    # _pending：重叠调度时上一次发射、还没 settle 的一步（LaunchedStep）；
+    # _host_sampled：需要 host 采样的活请求的 id，非空时每一步都同步执行。
     # [ZH-END]
     def __init__(self, config: Config | None = None, *, scheduler_policy: str | SchedulerPolicy | None = None, **kwargs):
         # [ZH-START]
@@ -143,7 +146,9 @@ class LLMEngine:
         #    eos（去重，GGUF 不读）。
         # 6. Scheduler：max_num_seqs、max_num_batched_tokens、max_model_len、eos，
         #    策略 make_policy(scheduler_policy)。
-        # 7. 请求表、_aborted、到达计数 _arrivals、last_step / num_steps、post-step hooks 初始化。
+        # 7. 请求表、_aborted、到达计数 _arrivals、last_step / num_steps、post-step hooks 初始化；
+        #    overlap = config.overlap_scheduling，为 None 时按设备定（CUDA 且单 rank 才开），
+        #    _pending = None，_host_sampled 为空集。
         # 8. start_word_index：先在本线程 import 加载分词器要用的 transformers 模块
         #    （两个线程同时 import transformers 的惰性模块不安全），再由后台线程加载分词器、
         #    建 string banned_words 用的词表字节索引（WordIndex）：加载要几秒，不能卡在
@@ -221,7 +226,8 @@ class LLMEngine:
         # 4. build_logits_processors 为它构造 logits 处理器，SamplingState.build 建采样状态
         #    （bias / min_tokens 张量、有种子时自己的 Generator）。
         # 5. 创建 Sequence(params, sampling=状态)（arrival = _arrivals，随后 _arrivals += 1），
-        #    放进 requests，scheduler.add 入 waiting 堆。
+        #    放进 requests；采样状态不是 plain（要 host 采样）就记进 _host_sampled；
+        #    scheduler.add 入 waiting 堆。
         # 6. 续写（output_prefix，引擎死后客户端把已收到的输出发回来）：先校验（比 max_tokens 少、
         #    prompt + 前缀 < max_model_len、id 在词表内），再接到 token_ids 后面——
         #    它们算输出（num_prompt_tokens 不变），和被抢占的序列一样整段 prefill；有种子的
@@ -284,10 +290,11 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks now; idempotent. True if it was live."""
         # [ZH-START]
-        # 1. 从 requests 弹出；不存在（未知 id 或已结束）→ 返回 False（幂等）。
-        # 2. scheduler.finish(seq, FinishReason.ABORT)：KV 块立刻释放、标记 FINISHED；
-        #    队列里的条目之后惰性清理。采样状态在 Sequence 身上，同一个 request_id
-        #    在下一步之前就被复用也不会串。
+        # 1. 从 requests 弹出；不存在（未知 id 或已结束）→ 返回 False（幂等）；
+        #    同时移出 _host_sampled。
+        # 2. scheduler.finish(seq, FinishReason.ABORT)：KV 块立刻释放、标记 FINISHED（末尾还是占位
+        #    token 的话去掉：重叠调度时它那一行的结果会被丢弃）；队列里的条目之后惰性清理。
+        #    采样状态在 Sequence 身上，同一个 request_id 在下一步之前就被复用也不会串。
         # 3. 追加到 _aborted：下一次 step() 开头为它产出唯一的终止输出（ABORT）。
         # 4. 返回 True。整个过程 O(1)，不扫描任何队列。
         # [ZH-END]
@@ -319,7 +326,8 @@ class LLMEngine:
         #    惩罚、logprobs、bias、min_tokens、processors、语法），或调度将要抢占（被抢占的序列要
         #    重算，需要真 token）→ 先 _settle 它（等设备、读回 token）。
         # 3. scheduled = scheduler.schedule()；统计 decode / prefill token 数：decode 是
-        #    num_computed_tokens >= num_prompt_tokens 的项，各 1 个；抢占后重新接纳的从 0 重算，算 prefill。
+        #    num_computed_tokens >= num_prompt_tokens 的项，各 1 个；
+        #    抢占后重新接纳的从 0 重算，算 prefill。
         # 4. 有调度项就 _launch：前向 + 采样都发射出去（重叠时 token 留在设备上，下一步的输入
         #    直接在设备上取用上一步的 token）。
         # 5. 再 _settle 上一步（重叠的正是这里：host 读上一步的结果、出输出时，设备在跑这一步）。
@@ -381,11 +389,12 @@ class LLMEngine:
         number of tokens landed."""
         # [ZH-START]
         # 1. 设备上采样的：download.wait() 等拷贝完成、读成列表；SAMPLE_FAILED 的行（序列还活着）
-        #    用留下的 logits 算出原因（record_failure，记进 sampling.error）。host 上采样的：直接用 sampled。
+        #    用留下的 logits 算出原因（record_failure，记进 sampling.error）。
+        #    host 上采样的：直接用 sampled。
         # 2. scheduler.settle：占位换成 token、commit 前缀缓存、判定结束。
-        # 3. 对每个调度项：序列还是 requests 里的这一个（没被 abort、没在前面报告过结束）且有未报告的
-        #    输出 token 或刚结束 → _output 产出一条；结束的从 requests 和 _host_sampled 删除
-        #    （采样状态随 Sequence 一起走）。prompt 中间分块的项没有输出。
+        # 3. 对每个调度项：序列还是 requests 里的这一个（没被 abort、没在前面报告过结束）
+        #    且有未报告的输出 token 或刚结束 → _output 产出一条；结束的从 requests 和 _host_sampled
+        #    删除（采样状态随 Sequence 一起走）。prompt 中间分块的项没有输出。
         # [ZH-END]
         if launched.sampled is not None:
             sampled = launched.sampled

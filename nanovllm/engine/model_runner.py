@@ -413,7 +413,9 @@ class ModelRunner:
         #    decode 行在前、prefill 分块在后。
         # 2. 张量并行时先经 channel 广播 ["step", step.to_wire()]：worker 在 serve_steps
         #    里收到后同步执行，前向中的 all-reduce 才凑得齐所有 rank。
-        # 3. logits = _execute(step)：本步有要采样的行时形状 (B, V)，B 为要采样的序列数，
+        # 3. logits = _execute(step, previous)（previous：重叠调度时上一步留在设备上的采样结果，
+        #    decode 行里的占位 token 由它在设备上换成真 token）：本步有要采样的行时形状 (B, V)，
+        #    B 为要采样的序列数，
         #    顺序与 scheduled 中的采样项一致；都是没到末尾的 prefill 分块时只把 K/V 写进
         #    cache，返回 None。采样由 LLMEngine 的 Sampler 做。
         # [ZH-END]
@@ -453,8 +455,8 @@ class ModelRunner:
         # 4. hidden[sample_rows] → (B, C) → compute_logits → rank 0 上 (B, V)
         #    float32，其他 rank 为 None。
         #    sample_rows 恰为 0..T-1（纯解码步的常态）时直接用 hidden，不建索引；
-        #    否则索引用 upload 从 pinned 内存异步上传——同步的 torch.tensor(..., device=cuda) 会让 host
-        #    在这里干等整个前向（图重放）跑完。
+        #    否则索引用 upload 从 pinned 内存异步上传——同步的 torch.tensor(..., device=cuda) 会让
+        #    host 在这里干等整个前向（图重放）跑完。
         # [ZH-END]
         triton = self.triton_ops is not None
         if triton:

@@ -191,7 +191,8 @@ class Sampler:
         Each row gets what `__call__` would give it (`_choose`, without the probe): the same
         tokens for greedy and seeded rows, and the same draws from the shared generator."""
         # [ZH-START]
-        # 重叠调度用的采样：整批都是 plain 行（只有温度和 top_k / top_p / min_p），全程不从设备读回任何值。
+        # 重叠调度用的采样：整批都是 plain 行（只有温度和 top_k / top_p / min_p），
+        # 全程不从设备读回任何值。
         # 1. 都是 greedy：argmax，取出选中的值 chosen，不是有限数的行失败（NaN / +inf）。
         # 2. 否则：每行最大值 best 非有限即失败；_choose(probe=False) 按 __call__ 的分组抽样
         #    （不探测，直接整词表排序），所以有种子的行两条路径结果相同。

@@ -25,9 +25,9 @@ take effect one step late, and a sequence at its length limit is not scheduled a
 # 在引擎一步之内的位置：
 #   LLMEngine.step
 #     ├─ Scheduler.schedule()       → list[ScheduledSeq]（本模块；向 BlockManager 要块、必要时抢占）
-#     ├─ ModelRunner.run(scheduled) → 每个到达序列末尾的项采样 1 个 token（Sampler 在里面）
-#     ├─ Scheduler.advance()        → 推进进度，采样的序列末尾先放占位 token（本模块）
-#     └─ Scheduler.settle()         → 占位换成读回的 token、判断结束（本模块；顺带 commit 前缀缓存）
+#     ├─ ModelRunner.run(scheduled) → logits；引擎的 Sampler 为每个到达序列末尾的项采样 1 个 token
+#     ├─ Scheduler.advance()        → 推进进度、commit 前缀缓存、采样的序列末尾放占位（本模块）
+#     └─ Scheduler.settle()         → 占位换成读回的 token、判断结束（本模块；重叠调度时晚一步）
 # 整个服务：客户端 → 分词进程 → 引擎进程（本模块在这里）→ 反分词进程 → 客户端。
 # 每步一个 token 预算 max_num_batched_tokens：先给 running（decode 各 1 个 token，或未算完的 prompt
 # 的下一块），剩下的再接纳 waiting（prompt 可跨步做 prefill 分块），所以 prefill 和
@@ -75,9 +75,9 @@ class Scheduler:
     # max_tokens / max_model_len 判断结束。
     # 不做的事：不跑模型、不采样（ModelRunner、Sampler 的事）；不匹配 stop string（在
     # detokenize.py）；不持有请求表（那是 LLMEngine.requests）。
-    # 和谁打交道：被 LLMEngine 调用（add / finish / schedule / advance / settle / must_preempt）；调用 BlockManager
-    # （match_prefix / can_allocate / allocate / can_append / blocks_short / append_slots / commit
-    # / free）和 policy.key。
+    # 和谁打交道：被 LLMEngine 调用（add / finish / schedule / advance / settle / must_preempt）；
+    # 调用 BlockManager（match_prefix / can_allocate / allocate / can_append / blocks_short /
+    # append_slots / commit / free）和 policy.key。
     # num_waiting / num_running 在每次搬动时精确维护，从不现数（指标每步都要读）。
     # [ZH-END]
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -184,7 +184,8 @@ class Scheduler:
         """Schedule running sequences in policy order; returns whether any was preempted."""
         # [ZH-START]
         # 1. 按顺序遍历 running[i]，直到走完或 budget 用完（预算外的 running
-        #    序列本步不跑，块照样占着）。
+        #    序列本步不跑，块照样占着）。_wants_step 为假的跳过：重叠调度时，输出已到长度上限、
+        #    只差还在设备上的那个 token 的序列，读回时就结束，不必再算。
         # 2. num_new = min(num_tokens - num_computed_tokens, budget)：decode 时是 1；
         #    prompt 没算完时是下一块。
         # 3. 只要 block_manager.can_append(seq, num_new) 为假（空闲块不够）：
@@ -222,8 +223,8 @@ class Scheduler:
         Returns whether it preempted; `_schedule_running` then finds room for every sequence left
         (a lone sequence always fits). O(running)."""
         # [ZH-START]
-        # 1. 按 _schedule_running 的顺序和预算，算出每个 running 序列本步要补的块数
-        #    needs，求和 short。
+        # 1. _growth：按 _schedule_running 的顺序、预算和跳过规则，算出每个 running 序列本步要补的
+        #    块数 needs，求和 short。
         # 2. short <= 空闲块数 → 不用抢占，返回 False。
         # 3. 否则从 running 末尾（policy 排最后的）逐个 _preempt，直到 short + preempt_blocks <=
         #    空闲块数；被抢占的序列若在 needs 里，short 减去它那份。
@@ -261,6 +262,7 @@ class Scheduler:
         The overlapped step asks first: a sequence whose last token is still on the device
         cannot be preempted (recomputing it needs the token), so the engine reads it back before."""
         self._drop_finished_running()
+        self.running.sort(key=self.policy.key)  # schedule()'s order: which sequences the budget reaches
         return sum(self._growth(self.max_num_batched_tokens)) > self.block_manager.num_free_blocks
 
     def _wants_step(self, seq: Sequence) -> bool:
@@ -336,7 +338,8 @@ class Scheduler:
         token. Sequences that ended meanwhile are left alone."""
         # [ZH-START]
         # 同步的一步里 advance 之后紧接着 settle；重叠的一步里，settle 要等下一步发射之后才做，
-        # 中间这段时间序列末尾是占位 token，下一步的输入在设备上把它换成真 token（step_input.resolve_pending）。
+        # 中间这段时间序列末尾是占位 token，下一步的输入在设备上把它换成真
+        # token（step_input.resolve_pending）。
         # 1. 对每一项：samples 为真就分给它下一个采样行号 row（与 Sampler 的行序一致，
         #    已结束的序列也占一行）。
         # 2. 已结束的序列（abort，或重叠时上一步刚读到它的 stop）跳过：这一步替它算的结果会被丢弃。

@@ -35,8 +35,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     Nothing here waits for the device, unless `probe` lets `filter_candidates` probe.
     """
     # [ZH-START]
-    # 1. 温度（upload：CUDA 上经 pinned 内存异步上传，不等设备）先转 float64，clamp 到 dtype 的 [tiny, max]，再转回 logits 的 dtype：
-    #    1e-40 这种会变成 0 的温度不会除出 inf / NaN。
+    # 1. 温度（upload：CUDA 上经 pinned 内存异步上传，不等设备）先转 float64，clamp 到 dtype 的
+    #    [tiny, max]，再转回 logits 的 dtype：1e-40 这种会变成 0 的温度不会除出 inf / NaN。
     # 2. uniform (R,) float64 从共享 Generator 取；有种子的行再用自己的 Generator 取一个数覆盖，
     #    所以它的结果不受同批其他请求影响。
     # 3. 没有任何过滤、logits 是 CPU 上的 float32 且有 cpu_ops：直接 cpu_ops.draw(logits, 温度,
@@ -88,9 +88,9 @@ def filter_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     """
     # [ZH-START]
     # 1. W = 各行 top_k 的最大值（没有 top_k 的行记为 V）。
-    # 2. 探测（probe 为 False 时不做：要从设备读回一个值）：若 W == V、V > 256，且每行的 k 要么 <= 256 要么是 V（没有 top_k），
-    #    先只取 topk(256) 调 _filter；每个无 top_k 行的保留集合都在这 256 个内结束，
-    #    就直接返回，省掉整词表排序。
+    # 2. 探测（probe 为 False 时不做：要从设备读回一个值）：若 W == V、V > 256，
+    #    且每行的 k 要么 <= 256 要么是 V（没有 top_k），先只取 topk(256) 调 _filter；
+    #    每个无 top_k 行的保留集合都在这 256 个内结束，就直接返回，省掉整词表排序。
     # 3. 否则 W < V 时 topk(W)，W == V 时整词表降序 sort，再 _filter。
     # 4. 返回候选 logits 与 token id，都是 (R, W)，降序排列，被过滤的位置为 -inf。
     # [ZH-END]
@@ -118,8 +118,8 @@ def _filter(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, top_k
     #    cumsum 可能提前到 1）。
     # 5. min_p：概率 < min_p × 最优 token 概率的丢掉。
     # 6. 第 0 列（最可能的 token）永远保留，哪怕 top_p 小到 1e-50。
-    # 7. probed（W 是探测的宽度）时，若某个无 top_k 的行连最后一个候选都保留着，它的集合可能延续到 W 之外 → 返回 None
-    #    让调用方整词表排序。
+    # 7. probed（W 是探测的宽度）时，若某个无 top_k 的行连最后一个候选都保留着，它的集合可能延续到 W
+    #    之外 → 返回 None 让调用方整词表排序。
     # 8. 返回 (丢弃位置填 -inf 的 values, ids)。
     # [ZH-END]
     dev, vocab, width = logits.device, logits.shape[1], values.shape[1]

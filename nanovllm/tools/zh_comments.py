@@ -45,14 +45,15 @@ CORE_MODULES: dict[str, list[str]] = {
         "match_prefix", "can_allocate", "allocate", "commit", "free", "_block_hash", "_take_free_block")],
     "nanovllm/engine/scheduler.py": [f"Scheduler.{m}" for m in (
         "finish", "_drop_dead_if_most", "schedule", "_schedule_running", "_schedule_waiting", "_preempt",
-        "postprocess", "_finish_reason")],
+        "advance", "settle", "_finish_reason")],
     "nanovllm/engine/sequence.py": ["Sequence.__init__"],
     "nanovllm/engine/policy.py": ["make_policy"],
     "nanovllm/engine/model_runner.py": [f"ModelRunner.{m}" for m in (
         "_num_kv_blocks", "_allocate_kv_cache", "_measure_gpu_kv_blocks", "run", "_execute")],
     "nanovllm/engine/cuda_graphs.py": ["DecodeGraphs._capture", "DecodeGraphs.run"],
     "nanovllm/engine/step_input.py": ["StepInput.from_scheduled", "build_cpu_batch", "build_gpu_batch"],
-    "nanovllm/engine/llm_engine.py": [f"LLMEngine.{m}" for m in ("__init__", "add_request", "abort", "step", "_output")],
+    "nanovllm/engine/llm_engine.py": [f"LLMEngine.{m}" for m in ("__init__", "add_request", "abort", "step", "_settle",
+                                                                  "_output")],
     "nanovllm/models/decoder.py": ["Attention.forward"],
     "nanovllm/layers/attention.py": [f"PagedAttention.{m}" for m in ("forward", "_forward_triton", "_decode", "_attend")],
     "nanovllm/engine/sampler.py": ["Sampler.__call__", "Sampler._choose"],
