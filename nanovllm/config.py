@@ -76,9 +76,9 @@ class Config:
     overlap_scheduling: bool | None = None
     """Schedule and launch step t+1 while the device still runs step t, reading step t's tokens
     back one step late (stop conditions and aborts then take effect one step late; greedy and
-    seeded output is the same either way). It applies while every live request samples from the
-    logits alone (no penalties, logprobs, logit_bias, min_tokens, logits processors or
-    response_format) and no preemption is due; otherwise that step runs synchronously. None: on
+    seeded output is the same either way). It applies while no live request needs the host's
+    sampler (logprobs, min_tokens, logits processors, response_format) and no preemption is due;
+    otherwise that step runs synchronously. None: on
     with CUDA on one rank, off on CPU (where the forward runs on the host's own cores, so nothing
     overlaps it). Not with tensor parallelism."""
     tensor_parallel_size: int = 1

@@ -113,7 +113,7 @@ class LaunchedStep:
     sampled: list[int] | None = None
     """Their tokens, when sampled on the host path (`Sampler.__call__`)."""
     tokens: torch.Tensor | None = None
-    """(len(rows),) on the device, when sampled there (`Sampler.sample_plain`)."""
+    """(len(rows),) on the device, when sampled there (`Sampler.sample_on_device`)."""
     download: Download | None = None
     """`tokens` on their way to host memory."""
     logits: torch.Tensor | None = None
@@ -176,8 +176,8 @@ class LLMEngine:
         self._pending: LaunchedStep | None = None
         """The overlapped step launched last, settled by the next `step()`."""
         self._host_sampled: set[str] = set()
-        """Live requests whose rows need the host's sampler (not `SamplingState.plain`): while
-        there is one, steps do not overlap."""
+        """Live requests whose rows need the host's sampler (not `SamplingState.on_device`):
+        while there is one, steps do not overlap."""
         self._arrivals = 0
         self.last_step = StepStats()
         self.num_steps = 0
@@ -226,7 +226,7 @@ class LLMEngine:
         # 4. build_logits_processors 为它构造 logits 处理器，SamplingState.build 建采样状态
         #    （bias / min_tokens 张量、有种子时自己的 Generator）。
         # 5. 创建 Sequence(params, sampling=状态)（arrival = _arrivals，随后 _arrivals += 1），
-        #    放进 requests；采样状态不是 plain（要 host 采样）就记进 _host_sampled；
+        #    放进 requests；采样状态不是 on_device（要 host 采样）就记进 _host_sampled；
         #    scheduler.add 入 waiting 堆。
         # 6. 续写（output_prefix，引擎死后客户端把已收到的输出发回来）：先校验（比 max_tokens 少、
         #    prompt + 前缀 < max_model_len、id 在词表内），再接到 token_ids 后面——
@@ -258,7 +258,7 @@ class LLMEngine:
         seq.token_ids.extend(prefix)
         self._arrivals += 1
         self.requests[request_id] = seq
-        if not sampling.plain:
+        if not sampling.on_device:
             self._host_sampled.add(request_id)
         self.scheduler.add(seq)
 
@@ -323,7 +323,7 @@ class LLMEngine:
         # [ZH-START]
         # 1. 先为 _aborted 里的每个序列生成终止输出，清空 _aborted。
         # 2. 上一步还在飞（_pending），而这一步不能重叠：有需要 host 采样的请求（_host_sampled：
-        #    惩罚、logprobs、bias、min_tokens、processors、语法），或调度将要抢占（被抢占的序列要
+        #    logprobs、min_tokens、processors、语法），或调度将要抢占（被抢占的序列要
         #    重算，需要真 token）→ 先 _settle 它（等设备、读回 token）。
         # 3. scheduled = scheduler.schedule()；统计 decode / prefill token 数：decode 是
         #    num_computed_tokens >= num_prompt_tokens 的项，各 1 个；
@@ -373,7 +373,7 @@ class LLMEngine:
         if self.overlap and not self._host_sampled:
             logits = self.runner.run(scheduled, previous)  # (len(rows), V), or None when no row samples
             if rows:
-                launched.tokens = self.sampler.sample_plain(logits, rows)
+                launched.tokens = self.sampler.sample_on_device(logits, rows, previous)
                 launched.download, launched.logits = Download(launched.tokens), logits
             else:
                 launched.sampled = []

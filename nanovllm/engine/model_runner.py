@@ -48,12 +48,13 @@ from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.heap import release_free_heap
 from nanovllm.engine.kv_budget import gpu_kv_cache_bytes, num_blocks_for
 from nanovllm.engine.scheduler import ScheduledSeq
-from nanovllm.engine.step_input import StepInput, build_cpu_batch, build_gpu_batch, resolve_pending
+from nanovllm.engine.step_input import StepInput, build_cpu_batch, build_gpu_batch
 from nanovllm.engine.tp_workers import WorkerProcesses
 from nanovllm.layers.attention import PagedAttention
 from nanovllm.layers.cpu_gemm import pack_linear_weights, packs
 from nanovllm.layers.cpu_kernels import CpuAttentionKernel, CpuOps, auto_cpu_dtype
 from nanovllm.layers.host_copy import upload
+from nanovllm.layers.pending import resolve_pending
 from nanovllm.layers.quant import quantize_model_int8
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.loader import iter_weights, load_weights

@@ -65,7 +65,7 @@ import os
 
 import torch
 
-from nanovllm.engine.constraints import MAX_ERROR_CHARS, constrain_rows, non_finite
+from nanovllm.engine.constraints import MAX_ERROR_CHARS, apply_constraints, constrain_rows, non_finite
 from nanovllm.engine.sequence import SamplingState, Sequence
 from nanovllm.layers.cpu_kernels import CpuOps
 from nanovllm.layers.host_copy import upload
@@ -138,8 +138,9 @@ class Sampler:
         # 3. logits.float()（compute_logits 已是 float32，此处不复制，下面原地修改）。
         # 4. 要 logprobs 的行先算 raw_logprobs = log_softmax，形状 (R, V)——
         #    取的是惩罚和约束之前的原始分布。
-        # 5. 有惩罚的行：apply_penalties_(这些行, prompt+输出 ids, 输出 ids, 各行的三个系数)；
-        #    若取的是子集副本就写回 logits。
+        # 5. _penalize：有惩罚的行 apply_penalties_(这些行, prompt+输出 ids, 输出 ids, 各行的三个系数,
+        #    counts=有没有 presence / frequency)；行号用 upload 上传后 index_select 取子集，
+        #    算完 index_copy_ 写回（sample_on_device 也用它）。
         # 6. constrain_rows（constraints 模块）：只有语法约束的行整批一次屏蔽（CPU 上由
         #    cpu_ops.mask_bits 直接套打包的掩码），其余逐行
         #    bias、min_tokens 屏蔽、processors；
@@ -161,13 +162,7 @@ class Sampler:
         failed: dict[int, str] = {}
         wants_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(_rows(logits, wants_logprobs), dim=-1) if wants_logprobs else None  # (R, V)
-        penalized = [i for i, s in enumerate(seqs) if s.params.has_penalties]
-        if penalized:
-            rows = apply_penalties_(_rows(logits, penalized), [seqs[i].token_ids for i in penalized],
-                                    [seqs[i].output_token_ids for i in penalized],
-                                    *penalty_tensors([seqs[i].params for i in penalized], logits.device))
-            if rows is not logits:
-                logits[penalized] = rows
+        self._penalize(logits, seqs)
         constrain_rows(logits, seqs, failed, self.cpu_ops)
         if failed:  # sampled without the failed rows, so they cannot disturb the others
             good = [i for i in range(len(states)) if i not in failed]
@@ -182,20 +177,27 @@ class Sampler:
         return self._report(tokens, seqs, failed)
 
     @torch.inference_mode()
-    def sample_plain(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits (B, V) of plain rows (`SamplingState.plain`: temperature and filters only) -> (B,)
-        token ids on the device, SAMPLE_FAILED where a row cannot be sampled (non-finite logits, an
-        id outside the vocabulary); `record_failure` says why once the host reads it. Nothing here
-        waits for the device: the overlapped step reads the tokens back one step later.
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence],
+                         previous: torch.Tensor | None = None) -> torch.Tensor:
+        """logits (B, V) of rows sampled on the device (`SamplingState.on_device`: penalties,
+        logit_bias, temperature and filters; no processors, logprobs or min_tokens) -> (B,) token
+        ids on the device, SAMPLE_FAILED where a row cannot be sampled (non-finite logits, an id
+        outside the vocabulary); `record_failure` says why once the host reads it. `previous`:
+        the step before's tokens still on the device, which the penalties' token lists end with
+        stand-ins for. Nothing here waits for the device: the overlapped step reads the tokens
+        back one step later.
 
-        Each row gets what `__call__` would give it (`_choose`, without the probe): the same
-        tokens for greedy and seeded rows, and the same draws from the shared generator."""
+        Each row gets what `__call__` would give it (the same penalties, bias and `_choose`,
+        without the top-p probe): the same tokens for greedy and seeded rows, and the same draws
+        from the shared generator."""
         # [ZH-START]
-        # 重叠调度用的采样：整批都是 plain 行（只有温度和 top_k / top_p / min_p），
-        # 全程不从设备读回任何值。
-        # 1. 都是 greedy：argmax，取出选中的值 chosen，不是有限数的行失败（NaN / +inf）。
-        # 2. 否则：每行最大值 best 非有限即失败；_choose(probe=False) 按 __call__ 的分组抽样
-        #    （不探测，直接整词表排序），所以有种子的行两条路径结果相同。
+        # 重叠调度用的采样：整批都是 on_device 的行（惩罚、logit_bias、温度、
+        # top_k / top_p / min_p），全程不从设备读回任何值。
+        # 1. 都是 plain_greedy：argmax，取出选中的值 chosen，不是有限数的行失败（NaN / +inf）。
+        # 2. 否则转 float32：_penalize（token 列表末尾的占位 token 用 previous 在设备上换成真
+        #    token）；有 bias 的行 apply_constraints（对这些行只做 index_add_ 加 bias）；
+        #    每行最大值 best 非有限即失败；_choose(probe=False) 按 __call__ 的分组抽样
+        #    （不探测，直接整词表排序），所以 greedy 和有种子的行两条路径结果相同。
         # 3. 失败行和越界 id 用 torch.where 换成 SAMPLE_FAILED，返回设备上的 (B,)。
         # [ZH-END]
         if all(s.sampling.plain_greedy for s in seqs):
@@ -203,13 +205,33 @@ class Sampler:
             bad = ~torch.isfinite(logits.gather(1, tokens.unsqueeze(1)).squeeze(1))
         else:
             logits = logits.float()
+            self._penalize(logits, seqs, previous)
+            for i, seq in enumerate(seqs):
+                if seq.sampling.bias_ids is not None:
+                    apply_constraints(logits, i, seq)  # the bias alone: such rows have no processors
             bad = ~torch.isfinite(logits.amax(dim=-1))
             tokens = self._choose(logits, seqs, probe=False)
         bad |= (tokens < 0) | (tokens >= self.vocab_size)
         return torch.where(bad, SAMPLE_FAILED, tokens)
 
+    def _penalize(self, logits: torch.Tensor, seqs: list[Sequence], previous: torch.Tensor | None = None) -> None:
+        """Apply the penalties of the rows that have them, in place (`penalties.apply_penalties_`)."""
+        penalized = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+        if not penalized:
+            return
+        params = [seqs[i].params for i in penalized]
+        whole = len(penalized) == len(seqs)
+        index = None if whole else upload(penalized, torch.long, logits.device)
+        rows = apply_penalties_(logits if whole else logits.index_select(0, index),
+                                [seqs[i].token_ids for i in penalized], [seqs[i].output_token_ids for i in penalized],
+                                *penalty_tensors(params, logits.device),
+                                counts=any(p.presence_penalty or p.frequency_penalty for p in params),
+                                previous=previous)
+        if not whole:
+            logits.index_copy_(0, index, rows)
+
     def record_failure(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """`sample_plain` gave SAMPLE_FAILED for `seq`, whose row of logits (V,) these are: say why
+        """`sample_on_device` gave SAMPLE_FAILED for `seq`, whose row of logits (V,) these are: say why
         in its state (as `__call__` does for the rows it fails)."""
         if not bool(torch.isfinite(logits.float().amax())):
             error = "the model's " + non_finite(logits)

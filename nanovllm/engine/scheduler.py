@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.policy import FCFSPolicy, SchedulerPolicy
-from nanovllm.engine.sequence import Sequence, SequenceStatus, is_pending, pending_token
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.layers.pending import is_pending, pending_token
 from nanovllm.engine.sampler import SAMPLE_FAILED
 from nanovllm_client.protocol import FinishReason
 
@@ -339,7 +340,7 @@ class Scheduler:
         # [ZH-START]
         # 同步的一步里 advance 之后紧接着 settle；重叠的一步里，settle 要等下一步发射之后才做，
         # 中间这段时间序列末尾是占位 token，下一步的输入在设备上把它换成真
-        # token（step_input.resolve_pending）。
+        # token（layers/pending.py 的 resolve_pending）。
         # 1. 对每一项：samples 为真就分给它下一个采样行号 row（与 Sampler 的行序一致，
         #    已结束的序列也占一行）。
         # 2. 已结束的序列（abort，或重叠时上一步刚读到它的 stop）跳过：这一步替它算的结果会被丢弃。

@@ -36,16 +36,6 @@ from nanovllm.structured import StructuredOutput
 from nanovllm_client.protocol import FinishReason
 
 
-def pending_token(row: int) -> int:
-    """The stand-in token id for row `row` of a step's samples still on the device (the overlapped
-    step): <= -2, apart from every real id and from SAMPLE_FAILED (-1)."""
-    return -2 - row
-
-
-def is_pending(token: int) -> bool:
-    """Whether `token` is a `pending_token` stand-in."""
-    return token <= -2
-
 
 class SequenceStatus(Enum):
     # [ZH-START]
@@ -142,8 +132,8 @@ class SamplingState:
     # [ZH-START]
     # 【职责】一个请求跨步的采样状态：logits processors（其中的 StructuredOutput 另记为 grammar，
     # 约束冲突时语法优先）、预先建好的张量（min_tokens 期间要屏蔽的 id、logit_bias 的 id 与值）、
-    # 有种子时自己的 Generator、尚未上报的 logprobs、采样失败的原因；plain / plain_greedy 在建的时候
-    # 算好一次（SamplingParams 是冻结的，不会再变）。
+    # 有种子时自己的 Generator、尚未上报的 logprobs、采样失败的原因；on_device / plain_greedy
+    # 在建的时候算好一次（SamplingParams 是冻结的，不会再变）。
     # 【边界】不保存 token 序列、不知道请求何时开始结束：这些在 Sequence 和 LLMEngine。
     # 【协作者】LLMEngine.add_request 用 build 建好挂到 Sequence.sampling；
     # Sampler 与 constraints 每步读写；
@@ -157,13 +147,13 @@ class SamplingState:
     generator: torch.Generator | None
     grammar: StructuredOutput | None
     """The request's response_format (one of `processors`): it wins where constraints conflict."""
-    plain: bool
-    """Nothing on its row but temperature and the top_k / top_p / min_p filters (no penalties,
-    processors, logprobs, bias or min_tokens): its token is chosen from the logits alone, so it
-    can be sampled on the device without the host knowing its previous token (the overlapped
-    step, `LLMEngine`)."""
+    on_device: bool
+    """No logits processors (response_format among them), logprobs or min_tokens: penalties,
+    logit_bias, temperature and filters only, so its row is sampled on the device without the
+    host reading anything back (`Sampler.sample_on_device`; the overlapped step, `LLMEngine`)."""
     plain_greedy: bool
-    """Plain and greedy: a batch of such rows is one argmax."""
+    """Greedy with nothing else on its row (no penalties, processors, logprobs, bias or
+    min_tokens): a batch of such rows is one argmax."""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     """Computed but not yet reported by the engine."""
     error: str | None = None
@@ -183,8 +173,8 @@ class SamplingState:
         # 3. 只有 min_tokens > 0 时才建 min_tokens_blocked 张量（stop_token_ids + 除非 ignore_eos
         #    模型的 EOS id，min_tokens 之前屏蔽）；有 bias 才建 bias_ids /
         #    bias_values，都放在采样器的设备上，之后每步直接 index_fill_ / index_add_；
-        #    processors 里的 StructuredOutput 另记为 grammar；plain（只有温度和 top_k / top_p /
-        #    min_p，可在设备上采样）和 plain_greedy 一次算好。
+        #    processors 里的 StructuredOutput 另记为 grammar；on_device（没有 processors、logprobs、
+        #    min_tokens，可在设备上采样）和 plain_greedy 一次算好。
         # [ZH-END]
         bias = [(t, b) for t, b in params.logit_bias.items() if t < vocab_size]
         if len(bias) < len(params.logit_bias):
@@ -198,7 +188,6 @@ class SamplingState:
         if params.min_tokens:
             blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
             min_tokens_blocked = torch.tensor([t for t in blocked if t < vocab_size], dtype=torch.long, device=device)
-        plain = not (params.has_penalties or processors or params.logprobs is not None or bias or params.min_tokens)
         return cls(
             processors=list(processors),
             min_tokens_blocked=min_tokens_blocked,
@@ -206,8 +195,9 @@ class SamplingState:
             bias_values=torch.tensor([b for _, b in bias], dtype=torch.float32, device=device) if bias else None,
             generator=generator,
             grammar=next((p for p in processors if isinstance(p, StructuredOutput)), None),
-            plain=plain,
-            plain_greedy=plain and params.is_greedy,
+            on_device=not (processors or params.logprobs is not None or params.min_tokens),
+            plain_greedy=params.is_greedy and not (params.has_penalties or processors or params.logprobs is not None
+                                                   or bias or params.min_tokens),
         )
 
     def take_logprobs(self) -> list[TokenLogprobs]:

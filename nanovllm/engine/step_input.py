@@ -187,17 +187,3 @@ def build_gpu_batch(step: StepInput, block_size: int, device: torch.device):
     meta.slot_mapping = upload(slots, torch.long, device)
     return upload(input_ids, torch.long, device), upload(positions, torch.long, device), meta
 
-
-def resolve_pending(input_ids: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """`input_ids` (T,) with each stand-in `pending_token(r)` replaced by row r of `previous`, the
-    tokens the step before sampled on the device (the overlapped step): no value goes to the host.
-    A row that failed there (SAMPLE_FAILED) feeds token 0; its request ends when the host reads it."""
-    # [ZH-START]
-    # 重叠调度时，上一步在设备上采样的 token 还没读回 host，这一步 decode 行的输入先用
-    # 占位值 pending_token(r) = -2 - r（r 是它在上一步采样结果里的行号）。
-    # 这里在设备上按行号从 previous 取出真 token 换进去：不读回 host，也就没有同步。
-    # 上一步采样失败的行（SAMPLE_FAILED = -1）取 0 代替，那个请求在 host 读到结果时以 error 结束，
-    # 这一步替它算的结果被丢弃。
-    # [ZH-END]
-    rows = (-2 - input_ids).clamp_(0, previous.shape[0] - 1)
-    return torch.where(input_ids <= -2, previous[rows].clamp(min=0), input_ids)

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.sequence import is_pending
+from nanovllm.layers.pending import is_pending
 from nanovllm_client.protocol import FinishReason
 from tests.engine.conftest import finish_all, random_prompts
 
@@ -68,10 +68,35 @@ def test_overlapped_seeded_and_filtered_sampling_equals_synchronous(tiny_model_d
     assert got == expected
 
 
+def test_penalties_and_logit_bias_are_sampled_on_the_device_as_on_the_host(tiny_model_dir, monkeypatch):
+    # The penalties' token lists end with the stand-in for the token still on the device, which
+    # is resolved there: the same tokens as the synchronous sampler's, and no step synchronous.
+    prompts = random_prompts([9, 14, 6, 11], 2048, 7)
+    params = [SamplingParams(temperature=0, max_tokens=18, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, presence_penalty=1.5, frequency_penalty=0.7, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=14, frequency_penalty=2.0, top_k=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=15, logit_bias={7: 5.0, 900: -100.0}, ignore_eos=True)]
+    expected, _ = generate(tiny_model_dir, prompts, params, overlap=False)
+    sampled_on_host = []
+    original = LLMEngine._launch
+
+    def launch(self, scheduled):
+        sampled_on_host.append(bool(self._host_sampled))
+        return original(self, scheduled)
+
+    monkeypatch.setattr(LLMEngine, "_launch", launch)
+    got, engine = generate(tiny_model_dir, prompts, params, overlap=True)
+    assert got == expected
+    assert sampled_on_host and not any(sampled_on_host)
+    unpenalized, _ = generate(tiny_model_dir, prompts[:2], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                                            for n in (18, 16)], overlap=True)
+    assert [tokens for tokens, _ in got[:2]] != [tokens for tokens, _ in unpenalized]  # the penalties did act
+
+
 def test_a_request_that_needs_the_host_sampler_makes_steps_synchronous_while_it_lives(tiny_model_dir):
     prompts = random_prompts([9, 14, 6], 2048, 7)
     params = [SamplingParams(temperature=0, max_tokens=18, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, min_tokens=3, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=18, ignore_eos=True, logprobs=2)]
     expected, _ = generate(tiny_model_dir, prompts, params, overlap=False)
     got, engine = generate(tiny_model_dir, prompts, params, overlap=True)
@@ -174,7 +199,11 @@ def no_read_back():
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                                     SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=2, max_tokens=12,
-                                                   ignore_eos=True)], ids=["greedy", "top-k-top-p"])
+                                                   ignore_eos=True),
+                                    SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.2,
+                                                   presence_penalty=0.5, frequency_penalty=0.5,
+                                                   logit_bias={5: 3.0}, max_tokens=12, ignore_eos=True)],
+                         ids=["greedy", "top-k-top-p", "penalties-bias"])
 def test_an_overlapped_decode_step_reads_nothing_back(tiny_model_dir, monkeypatch, params):
     # The launch of a decode step (inputs, forward, sampling, the copy back) must not read a
     # device value on the host: on CUDA any such read waits for the step before to finish.

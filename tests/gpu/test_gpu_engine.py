@@ -92,8 +92,10 @@ def test_overlapped_steps_equal_synchronous_ones_with_graphs(tiny_model_dir, dty
     assert overlapped.engine.runner.graphs.num_replays > 0
 
 
-@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1, max_tokens=20,
-                                                           ignore_eos=True)], ids=["greedy", "top-k-top-p"])
+@pytest.mark.parametrize("params", [
+    GREEDY, SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.2, frequency_penalty=0.5, logit_bias={5: 3.0},
+                   max_tokens=20, ignore_eos=True)], ids=["greedy", "top-k-top-p", "penalties-bias"])
 def test_an_overlapped_decode_step_never_waits_for_the_gpu(tiny_model_dir, monkeypatch, params):
     # Launching a decode step (inputs, stand-ins, graph replay, sampling, the copy back) makes no
     # synchronising CUDA call: torch's sync debug mode turns any into an error.
