@@ -26,6 +26,7 @@ reported as failed, never raised: `Sampler` ends that request alone.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import torch
@@ -181,9 +182,14 @@ def apply_constraints(logits: torch.Tensor, i: int, seq: Sequence) -> str | None
 
 def non_finite(row: torch.Tensor) -> str:
     """What is wrong with a row whose best value is not finite (rare: only failed rows get here)."""
-    if bool(row.isnan().any()):
+    return non_finite_best(float(row.amax()))
+
+
+def non_finite_best(best: float) -> str:
+    """What is wrong with a row whose largest value (`amax`, which NaN wins) is `best`, not finite."""
+    if math.isnan(best):
         return "logits hold NaN"
-    if bool((row == float("inf")).any()):
+    if best == float("inf"):
         return "logits hold +inf"
     return "logits allow no token (all are -inf)"
 

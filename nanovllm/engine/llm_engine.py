@@ -103,8 +103,8 @@ class LaunchedStep:
     """A step whose forward and sampling were launched and whose tokens are not yet settled."""
     # [ZH-START]
     # 已经发射（前向 + 采样）、结果还没落地的一步：settle 它所需要的一切。
-    # tokens 不为 None 时是重叠调度在设备上采样的结果，download 把它异步拷回 pinned 内存，
-    # host 要用时才等；logits 留着，只为说明哪一行为什么采样失败。
+    # tokens 不为 None 时是重叠调度在设备上采样的结果，download 把它和每行最大的 logit（失败时
+    # 就是原因：NaN / +inf / -inf）异步拷回 pinned 内存，host 要用时才等。
     # 同步的一步（有需要 host 采样的请求）tokens 为 None，sampled 直接是 token 列表。
     # [ZH-END]
     scheduled: list[ScheduledSeq]
@@ -115,9 +115,7 @@ class LaunchedStep:
     tokens: torch.Tensor | None = None
     """(len(rows),) on the device, when sampled there (`Sampler.sample_on_device`)."""
     download: Download | None = None
-    """`tokens` on their way to host memory."""
-    logits: torch.Tensor | None = None
-    """The rows' logits, kept to say why a row sampled on the device failed."""
+    """`tokens` and each row's largest logit (which says why a row failed) on their way to host memory."""
 
 
 class LLMEngine:
@@ -373,8 +371,8 @@ class LLMEngine:
         if self.overlap and not self._host_sampled:
             logits = self.runner.run(scheduled, previous)  # (len(rows), V), or None when no row samples
             if rows:
-                launched.tokens = self.sampler.sample_on_device(logits, rows, previous)
-                launched.download, launched.logits = Download(launched.tokens), logits
+                launched.tokens, best = self.sampler.sample_on_device(logits, rows, previous)
+                launched.download = Download(launched.tokens, best)
             else:
                 launched.sampled = []
         else:
@@ -388,8 +386,8 @@ class LLMEngine:
         an output for each request it advanced or ended, appended to `outputs`. Returns the
         number of tokens landed."""
         # [ZH-START]
-        # 1. 设备上采样的：download.wait() 等拷贝完成、读成列表；SAMPLE_FAILED 的行（序列还活着）
-        #    用留下的 logits 算出原因（record_failure，记进 sampling.error）。
+        # 1. 设备上采样的：download.wait() 等拷贝完成，读出 token 和每行最大的 logit；SAMPLE_FAILED
+        #    的行（序列还活着）由那个值说明原因（record_failure，记进 sampling.error）。
         #    host 上采样的：直接用 sampled。
         # 2. scheduler.settle：占位换成 token、commit 前缀缓存、判定结束。
         # 3. 对每个调度项：序列还是 requests 里的这一个（没被 abort、没在前面报告过结束）
@@ -399,11 +397,11 @@ class LLMEngine:
         if launched.sampled is not None:
             sampled = launched.sampled
         else:
-            sampled = launched.download.wait()
+            sampled, best = launched.download.wait()
             for i, token in enumerate(sampled):
                 seq = launched.rows[i]
                 if token == SAMPLE_FAILED and not seq.is_finished:
-                    self.sampler.record_failure(seq, launched.logits[i])
+                    self.sampler.record_failure(seq, best[i])
         generated = self.scheduler.settle(launched.scheduled, sampled)
         for item in launched.scheduled:
             seq = item.seq

@@ -61,11 +61,13 @@ tensor work in `nanovllm/layers/`: `penalties` (2), `sampling_ops` (4: filters a
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
 
-from nanovllm.engine.constraints import MAX_ERROR_CHARS, apply_constraints, constrain_rows, non_finite
+from nanovllm.engine.constraints import (MAX_ERROR_CHARS, apply_constraints, constrain_rows, non_finite,
+                                         non_finite_best)
 from nanovllm.engine.sequence import SamplingState, Sequence
 from nanovllm.layers.cpu_kernels import CpuOps
 from nanovllm.layers.host_copy import upload
@@ -178,11 +180,13 @@ class Sampler:
 
     @torch.inference_mode()
     def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence],
-                         previous: torch.Tensor | None = None) -> torch.Tensor:
+                         previous: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """logits (B, V) of rows sampled on the device (`SamplingState.on_device`: penalties,
         logit_bias, temperature and filters; no processors, logprobs or min_tokens) -> (B,) token
         ids on the device, SAMPLE_FAILED where a row cannot be sampled (non-finite logits, an id
-        outside the vocabulary); `record_failure` says why once the host reads it. `previous`:
+        outside the vocabulary), and (B,) each row's largest logit after penalties and bias (NaN,
+        +inf or -inf where that is what failed it), from which `record_failure` says why once the
+        host reads them: the logits need not be kept. `previous`:
         the step before's tokens still on the device, which the penalties' token lists end with
         stand-ins for. Nothing here waits for the device: the overlapped step reads the tokens
         back one step later.
@@ -193,26 +197,27 @@ class Sampler:
         # [ZH-START]
         # 重叠调度用的采样：整批都是 on_device 的行（惩罚、logit_bias、温度、
         # top_k / top_p / min_p），全程不从设备读回任何值。
-        # 1. 都是 plain_greedy：argmax，取出选中的值 chosen，不是有限数的行失败（NaN / +inf）。
+        # 1. 都是 plain_greedy：argmax，取出选中的值 best（argmax 和 amax 一样先取 NaN、再取 +inf）。
         # 2. 否则转 float32：_penalize（token 列表末尾的占位 token 用 previous 在设备上换成真
         #    token）；有 bias 的行 apply_constraints（对这些行只做 index_add_ 加 bias）；
-        #    每行最大值 best 非有限即失败；_choose(probe=False) 按 __call__ 的分组抽样
+        #    每行最大值 best；_choose(probe=False) 按 __call__ 的分组抽样
         #    （不探测，直接整词表排序），所以 greedy 和有种子的行两条路径结果相同。
-        # 3. 失败行和越界 id 用 torch.where 换成 SAMPLE_FAILED，返回设备上的 (B,)。
+        # 3. best 非有限的行和越界 id 用 torch.where 换成 SAMPLE_FAILED；返回设备上的 tokens 和 best，
+        #    都是 (B,)：best 本身就说明失败原因（NaN / +inf / -inf），logits 不必留着。
         # [ZH-END]
         if all(s.sampling.plain_greedy for s in seqs):
-            tokens = logits.argmax(dim=-1)  # (B,)
-            bad = ~torch.isfinite(logits.gather(1, tokens.unsqueeze(1)).squeeze(1))
+            tokens = logits.argmax(dim=-1)  # (B,); argmax, like amax, takes NaN first, then +inf
+            best = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
         else:
             logits = logits.float()
             self._penalize(logits, seqs, previous)
             for i, seq in enumerate(seqs):
                 if seq.sampling.bias_ids is not None:
                     apply_constraints(logits, i, seq)  # the bias alone: such rows have no processors
-            bad = ~torch.isfinite(logits.amax(dim=-1))
+            best = logits.amax(dim=-1)  # (B,)
             tokens = self._choose(logits, seqs, probe=False)
-        bad |= (tokens < 0) | (tokens >= self.vocab_size)
-        return torch.where(bad, SAMPLE_FAILED, tokens)
+        bad = ~torch.isfinite(best) | (tokens < 0) | (tokens >= self.vocab_size)
+        return torch.where(bad, SAMPLE_FAILED, tokens), best
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence], previous: torch.Tensor | None = None) -> None:
         """Apply the penalties of the rows that have them, in place (`penalties.apply_penalties_`)."""
@@ -230,11 +235,11 @@ class Sampler:
         if not whole:
             logits.index_copy_(0, index, rows)
 
-    def record_failure(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """`sample_on_device` gave SAMPLE_FAILED for `seq`, whose row of logits (V,) these are: say why
-        in its state (as `__call__` does for the rows it fails)."""
-        if not bool(torch.isfinite(logits.float().amax())):
-            error = "the model's " + non_finite(logits)
+    def record_failure(self, seq: Sequence, best: float) -> None:
+        """`sample_on_device` gave SAMPLE_FAILED for `seq`, whose row's largest logit is `best`: say
+        why in its state (as `__call__` does for the rows it fails)."""
+        if not math.isfinite(best):
+            error = "the model's " + non_finite_best(best)
         else:
             error = f"the sampled token id is outside the vocabulary [0, {self.vocab_size})"
         self._report(torch.tensor([SAMPLE_FAILED]), [seq], {0: error})

@@ -20,21 +20,21 @@ def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 class Download:
-    """A device tensor on its way to host memory: `wait()` returns it as a list."""
+    """Device tensors on their way to host memory: `wait()` returns them as lists."""
 
     __slots__ = ("host", "ready")
 
-    def __init__(self, values: torch.Tensor):
-        if values.device.type == "cuda":
-            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self.host.copy_(values, non_blocking=True)
-            self.ready: torch.cuda.Event | None = torch.cuda.Event()
+    def __init__(self, *values: torch.Tensor):
+        self.ready: torch.cuda.Event | None = None
+        self.host = list(values)
+        if any(v.device.type == "cuda" for v in values):
+            self.host = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+                         for v in values]
+            self.ready = torch.cuda.Event()
             self.ready.record()
-        else:
-            self.host, self.ready = values, None
 
-    def wait(self) -> list:
-        """The values, once the copy (and everything queued before it) has finished."""
+    def wait(self) -> list[list]:
+        """The values, once the copies (and everything queued before them) have finished."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host.tolist()
+        return [v.tolist() for v in self.host]
