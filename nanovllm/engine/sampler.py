@@ -140,9 +140,9 @@ class Sampler:
         # 3. logits.float()（compute_logits 已是 float32，此处不复制，下面原地修改）。
         # 4. 要 logprobs 的行先算 raw_logprobs = log_softmax，形状 (R, V)——
         #    取的是惩罚和约束之前的原始分布。
-        # 5. _penalize：有惩罚的行 apply_penalties_(这些行, prompt+输出 ids, 输出 ids, 各行的三个系数,
-        #    counts=有没有 presence / frequency)；行号用 upload 上传后 index_select 取子集，
-        #    算完 index_copy_ 写回（sample_on_device 也用它）。
+        # 5. _penalize：有惩罚的行 apply_penalties_(这些行, prompt+输出 ids, 输出 ids,
+        #    各行的三个系数, counts=有没有 presence / frequency)；行号用 upload 上传后 index_select
+        #    取子集，算完 index_copy_ 写回（sample_on_device 也用它）。
         # 6. constrain_rows（constraints 模块）：只有语法约束的行整批一次屏蔽（CPU 上由
         #    cpu_ops.mask_bits 直接套打包的掩码），其余逐行
         #    bias、min_tokens 屏蔽、processors；
@@ -197,13 +197,14 @@ class Sampler:
         # [ZH-START]
         # 重叠调度用的采样：整批都是 on_device 的行（惩罚、logit_bias、温度、
         # top_k / top_p / min_p），全程不从设备读回任何值。
-        # 1. 都是 plain_greedy：argmax，取出选中的值 best（argmax 和 amax 一样先取 NaN、再取 +inf）。
+        # 1. 都是 plain_greedy：argmax，取出选中的值 best（argmax 和 amax
+        #    一样先取 NaN、再取 +inf）。
         # 2. 否则转 float32：_penalize（token 列表末尾的占位 token 用 previous 在设备上换成真
         #    token）；有 bias 的行 apply_constraints（对这些行只做 index_add_ 加 bias）；
         #    每行最大值 best；_choose(probe=False) 按 __call__ 的分组抽样
         #    （不探测，直接整词表排序），所以 greedy 和有种子的行两条路径结果相同。
-        # 3. best 非有限的行和越界 id 用 torch.where 换成 SAMPLE_FAILED；返回设备上的 tokens 和 best，
-        #    都是 (B,)：best 本身就说明失败原因（NaN / +inf / -inf），logits 不必留着。
+        # 3. best 非有限的行和越界 id 用 torch.where 换成 SAMPLE_FAILED；返回设备上的 tokens 和
+        #    best，都是 (B,)：best 本身就说明失败原因（NaN / +inf / -inf），logits 不必留着。
         # [ZH-END]
         if all(s.sampling.plain_greedy for s in seqs):
             tokens = logits.argmax(dim=-1)  # (B,); argmax, like amax, takes NaN first, then +inf
