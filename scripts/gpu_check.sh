@@ -6,7 +6,8 @@
 #   env.json             python / torch / triton / transformers versions, the GPU
 #   pytest.txt, pytest.xml   tests/gpu and tests/kernels on CUDA (the CPU path's greedy tokens equal
 #                        the GPU's on tiny fp32 models; overlapped steps equal synchronous ones and
-#                        launch without a CUDA sync; the kernels match torch at real sizes)
+#                        launch without a CUDA sync, with stops, preemption, aborts and failed rows
+#                        (tests/engine/test_overlap.py); the kernels match torch at real sizes)
 #   offline.json         nano-vllm's published workload: 256 requests, input and output lengths
 #                        uniform in 100-1024, ignore_eos (greedy here; nano-vllm samples at T=0.6)
 #   decode_latency.json  decode step time at batch 1..128: CUDA graphs overlapped (the default),
@@ -115,7 +116,7 @@ EOF
 
 if [ "${GPU_CHECK_SMOKE:-0}" != 1 ]; then
   step tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 --junitxml="$OUT/pytest.xml" \
-    tests/gpu tests/kernels 2>&1 | tee "$OUT/pytest.txt"
+    tests/gpu tests/kernels tests/engine/test_overlap.py 2>&1 | tee "$OUT/pytest.txt"
   STATUS[tests]=${PIPESTATUS[0]}
 fi
 
