@@ -79,11 +79,12 @@ def test_fused_triton_ops_match_the_torch_ops_with_graphs(tiny_model_dir, monkey
     assert fused.engine.runner.graphs.num_replays > 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_overlapped_steps_equal_synchronous_ones_with_graphs(tiny_model_dir, dtype):
+def test_overlapped_steps_equal_synchronous_ones_with_graphs(tiny_model_dir):
     # The same greedy tokens with the host one step behind the GPU (stand-ins resolved on the
-    # device, tokens read back a step late) as with the host waiting every step, in fp32 and bf16.
-    config = dict(block_size=8, num_kvcache_blocks=256, max_num_seqs=6, dtype=dtype, max_num_batched_tokens=32)
+    # device, tokens read back a step late) as with the host waiting every step. fp32: a stop
+    # lands a step later overlapped, so a step's batch can differ in size, and a bf16 GEMM's
+    # rounding may change with it (the launch test below runs bf16).
+    config = dict(block_size=8, num_kvcache_blocks=256, max_num_seqs=6, dtype="float32", max_num_batched_tokens=32)
     prompts = prefix_sharing_prompts(seed=3)
     sync = LLM(tiny_model_dir, device="cuda", overlap_scheduling=False, **config)
     overlapped = LLM(tiny_model_dir, device="cuda", **config)  # the default on CUDA
