@@ -3,6 +3,8 @@ the request mapping, OpenAI's error shapes and statuses, SSE framing, keys, limi
 import asyncio
 import http.client
 import json
+import pathlib
+import re
 import socket
 import threading
 import time
@@ -193,12 +195,13 @@ def test_mapping_names_and_refusals():
         with pytest.raises(ApiError) as e:
             parse_chat({"model": "m", "messages": turns[:1], **extra})
         assert e.value.param == param, extra
-    with pytest.raises(ApiError) as e:
-        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": []}]})
+    with pytest.raises(ApiError) as e:  # calls only on an assistant message
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]})
     assert "messages[0].tool_calls" in e.value.message
     with pytest.raises(ApiError) as e:
-        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]})
-    assert "messages[0].name" in e.value.message
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x", "name": 7}]})
+    assert "messages[0].name must be a string" in e.value.message
 
 
 def test_models_completion_chat(front):
@@ -425,3 +428,61 @@ def test_cli_help_and_a_public_bind_without_keys_is_refused(tmp_path):
     out = subprocess.run([sys.executable, "-m", "nanovllm_client.http", "--api-key-file", str(empty)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "holds no key" in out.stderr
+
+
+def _doc_fields(marker: str) -> dict[str, tuple]:
+    """The fields docs/service.md lists after `<!-- marker -->`: name -> the neutral values shown."""
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "service.md").read_text(encoding="utf-8")
+    row = doc.split(f"<!-- {marker} -->\n", 1)[1].split("\n", 1)[0]
+    cell = row.split(" | ")[0].lstrip("| ")
+    out = {}
+    for name, shown in re.findall(r"`(\w+)`(?: \(([^)]*)\))?", cell):
+        out[name] = tuple(json.loads(v) for v in shown.split(", ")) if shown and marker.startswith("request") else ()
+    return out
+
+
+def test_docs_list_the_fields_the_front_ignores_and_refuses():
+    from nanovllm_client.http import schema
+    assert set(_doc_fields("request-fields: ignored")) == schema.IGNORED
+    neutral = _doc_fields("request-fields: neutral")
+    assert neutral == {k: tuple(v) for k, v in schema.NEUTRAL.items()}
+    assert set(_doc_fields("message-fields: ignored")) == schema._MESSAGE_IGNORED
+    assert set(_doc_fields("message-fields: neutral")) == set(schema._MESSAGE_NEUTRAL)
+    assert {"name", "reasoning_content", "reasoning"} <= set(_doc_fields("message-fields: read"))
+
+
+def test_the_field_rule(caplog):
+    from nanovllm_client.http import schema
+    hi = [{"role": "user", "content": "hi"}]
+    for name in schema.IGNORED:  # known, no effect: accepted
+        assert parse_chat({"model": "m", "messages": hi, name: "x"}).sampling == SamplingParams()
+    for name, neutral in schema.NEUTRAL.items():  # known, would change the output: only what asks for nothing
+        parse_chat({"model": "m", "messages": hi, name: None})
+        for value in neutral:
+            parse_chat({"model": "m", "messages": hi, name: value})
+        with pytest.raises(ApiError) as e:
+            parse_chat({"model": "m", "messages": hi, name: {"asks": "something"}})
+        assert e.value.status == 400 and e.value.param == name and f"'{name}' is not supported" in e.value.message
+    with pytest.raises(ApiError):  # True is not 1
+        parse_chat({"model": "m", "messages": hi, "n": True})
+    with caplog.at_level("INFO", logger="nanovllm_client.http"):
+        for _ in range(3):
+            parse_chat({"model": "m", "messages": hi, "an_unknown_field_for_the_test": 1})
+    logged = [r for r in caplog.records if "an_unknown_field_for_the_test" in r.getMessage()]
+    assert len(logged) == 1 and "does not know it" in logged[0].getMessage()
+
+
+def test_an_assistant_message_goes_back_as_it_was_returned():
+    returned = {"role": "assistant", "content": "Paris.", "reasoning_content": "The capital.", "parsed": {"a": 1},
+                "refusal": None, "annotations": [], "audio": None, "function_call": None, "tool_calls": None}
+    call = parse_chat({"model": "m", "messages": [{"role": "user", "content": "Capital?", "name": "ann"}, returned,
+                                                  {"role": "user", "content": "And Peru?"}]})
+    assert call.prompt == [{"role": "user", "content": "Capital?", "name": "ann"},
+                           {"role": "assistant", "content": "Paris.", "reasoning_content": "The capital."},
+                           {"role": "user", "content": "And Peru?"}]
+    reasoning = parse_chat({"model": "m", "messages": [dict(returned, reasoning_content=None, reasoning="r")]})
+    assert reasoning.prompt[0]["reasoning_content"] == "r"  # vLLM's newer name, as templates read the older
+    for bad_field in [{"audio": {"id": "a"}}, {"function_call": {"name": "f", "arguments": "{}"}}]:
+        with pytest.raises(ApiError) as e:
+            parse_chat({"model": "m", "messages": [dict(returned, **bad_field)]})
+        assert e.value.param == "messages" and next(iter(bad_field)) in e.value.message

@@ -130,3 +130,26 @@ def test_a_template_that_opens_think_in_the_prompt_is_told_in_the_meta(tokenizer
         meta = p.RequestMeta(client=b"c", client_request_id="r", sampling=SamplingParams(), reasoning_open=1)
         p.decode(p.TokenizedReq(request_id="c:r", prompt_token_ids=p.pack_token_ids([1]), sampling=SamplingParams(),
                                 meta=meta).encode())
+
+
+# What Qwen3's template does with an assistant turn's reasoning, and a named speaker, kept small.
+NAMED_REASONING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n")
+
+
+def test_names_and_reasoning_sent_back_reach_a_template_that_reads_them(tokenizer):
+    # The HTTP front passes `name` and an assistant's `reasoning_content` on (nanovllm_client/http/schema.py);
+    # a template that reads them renders them, one that does not (the default's) is unchanged by them.
+    from nanovllm_client.http.schema import parse_chat
+    chat = parse_chat({"model": "m", "messages": [
+        {"role": "user", "content": "Capital of France?", "name": "ann"},
+        {"role": "assistant", "content": "Paris.", "reasoning": "It is Paris.", "parsed": None, "refusal": None},
+        {"role": "user", "content": "Thanks."}]}).prompt
+    own = copy.copy(tokenizer)
+    own.chat_template = NAMED_REASONING_TEMPLATE
+    text = prompt_text(own, chat)
+    assert "<|im_start|>user (ann)" in text and "<think>It is Paris.</think>Paris.<|im_end|>" in text
+    bare = [{"role": m["role"], "content": m["content"]} for m in chat]
+    assert prompt_text(tokenizer, chat) == prompt_text(tokenizer, bare)

@@ -336,6 +336,46 @@ def test_reasoning_content_apart_from_the_answer(front):
     assert "".join(d.content or "" for d in deltas) == message.content
 
 
+def test_the_agent_loop_sends_messages_back_as_they_were_returned(front):
+    """`messages.append(resp.choices[0].message)`: the SDK sends back what it received (a
+    reasoning model's reasoning_content; after `parse`, `parsed`, `refusal`, `annotations` and the
+    nulls), named messages and the known OpenAI fields that change nothing here are accepted; an
+    unknown field too, as vLLM does; a known field that would change the output is a 400."""
+    from pydantic import BaseModel, Field
+
+    _, _, port, client, model = front
+    openai, sdk = _sdk(port)
+    reasoning = {"type": "regex", "regex": "<think>\n[a-z]{3,12}\n</think>\n\n[a-z]{2,8}"}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Think first.", "name": "ann"}]
+    first = sdk.chat.completions.create(model=model, messages=messages, max_tokens=48, temperature=0,
+                                        response_format=reasoning).choices[0].message
+    assert first.reasoning_content
+    messages += [first, {"role": "user", "content": "Now a person.", "name": "bob"}]
+
+    class Person(BaseModel):  # bounded: a random-weight model ends a string only where the schema makes it
+        name: str = Field(max_length=6)
+        age: int = Field(ge=0, le=120)
+
+    parsed = sdk.chat.completions.parse(model=model, messages=messages, max_tokens=64, temperature=0.8, seed=1,
+                                        response_format=Person).choices[0].message
+    assert isinstance(parsed.parsed, Person)
+    messages += [parsed, {"role": "user", "content": "Thanks."}]
+    known = dict(metadata={"run": "a"}, store=False, service_tier="auto", prompt_cache_key="k",
+                 safety_identifier="s", user="u")
+    last = sdk.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, **known,
+                                       extra_body={"ignore_eos": True, "a_field_nobody_knows": 1})
+    assert last.choices[0].finish_reason == "length" and last.usage.completion_tokens == 6
+    # The same conversation through the ZeroMQ client gives the same answer: nothing was dropped on the way
+    # that the template reads (the default template reads role and content).
+    plain = [{"role": m["role"], "content": m["content"]} if isinstance(m, dict) else
+             {"role": "assistant", "content": m.content} for m in messages]
+    assert last.choices[0].message.content == client.generate(plain, max_tokens=6, temperature=0, ignore_eos=True).text
+    for field, value in [("n", 2), ("reasoning_effort", "low"), ("top_logprobs", 3)]:
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.chat.completions.create(model=model, messages=messages, max_tokens=2, **{field: value})
+        assert e.value.body["param"] == field and "not supported" in e.value.body["message"]
+
+
 OUT_OF_RANGE = [("temperature", -0.5), ("top_p", 1.5), ("repetition_penalty", 1000), ("stop", ["s"] * 65),
                 ("max_tokens", 2 ** 31), ("top_k", -2), ("logit_bias", {"7": 101}), ("stop_token_ids", [-1])]
 

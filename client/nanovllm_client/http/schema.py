@@ -1,7 +1,12 @@
 """Request bodies of /v1/completions and /v1/chat/completions mapped to the async client's call.
 
-Every field is either mapped (OpenAI's name or vLLM's extension name) or refused with a 400 naming
-it: nothing is silently ignored. Sampling fields are mapped onto the one sampling struct
+Fields follow one rule (docs/service.md, "Request fields"): a field is mapped (OpenAI's name or
+vLLM's extension name); or it is a known OpenAI or vLLM field that changes nothing in the output
+here, accepted and ignored (`IGNORED`); or a known field that would change the output and is not
+implemented, refused with a 400 naming it unless it asks for nothing (`NEUTRAL`: null, or its
+neutral value, which routers fill in); or unknown, accepted as vLLM does and logged once by name.
+Messages take the same rule, so an assistant message goes back exactly as this server returned it
+(`reasoning_content` reaches the chat template, which reads it where it knows it). Sampling fields are mapped onto the one sampling struct
 (`SamplingParams`), whose own validator checks them, as at every other door: a value out of range
 gets the same words here as from the ZeroMQ client or `LLM`, in a 400 naming the body's field. The
 rest of the body (the prompt or messages, tools, stream options) is checked here.
@@ -13,6 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import logging
+
 from ..checks import ProtocolError, check_int
 from ..protocol import MAX_PRIORITY, MAX_TOOLS_CHARS
 from ..response_format import MAX_FORMAT_CHARS
@@ -22,6 +29,12 @@ from .chat_output import ChatOutputParser
 from .errors import bad
 
 MAX_MESSAGES = 4096
+# A message's fields beyond role and content, by role: read, and passed to the chat template.
+_MESSAGE_FIELDS = {"assistant": {"tool_calls", "reasoning_content", "reasoning"}, "tool": {"tool_call_id"}}
+# What the SDKs send back in an assistant message as this server returned it, without effect here.
+_MESSAGE_IGNORED = {"parsed", "refusal", "annotations"}
+# A message field that would change the prompt and is not implemented: only null (or these) accepted.
+_MESSAGE_NEUTRAL: dict[str, tuple] = {"audio": (), "function_call": (), "tool_calls": ([],)}
 MAX_TOOLS = 128
 MAX_TOOL_CALLS = 64
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -33,16 +46,42 @@ _SAMPLING = {name: name for name in (
     "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logit_bias",
     "skip_special_tokens", "include_stop_str_in_output", "response_format")}
 _CHAT_SAMPLING = {**_SAMPLING, "max_completion_tokens": "max_tokens"}
-# Accepted and without effect on the output by definition (no silent loss of meaning).
-_NOOP = {"model", "stream", "stream_options", "user", "n"}
-# Accepted only when they ask for nothing: routers (SGLang's smg) fill in the defaults, e.g.
-# "logprobs": false on every chat request. Any other value is refused with a 400 naming it.
-_OFF = {"logprobs", "top_logprobs", "echo"}
-# Any other field is refused with a 400 naming it.
-_COMMON = set(_SAMPLING) | _NOOP | _OFF | {"priority"}
+# Known OpenAI / vLLM fields that change nothing in the output here: accepted and ignored.
+IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "prediction",
+           "request_id", "priority_tier"}
+# Known fields that would change the output and are not implemented: accepted only at a value that
+# asks for nothing (null, or these; routers such as SGLang's smg fill in "logprobs": false), else
+# refused with a 400 naming the field. Values compare by type too (True is not 1).
+NEUTRAL: dict[str, tuple] = {
+    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "n": (1,), "best_of": (1,), "suffix": ("",),
+    "functions": (), "function_call": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
+    "verbosity": (), "web_search_options": (), "use_beam_search": (False,), "length_penalty": (1.0, 1),
+    "prompt_logprobs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "structured_outputs": (), "truncate_prompt_tokens": (), "documents": (),
+    "chat_template": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
+    "return_tokens_as_token_ids": (False,), "bad_words": ([],), "allowed_token_ids": (), "mm_processor_kwargs": (),
+    "return_token_ids": (False,), "kv_transfer_params": (), "vllm_xargs": ()}
+_COMPLETION_NEUTRAL = {**NEUTRAL, "logprobs": ()}  # completions' logprobs 0 asks for the chosen token's logprob
+_COMMON = set(_SAMPLING) | {"model", "stream", "stream_options", "priority"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | set(_CHAT_SAMPLING) | {"messages", "tools", "tool_choice", "parallel_tool_calls",
                                                 "chat_template_kwargs"}
+log = logging.getLogger("nanovllm_client.http")
+_LOGGED: set[str] = set()
+"""Field names already logged as ignored (each once per process)."""
+
+
+def _neutral(value: Any, neutral: tuple) -> bool:
+    return value is None or any(type(value) is type(v) and value == v for v in neutral)
+
+
+def _ignored(where: str, name: str, known: bool) -> None:
+    """Log, once per name, a field accepted without effect."""
+    key = f"{where}.{name}"
+    if key not in _LOGGED and len(_LOGGED) < 1024:  # a client inventing names cannot grow this without end
+        _LOGGED.add(key)
+        log.info("%s field %r accepted and ignored: %s", where, name[:64],
+                 "it changes nothing here" if known else "this server does not know it")
 
 
 @dataclass
@@ -87,13 +126,14 @@ def _bool(name: str, value: Any) -> bool:
 
 def _common(body: dict, allowed: set[str]) -> tuple[str, bool, bool, dict]:
     """The body's model, stream and include_usage, and the call's keywords other than sampling."""
-    unknown = sorted(k for k in body if k not in allowed)
-    if unknown:
-        name = str(unknown[0])[:64]
-        raise bad(f"'{name}' is not supported by this server", name)
-    for name in sorted(_OFF & set(body)):
-        if body[name] is not None and body[name] is not False:
-            raise bad(f"'{name}' is not supported by this server (only null or false)", name)
+    neutral = NEUTRAL if "messages" in allowed else _COMPLETION_NEUTRAL
+    for name in sorted(str(k) for k in body if k not in allowed):
+        if name in neutral:
+            if not _neutral(body[name], neutral[name]):
+                values = " or ".join(["null"] + [json.dumps(v) for v in neutral[name]])
+                raise bad(f"'{name}' is not supported by this server (only {values})", name[:64])
+        else:
+            _ignored("request", name, name in IGNORED)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required and must be a string", "model")
@@ -104,9 +144,6 @@ def _common(body: dict, allowed: set[str]) -> tuple[str, bool, bool, dict]:
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise bad("'stream_options' supports only include_usage", "stream_options")
         include_usage = _bool("stream_options.include_usage", options.get("include_usage", False))
-    n = body.get("n", 1)
-    if n is not None and _integer("n", n, 1, 1) != 1:
-        raise bad("'n' must be 1", "n")
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > 256):
         raise bad("'user' must be a string of at most 256 characters", "user")
@@ -299,24 +336,38 @@ def parse_chat(body: Any) -> Call:
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object with role and content", "messages")
         role, content = m.get("role"), m.get("content")
-        allowed = {"role", "content"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
-        extra = sorted(str(k)[:64] for k in m if k not in allowed)
-        if extra:  # name, ...: not rendered by the chat template here, so refused
-            raise bad(f"messages[{i}].{extra[0]} is not supported by this server", "messages")
         if role not in ("system", "user", "assistant", "developer", "tool"):
             raise bad(f"messages[{i}].role must be system, user, assistant, developer or tool", "messages")
+        message: dict[str, Any] = {"role": "system" if role == "developer" else role}
+        for name in sorted(str(k) for k in m if k not in ("role", "content")):
+            if name in _MESSAGE_FIELDS.get(role, ()) or name == "name":
+                continue  # read below
+            if name in _MESSAGE_NEUTRAL:
+                if not _neutral(m[name], _MESSAGE_NEUTRAL[name]):
+                    raise bad(f"messages[{i}].{name[:64]} is not supported by this server", "messages")
+            else:
+                _ignored("message", name, name in _MESSAGE_IGNORED)
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
                        for c in content):
                 raise bad(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(c["text"] for c in content)
-        if content is None and m.get("tool_calls") is not None:
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if content is None and calls is not None:
             content = ""  # an assistant turn that only called tools
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string", "messages")
-        message: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
-        if m.get("tool_calls") is not None:
-            message["tool_calls"] = _tool_calls(i, m["tool_calls"])
+        message["content"] = content
+        for name in ("name", "reasoning_content", "reasoning"):  # the template reads these where it knows them
+            value = m.get(name)
+            if value is None or (name != "name" and role != "assistant"):
+                continue
+            if not isinstance(value, str) or (name == "name" and len(value) > 256):
+                raise bad(f"messages[{i}].{name} must be a string" + (" of at most 256 characters"
+                                                                       if name == "name" else ""), "messages")
+            message["reasoning_content" if name == "reasoning" else name] = value
+        if calls:  # none, null or [] (as an SDK may send it back): no call
+            message["tool_calls"] = _tool_calls(i, calls)
         if role == "tool" and m.get("tool_call_id") is not None:
             if not isinstance(m["tool_call_id"], str) or len(m["tool_call_id"]) > 256:
                 raise bad(f"messages[{i}].tool_call_id must be a string of at most 256 characters", "messages")
