@@ -501,6 +501,7 @@ class LLMEngine:
     def stats(self) -> dict:
         bm = self.block_manager
         return {
+            "max_model_len": self.max_model_len,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_free_blocks": bm.num_free_blocks,

@@ -336,6 +336,21 @@ def test_reasoning_content_apart_from_the_answer(front):
     assert "".join(d.content or "" for d in deltas) == message.content
 
 
+def test_model_card_version_and_a_wrong_method(front):
+    _, _, port, client, model = front
+    _, sdk = _sdk(port)
+    card = sdk.models.retrieve(model)
+    assert card.id == model and card.max_model_len == client.server_stats()["engine"]["max_model_len"] > 0
+    assert [m.max_model_len for m in sdk.models.list()] == [card.max_model_len]
+    status, body = _get(port, "/v1/models/not-this-one")
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    assert _get(port, "/v1/models/" + model, headers={})[0] == 401  # the key rules of /v1/models
+    status, body = _get(port, "/version", headers={})
+    assert status == 200 and json.loads(body)["version"]
+    status, body = _get(port, "/v1/chat/completions")
+    assert status == 405 and json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
 def test_the_agent_loop_sends_messages_back_as_they_were_returned(front):
     """`messages.append(resp.choices[0].message)`: the SDK sends back what it received (a
     reasoning model's reasoning_content; after `parse`, `parsed`, `refusal`, `annotations` and the

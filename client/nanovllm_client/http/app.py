@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import time
 import uuid
@@ -55,6 +56,16 @@ class Metrics:
                   "# TYPE nanovllm_http_client_disconnects_total counter",
                   f"nanovllm_http_client_disconnects_total {self.disconnects}"]
         return "\n".join(lines) + "\n"
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("nanovllm-client")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
+
+
+_VERSION = _package_version()
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -120,13 +131,36 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         except (ValueError, RecursionError) as e:
             raise bad(f"the body is not valid JSON: {str(e)[:200]}") from None
 
+    async def model_card() -> dict:
+        """The one model, with its context length (`max_model_len`) once the engine has said it."""
+        card = {"id": settings.model, "object": "model", "created": 0, "owned_by": "nanovllm"}
+        try:
+            engine = (await client.server_stats(timeout=5.0)).get("engine") or {}
+        except Exception:  # noqa: BLE001 — a service not up yet: the card without it
+            engine = {}
+        if isinstance(engine.get("max_model_len"), int):
+            card["max_model_len"] = engine["max_model_len"]
+        return card
+
     async def models(request: Request) -> Response:
         try:
             authorized(request)
         except ApiError as e:
             return _error(e)
-        return JSONResponse({"object": "list", "data": [
-            {"id": settings.model, "object": "model", "created": 0, "owned_by": "nanovllm"}]})
+        return JSONResponse({"object": "list", "data": [await model_card()]})
+
+    async def model(request: Request) -> Response:
+        try:
+            authorized(request)
+            if request.path_params["name"] != settings.model:
+                raise ApiError(404, f"the model '{request.path_params['name'][:128]}' does not exist; this server "
+                                    f"serves '{settings.model}'", "model", "model_not_found")
+        except ApiError as e:
+            return _error(e)
+        return JSONResponse(await model_card())
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": _VERSION})
 
     async def health(request: Request) -> Response:
         if settings.health is None:
@@ -228,6 +262,8 @@ def build_app(client: Any, settings: Settings) -> Starlette:
 
     app = Starlette(routes=[
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/health", health, methods=["GET"]),

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable"}
 
 
 class ApiError(Exception):
