@@ -47,6 +47,18 @@ from nanovllm_client.security import load_keypair, service_pair_env
 from nanovllm_client.throttle import ThrottledWarnings
 
 STAGES = ("tokenizer_proc", "engine_proc", "detok_proc")
+
+
+def shared_with_tokenizer(engine_args: list[str]) -> list[str]:
+    """The engine flags the tokenizer stage takes too: `--max-model-len`, so it refuses a prompt the
+    engine would refuse, in the engine's words, before spending the engine's queue on it."""
+    out = []
+    for i, arg in enumerate(engine_args):
+        if arg.startswith("--max-model-len="):
+            out.append(arg)
+        elif arg == "--max-model-len" and i + 1 < len(engine_args):
+            out += [arg, engine_args[i + 1]]
+    return out
 HTTP = "http"
 """The HTTP front's name among the supervised processes (with `--http-port`)."""
 DEFAULT_WATCHDOG_S = 60.0
@@ -104,7 +116,8 @@ class Supervisor:
                         NANOVLLM_DRAIN_TIMEOUT=str(drain_timeout_s), **(stage_env or {}))
         # Metrics: one port per stage from the base (tokenizer, engine, detokenizer), off by default.
         self.metrics_ports = {name: metrics_port + i if metrics_port else 0 for i, name in enumerate(STAGES)}
-        self.stages = {name: StageProcess(name, [sys.executable, "-m", name] + (engine_args if name == "engine_proc" else []))
+        stage_args = {"engine_proc": engine_args, "tokenizer_proc": shared_with_tokenizer(engine_args)}
+        self.stages = {name: StageProcess(name, [sys.executable, "-m", name] + stage_args.get(name, []))
                        for name in STAGES}
         if http_args is not None:  # the HTTP front: a client of the service, started and watched like a stage
             self.stages[HTTP] = StageProcess(HTTP, [sys.executable, "-m", "nanovllm_client.http", *http_args],

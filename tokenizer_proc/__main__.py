@@ -22,17 +22,20 @@ def main(argv: list[str] | None = None) -> int:
     add_flag(parser, "--max-request-rate-per-client", "requests a second one client may send on average, in bursts "
              "of a second's worth (at least one); faster ones are refused naming this limit (0: no limit)",
              default=0.0, type=float)
+    add_flag(parser, "--max-model-len", "prompt plus output limit, as the engine's --max-model-len (default: the "
+             "model's context length capped at 4096, the engine's default); `nanovllm serve` passes the engine's on",
+             type=int)
     args, log, endpoints, stop = stage_setup(parser, argv, "tokenizer")
 
     from nanovllm.metrics import TokenizerMetrics
-    from nanovllm.models.loader import context_length
+    from nanovllm.models.loader import max_model_len
     from nanovllm.models.tokenizer import load_tokenizer
 
     from .server import TokenizerStage
 
     def make(ctx: zmq.Context, security, metrics) -> TokenizerStage:
         return TokenizerStage(load_tokenizer(args.model), frontend=endpoints.tokenizer, engine=endpoints.engine,
-                              control=endpoints.control, ctx=ctx, max_prompt_tokens=context_length(args.model), security=security,
+                              control=endpoints.control, ctx=ctx, max_prompt_tokens=max_model_len(args.model, args.max_model_len), security=security,
                               metrics=metrics, cache_salt_per_client=args.cache_salt_per_client,
                               max_pending_per_client=args.max_pending_per_client, max_priority=args.max_priority,
                               max_request_rate_per_client=args.max_request_rate_per_client)

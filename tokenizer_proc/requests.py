@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from nanovllm.detokenize import PROMPT_CONTEXT_TOKENS
 from nanovllm_client import protocol as p
-from nanovllm_client.checks import ProtocolError
+from nanovllm_client.checks import ProtocolError, prompt_too_long
 
 from .chat import opens_reasoning, render_chat
 
@@ -55,7 +55,7 @@ class RequestBuilder:
                  key_max_priority: Callable[[str | None], int | None] = lambda key: None):
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
-        """The model's context length: no longer prompt can ever be served, so none is tokenized."""
+        """The engine's max_model_len: no longer prompt can ever be served, so none is tokenized."""
         self.cache_salt_per_client = cache_salt_per_client
         """Salt every request's prefix-cache blocks by its client (`client_cache_salt`)."""
         self.max_priority = max_priority
@@ -132,7 +132,7 @@ class RequestBuilder:
         #    文本先过 _bounded，再 encode(add_special_tokens=False)（模板里已经带了特殊 token）；
         #    opens_reasoning(文本)：模板在末尾打开了 <think>。
         # 3. 否则是 prompt 文本：_bounded 后 encode。
-        # 4. 空 prompt → 拒绝；token 数 >= max_prompt_tokens（模型上下文长度）→ 拒绝：
+        # 4. 空 prompt → 拒绝；token 数 >= max_prompt_tokens（引擎的 max_model_len）→ 拒绝：
         #    prompt 加至少一个输出 token 必须放得下。
         # 5. 返回 (ids, reasoning_open)；非 chat 的 prompt 一律 False。
         # [ZH-END]
@@ -153,8 +153,7 @@ class RequestBuilder:
         if not ids:
             raise RequestRejected("prompt is empty: at least one token is needed")
         if self.max_prompt_tokens is not None and len(ids) >= self.max_prompt_tokens:
-            raise RequestRejected(f"prompt has {len(ids)} tokens but the model's context length is "
-                                  f"{self.max_prompt_tokens} (prompt plus at least one output token must fit)")
+            raise RequestRejected(prompt_too_long(len(ids), self.max_prompt_tokens))
         return ids, reasoning_open
 
     def _bounded(self, text: str) -> str:
@@ -166,7 +165,7 @@ class RequestBuilder:
         # 2. 否则原样返回。
         # [ZH-END]
         if self.max_prompt_tokens is not None and len(text) > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:
-            raise RequestRejected(f"prompt has {len(text)} characters, more than the model's context length of "
+            raise RequestRejected(f"prompt has {len(text)} characters, more than max_model_len "
                                   f"{self.max_prompt_tokens} tokens could hold (at most {MAX_CHARS_PER_TOKEN} "
                                   "characters per token are allowed for)")
         return text

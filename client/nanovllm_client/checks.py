@@ -118,3 +118,9 @@ def check_fields(name: str, value: dict, allowed: frozenset[str], required: froz
         raise ProtocolError(f"unknown field(s) {show(sorted(map(str, unknown)))} in {name}; allowed: {sorted(allowed)}")
     if not required <= value.keys():
         raise ProtocolError(f"missing field(s) {sorted(required - value.keys())} in {name}")
+
+
+def prompt_too_long(num_tokens: int, max_model_len: int) -> str:
+    """The one sentence for a prompt that does not fit, said alike by the tokenizer stage and the engine."""
+    return (f"prompt has {num_tokens} tokens but max_model_len is {max_model_len} "
+            "(prompt plus at least one output token must fit)")

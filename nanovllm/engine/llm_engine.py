@@ -53,7 +53,7 @@ from nanovllm.structured.cache import GrammarCache
 from nanovllm.models.loader import is_gguf, read_hf_config, resolve_model_path
 from nanovllm.models.model_config import ModelConfig, resolve_max_model_len
 from nanovllm.sampling_params import SamplingParams
-from nanovllm_client.checks import show
+from nanovllm_client.checks import prompt_too_long, show
 from nanovllm_client.protocol import FinishReason
 
 
@@ -273,10 +273,7 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError("prompt is empty: at least one token is needed")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len} "
-                "(prompt plus at least one output token must fit)"
-            )
+            raise ValueError(prompt_too_long(len(prompt_token_ids), self.max_model_len))
         self._check_in_vocabulary("prompt", prompt_token_ids)
 
     def _check_in_vocabulary(self, what: str, token_ids: list[int]) -> None:

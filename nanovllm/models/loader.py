@@ -16,7 +16,7 @@ import torch
 
 from nanovllm.layers.linear import default_weight_loader
 from nanovllm.models.decoder import DecoderForCausalLM
-from nanovllm.models.model_config import ModelConfig
+from nanovllm.models.model_config import ModelConfig, resolve_max_model_len
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -100,7 +100,8 @@ def load_weights(model: DecoderForCausalLM, weights: Iterator[tuple[str, torch.T
         raise ValueError(f"checkpoint is missing weights: {sorted(unloaded)[:8]}")
 
 
-def context_length(model: str) -> int:
-    """The context length of a model named as the engine takes it ("default", a folder, a .gguf),
-    read from its config alone (no weights): no engine can serve a longer prompt."""
-    return ModelConfig.from_hf_dict(read_hf_config(resolve_model_path(model))).max_position_embeddings
+def max_model_len(model: str, requested: int | None = None) -> int:
+    """The engine's max_model_len for a model named as the engine takes it ("default", a folder, a
+    .gguf) and its `--max-model-len` (None: the default), read from the config alone (no weights),
+    so a stage before the engine refuses what the engine would."""
+    return resolve_max_model_len(requested, ModelConfig.from_hf_dict(read_hf_config(resolve_model_path(model))))

@@ -76,7 +76,7 @@ def test_each_bad_frame_gets_a_clear_error_while_another_client_streams(client, 
 
 
 def test_request_errors_come_back_as_request_errors(client):
-    with pytest.raises(RequestError, match="context length is 1024"):  # refused by the tokenizer stage
+    with pytest.raises(RequestError, match="max_model_len is 1024"):  # refused by the tokenizer stage
         client.generate(prompt_token_ids=[7] * 5000, max_tokens=4)
     with pytest.raises(SamplingError, match="temperature"):  # refused by the client's copy of the checks
         client.generate("hi", temperature=-0.5)
@@ -96,7 +96,7 @@ def test_over_long_prompt_error_does_not_disturb_concurrent_streams(client):
     for t in threads:
         t.start()
     for _ in range(3):
-        with pytest.raises(RequestError, match="context length"):
+        with pytest.raises(RequestError, match="max_model_len is"):
             client.generate(prompt_token_ids=[7] * 2000, max_tokens=4)
     for t in threads:
         t.join(timeout=60)

@@ -40,7 +40,7 @@ def test_a_request_becomes_the_engines_frame_with_the_meta_the_detokenizer_needs
 @pytest.mark.parametrize("fields, why", [
     (dict(sampling=SamplingParams(logprobs=2)), "'logprobs' is not supported by the service"),
     (dict(priority=11), "above this service's ceiling of 10"),
-    (dict(prompt="x" * 10_000), "more than the model's context length"),
+    (dict(prompt="x" * 10_000), "more than max_model_len"),
     (dict(prompt=""), "prompt is empty"),
 ])
 def test_each_bad_request_is_refused_naming_the_problem(tokenizer, fields, why):

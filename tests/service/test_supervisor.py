@@ -228,3 +228,20 @@ def test_serve_restarts_a_stage_that_hangs(tiny_model_dir, stage):
             assert client.generate("hi", max_tokens=3, ignore_eos=True).usage["completion_tokens"] == 3
         proc.send_signal(signal.SIGTERM)
         assert stopped(proc, runtime_dir, 60) == 0
+
+
+def test_serve_gives_the_engines_max_model_len_to_the_tokenizer_stage(tiny_model_dir):
+    # The tokenizer stage refuses a prompt the engine would refuse, with the engine's limit in the
+    # engine's words: the limit `nanovllm serve` was given, not the model's context length (1024).
+    from nanovllm.supervisor import shared_with_tokenizer
+    from nanovllm_client.errors import RequestError
+    assert shared_with_tokenizer(["--num-threads", "1", "--max-model-len", "256", "--max-num-seqs", "8"]) == \
+        ["--max-model-len", "256"]
+    assert shared_with_tokenizer(["--max-model-len=300"]) == ["--max-model-len=300"]
+    with serving(tiny_model_dir, "--max-model-len", "256") as (proc, runtime_dir):
+        with Client(f"ipc://{runtime_dir}", connect_timeout=START_TIMEOUT, timeout=60) as client:
+            client.wait_engine(timeout=START_TIMEOUT)
+            with pytest.raises(RequestError, match="prompt has 300 tokens but max_model_len is 256"):
+                client.generate(prompt_token_ids=[7] * 300, max_tokens=4)
+            assert client.generate(prompt_token_ids=[7] * 200, max_tokens=3, ignore_eos=True).usage[
+                "completion_tokens"] == 3
