@@ -351,6 +351,27 @@ def test_model_card_version_and_a_wrong_method(front):
     assert status == 405 and json.loads(body)["error"]["type"] == "invalid_request_error"
 
 
+def test_the_fronts_metrics_carry_the_engines_state_by_vllms_names(front):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, _, port, client, _ = front
+    client.generate("hi", max_tokens=2)
+    # The stats come with the engine's heartbeats: wait until one shows the request done.
+    wait_for(lambda: (e := client.server_stats()["engine"]).get("prefix_cache_queries", 0) > 0
+             and e.get("num_running") == 0, timeout=30, what="the engine's stats after a request")
+    status, body = _get(port, "/metrics", headers={})
+    assert status == 200
+    samples = {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    engine = client.server_stats()["engine"]  # idle: the same as the scrape read
+    assert samples["nanovllm_http_engine_stats_up"] == 1
+    assert samples["vllm:num_requests_running"] == engine["num_running"] == 0
+    assert samples["vllm:num_requests_waiting"] == 0
+    used = (engine["num_total_blocks"] - engine["num_free_blocks"]) / engine["num_total_blocks"]
+    assert samples["vllm:kv_cache_usage_perc"] == pytest.approx(used)
+    assert samples["vllm:prefix_cache_queries_total"] >= samples["vllm:prefix_cache_hits_total"] >= 0
+    assert samples["vllm:prefix_cache_queries_total"] > 0 and "vllm:num_preemptions_total" in samples
+
+
 def test_the_agent_loop_sends_messages_back_as_they_were_returned(front):
     """`messages.append(resp.choices[0].message)`: the SDK sends back what it received (a
     reasoning model's reasoning_content; after `parse`, `parsed`, `refusal`, `annotations` and the

@@ -58,6 +58,35 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
+ENGINE_METRICS = [
+    # (vLLM's name, type, help, value from the engine's stats)
+    ("vllm:num_requests_running", "gauge", "Requests in the engine's running batch.", lambda e: e["num_running"]),
+    ("vllm:num_requests_waiting", "gauge", "Requests waiting for admission in the engine.", lambda e: e["num_waiting"]),
+    ("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0..1).",
+     lambda e: (e["num_total_blocks"] - e["num_free_blocks"]) / e["num_total_blocks"]),
+    ("vllm:num_preemptions_total", "counter", "Preemptions of running requests.", lambda e: e["num_preemptions"]),
+    ("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+     lambda e: e["prefix_cache_queries"]),
+    ("vllm:prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
+     lambda e: e["prefix_cache_hits"]),
+]
+"""The engine's state on the front's /metrics, by vLLM's names, so a router or an autoscaler
+scraping one URL per worker reads it (the stages' own ports carry the rest, as nanovllm:...)."""
+
+
+def engine_metrics_text(engine: dict | None) -> str:
+    """The engine's stats (from `server_stats`) in the Prometheus text format; with `engine` None
+    (no answer from the service) only `nanovllm_http_engine_stats_up 0`."""
+    lines = ["# TYPE nanovllm_http_engine_stats_up gauge", f"nanovllm_http_engine_stats_up {int(bool(engine))}"]
+    for name, kind, text, value in ENGINE_METRICS:
+        try:
+            v = float(value(engine or {}))
+        except (KeyError, TypeError, ZeroDivisionError):
+            continue
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {v}"]
+    return "\n".join(lines) + "\n"
+
+
 def _package_version() -> str:
     try:
         return importlib.metadata.version("nanovllm-client")
@@ -171,7 +200,11 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         return JSONResponse(body, status_code=200 if report.healthy else 503)
 
     async def metrics_route(request: Request) -> Response:
-        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
+        try:
+            engine = (await client.server_stats(timeout=2.0)).get("engine") or {}
+        except Exception:  # noqa: BLE001 — the service down: the front's own metrics, and that it is down
+            engine = None
+        return PlainTextResponse(metrics.text() + engine_metrics_text(engine), media_type="text/plain; version=0.0.4")
 
     async def generate(request: Request, route: str, parse: Callable[[Any], Call], chat: bool) -> Response:
         call: Call | None = None
