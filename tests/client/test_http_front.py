@@ -486,3 +486,57 @@ def test_an_assistant_message_goes_back_as_it_was_returned():
         with pytest.raises(ApiError) as e:
             parse_chat({"model": "m", "messages": [dict(returned, **bad_field)]})
         assert e.value.param == "messages" and next(iter(bad_field)) in e.value.message
+
+
+def _serve(app):
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return server, t, port
+
+
+def _raw(port, method, path, headers, body=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request(method, path, body=body, headers=headers)
+    r = conn.getresponse()
+    out = r.status, dict((k.lower(), v) for k, v in r.getheaders()), r.read()
+    conn.close()
+    return out
+
+
+def test_cors_only_for_the_origins_allowed():
+    from nanovllm_client.http.__main__ import origins
+    assert origins("") == () and origins("https://app.example, http://localhost:3000/") == (
+        "https://app.example", "http://localhost:3000")
+    with pytest.raises(Exception, match="not an origin"):
+        origins("app.example/path")
+    allowed = "https://app.example"
+    server, t, port = _serve(build_app(FakeClient(), Settings(model="m", api_keys=("k",), allowed_origins=(allowed,))))
+    plain_server, plain_t, plain_port = _serve(build_app(FakeClient(), Settings(model="m", api_keys=("k",))))
+    try:
+        body = json.dumps({"model": "m", "prompt": "a"})
+        post = {"Content-Type": "application/json", "Authorization": "Bearer k"}
+        # A preflight carries no key and gets the permission; the request then gets the header.
+        status, headers, _ = _raw(port, "OPTIONS", "/v1/completions", {
+            "Origin": allowed, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert status == 200 and headers["access-control-allow-origin"] == allowed
+        assert "POST" in headers["access-control-allow-methods"]
+        status, headers, _ = _raw(port, "POST", "/v1/completions", dict(post, Origin=allowed), body)
+        assert status == 200 and headers["access-control-allow-origin"] == allowed
+        status, headers, _ = _raw(port, "POST", "/v1/completions", dict(post, Origin="https://evil.example"), body)
+        assert "access-control-allow-origin" not in headers  # the browser then hides the answer
+        status, headers, _ = _raw(port, "POST", "/v1/completions", {"Origin": allowed, "Content-Type": "application/json"},
+                                  body)
+        assert status == 401  # the key rules stand
+        status, headers, _ = _raw(plain_port, "POST", "/v1/completions", dict(post, Origin=allowed), body)
+        assert status == 200 and "access-control-allow-origin" not in headers  # off by default
+    finally:
+        for s, th in ((server, t), (plain_server, plain_t)):
+            s.should_exit = True
+            th.join(10)

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import ipaddress
 import os
+import re
 import sys
 
 from ..endpoints import default_url
@@ -63,6 +64,15 @@ def _flag(ap: argparse.ArgumentParser, flag: str, default, help: str, **kw) -> N
                     help=f"{help} (env {env_name(flag)})", **kw)
 
 
+def origins(text: str) -> tuple[str, ...]:
+    """--allowed-origins: '*', or origins as a browser sends them (scheme://host[:port], no path)."""
+    out = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    for o in out:
+        if o != "*" and not re.fullmatch(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?", o):
+            raise argparse.ArgumentTypeError(f"{o!r} is not an origin (scheme://host[:port]) or '*'")
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nanovllm-http", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,6 +92,8 @@ def parser() -> argparse.ArgumentParser:
     _flag(ap, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight (default %(default)s)",
           type=float)
     _flag(ap, "--request-timeout", 600.0, "seconds before a request is aborted (default %(default)s)", type=float)
+    _flag(ap, "--allowed-origins", "", "comma-separated origins (https://app.example) whose browser pages may call "
+                                       "the API (CORS); '*' for any; none by default", type=origins)
     add_client_key_flags(ap)
     return ap
 
@@ -120,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         client = AsyncClient(args.url, timeout=args.request_timeout, curve=curve, insecure_tcp=args.insecure_tcp)
         await client.start()
         settings = Settings(model=args.model, api_keys=keys, max_body_bytes=args.max_body_bytes,
-                            max_streams=args.max_streams,
+                            max_streams=args.max_streams, allowed_origins=args.allowed_origins,
                             health=lambda: check_health(args.url, 5.0, curve))
         server = build_server(build_app(client, settings), host=args.host, port=args.port,
                               max_connections=args.max_connections, idle_timeout=args.idle_timeout,

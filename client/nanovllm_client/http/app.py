@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -31,6 +32,8 @@ class Settings:
     max_streams: int = 256
     health: Callable[[], Any] | None = None
     """Blocking: returns a HealthReport (run in a thread)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Origins whose browser pages may call the API (CORS headers and preflights); none by default."""
 
 
 @dataclass
@@ -303,6 +306,10 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         Route("/metrics", metrics_route, methods=["GET"]),
     ], exception_handlers={404: not_found, 405: not_allowed})
     app.state.metrics = metrics
+    if settings.allowed_origins:  # answered before the routes: a preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type", "X-Api-Key"], max_age=600)
     return app
 
 
