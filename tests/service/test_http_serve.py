@@ -351,6 +351,58 @@ def test_model_card_version_and_a_wrong_method(front):
     assert status == 405 and json.loads(body)["error"]["type"] == "invalid_request_error"
 
 
+def test_the_anthropic_sdk(front):
+    """Anthropic's Messages API through its own SDK: system and messages, streamed equal to not
+    streamed and to the ZeroMQ client's chat, a forced tool_use with its tool_result sent back,
+    Anthropic's error shapes, and x-api-key taking the place of the bearer key."""
+    anthropic = pytest.importorskip("anthropic")
+    _, _, port, client, model = front
+    sdk = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key=KEY, max_retries=0, timeout=120)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    want = client.generate(chat, max_tokens=10, temperature=0, ignore_eos=True)
+    # Sampling fields are not in the SDK's signature any more: they go as extra_body, as vLLM's do.
+    args = dict(model=model, max_tokens=10, system="Be brief.", messages=[{"role": "user", "content": "hello"}],
+                metadata={"user_id": "u"}, extra_body={"ignore_eos": True, "temperature": 0})
+    msg = sdk.messages.create(**args)
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == want.text
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 10
+    assert msg.usage.input_tokens == want.usage["prompt_tokens"]
+    with sdk.messages.stream(**args) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert streamed == want.text and final.content[0].text == want.text and final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == 10
+
+    tool = {"name": "get_weather", "description": "Today's weather in a city",
+            "input_schema": WEATHER["function"]["parameters"]}
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    greedy = {"temperature": 0}
+    call = sdk.messages.create(model=model, max_tokens=64, messages=question, tools=[tool], extra_body=greedy,
+                               tool_choice={"type": "tool", "name": "get_weather"})
+    uses = [b for b in call.content if b.type == "tool_use"]
+    assert call.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather"
+    assert uses[0].input["city"] in ("Paris", "Oslo", "Lima")
+    with sdk.messages.stream(model=model, max_tokens=64, messages=question, tools=[tool], extra_body=greedy,
+                             tool_choice={"type": "tool", "name": "get_weather"}) as s:
+        streamed_call = s.get_final_message()
+    assert [(b.type, b.name, b.input) for b in streamed_call.content if b.type == "tool_use"] == \
+        [("tool_use", "get_weather", uses[0].input)]
+    answer = sdk.messages.create(model=model, max_tokens=8, tools=[tool], extra_body=greedy, messages=question + [
+        {"role": "assistant", "content": call.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "sunny, 21 C"}]}])
+    assert answer.content[0].type == "text" and answer.stop_reason in ("end_turn", "max_tokens")
+
+    with pytest.raises(anthropic.BadRequestError) as e:
+        sdk.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError):
+        sdk.messages.create(model="nope", max_tokens=4, messages=question)
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="wrong", max_retries=0).messages.create(
+            model=model, max_tokens=4, messages=question)
+
+
 def test_the_fronts_metrics_carry_the_engines_state_by_vllms_names(front):
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from ..errors import (EngineDeadError, RequestError, RequestTimeoutError, ServiceDrainingError,
                       ServiceUnavailableError)
 from ..protocol import FinishReason
-from . import chat_output
+from . import anthropic, chat_output
 from .errors import ApiError, bad
 from .schema import Call, parse_chat, parse_completion
 
@@ -100,6 +100,16 @@ def _package_version() -> str:
 _VERSION = _package_version()
 
 
+@dataclass
+class Answer:
+    """A whole (not streamed) answer, collected."""
+    text: str = ""
+    events: list = field(default_factory=list)
+    parser: Any = None
+    reason: str | None = None
+    usage: dict = field(default_factory=dict)
+
+
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
@@ -142,7 +152,8 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         if not settings.api_keys:
             return
         header = request.headers.get("authorization", "")
-        given = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        # Bearer (OpenAI's SDKs) or x-api-key (Anthropic's): the same keys either way.
+        given = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("x-api-key", "").strip()
         ok = False
         for key in settings.api_keys:  # every key compared, each in constant time
             ok |= hmac.compare_digest(given.encode(), key.encode())
@@ -209,7 +220,9 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             engine = None
         return PlainTextResponse(metrics.text() + engine_metrics_text(engine), media_type="text/plain; version=0.0.4")
 
-    async def generate(request: Request, route: str, parse: Callable[[Any], Call], chat: bool) -> Response:
+    async def open_stream(request: Request, parse: Callable[[Any], Call]) -> tuple[Call, Any, Any, Any]:
+        """Authorize, parse and start one request: (call, stream, its events, the first delta when
+        streaming). Raises `Refused` (an ApiError, with the call once parsed)."""
         call: Call | None = None
         try:
             authorized(request)
@@ -234,16 +247,22 @@ def build_app(client: Any, settings: Settings) -> Starlette:
                 stream.cancel()
                 metrics.active -= 1
                 raise
-        except ApiError as e:
-            metrics.count(route, e.status)
-            return _error(e)
-        except Exception as e:  # noqa: BLE001 — the service's refusal, answered in OpenAI's shape
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001 — the service's refusal, answered as an API error
             err = _service_error(e)
             if call is not None and call.forced and err.param == "response_format":  # the forced call's grammar
                 err = bad(f"the forced tool call's grammar (from the tools' parameter schemas) was refused: {e}",
                           "tools")
-            metrics.count(route, err.status)
-            return _error(err)
+            raise err from None
+        return call, stream, events, first
+
+    async def generate(request: Request, route: str, parse: Callable[[Any], Call], chat: bool) -> Response:
+        try:
+            call, stream, events, first = await open_stream(request, parse)
+        except ApiError as e:
+            metrics.count(route, e.status)
+            return _error(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -252,37 +271,69 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             body = _sse(first, events, stream, call, rid, created, kind, chat, settings.model, metrics)
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, reason, usage, parser, parsed = [], None, None, None, []
         try:
-            async for d in stream:
-                if chat:  # the same parser a stream goes through, fed as the text arrives
-                    if parser is None:
-                        parser = call.output_parser(d.reasoning_open)  # every delta carries it
-                    parsed += _parse(parser, d, stream)
-                else:
-                    text.append(d.text)
-                if d.finished:
-                    reason, usage = d.finish_reason, d.usage
+            answer = await collect(stream, call, chat)
         except Exception as e:  # noqa: BLE001
             err = _service_error(e)
             metrics.count(route, err.status)
             return _error(err)
+        if chat:
+            choice = {"index": 0, "message": chat_output.message(answer.events, answer.parser.calls),
+                      "finish_reason": chat_output.finish_reason(answer.reason, answer.parser.calls), "logprobs": None}
+        else:
+            choice = {"index": 0, "text": answer.text, "finish_reason": answer.reason, "logprobs": None}
+        metrics.count(route, 200)
+        return JSONResponse({"id": rid, "object": kind, "created": created, "model": settings.model,
+                             "choices": [choice], "usage": answer.usage})
+
+    async def collect(stream: Any, call: Call, chat: bool) -> Answer:
+        """A whole answer: chat's through the same parser a stream goes through, fed as the text
+        arrives; the stream ended and counted either way."""
+        answer, parser, usage = Answer(), None, None
+        try:
+            async for d in stream:
+                if chat:
+                    if parser is None:
+                        parser = call.output_parser(d.reasoning_open)  # every delta carries it
+                    answer.events += _parse(parser, d, stream)
+                else:
+                    answer.text += d.text
+                if d.finished:
+                    answer.reason, usage = _finish(d.finish_reason), d.usage
         finally:
             stream.cancel()
             metrics.active -= 1
-        body_usage = _usage(usage)
-        metrics.prompt_tokens += body_usage["prompt_tokens"]
-        metrics.completion_tokens += body_usage["completion_tokens"]
+        answer.usage = _usage(usage)
+        metrics.prompt_tokens += answer.usage["prompt_tokens"]
+        metrics.completion_tokens += answer.usage["completion_tokens"]
         if chat:
-            parser = parser or call.output_parser()
-            parsed += parser.finish()
-            choice = {"index": 0, "message": chat_output.message(parsed, parser.calls),
-                      "finish_reason": chat_output.finish_reason(_finish(reason), parser.calls), "logprobs": None}
-        else:
-            choice = {"index": 0, "text": "".join(text), "finish_reason": _finish(reason), "logprobs": None}
-        metrics.count(route, 200)
-        return JSONResponse({"id": rid, "object": kind, "created": created, "model": settings.model,
-                             "choices": [choice], "usage": body_usage})
+            answer.parser = parser or call.output_parser()
+            answer.events += answer.parser.finish()
+        return answer
+
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API (anthropic.py): the chat path, in Anthropic's shapes."""
+        def refused(e: ApiError) -> Response:
+            metrics.count("messages", e.status)
+            return JSONResponse(anthropic.error_body(e), status_code=e.status)
+
+        try:
+            call, stream, events, first = await open_stream(request, anthropic.parse_messages)
+        except ApiError as e:
+            return refused(e)
+        msg_id = anthropic.new_id()
+        if call.stream:
+            metrics.count("messages", 200)
+            return StreamingResponse(_anthropic_sse(first, events, stream, call, msg_id, settings.model, metrics),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            answer = await collect(stream, call, True)
+        except Exception as e:  # noqa: BLE001
+            return refused(_service_error(e))
+        metrics.count("messages", 200)
+        return JSONResponse(anthropic.message_body(answer.events, answer.parser.calls, answer.reason, answer.usage,
+                                                   settings.model, msg_id))
 
     async def completions(request: Request) -> Response:
         return await generate(request, "completions", parse_completion, False)
@@ -302,6 +353,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         Route("/version", version, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
     ], exception_handlers={404: not_found, 405: not_allowed})
@@ -359,10 +411,50 @@ async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, 
         yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:
-        if not finished:
-            metrics.disconnects += 1
-        stream.cancel()  # aborts the request in the engine when it did not finish (idempotent)
-        metrics.active -= 1
+        _ended(finished, stream, metrics)
+
+
+async def _anthropic_sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, msg_id: str, model: str,
+                         metrics: Metrics) -> AsyncIterator[bytes]:
+    """The Messages API's SSE body: message_start, the content blocks' events, message_delta with
+    the stop reason and usage, message_stop; an error after the start as an `error` event."""
+    finished = False
+    parser = call.output_parser(first.reasoning_open)
+    blocks = anthropic.StreamBlocks()
+    try:
+        yield anthropic.sse("message_start", {"type": "message_start", "message": {
+            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
+        async for d in _chain(first, events):
+            for e in _parse(parser, d, stream) + (parser.finish() if d.finished else []):
+                for chunk in blocks.feed(e):
+                    yield chunk
+            if d.finished:
+                finished = True
+                usage = _usage(d.usage)
+                metrics.prompt_tokens += usage["prompt_tokens"]
+                metrics.completion_tokens += usage["completion_tokens"]
+                for chunk in blocks.close():
+                    yield chunk
+                yield anthropic.sse("message_delta", {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": anthropic.stop_reason(_finish(d.finish_reason), parser.calls),
+                              "stop_sequence": None},
+                    "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}})
+                yield anthropic.sse("message_stop", {"type": "message_stop"})
+    except (RequestError, ServiceUnavailableError, RequestTimeoutError) as e:
+        finished = True
+        yield anthropic.sse("error", anthropic.error_body(_service_error(e)))
+    finally:
+        _ended(finished, stream, metrics)
+
+
+def _ended(finished: bool, stream: Any, metrics: Metrics) -> None:
+    """A streamed body is done (finished, failed or cut by the client): count it, abort what runs."""
+    if not finished:
+        metrics.disconnects += 1
+    stream.cancel()  # aborts the request in the engine when it did not finish (idempotent)
+    metrics.active -= 1
 
 
 def _parse(parser: chat_output.ChatOutputParser, d: Any, stream: Any) -> list[chat_output.Event]:
