@@ -351,6 +351,61 @@ def test_model_card_version_and_a_wrong_method(front):
     assert status == 405 and json.loads(body)["error"]["type"] == "invalid_request_error"
 
 
+def test_the_responses_api_through_the_openai_sdk(front):
+    """OpenAI's Responses API, stateless: input as a string and as items with instructions,
+    streamed (responses.stream) equal to not streamed and to the ZeroMQ client's chat, a forced
+    function call with its output sent back as items, text.format json_schema, and a clear 400
+    for previous_response_id."""
+    _, _, port, client, model = front
+    openai, sdk = _sdk(port)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    want = client.generate(chat, max_tokens=10, temperature=0, ignore_eos=True)
+    args = dict(model=model, instructions="Be brief.", input="hello", max_output_tokens=10, temperature=0,
+                extra_body={"ignore_eos": True})
+    out = sdk.responses.create(**args)
+    assert out.output_text == want.text and out.status == "incomplete"
+    assert out.incomplete_details.reason == "max_output_tokens" and out.usage.output_tokens == 10
+    assert out.usage.input_tokens == want.usage["prompt_tokens"]
+    items = sdk.responses.create(**dict(args, instructions=None, input=[{"role": "system", "content": "Be brief."},
+                                                                         {"role": "user", "content": [
+                                                                             {"type": "input_text", "text": "hello"}]}]))
+    assert items.output_text == want.text
+    with sdk.responses.stream(**args) as s:
+        events = list(s)
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    final = events[-1].response  # response.incomplete at max_output_tokens, as OpenAI's (the SDK's
+    assert events[-1].type == "response.incomplete"  # get_final_response waits for .completed only)
+    assert "".join(deltas) == want.text and final.output_text == want.text and final.usage.output_tokens == 10
+
+    tool = {"type": "function", "name": "get_weather", "description": "Today's weather in a city",
+            "parameters": WEATHER["function"]["parameters"], "strict": True}
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    forced = dict(model=model, input=question, tools=[tool], max_output_tokens=64, temperature=0,
+                  tool_choice={"type": "function", "name": "get_weather"})
+    call = sdk.responses.create(**forced)
+    calls = [o for o in call.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    assert json.loads(calls[0].arguments)["city"] in ("Paris", "Oslo", "Lima")
+    with sdk.responses.stream(**forced) as s:
+        argument_deltas = "".join(e.delta for e in s if e.type == "response.function_call_arguments.delta")
+        streamed = s.get_final_response()
+    assert argument_deltas == calls[0].arguments
+    assert [(o.name, o.arguments) for o in streamed.output if o.type == "function_call"] == \
+        [(calls[0].name, calls[0].arguments)]
+    answer = sdk.responses.create(model=model, tools=[tool], max_output_tokens=8, temperature=0, input=question + [
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}])
+    assert answer.output[-1].type == "message"
+
+    person = sdk.responses.create(model=model, input="A person?", max_output_tokens=64, temperature=0.8,
+                                  text={"format": {"type": "json_schema", "name": "person", "schema": PERSON,
+                                                   "strict": True}})
+    jsonschema.validate(json.loads(person.output_text), PERSON)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.create(model=model, input="hi", previous_response_id="resp_123")
+    assert e.value.body["param"] == "previous_response_id" and "whole conversation" in e.value.body["message"]
+
+
 def test_the_anthropic_sdk(front):
     """Anthropic's Messages API through its own SDK: system and messages, streamed equal to not
     streamed and to the ZeroMQ client's chat, a forced tool_use with its tool_result sent back,

@@ -185,12 +185,30 @@ def sse(event: str, data: dict) -> bytes:
 
 
 class StreamBlocks:
-    """Parser events as Anthropic's content block events: one block per run of reasoning or text,
-    one per tool call, each opened, fed and closed in order."""
+    """Parser events as Anthropic's stream events: message_start, one content block per run of
+    reasoning or text and one per tool call (each opened, fed and closed in order), message_delta
+    with the stop reason and usage, message_stop; an `error` event for a failure after the start."""
 
-    def __init__(self) -> None:
+    def __init__(self, msg_id: str, model: str) -> None:
+        self.msg_id, self.model = msg_id, model
         self.index = -1
         self.open: tuple[str, int] | None = None  # (kind, call index) of the block being fed
+
+    def start(self) -> list[bytes]:
+        return [sse("message_start", {"type": "message_start", "message": {
+            "id": self.msg_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})]
+
+    def finish(self, usage: dict, reason: str | None, calls: list) -> list[bytes]:
+        return self.close() + [
+            sse("message_delta", {"type": "message_delta",
+                                  "delta": {"stop_reason": stop_reason(reason, calls), "stop_sequence": None},
+                                  "usage": {"input_tokens": usage["prompt_tokens"],
+                                            "output_tokens": usage["completion_tokens"]}}),
+            sse("message_stop", {"type": "message_stop"})]
+
+    def error(self, e: ApiError) -> list[bytes]:
+        return [sse("error", error_body(e))]
 
     def _start(self, key: tuple[str, int], block: dict) -> list[bytes]:
         out = self.close()

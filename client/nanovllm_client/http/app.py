@@ -19,7 +19,7 @@ from starlette.routing import Route
 from ..errors import (EngineDeadError, RequestError, RequestTimeoutError, ServiceDrainingError,
                       ServiceUnavailableError)
 from ..protocol import FinishReason
-from . import anthropic, chat_output
+from . import anthropic, chat_output, responses
 from .errors import ApiError, bad
 from .schema import Call, parse_chat, parse_completion
 
@@ -311,29 +311,50 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             answer.events += answer.parser.finish()
         return answer
 
-    async def messages(request: Request) -> Response:
-        """Anthropic's Messages API (anthropic.py): the chat path, in Anthropic's shapes."""
+    async def typed_api(request: Request, route: str, parse: Callable[[Any], Call], error_json: Callable[[ApiError], dict],
+                        writer: Callable[[], Any], whole: Callable[[Answer], dict]) -> Response:
+        """The chat path in another API's shapes (OpenAI's Responses, Anthropic's Messages): `writer()`
+        makes its stream's events (`_events_sse`), `whole` its answer, `error_json` its errors."""
         def refused(e: ApiError) -> Response:
-            metrics.count("messages", e.status)
-            return JSONResponse(anthropic.error_body(e), status_code=e.status)
+            metrics.count(route, e.status)
+            return JSONResponse(error_json(e), status_code=e.status)
 
         try:
-            call, stream, events, first = await open_stream(request, anthropic.parse_messages)
+            call, stream, events, first = await open_stream(request, parse)
         except ApiError as e:
             return refused(e)
-        msg_id = anthropic.new_id()
         if call.stream:
-            metrics.count("messages", 200)
-            return StreamingResponse(_anthropic_sse(first, events, stream, call, msg_id, settings.model, metrics),
+            metrics.count(route, 200)
+            return StreamingResponse(_events_sse(first, events, stream, call, writer(), metrics),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             answer = await collect(stream, call, True)
         except Exception as e:  # noqa: BLE001
             return refused(_service_error(e))
-        metrics.count("messages", 200)
-        return JSONResponse(anthropic.message_body(answer.events, answer.parser.calls, answer.reason, answer.usage,
-                                                   settings.model, msg_id))
+        metrics.count(route, 200)
+        return JSONResponse(whole(answer))
+
+    async def responses_route(request: Request) -> Response:
+        """OpenAI's Responses API, stateless (responses.py)."""
+        rid, created = responses.new_id()
+
+        def whole(answer: Answer) -> dict:
+            return responses.response_body(rid, created, settings.model,
+                                           "incomplete" if answer.reason == "length" else "completed",
+                                           responses.output_items(answer.events, answer.parser.calls), answer.usage,
+                                           answer.reason)
+
+        return await typed_api(request, "responses", responses.parse_response_request, ApiError.body,
+                               lambda: responses.StreamItems(rid, created, settings.model), whole)
+
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API (anthropic.py)."""
+        msg_id = anthropic.new_id()
+        return await typed_api(request, "messages", anthropic.parse_messages, anthropic.error_body,
+                               lambda: anthropic.StreamBlocks(msg_id, settings.model),
+                               lambda a: anthropic.message_body(a.events, a.parser.calls, a.reason, a.usage,
+                                                                settings.model, msg_id))
 
     async def completions(request: Request) -> Response:
         return await generate(request, "completions", parse_completion, False)
@@ -354,6 +375,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/responses", responses_route, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
     ], exception_handlers={404: not_found, 405: not_allowed})
@@ -414,37 +436,31 @@ async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, 
         _ended(finished, stream, metrics)
 
 
-async def _anthropic_sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, msg_id: str, model: str,
-                         metrics: Metrics) -> AsyncIterator[bytes]:
-    """The Messages API's SSE body: message_start, the content blocks' events, message_delta with
-    the stop reason and usage, message_stop; an error after the start as an `error` event."""
+async def _events_sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, writer: Any,
+                     metrics: Metrics) -> AsyncIterator[bytes]:
+    """An SSE body of typed events (Anthropic's Messages, OpenAI's Responses): `writer` turns the
+    parser's events into its API's (`start()`, `feed(event)`, `finish(usage, reason, calls)`,
+    `error(api_error)`, each a list of encoded events); the stream ends as `_sse`'s does."""
     finished = False
     parser = call.output_parser(first.reasoning_open)
-    blocks = anthropic.StreamBlocks()
     try:
-        yield anthropic.sse("message_start", {"type": "message_start", "message": {
-            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
+        for chunk in writer.start():
+            yield chunk
         async for d in _chain(first, events):
             for e in _parse(parser, d, stream) + (parser.finish() if d.finished else []):
-                for chunk in blocks.feed(e):
+                for chunk in writer.feed(e):
                     yield chunk
             if d.finished:
                 finished = True
                 usage = _usage(d.usage)
                 metrics.prompt_tokens += usage["prompt_tokens"]
                 metrics.completion_tokens += usage["completion_tokens"]
-                for chunk in blocks.close():
+                for chunk in writer.finish(usage, _finish(d.finish_reason), parser.calls):
                     yield chunk
-                yield anthropic.sse("message_delta", {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": anthropic.stop_reason(_finish(d.finish_reason), parser.calls),
-                              "stop_sequence": None},
-                    "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}})
-                yield anthropic.sse("message_stop", {"type": "message_stop"})
     except (RequestError, ServiceUnavailableError, RequestTimeoutError) as e:
         finished = True
-        yield anthropic.sse("error", anthropic.error_body(_service_error(e)))
+        for chunk in writer.error(_service_error(e)):
+            yield chunk
     finally:
         _ended(finished, stream, metrics)
 
