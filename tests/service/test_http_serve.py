@@ -366,9 +366,9 @@ def test_the_responses_api_through_the_openai_sdk(front):
     assert out.output_text == want.text and out.status == "incomplete"
     assert out.incomplete_details.reason == "max_output_tokens" and out.usage.output_tokens == 10
     assert out.usage.input_tokens == want.usage["prompt_tokens"]
-    items = sdk.responses.create(**dict(args, instructions=None, input=[{"role": "system", "content": "Be brief."},
-                                                                         {"role": "user", "content": [
-                                                                             {"type": "input_text", "text": "hello"}]}]))
+    as_items = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "input_text", "text": "hello"}]}]
+    items = sdk.responses.create(**dict(args, instructions=None, input=as_items))
     assert items.output_text == want.text
     with sdk.responses.stream(**args) as s:
         events = list(s)

@@ -64,11 +64,14 @@ def _flag(ap: argparse.ArgumentParser, flag: str, default, help: str, **kw) -> N
                     help=f"{help} (env {env_name(flag)})", **kw)
 
 
+_ORIGIN = r"https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?"
+
+
 def origins(text: str) -> tuple[str, ...]:
     """--allowed-origins: '*', or origins as a browser sends them (scheme://host[:port], no path)."""
     out = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
     for o in out:
-        if o != "*" and not re.fullmatch(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?", o):
+        if o != "*" and not re.fullmatch(_ORIGIN, o):
             raise argparse.ArgumentTypeError(f"{o!r} is not an origin (scheme://host[:port]) or '*'")
     return out
 

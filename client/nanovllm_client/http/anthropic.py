@@ -68,7 +68,8 @@ def _message(i: int, m: Any) -> list[dict]:
             if isinstance(b.get("thinking"), str):
                 reasoning.append(b["thinking"])
         elif kind == "tool_use" and role == "assistant":
-            if not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str) and isinstance(b.get("input"), dict)):
+            if not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str)
+                    and isinstance(b.get("input"), dict)):
                 raise bad(f"{where}: a tool_use block needs an id, a name and an input object", "messages")
             calls.append({"id": b["id"], "type": "function",
                           "function": {"name": b["name"], "arguments": json.dumps(b["input"], ensure_ascii=False)}})
@@ -177,7 +178,8 @@ def message_body(events: list, calls: list, reason: str | None, usage: dict, mod
     content += [{"type": "tool_use", "id": c.call_id, "name": c.name, "input": _input(c.arguments)} for c in calls]
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop_reason(reason, calls), "stop_sequence": None,
-            "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)}}
+            "usage": {"input_tokens": usage.get("prompt_tokens", 0),
+                      "output_tokens": usage.get("completion_tokens", 0)}}
 
 
 def sse(event: str, data: dict) -> bytes:

@@ -311,8 +311,9 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             answer.events += answer.parser.finish()
         return answer
 
-    async def typed_api(request: Request, route: str, parse: Callable[[Any], Call], error_json: Callable[[ApiError], dict],
-                        writer: Callable[[], Any], whole: Callable[[Answer], dict]) -> Response:
+    async def typed_api(request: Request, route: str, parse: Callable[[Any], Call],
+                        error_json: Callable[[ApiError], dict], writer: Callable[[], Any],
+                        whole: Callable[[Answer], dict]) -> Response:
         """The chat path in another API's shapes (OpenAI's Responses, Anthropic's Messages): `writer()`
         makes its stream's events (`_events_sse`), `whole` its answer, `error_json` its errors."""
         def refused(e: ApiError) -> Response:

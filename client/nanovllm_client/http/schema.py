@@ -6,10 +6,11 @@ here, accepted and ignored (`IGNORED`); or a known field that would change the o
 implemented, refused with a 400 naming it unless it asks for nothing (`NEUTRAL`: null, or its
 neutral value, which routers fill in); or unknown, accepted as vLLM does and logged once by name.
 Messages take the same rule, so an assistant message goes back exactly as this server returned it
-(`reasoning_content` reaches the chat template, which reads it where it knows it). Sampling fields are mapped onto the one sampling struct
-(`SamplingParams`), whose own validator checks them, as at every other door: a value out of range
-gets the same words here as from the ZeroMQ client or `LLM`, in a 400 naming the body's field. The
-rest of the body (the prompt or messages, tools, stream options) is checked here.
+(`reasoning_content` reaches the chat template, which reads it where it knows it). Sampling fields
+are mapped onto the one sampling struct (`SamplingParams`), whose own validator checks them, as at
+every other door: a value out of range gets the same words here as from the ZeroMQ client or
+`LLM`, in a 400 naming the body's field. The rest of the body (the prompt or messages, tools,
+stream options) is checked here.
 """
 from __future__ import annotations
 
