@@ -621,7 +621,9 @@ def test_a_request_over_the_frame_limit_once_tokenized_is_refused_by_the_tokeniz
 
     model = make_tiny_model(str(tmp_path / "long-context"), "qwen3", tokenizer_dir=tokenizer_dir,
                             max_position_embeddings=8_000_000)
-    procs = start_service(model, f"ipc://{short_tmpdir()}/svc")
+    # The tokenizer's limit is the engine's max_model_len (4096 by default): raised to the model's.
+    procs = start_service(model, f"ipc://{short_tmpdir()}/svc",
+                          env={"tokenizer_proc": {"NANOVLLM_MAX_MODEL_LEN": "8000000"}})
     try:
         out, tok = raw_client(procs.url, ctx)
         sampling = {"max_tokens": 3, "allowed_token_ids": list(range(2048)) * 128}
