@@ -135,7 +135,7 @@ def test_mapping_names_and_refusals():
                         ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs"),
                         ({"model": "m", "prompt": "a", "logprobs": 0}, "logprobs"),
                         ({"model": "m", "prompt": "a", "echo": True}, "echo"),
-                        ({"model": "m", "prompt": "a", "n": 2}, "n"),
+                        ({"model": "m", "prompt": "a", "n": 17}, "n"),
                         ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),
                         ({"model": "m", "prompt": "a", "temperature": float("nan")}, "temperature"),
                         ({"model": "m", "prompt": "a", "max_tokens": True}, "max_tokens"),
@@ -540,3 +540,36 @@ def test_cors_only_for_the_origins_allowed():
         for s, th in ((server, t), (plain_server, plain_t)):
             s.should_exit = True
             th.join(10)
+
+
+def _sse_chunks(raw: bytes) -> list[dict]:
+    return [json.loads(line[6:]) for line in raw.decode().split("\n\n") if line.startswith("data: {")]
+
+
+def test_n_choices_and_a_list_of_prompts(front):
+    client, port = front
+    client.words, client.calls = ["a", "b"], []
+    status, body = _req(port, "POST", "/v1/completions", {"model": "m", "prompt": ["one", [5, 6]], "n": 2, "seed": 9,
+                                                           "temperature": 0.7})
+    out = json.loads(body)
+    assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in out["choices"]] == ["ab"] * 4
+    # prompt i's j-th choice is index i * n + j; choice j draws with seed + j
+    assert [(p, kw["sampling"].seed) for p, kw in client.calls] == [("one", 9), ("one", 10), ([5, 6], 9), ([5, 6], 10)]
+    assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14}  # each prompt once
+    status, body = _req(port, "POST", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                                "n": 3, "stream": True,
+                                                                "stream_options": {"include_usage": True}})
+    chunks = _sse_chunks(body)
+    by_index: dict[int, str] = {}
+    for c in chunks:
+        for choice in c["choices"]:
+            by_index[choice["index"]] = by_index.get(choice["index"], "") + (choice["delta"].get("content") or "")
+    assert status == 200 and by_index == {0: "ab", 1: "ab", 2: "ab"}
+    assert sum(1 for c in chunks for ch in c["choices"] if ch["finish_reason"]) == 3  # each choice ends once
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    for body, param in [({"model": "m", "prompt": "a", "n": 17}, "n"), ({"model": "m", "prompt": ["a"] * 33, "n": 2},
+                                                                        "prompt"),
+                        ({"model": "m", "prompt": ["a", ""]}, "prompt"), ({"model": "m", "prompt": "a", "n": 0}, "n")]:
+        status, raw = _req(port, "POST", "/v1/completions", body)
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, body

@@ -351,6 +351,33 @@ def test_model_card_version_and_a_wrong_method(front):
     assert status == 405 and json.loads(body)["error"]["type"] == "invalid_request_error"
 
 
+def test_n_choices_and_prompt_lists_through_the_openai_sdk(front):
+    """`n` choices per prompt and a list of prompts in one completions request: each choice what the
+    ZeroMQ client gives for its prompt and seed (choice j: seed + j), streamed equal to not."""
+    _, _, port, client, model = front
+    _, sdk = _sdk(port)
+    prompts = ["def f():", "import os"]
+    out = sdk.completions.create(model=model, prompt=prompts, n=2, max_tokens=5, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    want = [client.generate(p, max_tokens=5, temperature=0, ignore_eos=True) for p in prompts]
+    assert [(c.index, c.text) for c in out.choices] == [(0, want[0].text), (1, want[0].text), (2, want[1].text),
+                                                        (3, want[1].text)]
+    assert out.usage.completion_tokens == 20
+    assert out.usage.prompt_tokens == sum(w.usage["prompt_tokens"] for w in want)
+    texts: dict[int, str] = {}
+    for chunk in sdk.completions.create(model=model, prompt=prompts, n=2, max_tokens=5, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {c.index: c.text for c in out.choices}
+    messages = [{"role": "user", "content": "Say something."}]
+    chat = sdk.chat.completions.create(model=model, messages=messages, n=3, max_tokens=6, temperature=0.9, seed=5,
+                                       extra_body={"ignore_eos": True})
+    assert [c.message.content for c in chat.choices] == [
+        client.generate(messages, max_tokens=6, temperature=0.9, seed=5 + j, ignore_eos=True).text for j in range(3)]
+    assert len({c.message.content for c in chat.choices}) > 1  # seeds apart, so choices apart
+
+
 def test_the_responses_api_through_the_openai_sdk(front):
     """OpenAI's Responses API, stateless: input as a string and as items with instructions,
     streamed (responses.stream) equal to not streamed and to the ZeroMQ client's chat, a forced
@@ -513,9 +540,9 @@ def test_the_agent_loop_sends_messages_back_as_they_were_returned(front):
     plain = [{"role": m["role"], "content": m["content"]} if isinstance(m, dict) else
              {"role": "assistant", "content": m.content} for m in messages]
     assert last.choices[0].message.content == client.generate(plain, max_tokens=6, temperature=0, ignore_eos=True).text
-    for field, value in [("n", 2), ("reasoning_effort", "low"), ("top_logprobs", 3)]:
+    for field, value in [("best_of", 2), ("reasoning_effort", "low"), ("top_logprobs", 3)]:
         with pytest.raises(openai.BadRequestError) as e:
-            sdk.chat.completions.create(model=model, messages=messages, max_tokens=2, **{field: value})
+            sdk.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body={field: value})
         assert e.value.body["param"] == field and "not supported" in e.value.body["message"]
 
 

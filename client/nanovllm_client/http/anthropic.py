@@ -27,7 +27,8 @@ from .schema import Call, parse_chat
 # Known Messages fields that change nothing here, and ones refused unless they ask for nothing.
 IGNORED = {"metadata", "service_tier", "container", "cache_control", "diagnostics", "inference_geo", "speed",
            "user_profile_id", "workspace_id", "anthropic_version"}
-NEUTRAL: dict[str, tuple] = {"thinking": ({"type": "disabled"},), "mcp_servers": ([],), "output_config": ({},)}
+NEUTRAL: dict[str, tuple] = {"thinking": ({"type": "disabled"},), "mcp_servers": ([],), "output_config": ({},),
+                             "n": (1,)}
 _MAPPED = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k", "stream",
            "tools", "tool_choice"}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

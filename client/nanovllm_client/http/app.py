@@ -101,6 +101,28 @@ _VERSION = _package_version()
 
 
 @dataclass
+class Opened:
+    """One choice's stream, started: its index among the request's choices, and when streaming
+    its first delta (read before the headers)."""
+    index: int
+    stream: Any
+    events: Any
+    first: Any = None
+
+
+def _summed_usage(usages: list[dict], n: int) -> dict:
+    """One request's usage over its choices: each prompt counted once (its first choice's), the
+    completions all."""
+    out = {"prompt_tokens": sum(u["prompt_tokens"] for u in usages[::n]),
+           "completion_tokens": sum(u["completion_tokens"] for u in usages)}
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usages[::n])
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+@dataclass
 class Answer:
     """A whole (not streamed) answer, collected."""
     text: str = ""
@@ -220,46 +242,50 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             engine = None
         return PlainTextResponse(metrics.text() + engine_metrics_text(engine), media_type="text/plain; version=0.0.4")
 
-    async def open_stream(request: Request, parse: Callable[[Any], Call]) -> tuple[Call, Any, Any, Any]:
-        """Authorize, parse and start one request: (call, stream, its events, the first delta when
-        streaming). Raises `Refused` (an ApiError, with the call once parsed)."""
+    async def open_streams(request: Request, parse: Callable[[Any], Call]) -> tuple[Call, list[Opened]]:
+        """Authorize, parse and start one request's choices (one stream each; `Call.choices`), each
+        with its first delta when streaming. Raises ApiError (the service's refusal as one), with
+        every stream it started cancelled."""
         call: Call | None = None
+        opened: list[Opened] = []
         try:
             authorized(request)
             call = parse(await read_json(request))
             if call.model != settings.model:
                 raise ApiError(404, f"the model '{call.model[:128]}' does not exist; this server serves "
                                     f"'{settings.model}'", "model", "model_not_found")
-            if metrics.active >= settings.max_streams:
+            choices = call.choices()
+            if metrics.active + len(choices) > settings.max_streams:
                 raise ApiError(429, f"too many requests in flight (at most {settings.max_streams})")
-            metrics.active += 1
-            try:
-                stream = await client.stream(call.prompt, sampling=call.sampling, **call.kwargs)
-            except BaseException:
+            for index, prompt, sampling in choices:
+                metrics.active += 1
+                try:
+                    stream = await client.stream(prompt, sampling=sampling, **call.kwargs)
+                except BaseException:
+                    metrics.active -= 1
+                    raise
+                opened.append(Opened(index, stream, aiter(stream)))
+            # The first deltas before the headers: a request the stages refuse (a prompt too
+            # long, a schema that does not compile) gets its 400, not a 200 and an error event.
+            if call.stream:
+                for o in opened:
+                    o.first = await anext(o.events)
+        except BaseException as e:
+            for o in opened:
+                o.stream.cancel()
                 metrics.active -= 1
+            if isinstance(e, ApiError) or not isinstance(e, Exception):
                 raise
-            try:
-                # The first delta before the headers: a request the stages refuse (a prompt too
-                # long, a schema that does not compile) gets its 400, not a 200 and an error event.
-                events = aiter(stream)
-                first = await anext(events) if call.stream else None
-            except BaseException:
-                stream.cancel()
-                metrics.active -= 1
-                raise
-        except ApiError:
-            raise
-        except Exception as e:  # noqa: BLE001 — the service's refusal, answered as an API error
             err = _service_error(e)
             if call is not None and call.forced and err.param == "response_format":  # the forced call's grammar
                 err = bad(f"the forced tool call's grammar (from the tools' parameter schemas) was refused: {e}",
                           "tools")
             raise err from None
-        return call, stream, events, first
+        return call, opened
 
     async def generate(request: Request, route: str, parse: Callable[[Any], Call], chat: bool) -> Response:
         try:
-            call, stream, events, first = await open_stream(request, parse)
+            call, opened = await open_streams(request, parse)
         except ApiError as e:
             metrics.count(route, e.status)
             return _error(e)
@@ -268,23 +294,27 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         kind = "chat.completion" if chat else "text_completion"
         if call.stream:
             metrics.count(route, 200)
-            body = _sse(first, events, stream, call, rid, created, kind, chat, settings.model, metrics)
+            body = _sse(opened, call, rid, created, kind, chat, settings.model, metrics)
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            answer = await collect(stream, call, chat)
-        except Exception as e:  # noqa: BLE001
-            err = _service_error(e)
+        answers = await asyncio.gather(*(collect(o.stream, call, chat) for o in opened), return_exceptions=True)
+        failed = next((a for a in answers if isinstance(a, BaseException)), None)
+        if failed is not None:
+            err = _service_error(failed) if isinstance(failed, Exception) else ApiError(500, "request failed")
             metrics.count(route, err.status)
             return _error(err)
-        if chat:
-            choice = {"index": 0, "message": chat_output.message(answer.events, answer.parser.calls),
-                      "finish_reason": chat_output.finish_reason(answer.reason, answer.parser.calls), "logprobs": None}
-        else:
-            choice = {"index": 0, "text": answer.text, "finish_reason": answer.reason, "logprobs": None}
+        choices = []
+        for o, answer in zip(opened, answers):
+            if chat:
+                choices.append({"index": o.index, "message": chat_output.message(answer.events, answer.parser.calls),
+                                "finish_reason": chat_output.finish_reason(answer.reason, answer.parser.calls),
+                                "logprobs": None})
+            else:
+                choices.append({"index": o.index, "text": answer.text, "finish_reason": answer.reason,
+                                "logprobs": None})
         metrics.count(route, 200)
         return JSONResponse({"id": rid, "object": kind, "created": created, "model": settings.model,
-                             "choices": [choice], "usage": answer.usage})
+                             "choices": choices, "usage": _summed_usage([a.usage for a in answers], call.n)})
 
     async def collect(stream: Any, call: Call, chat: bool) -> Answer:
         """A whole answer: chat's through the same parser a stream goes through, fed as the text
@@ -321,9 +351,10 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             return JSONResponse(error_json(e), status_code=e.status)
 
         try:
-            call, stream, events, first = await open_stream(request, parse)
+            call, (opened,) = await open_streams(request, parse)  # one choice: these APIs have no n
         except ApiError as e:
             return refused(e)
+        first, events, stream = opened.first, opened.events, opened.stream
         if call.stream:
             metrics.count(route, 200)
             return StreamingResponse(_events_sse(first, events, stream, call, writer(), metrics),
@@ -388,10 +419,11 @@ def build_app(client: Any, settings: Settings) -> Starlette:
     return app
 
 
-async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, rid: str, created: int, kind: str,
-               chat: bool, model: str, metrics: Metrics) -> AsyncIterator[bytes]:
-    """The SSE body (`first` delta, then the rest of `events`, the deltas of `stream`); cancelled
-    by the server when the HTTP client goes away, which aborts the request."""
+async def _sse(opened: list[Opened], call: Call, rid: str, created: int, kind: str, chat: bool, model: str,
+               metrics: Metrics) -> AsyncIterator[bytes]:
+    """The SSE body of a request's choices (each `Opened`: its first delta, then the rest of its
+    stream's, interleaved as they come, each chunk with its choice's index); cancelled by the server
+    when the HTTP client goes away, which aborts every choice's request."""
     chunk_kind = kind + ".chunk" if chat else kind
 
     def event(choices: list, usage: dict | None = None, with_usage: bool = False) -> bytes:
@@ -401,40 +433,76 @@ async def _sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, 
             body["usage"] = usage
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
-    finished = False
-    parser = call.output_parser(first.reasoning_open) if chat else None  # every delta carries it
+    streams = {o.index: o.stream for o in opened}
+    # every delta carries reasoning_open
+    parsers = {o.index: call.output_parser(o.first.reasoning_open) for o in opened} if chat else {}
+    usages: dict[int, dict] = {}
     try:
-        if chat:
-            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        for index in parsers:
+            yield event([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
                         None, call.include_usage)
-        async for d in _chain(first, events):
+        async for index, d in _deltas(opened):
             reason = _finish(d.finish_reason) if d.finished else None
+            parser = parsers.get(index)
             if parser is not None:  # reasoning, tool calls and content, each in its own chunk
-                for e in _parse(parser, d, stream) + (parser.finish() if d.finished else []):
-                    yield event([{"index": 0, "delta": chat_output.delta(e), "finish_reason": None,
+                for e in _parse(parser, d, streams[index]) + (parser.finish() if d.finished else []):
+                    yield event([{"index": index, "delta": chat_output.delta(e), "finish_reason": None,
                                   "logprobs": None}], None, call.include_usage)
                 if reason:
-                    yield event([{"index": 0, "delta": {}, "logprobs": None,
+                    yield event([{"index": index, "delta": {}, "logprobs": None,
                                   "finish_reason": chat_output.finish_reason(reason, parser.calls)}],
                                 None, call.include_usage)
             elif d.text or reason:
-                yield event([{"index": 0, "text": d.text, "finish_reason": reason, "logprobs": None}],
+                yield event([{"index": index, "text": d.text, "finish_reason": reason, "logprobs": None}],
                             None, call.include_usage)
             if d.finished:
-                finished = True
-                usage = _usage(d.usage)
+                usages[index] = usage = _usage(d.usage)
                 metrics.prompt_tokens += usage["prompt_tokens"]
                 metrics.completion_tokens += usage["completion_tokens"]
-                if call.include_usage:
-                    yield event([], usage, True)
+        if call.include_usage:
+            yield event([], _summed_usage([usages[i] for i in sorted(usages)], call.n), True)
         yield b"data: [DONE]\n\n"
     except (RequestError, ServiceUnavailableError, RequestTimeoutError) as e:
         err = _service_error(e)
-        finished = True
+        usages = dict.fromkeys(streams, {})  # ended: not a disconnect
         yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:
-        _ended(finished, stream, metrics)
+        _ended(len(usages) == len(streams), list(streams.values()), metrics)
+
+
+async def _deltas(opened: list[Opened]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, delta) of every choice's stream, first deltas first; one stream is read
+    directly, several are read at once by one task each and interleaved as the deltas come."""
+    if len(opened) == 1:
+        async for d in _chain(opened[0].first, opened[0].events):
+            yield opened[0].index, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(o: Opened) -> None:
+        try:
+            async for d in _chain(o.first, o.events):
+                queue.put_nowait((o.index, d, None))
+        except Exception as e:  # noqa: BLE001 — handed to the reader
+            queue.put_nowait((o.index, None, e))
+            return
+        queue.put_nowait((o.index, None, None))
+
+    tasks = [asyncio.create_task(pump(o)) for o in opened]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            index, d, error = await queue.get()
+            if error is not None:
+                raise error
+            if d is None:
+                ended += 1
+            else:
+                yield index, d
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def _events_sse(first: Any, events: AsyncIterator[Any], stream: Any, call: Call, writer: Any,
@@ -463,15 +531,16 @@ async def _events_sse(first: Any, events: AsyncIterator[Any], stream: Any, call:
         for chunk in writer.error(_service_error(e)):
             yield chunk
     finally:
-        _ended(finished, stream, metrics)
+        _ended(finished, [stream], metrics)
 
 
-def _ended(finished: bool, stream: Any, metrics: Metrics) -> None:
+def _ended(finished: bool, streams: list, metrics: Metrics) -> None:
     """A streamed body is done (finished, failed or cut by the client): count it, abort what runs."""
     if not finished:
         metrics.disconnects += 1
-    stream.cancel()  # aborts the request in the engine when it did not finish (idempotent)
-    metrics.active -= 1
+    for stream in streams:
+        stream.cancel()  # aborts the request in the engine when it did not finish (idempotent)
+        metrics.active -= 1
 
 
 def _parse(parser: chat_output.ChatOutputParser, d: Any, stream: Any) -> list[chat_output.Event]:

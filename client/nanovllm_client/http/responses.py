@@ -25,7 +25,7 @@ IGNORED = {"store", "metadata", "user", "include", "service_tier", "prompt_cache
            "stream_options"}
 NEUTRAL: dict[str, tuple] = {"previous_response_id": (), "conversation": (), "background": (False,),
                              "reasoning": ({},), "truncation": ("disabled",), "prompt": (), "top_logprobs": (0,),
-                             "max_tool_calls": ()}
+                             "max_tool_calls": (), "n": (1,)}
 _MAPPED = {"model", "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "temperature",
            "top_p", "stream", "parallel_tool_calls"}
 

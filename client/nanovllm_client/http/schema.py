@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import logging
@@ -30,6 +30,11 @@ from .chat_output import ChatOutputParser
 from .errors import bad
 
 MAX_MESSAGES = 4096
+MAX_N = 16
+"""Choices per prompt (`n`): each is a request of its own, sharing the prompt's KV blocks through
+the prefix cache."""
+MAX_CHOICES = 64
+"""Choices of one request in all (prompts x n): each holds a stream."""
 # A message's fields beyond role and content, by role: read, and passed to the chat template.
 _MESSAGE_FIELDS = {"assistant": {"tool_calls", "reasoning_content", "reasoning"}, "tool": {"tool_call_id"}}
 # What the SDKs send back in an assistant message as this server returned it, without effect here.
@@ -54,7 +59,7 @@ IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "saf
 # asks for nothing (null, or these; routers such as SGLang's smg fill in "logprobs": false), else
 # refused with a 400 naming the field. Values compare by type too (True is not 1).
 NEUTRAL: dict[str, tuple] = {
-    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "n": (1,), "best_of": (1,), "suffix": ("",),
+    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",),
     "functions": (), "function_call": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
     "verbosity": (), "web_search_options": (), "use_beam_search": (False,), "length_penalty": (1.0, 1),
     "prompt_logprobs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
@@ -63,7 +68,7 @@ NEUTRAL: dict[str, tuple] = {
     "return_tokens_as_token_ids": (False,), "bad_words": ([],), "allowed_token_ids": (), "mm_processor_kwargs": (),
     "return_token_ids": (False,), "kv_transfer_params": (), "vllm_xargs": ()}
 _COMPLETION_NEUTRAL = {**NEUTRAL, "logprobs": ()}  # completions' logprobs 0 asks for the chosen token's logprob
-_COMMON = set(_SAMPLING) | {"model", "stream", "stream_options", "priority"}
+_COMMON = set(_SAMPLING) | {"model", "stream", "stream_options", "priority", "n"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | set(_CHAT_SAMPLING) | {"messages", "tools", "tool_choice", "parallel_tool_calls",
                                                 "chat_template_kwargs"}
@@ -104,6 +109,24 @@ class Call:
     forced: bool = False
     """`tool_choice` forces a call: `response_format` is the call's grammar (its compile errors
     name the tools, not response_format)."""
+    prompts: list = field(default_factory=list)
+    """Completions given a list of prompts: all of them (`prompt` is the first); else empty."""
+    n: int = 1
+    """Choices per prompt."""
+
+    def choices(self) -> list[tuple[int, Any, SamplingParams]]:
+        """(index, prompt, sampling) of each choice, OpenAI's order: prompt i's j-th choice is index
+        i * n + j. With `n` > 1 and a seed, choice j draws with seed + j (seed - j past the top of
+        the seed range): different choices, each reproducible; without a seed they differ anyway."""
+        out = []
+        for i, prompt in enumerate(self.prompts or [self.prompt]):
+            for j in range(self.n):
+                sampling = self.sampling
+                if j and sampling.seed is not None:
+                    seed = sampling.seed + j if sampling.seed + j < 2 ** 64 else sampling.seed - j
+                    sampling = replace(sampling, seed=seed)
+                out.append((i * self.n + j, prompt, sampling))
+        return out
 
     def output_parser(self, reasoning_open: bool = False) -> ChatOutputParser:
         """The parser a chat answer goes through, streamed or whole: one configuration for both.
@@ -176,16 +199,25 @@ def parse_completion(body: Any) -> Call:
         raise bad("the body must be a JSON object")
     model, stream, usage, kw = _common(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31
-                                 for t in prompt):
-            raise bad("'prompt' must be a string, or a list of token ids (one prompt per request)", "prompt")
-    elif not isinstance(prompt, str) or not prompt:
-        raise bad("'prompt' is required and must be a non-empty string", "prompt")
-    return Call(model=model, stream=stream, include_usage=usage, prompt=prompt, sampling=_sampling(body, _SAMPLING),
-                kwargs=kw)
+    prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    for p in prompts:
+        if isinstance(p, list):
+            if not p or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in p):
+                raise bad("'prompt' must be a string, a list of token ids, or a list of either", "prompt")
+        elif not isinstance(p, str) or not p:
+            raise bad("'prompt' is required and must be a non-empty string, a list of token ids, or a list of "
+                      "either", "prompt")
+    call = Call(model=model, stream=stream, include_usage=usage, prompt=prompts[0],
+                sampling=_sampling(body, _SAMPLING), kwargs=kw, prompts=prompts if len(prompts) > 1 else [],
+                n=_n(body))
+    if len(prompts) * call.n > MAX_CHOICES:
+        raise bad(f"{len(prompts)} prompts x n={call.n} is more than {MAX_CHOICES} choices in one request", "prompt")
+    return call
+
+
+def _n(body: dict) -> int:
+    n = body.get("n")
+    return 1 if n is None else _integer("n", n, 1, MAX_N)
 
 
 def _forced(choice: Any, tools: list[dict] | None) -> list[dict] | None:
@@ -376,4 +408,5 @@ def parse_chat(body: Any) -> Call:
         out.append(message)
     # parallel_tool_calls false: one call at most. A forced call is one already (its grammar).
     return Call(model=model, stream=stream, include_usage=usage, prompt=out, sampling=sampling, kwargs=kw,
-                tools=tools is not None, max_tool_calls=None if parallel or tools is None else 1, forced=bool(forced))
+                tools=tools is not None, max_tool_calls=None if parallel or tools is None else 1, forced=bool(forced),
+                n=_n(body))
