@@ -22,7 +22,7 @@ from typing import Any
 
 from . import chat_output
 from .errors import ApiError, bad
-from .schema import Call, parse_chat
+from .schema import Call, foreign_fields, parse_chat
 
 # Known Messages fields that change nothing here, and ones refused unless they ask for nothing.
 IGNORED = {"metadata", "service_tier", "container", "cache_control", "diagnostics", "inference_geo", "speed",
@@ -102,14 +102,7 @@ def parse_messages(body: Any) -> Call:
         raise bad("'max_tokens' is required and must be an integer", "max_tokens")
     chat: dict[str, Any] = {k: body[k] for k in ("model", "max_tokens", "temperature", "top_p", "top_k", "stream")
                             if k in body}
-    for name in body:
-        if name in _MAPPED:
-            continue
-        if name in NEUTRAL:
-            if body[name] is not None and body[name] not in NEUTRAL[name]:
-                raise bad(f"'{name}' is not supported by this server", name)
-        elif name not in IGNORED:
-            chat[name] = body[name]  # unknown here: the chat rule logs and ignores it, or maps a vLLM name
+    chat.update(foreign_fields(body, _MAPPED, IGNORED, NEUTRAL))
     if body.get("stop_sequences") is not None:
         chat["stop"] = body["stop_sequences"]
     messages = body.get("messages")

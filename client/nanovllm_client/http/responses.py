@@ -19,7 +19,7 @@ from typing import Any
 
 from . import chat_output
 from .errors import bad
-from .schema import Call, parse_chat
+from .schema import Call, foreign_fields, parse_chat
 
 IGNORED = {"store", "metadata", "user", "include", "service_tier", "prompt_cache_key", "safety_identifier",
            "stream_options"}
@@ -88,16 +88,9 @@ def parse_response_request(body: Any) -> Call:
         raise bad("the body must be a JSON object")
     chat: dict[str, Any] = {k: body[k] for k in ("model", "temperature", "top_p", "stream", "parallel_tool_calls")
                             if k in body}
-    for name in body:
-        if name in _MAPPED or name in IGNORED:
-            continue
-        if name in NEUTRAL:
-            if body[name] is not None and body[name] not in NEUTRAL[name]:
-                raise bad(f"'{name}' is not supported by this server (it keeps no state: send the whole "
-                          "conversation as input)" if name in ("previous_response_id", "conversation")
-                          else f"'{name}' is not supported by this server", name)
-        else:
-            chat[name] = body[name]  # the chat rule: a vLLM name is mapped, an unknown one logged and ignored
+    stateless = "; this server keeps no state: send the whole conversation as input"
+    chat.update(foreign_fields(body, _MAPPED, IGNORED, NEUTRAL,
+                               {"previous_response_id": stateless, "conversation": stateless}))
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     chat["messages"] = ([{"role": "system", "content": body["instructions"]}]

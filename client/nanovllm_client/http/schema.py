@@ -81,6 +81,31 @@ def _neutral(value: Any, neutral: tuple) -> bool:
     return value is None or any(type(value) is type(v) and value == v for v in neutral)
 
 
+def check_neutral(name: str, value: Any, neutral: tuple, why: str = "") -> None:
+    """A known field that would change the output and is not implemented: a 400 naming it unless
+    `value` asks for nothing (null, or one of `neutral`)."""
+    if not _neutral(value, neutral):
+        values = " or ".join(["null"] + [json.dumps(v) for v in neutral])
+        raise bad(f"'{name}' is not supported by this server (only {values}{why})", name[:64])
+
+
+def foreign_fields(body: dict, mapped: set[str], ignored: set[str], neutral: dict[str, tuple],
+                   why: dict[str, str] | None = None) -> dict:
+    """Another API's body (Anthropic's Messages, Responses) under the same rule: beyond the fields
+    it maps, its known fields without effect dropped, its known unimplemented ones checked
+    (`check_neutral`, with `why[name]` added to the refusal), and the rest returned, to go on to
+    the chat body, whose rule maps a vLLM name and logs an unknown one."""
+    rest = {}
+    for name, value in body.items():
+        if name in mapped or name in ignored:
+            continue
+        if name in neutral:
+            check_neutral(name, value, neutral[name], (why or {}).get(name, ""))
+        else:
+            rest[name] = value
+    return rest
+
+
 def _ignored(where: str, name: str, known: bool) -> None:
     """Log, once per name, a field accepted without effect."""
     key = f"{where}.{name}"
@@ -148,14 +173,11 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
-def _common(body: dict, allowed: set[str]) -> tuple[str, bool, bool, dict]:
+def _common(body: dict, allowed: set[str], neutral: dict[str, tuple]) -> tuple[str, bool, bool, dict]:
     """The body's model, stream and include_usage, and the call's keywords other than sampling."""
-    neutral = NEUTRAL if "messages" in allowed else _COMPLETION_NEUTRAL
     for name in sorted(str(k) for k in body if k not in allowed):
         if name in neutral:
-            if not _neutral(body[name], neutral[name]):
-                values = " or ".join(["null"] + [json.dumps(v) for v in neutral[name]])
-                raise bad(f"'{name}' is not supported by this server (only {values})", name[:64])
+            check_neutral(name, body[name], neutral[name])
         else:
             _ignored("request", name, name in IGNORED)
     model = body.get("model")
@@ -197,7 +219,7 @@ def _sampling(body: dict, names: dict[str, str], **override: Any) -> SamplingPar
 def parse_completion(body: Any) -> Call:
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
-    model, stream, usage, kw = _common(body, COMPLETION_FIELDS)
+    model, stream, usage, kw = _common(body, COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
     prompt = body.get("prompt")
     prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
     for p in prompts:
@@ -339,7 +361,7 @@ def _tool_calls(i: int, calls: Any) -> list[dict]:
 def parse_chat(body: Any) -> Call:
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
-    model, stream, usage, kw = _common(body, CHAT_FIELDS)
+    model, stream, usage, kw = _common(body, CHAT_FIELDS, NEUTRAL)
     tools, forced = _tools(body)
     parallel = body.get("parallel_tool_calls")
     parallel = True if parallel is None else _bool("parallel_tool_calls", parallel)
