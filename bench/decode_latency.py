@@ -24,13 +24,12 @@ import json
 import os
 import random
 import statistics
-import tempfile
 import time
 
 import torch
 
 from bench.decode_timeline import record_timeline, write_timeline
-from bench.models import make_bench_model
+from bench.models import add_model_flags, make_bench_model
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
@@ -107,15 +106,12 @@ def run_mode(path: str, mode: str, args: argparse.Namespace, vocab: int) -> list
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3-0.6b", choices=["tiny", "mid", "qwen3-0.6b"])
+    add_model_flags(ap)
     ap.add_argument("--modes", default="graph,eager", help=f"comma-separated: {', '.join(MODES)}")
     ap.add_argument("--batch-sizes", default="1,8,32,128", type=lambda s: [int(b) for b in s.split(",")])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-kv-blocks", type=int, default=4096, help="fixed, so both modes get the same cache")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench-models"))
     ap.add_argument("--profile", metavar="PREFIX", help="also profile one run at the first batch size per mode "
                     "(cProfile, steps only) into PREFIX.<mode>.txt")
     ap.add_argument("--timeline", metavar="PREFIX", help="also record a kernel timeline of decode-only steps "

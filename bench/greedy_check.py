@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 
 import torch
 
 from bench.hf_peer import device_name, load_hf_model, resolve_device, resolve_dtype
-from bench.models import make_bench_model
+from bench.models import add_model_flags, make_bench_model
 from bench.offline import in_fresh_process, make_workload
 
 BF16_TOLERANCE = 0.05
@@ -91,11 +90,7 @@ def compare_tokens(prompt_len: int, nano: list[int], hf: list[int], hf_logits: t
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3-0.6b", choices=["tiny", "mid", "qwen3-0.6b"])
-    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench-models"))
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                    help="auto: bfloat16 on CUDA, float32 on CPU (both engines get the resolved one)")
+    add_model_flags(ap, dtype_help="auto: bfloat16 on CUDA, float32 on CPU (both engines get the resolved one)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--min-prompt-len", type=int, default=8)
     ap.add_argument("--max-prompt-len", type=int, default=512)

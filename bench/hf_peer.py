@@ -35,12 +35,11 @@ import functools
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import torch
 
-from bench.models import make_bench_model
+from bench.models import add_model_flags, make_bench_model
 from bench.offline import in_fresh_process, make_workload, random_output_lengths
 
 WARM_UP_STEPS = 16
@@ -195,11 +194,7 @@ DECODE_FIELDS = ("compiled", "not_compiled_reason", "cuda_graph_skips", "decode_
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3-0.6b", choices=["tiny", "mid", "qwen3-0.6b"])
-    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench-models"))
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                    help="auto: bfloat16 on CUDA, float32 on CPU")
+    add_model_flags(ap, dtype_help="auto: bfloat16 on CUDA, float32 on CPU")
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--decode-only", action="store_true", help="batch-1 decode latency only")
     only.add_argument("--offline-only", action="store_true", help="generate throughput only")

@@ -1,7 +1,9 @@
 """Random-weight Qwen3 checkpoints of the benchmark shapes, built offline in seconds."""
 from __future__ import annotations
 
+import argparse
 import os
+import tempfile
 
 import torch
 
@@ -29,3 +31,11 @@ def make_bench_model(shape: str, root: str, dtype: torch.dtype = torch.float32) 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(path)
     return path
+
+
+def add_model_flags(ap: argparse.ArgumentParser, shape: str = "qwen3-0.6b", dtype_help: str | None = None) -> None:
+    """The flags the benches that build a bench model share: --shape, --model-dir, --device, --dtype."""
+    ap.add_argument("--shape", default=shape, choices=list(SHAPES))
+    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench-models"))
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"], help=dtype_help)

@@ -32,7 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from bench.models import make_bench_model
+from bench.models import add_model_flags, make_bench_model
 from nanovllm.config import Config
 from nanovllm.engine.hooks import StepMetrics
 from nanovllm.engine.llm_engine import LLMEngine
@@ -77,7 +77,7 @@ def run_hf(path: str, prompts: list[list[int]], output_len: int, sampling: dict 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="tiny", choices=["tiny", "mid", "qwen3-0.6b"])
+    add_model_flags(ap, shape="tiny")
     ap.add_argument("--num-seqs", type=int, default=64)
     ap.add_argument("--min-input", type=int, default=64)
     ap.add_argument("--max-input", type=int, default=256)
@@ -92,8 +92,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--vllm-python", default=None, metavar="PATH",
                     help="python of a virtualenv with vLLM's CPU backend: run it side by side (off by default)")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: Config's")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: Config's")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -103,7 +101,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-watermark", type=float, default=None, help="default: Config's (docs/tuning.md)")
     ap.add_argument("--preempt-ratio", type=float, default=None, help="default: Config's (docs/tuning.md)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "nanovllm-bench-models"))
     args = ap.parse_args(argv)
 
     path = make_bench_model(args.shape, args.model_dir)
