@@ -75,11 +75,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def front():
-    client = FakeClient()
+def _serve(app):
+    """`app` served by uvicorn on a thread, once it is listening: (server, thread, port)."""
     port = _free_port()
-    app = build_app(client, Settings(model="m", api_keys=("k1", "secret"), max_body_bytes=10_000, max_streams=4))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
@@ -87,6 +85,14 @@ def front():
     while not server.started:
         assert time.monotonic() < deadline
         time.sleep(0.02)
+    return server, t, port
+
+
+@pytest.fixture(scope="module")
+def front():
+    client = FakeClient()
+    server, t, port = _serve(build_app(client, Settings(model="m", api_keys=("k1", "secret"), max_body_bytes=10_000,
+                                                        max_streams=4)))
     yield client, port
     server.should_exit = True
     t.join(10)
@@ -486,18 +492,6 @@ def test_an_assistant_message_goes_back_as_it_was_returned():
         with pytest.raises(ApiError) as e:
             parse_chat({"model": "m", "messages": [dict(returned, **bad_field)]})
         assert e.value.param == "messages" and next(iter(bad_field)) in e.value.message
-
-
-def _serve(app):
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    return server, t, port
 
 
 def _raw(port, method, path, headers, body=None):

@@ -98,6 +98,34 @@ def _torch_qk_norm_rope_store(qkv, heads, kv_heads, head_dim, q_norm, k_norm, ro
     return q, k
 
 
+def check_qk_norm_rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float, rotary,
+                             positions: torch.Tensor, slots: torch.Tensor, norm_seed: int | None, cache_shape: tuple,
+                             tol: dict) -> torch.Tensor:
+    """The kernel against the torch path on the same (T, (H + 2 KVH) D) input, into NaN-filled
+    caches: q and k within `tol`, v untouched, the caches alike (slots not written stay NaN in
+    both). `norm_seed`: the q/k norm weights' seed, None for no q/k norm. Returns the kernel's K cache."""
+    tokens, dtype = qkv.shape[0], qkv.dtype
+    q_norm = k_norm = None
+    if norm_seed is not None:
+        q_norm = _torch_norm(head_dim, eps, _randn(head_dim, dtype=dtype, seed=norm_seed))
+        k_norm = _torch_norm(head_dim, eps, _randn(head_dim, dtype=dtype, seed=norm_seed + 1))
+    caches = [torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
+    exp_q, exp_k = _torch_qk_norm_rope_store(qkv.clone(), heads, kv_heads, head_dim, q_norm, k_norm, rotary,
+                                             positions, caches[0], caches[1], slots)
+    got = qkv.clone()
+    triton_fused.qk_norm_rope_store(
+        got, heads, kv_heads, head_dim, q_norm and q_norm.weight, k_norm and k_norm.weight, eps,
+        rotary.cos_cache, rotary.sin_cache, positions, caches[2], caches[3], slots)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    torch.testing.assert_close(got[:, :q_size].view(tokens, heads, head_dim), exp_q, **tol)
+    torch.testing.assert_close(got[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim), exp_k, **tol)
+    torch.testing.assert_close(got[:, q_size + kv_size:], qkv[:, q_size + kv_size:], atol=0, rtol=0)  # v untouched
+    # Written slots match, unwritten ones (incl. a padded row's) stay NaN in both.
+    torch.testing.assert_close(caches[2], caches[0], equal_nan=True, **tol)
+    torch.testing.assert_close(caches[3], caches[1], equal_nan=True, atol=0, rtol=0)
+    return caches[2]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_qk_norm_rope_store_matches_the_torch_path(dtype, qk_norm):
@@ -107,28 +135,10 @@ def test_qk_norm_rope_store_matches_the_torch_path(dtype, qk_norm):
     rotary = RotaryEmbedding(head_dim, 64, 10000.0).to(device=DEVICE, dtype=dtype)  # as the model casts it
     positions = torch.tensor([0, 7, 3, 63, 12], device=DEVICE)
     slots = torch.tensor([5, -1, 0, 23, 9], device=DEVICE)  # -1: a padded CUDA-graph row, not stored
-    q_norm = k_norm = None
-    if qk_norm:
-        q_norm = _torch_norm(head_dim, 1e-6, _randn(head_dim, dtype=dtype, seed=10))
-        k_norm = _torch_norm(head_dim, 1e-6, _randn(head_dim, dtype=dtype, seed=11))
-    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
-    caches = [torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
-    exp_q, exp_k = _torch_qk_norm_rope_store(qkv.clone(), heads, kv_heads, head_dim, q_norm, k_norm, rotary,
-                                             positions, caches[0], caches[1], slots)
-
-    got = qkv.clone()
-    triton_fused.qk_norm_rope_store(
-        got, heads, kv_heads, head_dim, q_norm and q_norm.weight, k_norm and k_norm.weight, 1e-6,
-        rotary.cos_cache, rotary.sin_cache, positions, caches[2], caches[3], slots)
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(got[:, :q_size].view(tokens, heads, head_dim), exp_q, **tol)
-    torch.testing.assert_close(got[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim), exp_k, **tol)
-    torch.testing.assert_close(got[:, q_size + kv_size:], qkv[:, q_size + kv_size:], atol=0, rtol=0)  # v untouched
-    # Written slots match, unwritten ones (incl. the padded row's) stay NaN in both.
-    torch.testing.assert_close(caches[2], caches[0], equal_nan=True, **tol)
-    torch.testing.assert_close(caches[3], caches[1], equal_nan=True, atol=0, rtol=0)
-    assert caches[2].isnan().any(dim=(2, 3)).sum() == num_blocks * block_size - 4
+    k_cache = check_qk_norm_rope_store(qkv, heads, kv_heads, head_dim, 1e-6, rotary, positions, slots,
+                                       10 if qk_norm else None, (num_blocks, block_size, kv_heads, head_dim),
+                                       TOLERANCE[dtype])
+    assert k_cache.isnan().any(dim=(2, 3)).sum() == num_blocks * block_size - 4
 
 
 def test_inputs_that_do_not_fit_are_rejected():

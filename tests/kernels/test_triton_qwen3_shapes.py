@@ -23,7 +23,7 @@ from nanovllm.kernels import reference, triton_attention, triton_fused  # noqa: 
 from nanovllm.layers.rotary import RotaryEmbedding  # noqa: E402
 from tests.kernels.test_triton_attention import assert_close, make_paged_batch, random_queries  # noqa: E402
 from tests.kernels.test_triton_fused import (  # noqa: E402
-    DEVICE, TOLERANCE, _randn, _torch_norm, _torch_qk_norm_rope_store,
+    DEVICE, TOLERANCE, _randn, _torch_norm, check_qk_norm_rope_store,
 )
 
 HIDDEN, INTERMEDIATE = 1024, 3072
@@ -80,27 +80,10 @@ def test_qk_norm_rope_store_at_layer_width(dtype, qk_norm):
     qkv = _randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=dtype, seed=26)
     # The tables in the activation dtype, as the model casts them.
     rotary = RotaryEmbedding(HEAD_DIM, MAX_POSITIONS, ROPE_THETA).to(device=DEVICE, dtype=dtype)
-    q_norm = k_norm = None
-    if qk_norm:
-        q_norm = _torch_norm(HEAD_DIM, EPS, _randn(HEAD_DIM, dtype=dtype, seed=27))
-        k_norm = _torch_norm(HEAD_DIM, EPS, _randn(HEAD_DIM, dtype=dtype, seed=28))
-    cache_shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    caches = [torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
-    exp_q, exp_k = _torch_qk_norm_rope_store(qkv.clone(), HEADS, KV_HEADS, HEAD_DIM, q_norm, k_norm, rotary,
-                                             positions, caches[0], caches[1], slots)
-
-    got = qkv.clone()
-    triton_fused.qk_norm_rope_store(
-        got, HEADS, KV_HEADS, HEAD_DIM, q_norm and q_norm.weight, k_norm and k_norm.weight, EPS,
-        rotary.cos_cache, rotary.sin_cache, positions, caches[2], caches[3], slots)
-    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    tol = ROPE_TOLERANCE[dtype]
-    torch.testing.assert_close(got[:, :q_size].view(tokens, HEADS, HEAD_DIM), exp_q, **tol)
-    torch.testing.assert_close(got[:, q_size:q_size + kv_size].view(tokens, KV_HEADS, HEAD_DIM), exp_k, **tol)
-    torch.testing.assert_close(got[:, q_size + kv_size:], qkv[:, q_size + kv_size:], atol=0, rtol=0)  # v untouched
-    torch.testing.assert_close(caches[2], caches[0], equal_nan=True, **tol)
-    torch.testing.assert_close(caches[3], caches[1], equal_nan=True, atol=0, rtol=0)
-    written = ~caches[2].view(-1, KV_HEADS, HEAD_DIM).isnan().all(dim=(1, 2))
+    k_cache = check_qk_norm_rope_store(qkv, HEADS, KV_HEADS, HEAD_DIM, EPS, rotary, positions, slots,
+                                       27 if qk_norm else None, (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM),
+                                       ROPE_TOLERANCE[dtype])
+    written = ~k_cache.view(-1, KV_HEADS, HEAD_DIM).isnan().all(dim=(1, 2))
     assert written.nonzero().flatten().tolist() == sorted(s for s in slots.tolist() if s >= 0)
 
 
