@@ -188,6 +188,7 @@ class SamplingState:
         if params.min_tokens:
             blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
             min_tokens_blocked = torch.tensor([t for t in blocked if t < vocab_size], dtype=torch.long, device=device)
+        on_device = not (processors or params.logprobs is not None or params.min_tokens)
         return cls(
             processors=list(processors),
             min_tokens_blocked=min_tokens_blocked,
@@ -195,9 +196,8 @@ class SamplingState:
             bias_values=torch.tensor([b for _, b in bias], dtype=torch.float32, device=device) if bias else None,
             generator=generator,
             grammar=next((p for p in processors if isinstance(p, StructuredOutput)), None),
-            on_device=not (processors or params.logprobs is not None or params.min_tokens),
-            plain_greedy=params.is_greedy and not (params.has_penalties or processors or params.logprobs is not None
-                                                   or bias or params.min_tokens),
+            on_device=on_device,
+            plain_greedy=on_device and params.is_greedy and not (params.has_penalties or bias),
         )
 
     def take_logprobs(self) -> list[TokenLogprobs]:
