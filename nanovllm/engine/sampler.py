@@ -226,14 +226,12 @@ class Sampler:
         if not penalized:
             return
         params = [seqs[i].params for i in penalized]
-        whole = len(penalized) == len(seqs)
-        index = None if whole else upload(penalized, torch.long, logits.device)
-        rows = apply_penalties_(logits if whole else logits.index_select(0, index),
-                                [seqs[i].token_ids for i in penalized], [seqs[i].output_token_ids for i in penalized],
-                                *penalty_tensors(params, logits.device),
+        index, rows = _select(logits, penalized)
+        rows = apply_penalties_(rows, [seqs[i].token_ids for i in penalized],
+                                [seqs[i].output_token_ids for i in penalized], *penalty_tensors(params, logits.device),
                                 counts=any(p.presence_penalty or p.frequency_penalty for p in params),
                                 previous=previous)
-        if not whole:
+        if index is not None:
             logits.index_copy_(0, index, rows)
 
     def record_failure(self, seq: Sequence, best: float) -> None:
@@ -243,7 +241,7 @@ class Sampler:
             error = "the model's " + non_finite_best(best)
         else:
             error = f"the sampled token id is outside the vocabulary [0, {self.vocab_size})"
-        self._report(torch.tensor([SAMPLE_FAILED]), [seq], {0: error})
+        _fail(seq, error)
 
     @staticmethod
     def _record_logprobs(raw_logprobs: torch.Tensor, rows: list[int], tokens: torch.Tensor,
@@ -289,8 +287,7 @@ class Sampler:
         ids = tokens.tolist()
         for i, error in failed.items():
             ids[i] = SAMPLE_FAILED
-            seqs[i].sampling.error = error
-            log.warning("request %s cannot be sampled: %s", seqs[i].request_id, error)
+            _fail(seqs[i], error)
         return ids
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence], probe: bool = True) -> torch.Tensor:
@@ -316,15 +313,13 @@ class Sampler:
         for group in (greedy, plain, filtered):
             if not group:
                 continue
-            whole = len(group) == batch
-            index = None if whole else upload(group, torch.long, logits.device)
-            rows = logits if whole else logits.index_select(0, index)
+            index, rows = _select(logits, group)
             if group is greedy:
                 chosen = rows.argmax(dim=-1)
             else:
                 chosen = sample_rows(rows, [seqs[i].params for i in group], [seqs[i].sampling.generator for i in group],
                                      self.generator, self.cpu_ops, probe)
-            if whole:
+            if index is None:
                 return chosen
             if tokens is None:
                 tokens = torch.empty(batch, dtype=torch.long, device=logits.device)  # (B,)
@@ -332,6 +327,21 @@ class Sampler:
         return tokens
 
 
+def _fail(seq: Sequence, error: str) -> None:
+    """`seq`'s row could not be sampled: why, in its state for the engine to report, and in the log."""
+    seq.sampling.error = error
+    log.warning("request %s cannot be sampled: %s", seq.request_id, error)
+
+
+def _select(t: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(index, t's `rows`) for increasing `rows`: t itself and no index when they are all of t (the
+    common case), else a copy by an index uploaded without a wait (`index_copy_` puts rows back)."""
+    if len(rows) == len(t):
+        return None, t
+    index = upload(rows, torch.long, t.device)
+    return index, t.index_select(0, index)
+
+
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """t[rows], without the copy when rows are all of t in order (the common case)."""
-    return t if len(rows) == len(t) and rows[-1] == len(t) - 1 else t[rows]
+    """t's increasing `rows` (`_select` without the index)."""
+    return _select(t, rows)[1]

@@ -363,9 +363,10 @@ class Scheduler:
 
     def settle(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> int:
         """After a step's tokens reached the host (`advance` ran for it): write each token in
-        place of its stand-in and finish the sequences that stop. A SAMPLE_FAILED sample ends its sequence with `FinishReason.ERROR`
-        (the why is in its `seq.sampling.error`). Sequences that ended meanwhile are skipped: their
-        token is dropped. Returns the number of tokens written (failed samples are not)."""
+        place of its stand-in and finish the sequences that stop. A SAMPLE_FAILED sample ends its
+        sequence with `FinishReason.ERROR` (the why is in its `seq.sampling.error`). Sequences that
+        ended meanwhile are skipped: their token is dropped. Returns the number of tokens written
+        (failed samples are not)."""
         # [ZH-START]
         # sampled 只含"本步采样了的"项的 token，按 scheduled 顺序排列，所以用迭代器按需取。
         # 对 scheduled 里的每一项：

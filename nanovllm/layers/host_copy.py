@@ -3,8 +3,8 @@
 On CUDA a copy from ordinary (pageable) host memory waits for the stream to drain first, so a
 small `torch.tensor(values, device="cuda")` in the middle of a step makes the host wait for every
 kernel queued before it. `upload` stages the values in pinned memory and copies asynchronously;
-`download` starts the copy back into pinned memory and returns an event to wait on only when the
-values are needed. On CPU both are plain tensors and nothing waits.
+a `Download` starts the copy back into pinned memory and records an event, waited on only when
+the values are needed. On CPU both are plain tensors and nothing waits.
 """
 from __future__ import annotations
 
