@@ -296,8 +296,8 @@ class Sampler:
         # [ZH-START]
         # 1. 按参数把行分三组：greedy（is_greedy）、filtered（0 < top_k < V、
         #    top_p < 1 或 min_p > 0）、plain（只有温度）。
-        # 2. 某组就是整批时直接算出 tokens；否则 tokens = empty (B,)，每组用上传的行号
-        #    index_select 取出自己的行、算完 index_copy_ 写回（不用 Python 列表做下标：
+        # 2. 每组由 _select 取出自己的行：就是整批时不复制，直接算出 tokens；否则用上传的行号
+        #    index_select 取出、算完 index_copy_ 写回 tokens = empty (B,)（不用 Python 列表做下标：
         #    CUDA 上那是一次要等设备的拷贝）。
         # 3. greedy 组 argmax；plain 和 filtered 各调一次 sample_rows（带各行的 Generator、
         #    共享 Generator、cpu_ops 和 probe）：分开是为了不让只有温度的行陪着做整词表排序；

@@ -174,7 +174,8 @@ class SamplingState:
         #    模型的 EOS id，min_tokens 之前屏蔽）；有 bias 才建 bias_ids /
         #    bias_values，都放在采样器的设备上，之后每步直接 index_fill_ / index_add_；
         #    processors 里的 StructuredOutput 另记为 grammar；on_device（没有 processors、logprobs、
-        #    min_tokens，可在设备上采样）和 plain_greedy 一次算好。
+        #    min_tokens，可在设备上采样）和 plain_greedy（on_device、greedy，且没有惩罚和 bias）
+        #    一次算好。
         # [ZH-END]
         bias = [(t, b) for t, b in params.logit_bias.items() if t < vocab_size]
         if len(bias) < len(params.logit_bias):
