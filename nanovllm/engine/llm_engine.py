@@ -81,7 +81,8 @@ class RequestOutput:
     # step() 交给调用方的一条输出：只带本步新增的 token（new_token_ids，增量）和计数，不带文本——
     # 文本在反分词进程（或离线 LLM 里）才解码。finished 为真时 finish_reason（FinishReason）
     # 必有值，error 只在 ERROR 时有值（abort 也可能带原因）；logprobs 每个新 token 一项
-    # （请求要了才有）。
+    # （请求要了才有）；prompt_logprobs（请求要了才有）是 prompt 第二个 token 起每个一项，
+    # 全在请求的第一条输出上。
     # engine_proc 把一步的所有 RequestOutput 打包成一个 StepOutput 帧发给 detok_proc。
     # [ZH-END]
     request_id: str
@@ -96,6 +97,9 @@ class RequestOutput:
     """One entry per new token when the request asked for logprobs."""
     error: str | None = None
     """Why the request failed, with FinishReason.ERROR (e.g. its logits processor raised)."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With `SamplingParams.prompt_logprobs`: the entries of the prompt's tokens after the first,
+    all on the request's first output (None on the others)."""
 
 
 @dataclass(slots=True)
@@ -376,7 +380,21 @@ class LLMEngine:
             self.sampler.prepare(rows)  # grammar masks, computed while the forward runs
             logits = self.runner.run(scheduled, previous)
             launched.sampled = self.sampler(logits, rows) if rows else []
+            self._keep_prompt_logprobs(scheduled)
         return launched
+
+    def _keep_prompt_logprobs(self, scheduled: list[ScheduledSeq]) -> None:
+        """Hand the step's prompt logprobs (`ModelRunner.take_prompt_logprobs`, in the order of the
+        items' `prompt_logprob_span`s) to their requests; called before `Scheduler.advance`."""
+        entries = self.runner.take_prompt_logprobs()
+        at = 0
+        for item in scheduled:
+            if item.prompt_logprob_span is not None:
+                offset, count = item.prompt_logprob_span
+                sampling = item.seq.sampling
+                sampling.prompt_logprobs.extend(entries[at:at + count])
+                sampling.num_prompt_logprobs = item.seq.num_computed_tokens + offset + count
+                at += count
 
     def _settle(self, launched: LaunchedStep, outputs: list[RequestOutput]) -> int:
         """Land a launched step (`Scheduler.advance` ran for it): its tokens into its sequences,
@@ -415,7 +433,9 @@ class LLMEngine:
         # [ZH-START]
         # 1. new = 还没报告的输出 token：token_ids[num_prompt_tokens + num_sent_tokens:]；
         #    然后 num_sent_tokens = num_output_tokens。
-        # 2. 请求要了 logprobs：seq.sampling.take_logprobs()（取走即清），否则 None。
+        # 2. 请求要了 logprobs：seq.sampling.take_logprobs()（取走即清），否则 None；
+        #    要了 prompt logprobs：take_prompt_logprobs()，算完 prompt 后的第一条输出带走全部，
+        #    之后为空（None）。
         # 3. finish_reason 是 ERROR 时 error = seq.sampling.take_error()，
         #    取不到就写 "sampling failed"。
         # 4. 按关键字组装 RequestOutput：新 token、是否结束及原因、prompt / 输出 / 前缀缓存命中的
@@ -424,13 +444,14 @@ class LLMEngine:
         new = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
         seq.num_sent_tokens = seq.num_output_tokens
         logprobs = seq.sampling.take_logprobs() if seq.params.logprobs is not None else None
+        prompt = seq.sampling.take_prompt_logprobs() if seq.params.prompt_logprobs is not None else []
         error = None
         if seq.finish_reason is FinishReason.ERROR:
             error = seq.sampling.take_error() or "sampling failed"
         return RequestOutput(request_id=seq.request_id, new_token_ids=new, finished=seq.is_finished,
                              finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
                              num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
-                             logprobs=logprobs, error=error)
+                             logprobs=logprobs, error=error, prompt_logprobs=prompt or None)
 
     def _words(self) -> WordIndex:
         """The vocabulary's token bytes, for string `banned_words`; waits if still being built."""
