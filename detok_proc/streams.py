@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from nanovllm.detokenize import IncrementalDetokenizer
+from nanovllm.detokenize import IncrementalDetokenizer, TokenTexts
 from nanovllm.metrics import DetokMetrics
 from nanovllm_client import protocol as p
 
@@ -61,11 +61,12 @@ class Final(NamedTuple):
     error: str | None = None
 
     def delta(self, client_request_id: str, text: str = "", token_ids: bytes = b"",
-              reasoning_open: bool = False) -> p.DeltaRow:
-        """The terminal delta, with the last text and tokens."""
+              reasoning_open: bool = False, logprobs: list[p.TokenLogprob] | None = None,
+              prompt_logprobs: list[p.TokenLogprob] | None = None) -> p.DeltaRow:
+        """The terminal delta, with the last text and tokens (and their logprobs)."""
         return p.DeltaRow(request_id=client_request_id, text=text, token_ids=token_ids,
                           finish_reason=self.finish_reason, error=self.error, usage=self.usage,
-                          reasoning_open=reasoning_open)
+                          reasoning_open=reasoning_open, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 @dataclass
@@ -139,6 +140,7 @@ class RequestStreams:
     # [ZH-END]
     def __init__(self, tokenizer: Any, metrics: DetokMetrics):
         self.tokenizer, self.metrics = tokenizer, metrics
+        self.token_texts = TokenTexts(tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[bytes, dict[str, None]] = {}
         """Engine request ids of each client's requests in flight, in the order they began."""
@@ -211,10 +213,11 @@ class RequestStreams:
         # 5. 已结束：final = state.stopped，或 Final(finish_reason, Usage(prompt_tokens,
         #    completion_tokens, cached_tokens))，有错误（或 reason 为 ERROR）加 error。
         # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，
-        #    返回 (state, None)。
+        #    返回 (state, None)；这期间的 logprobs 不保留（resync 的行本来就不带）。
         # 7. 有 skip_tokens / skip_chars（resume 时客户端已有、引擎将再报告的续写前缀）：
-        #    先从 token 和文本开头截掉，截完什么都不剩且没结束就返回 (state, None)。
-        # 8. 否则组装增量 DeltaRow(客户端 rid, text, token_ids（原样打包）, reasoning_open)，
+        #    先从 token（连同它们的 logprobs）和文本开头截掉，截完什么都不剩且没结束就返回 (state, None)。
+        # 8. 否则组装增量 DeltaRow(客户端 rid, text, token_ids（原样打包）, reasoning_open，
+        #    行里有 logprobs / prompt_logprobs 就由 _texts 配上每个 token 的文本和字节一起带上)，
         #    已结束就由 final.delta 带上终止字段；已结束就 finished（计指标、遗忘该请求）；
         #    返回 (state, 增量)，调用方按 state.client 路由。
         # [ZH-END]
@@ -230,7 +233,9 @@ class RequestStreams:
                     self._abort_stopped(request_id, state, out)
                 return state, None
             token_ids, packed_ids, text = [], b"", ""
+            logprobs = prompt_logprobs = None
         else:
+            logprobs, prompt_logprobs = self._texts(row.logprobs), self._texts(row.prompt_logprobs)
             token_ids = p.unpack_token_ids(packed_ids)
             text = state.detok.add(token_ids, finished)
             state.num_prompt, state.num_output = row.num_prompt_tokens, row.num_output_tokens
@@ -255,15 +260,27 @@ class RequestStreams:
             state.skip_tokens, state.skip_chars = state.skip_tokens - n, state.skip_chars - m
             token_ids, text = token_ids[n:], text[m:]
             packed_ids = p.pack_token_ids(token_ids)
+            logprobs = logprobs[n:] if logprobs is not None else None
             if not (token_ids or text or final):
                 return state, None
         if token_ids:
             self.metrics.tokens_streamed(request_id, len(token_ids), time.time())
         if final is None:
             return state, p.DeltaRow(request_id=state.client_request_id, text=text, token_ids=packed_ids,
-                                     reasoning_open=state.reasoning_open)
+                                     reasoning_open=state.reasoning_open, logprobs=logprobs,
+                                     prompt_logprobs=prompt_logprobs)
         self.finished(request_id, state, final.finish_reason)
-        return state, final.delta(state.client_request_id, text, packed_ids, state.reasoning_open)
+        return state, final.delta(state.client_request_id, text, packed_ids, state.reasoning_open, logprobs,
+                                  prompt_logprobs)
+
+    def _texts(self, entries: list[p.TokenLogprobs] | None) -> list[p.TokenLogprob] | None:
+        """The engine's logprob entries with each token's text and bytes (`TokenTexts`)."""
+        if entries is None:
+            return None
+        texts = self.token_texts
+        return [p.TokenLogprob(e.token_id, *texts(e.token_id), e.logprob, e.rank,
+                               [p.TopLogprob(t, *texts(t), lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)])
+                for e in entries]
 
     def _abort_stopped(self, request_id: str, state: RequestState, out: Outcome) -> None:
         state.abort_sent_at = time.monotonic()

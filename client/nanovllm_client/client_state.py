@@ -86,6 +86,12 @@ class Delta:
     reasoning_open: bool = False
     """The chat template opened a reasoning block at the prompt's end (`<think>`): the output
     starts inside it, with no `<think>` of its own, up to `</think>`."""
+    logprobs: list[p.TokenLogprob] | None = None
+    """With `logprobs`: one entry per token of `token_ids` (token text, bytes, logprob, rank, top
+    alternatives). None on a delta whose tokens the service rebuilt after its detokenizer
+    restarted (their logprobs were lost with it)."""
+    prompt_logprobs: list[p.TokenLogprob] | None = None
+    """With `prompt_logprobs`, on the first delta: one entry per prompt token after the first."""
 
     @property
     def finished(self) -> bool:
@@ -109,6 +115,9 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     usage: dict[str, int] | None = None
+    logprobs: list[p.TokenLogprob] | None = None
+    """With `logprobs`: every delta's entries, in order (see `Delta.logprobs`)."""
+    prompt_logprobs: list[p.TokenLogprob] | None = None
 
 
 def build_request(prompt: str | list[int] | list[dict] | None = None, *, messages: list[dict] | None = None,
@@ -176,6 +185,8 @@ class InFlight:
             return self.resend_frame
         req = p.decode(self.resend_frame)
         req.output_token_ids, req.output_chars = p.pack_token_ids(self.ids), self.chars
+        if req.sampling.prompt_logprobs is not None:  # they came with the first output, received
+            req.sampling = replace(req.sampling, prompt_logprobs=None)
         if req.prompt_token_ids is not None:  # decoding unpacked them
             req.prompt_token_ids = p.pack_token_ids(req.prompt_token_ids)
         return req.encode()
@@ -504,13 +515,17 @@ class ClientState:
         usage = None if d.usage is None else d.usage._asdict()
         return Delta(request_id=d.request_id, text=d.text, token_ids=p.unpack_token_ids(d.token_ids),
                      finish_reason=d.finish_reason, usage=usage, error=d.error, engine_dead=d.engine_dead,
-                     reasoning_open=d.reasoning_open)
+                     reasoning_open=d.reasoning_open, logprobs=d.logprobs, prompt_logprobs=d.prompt_logprobs)
 
 
 def merge(deltas: list[Delta], request_id: str) -> Result:
     result = Result(request_id=request_id, text="".join(d.text for d in deltas))
     for d in deltas:
         result.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            result.logprobs = (result.logprobs or []) + d.logprobs
+        if d.prompt_logprobs is not None:
+            result.prompt_logprobs = d.prompt_logprobs
         if d.finished:
             result.finish_reason, result.usage = d.finish_reason, d.usage
     return result

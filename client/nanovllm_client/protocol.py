@@ -29,7 +29,7 @@ import msgpack
 
 from .checks import (ProtocolError, check, check_bool, check_bytes, check_depth, check_fields, check_int,
                      check_list, check_map, check_number, check_opt_str, check_str, is_int, show)
-from .sampling import SamplingParams
+from .sampling import MAX_LOGPROBS, SamplingParams
 from .template_kwargs import parse_template_kwargs
 
 __all__ = ["ProtocolError", "PROTOCOL_VERSION", "STAGE_PROTOCOL_VERSION", "FinishReason", "decode", "pack_token_ids",
@@ -40,11 +40,11 @@ PROTOCOL_VERSION = 2
 resumes, deltas, pongs, errors, engine status), also used between stages where they are the same.
 2: a stream's deltas and a resume's requests are positional rows (`DeltaRow`, `ResumeRow`), where
 version 1 sent maps and bare lists."""
-STAGE_PROTOCOL_VERSION = 3
+STAGE_PROTOCOL_VERSION = 4
 """The messages only stages exchange (`TokenizedReq`, `DetokHello`, `StepOutput`, `Resync`). 3: the
 sampling parameters travel as one typed struct (`SamplingParams`), and a request's meta carries
 its text-side part instead of copies of those fields; a resync entry is a meta and an output row.
-Versioned apart from the client protocol, so a change between the stages leaves clients working;
+4: an output row carries its tokens' logprobs and the prompt's (`TokenLogprobs`). Versioned apart from the client protocol, so a change between the stages leaves clients working;
 each message type has one version, and a frame of another is refused naming both."""
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 """Largest frame any stage accepts (ZMQ_MAXMSGSIZE on every receiving socket)."""
@@ -65,6 +65,8 @@ MAX_PROMPT_TAIL = 64
 MAX_ROWS = 1 << 16
 """Rows in one step / resync / resume message."""
 MAX_PRIORITY = 1 << 31
+MAX_TOKEN_TEXT = 1024
+"""Characters of one vocabulary token's text in a logprob entry."""
 
 
 class FinishReason(str, Enum):
@@ -481,6 +483,35 @@ class RejectedRow(NamedTuple):
         check_str("rejection text", self.error, MAX_ERROR_LEN)
 
 
+def check_logprob(name: str, value: Any) -> None:
+    """A log-probability: a number <= 0 (a hair above for rounding), -inf allowed, NaN not."""
+    check((is_int(value) or isinstance(value, float)) and value <= 1e-3, f"{name} must be a number <= 0, got {{}}",
+          value)
+
+
+class TokenLogprobs(NamedTuple):
+    """One token's log-probability under the raw model distribution (before penalties,
+    constraints and temperature), its rank (1: the most likely) and the most likely alternatives:
+    what the engine computes (`SamplingParams.logprobs` / `prompt_logprobs`) and sends the
+    detokenizer (`OutputRow`)."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+    def check(self) -> None:
+        check_int("logprob token_id", self.token_id, 0, 2**31)
+        check_logprob("logprob", self.logprob)
+        check_int("logprob rank", self.rank, 1, 2**31)
+        check_list("top_token_ids", self.top_token_ids, MAX_LOGPROBS)
+        check(isinstance(self.top_logprobs, list) and len(self.top_logprobs) == len(self.top_token_ids),
+              "top_logprobs must be a list as long as top_token_ids")
+        for token_id, logprob in zip(self.top_token_ids, self.top_logprobs):
+            check_int("top token id", token_id, 0, 2**31)
+            check_logprob("top logprob", logprob)
+
+
 class OutputRow(NamedTuple):
     """What one request produced in a step (`StepOutput.outputs`)."""
     request_id: str
@@ -492,6 +523,10 @@ class OutputRow(NamedTuple):
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None
+    logprobs: list[TokenLogprobs] | None = None
+    """One per token of `token_ids` when the request asked for logprobs (a resync's row: none)."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With prompt_logprobs, on the request's first output: one per prompt token after the first."""
 
     def check(self) -> None:
         check_str("output request_id", self.request_id, MAX_ENGINE_ID_LEN)
@@ -500,6 +535,8 @@ class OutputRow(NamedTuple):
         for count in (self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens):
             check_int("output token count", count, 0, 2**31)
         check_opt_str("output error", self.error, MAX_ERROR_LEN)
+        check(self.logprobs is None or len(self.logprobs) == len(self.token_ids) // 4,
+              "output logprobs must have one entry per token")
 
 
 class ResyncEntry(NamedTuple):
@@ -632,6 +669,42 @@ class Usage(NamedTuple):
             check_int(f"usage {name}", count, 0, 2**31)
 
 
+class TopLogprob(NamedTuple):
+    """One of the most likely alternatives at a position (`TokenLogprob.top`)."""
+    token_id: int
+    token: str
+    """The token's text (`bytes` decoded; U+FFFD where it holds part of a character)."""
+    bytes: bytes
+    """What the token adds to the output, byte for byte."""
+    logprob: float
+
+    def check(self) -> None:
+        check_int("top token_id", self.token_id, 0, 2**31)
+        check_str("top token", self.token, MAX_TOKEN_TEXT, empty=True)
+        check_bytes("top bytes", self.bytes, MAX_TOKEN_TEXT * 4)
+        check_logprob("top logprob", self.logprob)
+
+
+class TokenLogprob(NamedTuple):
+    """A streamed token's log-probability with its text (`DeltaRow.logprobs`): the detokenizer
+    adds the texts to the engine's `TokenLogprobs`."""
+    token_id: int
+    token: str
+    bytes: bytes
+    logprob: float
+    rank: int
+    """1 for the most likely token."""
+    top: list[TopLogprob]
+    """The most likely alternatives, most likely first (as many as asked for)."""
+
+    def check(self) -> None:
+        check_int("logprob token_id", self.token_id, 0, 2**31)
+        check_str("logprob token", self.token, MAX_TOKEN_TEXT, empty=True)
+        check_bytes("logprob bytes", self.bytes, MAX_TOKEN_TEXT * 4)
+        check_logprob("logprob", self.logprob)
+        check_int("logprob rank", self.rank, 1, 2**31)
+
+
 class DeltaRow(NamedTuple):
     """What one request of a client streamed since its last delta (`StreamOutput.deltas`)."""
     request_id: str
@@ -651,6 +724,11 @@ class DeltaRow(NamedTuple):
     and may be sent again as it is."""
     reasoning_open: bool = False
     """The request's `RequestMeta.reasoning_open`: its output starts inside a reasoning block."""
+    logprobs: list[TokenLogprob] | None = None
+    """With logprobs: one per token of `token_ids` (None for tokens the detokenizer rebuilt from a
+    resync, whose logprobs died with its predecessor)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With prompt_logprobs, on the request's first delta: one per prompt token after the first."""
 
     def check(self) -> None:
         check_str("delta request_id", self.request_id, MAX_ENGINE_ID_LEN)
@@ -744,13 +822,23 @@ def _row(row_type: type, optional: bool = False) -> Callable[[str, Any], Any]:
     return read
 
 
+def _rows(row_type: type) -> Callable[[str, Any], Any]:
+    """The reader of an optional list of rows nested in a row."""
+    def read(name: str, value: Any) -> Any:
+        return None if value is None else typed_rows(name, value, row_type)
+    return read
+
+
 _META = _row(RequestMeta)
+_ENGINE_LOGPROBS, _LOGPROBS = _rows(TokenLogprobs), _rows(TokenLogprob)
 _READERS: dict[type, tuple[tuple[int, Callable[[str, Any], Any]], ...]] = {
     RequestMeta: ((2, read_sampling),), StartedRow: ((1, _META),), RejectedRow: ((1, _META),),
-    OutputRow: ((3, read_finish_reason),), ResyncEntry: ((0, _META), (1, _row(OutputRow))),
-    DeltaRow: ((3, read_finish_reason), (5, _row(Usage, optional=True)))}
+    OutputRow: ((3, read_finish_reason), (8, _ENGINE_LOGPROBS), (9, _ENGINE_LOGPROBS)),
+    ResyncEntry: ((0, _META), (1, _row(OutputRow))),
+    DeltaRow: ((3, read_finish_reason), (5, _row(Usage, optional=True)), (9, _LOGPROBS), (10, _LOGPROBS)),
+    TokenLogprob: ((5, _rows(TopLogprob)),)}
 """Values inside rows with a type of their own: (position, reader)."""
-_NEWEST_FIELDS: dict[type, tuple[str, ...]] = {DeltaRow: ("reasoning_open",)}
+_NEWEST_FIELDS: dict[type, tuple[str, ...]] = {DeltaRow: ("logprobs", "prompt_logprobs")}
 """The trailing fields a row gained in this version, each with a default. A client often runs
 against an older service: where tolerant, a row without them is read with their defaults, so
 adding a field breaks no reader of the one-version-older row. Every other width stays an error."""

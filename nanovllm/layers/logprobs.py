@@ -9,28 +9,11 @@ tokens, each given the ones before it (`prompt_logprobs`)."""
 # [ZH-END]
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Log-probabilities of one generated token under the raw model distribution."""
-    # [ZH-START]
-    # 【职责】一个已生成 token 在原始模型分布（惩罚、约束、温度之前）
-    # 下的 logprob、排名和前几名候选。
-    # 【边界】纯数据，不参与采样决策。
-    # 【协作者】token_logprobs() 生成，存进请求的 SamplingState.logprobs，LLMEngine 经 take_logprobs
-    # 取走放进 RequestOutput。
-    # [ZH-END]
-    token_id: int
-    logprob: float
-    rank: int
-    """1 for the most likely token."""
-    top_token_ids: list[int]
-    top_logprobs: list[float]
+from nanovllm_client.protocol import TokenLogprobs  # the engine's entry is the wire's row
 
 
 def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
