@@ -27,7 +27,7 @@ class LLM:
 
         Each result has "text", "token_ids" and "finish_reason" (a `FinishReason`, equal to its
         string), plus "logprobs" (one `TokenLogprobs` per token) and "prompt_logprobs" (one per
-        prompt token after the first) when asked for, and "error" (its
+        prompt token, the first with logprob 0) when asked for, and "error" (its
         text) when finish_reason is "error": that request's sampling failed, the others are
         unaffected. Stop strings
         end the text (kept only with `include_stop_str_in_output`); "token_ids" keeps every

@@ -91,7 +91,8 @@ class Delta:
     alternatives). None on a delta whose tokens the service rebuilt after its detokenizer
     restarted (their logprobs were lost with it)."""
     prompt_logprobs: list[p.TokenLogprob] | None = None
-    """With `prompt_logprobs`, on the first delta: one entry per prompt token after the first."""
+    """With `prompt_logprobs`, on the first delta: one entry per prompt token. The first token is
+    given, not predicted: its entry has logprob 0 and no alternatives."""
 
     @property
     def finished(self) -> bool:
@@ -521,9 +522,8 @@ class ClientState:
 def merge(deltas: list[Delta], request_id: str) -> Result:
     result = Result(request_id=request_id, text="".join(d.text for d in deltas))
     for d in deltas:
+        result.logprobs = p.join_logprobs(result.logprobs, len(result.token_ids), d.logprobs, len(d.token_ids))
         result.token_ids.extend(d.token_ids)
-        if d.logprobs is not None:
-            result.logprobs = (result.logprobs or []) + d.logprobs
         if d.prompt_logprobs is not None:
             result.prompt_logprobs = d.prompt_logprobs
         if d.finished:

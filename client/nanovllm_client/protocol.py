@@ -512,6 +512,17 @@ class TokenLogprobs(NamedTuple):
             check_logprob("top logprob", logprob)
 
 
+def join_logprobs(first: list | None, first_tokens: int, second: list | None, second_tokens: int) -> list | None:
+    """The logprob entries of two consecutive pieces of one output joined (an entry per token, or
+    None where a piece with tokens has none, as a resync's rows do: then the joined piece has
+    none either, since entries no longer line up with tokens)."""
+    if first is None and not first_tokens:
+        return second
+    if second is None and not second_tokens:
+        return first
+    return None if first is None or second is None else first + second
+
+
 class OutputRow(NamedTuple):
     """What one request produced in a step (`StepOutput.outputs`)."""
     request_id: str
@@ -526,7 +537,8 @@ class OutputRow(NamedTuple):
     logprobs: list[TokenLogprobs] | None = None
     """One per token of `token_ids` when the request asked for logprobs (a resync's row: none)."""
     prompt_logprobs: list[TokenLogprobs] | None = None
-    """With prompt_logprobs, on the request's first output: one per prompt token after the first."""
+    """With prompt_logprobs, on the request's first output: one per prompt token (the first given:
+    logprob 0, no alternatives)."""
 
     def check(self) -> None:
         check_str("output request_id", self.request_id, MAX_ENGINE_ID_LEN)
@@ -728,7 +740,8 @@ class DeltaRow(NamedTuple):
     """With logprobs: one per token of `token_ids` (None for tokens the detokenizer rebuilt from a
     resync, whose logprobs died with its predecessor)."""
     prompt_logprobs: list[TokenLogprob] | None = None
-    """With prompt_logprobs, on the request's first delta: one per prompt token after the first."""
+    """With prompt_logprobs, on the request's first delta: one per prompt token (the first given:
+    logprob 0, no alternatives)."""
 
     def check(self) -> None:
         check_str("delta request_id", self.request_id, MAX_ENGINE_ID_LEN)

@@ -144,8 +144,9 @@ class SamplingParams:
     logprobs: int | None = None
     """Return the log-probability of each generated token plus this many top alternatives."""
     prompt_logprobs: int | None = None
-    """Return the log-probability of each prompt token after the first (given the tokens before
-    it) plus this many top alternatives. The prompt is computed whole: no prefix-cache hits."""
+    """Return the log-probability of each prompt token (given the tokens before it; the first is
+    given: logprob 0, no alternatives) plus this many top alternatives. The prompt is computed
+    whole: no prefix-cache hits."""
     skip_special_tokens: bool = True
     banned_words: list[str | list[int]] = field(default_factory=list)
     """Strings (never appear in the output text) or token-id sequences (never generated)."""

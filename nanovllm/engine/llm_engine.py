@@ -81,8 +81,8 @@ class RequestOutput:
     # step() 交给调用方的一条输出：只带本步新增的 token（new_token_ids，增量）和计数，不带文本——
     # 文本在反分词进程（或离线 LLM 里）才解码。finished 为真时 finish_reason（FinishReason）
     # 必有值，error 只在 ERROR 时有值（abort 也可能带原因）；logprobs 每个新 token 一项
-    # （请求要了才有）；prompt_logprobs（请求要了才有）是 prompt 第二个 token 起每个一项，
-    # 全在请求的第一条输出上。
+    # （请求要了才有）；prompt_logprobs（请求要了才有）是 prompt 每个 token 一项，全在请求的
+    # 第一条输出上；第一个 token 是给定的、不是预测的：logprob 为 0、没有候选。
     # engine_proc 把一步的所有 RequestOutput 打包成一个 StepOutput 帧发给 detok_proc。
     # [ZH-END]
     request_id: str
@@ -98,8 +98,9 @@ class RequestOutput:
     error: str | None = None
     """Why the request failed, with FinishReason.ERROR (e.g. its logits processor raised)."""
     prompt_logprobs: list[TokenLogprobs] | None = None
-    """With `SamplingParams.prompt_logprobs`: the entries of the prompt's tokens after the first,
-    all on the request's first output (None on the others)."""
+    """With `SamplingParams.prompt_logprobs`: an entry per prompt token, all on the request's first
+    output (None on the others). The first token is given, not predicted: its entry has logprob 0
+    and no alternatives."""
 
 
 @dataclass(slots=True)
@@ -391,9 +392,11 @@ class LLMEngine:
         for item in scheduled:
             if item.prompt_logprob_span is not None:
                 offset, count = item.prompt_logprob_span
-                sampling = item.seq.sampling
-                sampling.prompt_logprobs.extend(entries[at:at + count])
-                sampling.num_prompt_logprobs = item.seq.num_computed_tokens + offset + count
+                seq, first = item.seq, item.seq.num_computed_tokens + offset
+                if first == 0:  # the first token is given, not predicted: logprob 0, no alternatives
+                    seq.sampling.prompt_logprobs.append(TokenLogprobs(seq.token_ids[0], 0.0, 1, [], []))
+                seq.sampling.prompt_logprobs.extend(entries[at:at + count])
+                seq.sampling.num_prompt_logprobs = first + count
                 at += count
 
     def _settle(self, launched: LaunchedStep, outputs: list[RequestOutput]) -> int:

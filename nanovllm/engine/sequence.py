@@ -169,7 +169,7 @@ class SamplingState:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     """Prompt tokens' logprobs (`SamplingParams.prompt_logprobs`) computed but not yet reported."""
     num_prompt_logprobs: int = 0
-    """Prompt tokens whose logprob has been computed, counted from the second (the first has none)."""
+    """Prompt positions scored so far (position p scores token p + 1; the first token is given)."""
     error: str | None = None
     """Why the request's row could not be sampled, once it could not."""
 

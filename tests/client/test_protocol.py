@@ -339,3 +339,11 @@ def test_a_check_that_passes_never_builds_its_message(monkeypatch):
     width = len(p.DeltaRow._fields)  # a row one version older may lack the newest fields
     with pytest.raises(ProtocolError, match=rf"each deltas row must have {width - 2} to {width} items \(request_id, "):
         p.decode(p.StreamOutput(deltas=[7]).encode())
+
+
+def test_logprobs_of_pieces_join_only_while_they_line_up_with_the_tokens():
+    a, b = [p.TokenLogprobs(1, -0.1, 1, [], [])], [p.TokenLogprobs(2, -0.2, 1, [], [])]
+    assert p.join_logprobs(a, 1, b, 1) == a + b
+    assert p.join_logprobs(None, 0, b, 1) == b and p.join_logprobs(a, 1, None, 0) == a  # a piece without tokens
+    assert p.join_logprobs(None, 3, b, 1) is None and p.join_logprobs(a, 1, None, 2) is None  # a resync's tokens
+    assert p.join_logprobs(None, 1, None, 1) is None

@@ -85,7 +85,9 @@ def test_logprobs_match_hf_log_softmax(llm, hf_model):
 def _check_prompt_logprobs(entries, prompt, hf_model, k):
     with torch.inference_mode():
         ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1], dim=-1)  # position p scores p + 1
-    assert [e.token_id for e in entries] == prompt[1:]
+    assert [e.token_id for e in entries] == prompt
+    first, entries = entries[0], entries[1:]  # the first token is given: logprob 0, no alternatives
+    assert (first.logprob, first.rank, first.top_token_ids) == (0.0, 1, [])
     for j, e in enumerate(entries):
         assert e.logprob == pytest.approx(ref[j, e.token_id].item(), abs=1e-4)
         assert e.rank == int((ref[j] > ref[j, e.token_id]).sum()) + 1

@@ -41,7 +41,7 @@ def test_streamed_logprobs_equal_the_offline_engines(client, offline):
     assert all(len(e.top) == 3 and e.rank >= 1 for e in entries)
     assert b"".join(e.bytes for e in entries).decode("utf-8", "replace") == "".join(d.text for d in deltas)
     assert deltas[0].prompt_logprobs is not None and all(d.prompt_logprobs is None for d in deltas[1:])
-    assert [e.token_id for e in deltas[0].prompt_logprobs] == PROMPT[1:]
+    assert [e.token_id for e in deltas[0].prompt_logprobs] == PROMPT
     _same(deltas[0].prompt_logprobs, offline["prompt_logprobs"])
     result = client.generate(PROMPT, temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     assert [e.token_id for e in result.logprobs] == result.token_ids and result.prompt_logprobs is None
