@@ -631,21 +631,6 @@ def test_a_closed_connection_frees_its_kv_blocks(front):
     wait_for(lambda: engine_idle(client), timeout=60, what="the engine idle, every KV block free, after the close")
 
 
-def test_sigterm_drains_the_streams_in_flight_then_serve_stops(front):
-    proc, runtime_dir, port, client, model = front
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", "/v1/completions", body=json.dumps(
-        {"model": model, "prompt": "def f():", "max_tokens": 200, "ignore_eos": True, "stream": True}),
-        headers={"Content-Type": "application/json", **AUTH})
-    r = conn.getresponse()
-    first = r.readline()
-    assert first.startswith(b"data: ")
-    os.killpg(proc.pid, signal.SIGTERM)  # the supervisor stops the front first: it drains
-    rest = r.read().decode()
-    assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in rest
-    assert stopped(proc, runtime_dir, timeout=90) == 0
-
-
 def test_logprobs_through_the_openai_sdk_streamed_equal_whole(front):
     """Chat's logprobs/top_logprobs and completions' logprobs, streamed and not: the same tokens,
     each entry's text the output's text piece by piece, the alternatives as asked."""
@@ -709,3 +694,19 @@ def test_loglikelihood_as_an_evaluation_harness_asks_for_it(front, tiny_model_di
     assert status == 200 and scores[0] is None and len(scores) == len(prompts[0])
     for token, entry in zip(prompts[0][1:], scores[1:]):
         assert str(token) in entry and len(entry) <= 3
+
+
+def test_sigterm_drains_the_streams_in_flight_then_serve_stops(front):
+    proc, runtime_dir, port, client, model = front
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": model, "prompt": "def f():", "max_tokens": 200, "ignore_eos": True, "stream": True}),
+        headers={"Content-Type": "application/json", **AUTH})
+    r = conn.getresponse()
+    first = r.readline()
+    assert first.startswith(b"data: ")
+    os.killpg(proc.pid, signal.SIGTERM)  # the supervisor stops the front first: it drains
+    rest = r.read().decode()
+    assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in rest
+    assert stopped(proc, runtime_dir, timeout=90) == 0
+
