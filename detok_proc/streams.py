@@ -215,7 +215,9 @@ class RequestStreams:
         # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，
         #    返回 (state, None)；这期间的 logprobs 不保留（resync 的行本来就不带）。
         # 7. 有 skip_tokens / skip_chars（resume 时客户端已有、引擎将再报告的续写前缀）：
-        #    先从 token（连同它们的 logprobs）和文本开头截掉，截完什么都不剩且没结束就返回 (state, None)。
+        #    先从 token 和文本开头截掉，截完什么都不剩且没结束就返回 (state, None)。
+        #    引擎的 logprobs 对应行里最后那些 token（续写的第一行还重复了已有的输出，那些没有）：
+        #    够每个要发的 token 一项就取最后那么多项，不够就不带。
         # 8. 否则组装增量 DeltaRow(客户端 rid, text, token_ids（原样打包）, reasoning_open，
         #    行里有 logprobs / prompt_logprobs 就由 _texts 配上每个 token 的文本和字节一起带上)，
         #    已结束就由 final.delta 带上终止字段；已结束就 finished（计指标、遗忘该请求）；
@@ -260,11 +262,12 @@ class RequestStreams:
             state.skip_tokens, state.skip_chars = state.skip_tokens - n, state.skip_chars - m
             token_ids, text = token_ids[n:], text[m:]
             packed_ids = p.pack_token_ids(token_ids)
-            logprobs = logprobs[n:] if logprobs is not None else None
             if not (token_ids or text or final):
                 return state, None
         if token_ids:
             self.metrics.tokens_streamed(request_id, len(token_ids), time.time())
+        if logprobs is not None:  # the engine's entries cover the row's last tokens: one per token sent, or none
+            logprobs = logprobs[len(logprobs) - len(token_ids):] if len(logprobs) >= len(token_ids) else None
         if final is None:
             return state, p.DeltaRow(request_id=state.client_request_id, text=text, token_ids=packed_ids,
                                      reasoning_open=state.reasoning_open, logprobs=logprobs,

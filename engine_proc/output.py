@@ -129,7 +129,9 @@ class StreamHold:
 def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """One output for two consecutive ones of a request: the tokens (and logprobs) of both, the
     counts and ending of the later."""
-    logprobs = p.join_logprobs(earlier.logprobs, len(earlier.new_token_ids), later.logprobs, len(later.new_token_ids))
+    # Entries cover each output's last tokens (`OutputRow.logprobs`): joined, they cover the last of both.
+    logprobs = (earlier.logprobs + later.logprobs
+                if earlier.logprobs is not None and later.logprobs is not None else later.logprobs)
     return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids, logprobs=logprobs,
                                prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs)
 

@@ -535,7 +535,9 @@ class OutputRow(NamedTuple):
     num_cached_tokens: int
     error: str | None
     logprobs: list[TokenLogprobs] | None = None
-    """One per token of `token_ids` when the request asked for logprobs (a resync's row: none)."""
+    """When the request asked for logprobs: the entries of the row's last tokens, one per token
+    the engine sampled since the last row (a continued request's first row also repeats the
+    output it continues from, which has none; a resync's row: none at all)."""
     prompt_logprobs: list[TokenLogprobs] | None = None
     """With prompt_logprobs, on the request's first output: one per prompt token (the first given:
     logprob 0, no alternatives)."""
@@ -547,8 +549,8 @@ class OutputRow(NamedTuple):
         for count in (self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens):
             check_int("output token count", count, 0, 2**31)
         check_opt_str("output error", self.error, MAX_ERROR_LEN)
-        check(self.logprobs is None or len(self.logprobs) == len(self.token_ids) // 4,
-              "output logprobs must have one entry per token")
+        check(self.logprobs is None or len(self.logprobs) <= len(self.token_ids) // 4,
+              "output logprobs must have at most one entry per token")
 
 
 class ResyncEntry(NamedTuple):

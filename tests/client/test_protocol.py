@@ -55,7 +55,7 @@ def test_typed_rows_travel_as_plain_arrays_and_come_back_named():
                       "top_logprobs must be a list as long as top_token_ids"),
                      ([["a", five, True, "stop", 1, 1, 0, None, [[5, float("nan"), 1, [], []]], None]],
                       "logprob must be a number <= 0"),
-                     ([["a", five, True, "stop", 1, 1, 0, None, logprobs * 2, None]], "one entry per token")):
+                     ([["a", five, True, "stop", 1, 1, 0, None, logprobs * 2, None]], "at most one entry per token")):
         with pytest.raises(p.ProtocolError, match=why):
             p.decode(p.StepOutput(instance_id="e1", outputs=bad).encode())
 

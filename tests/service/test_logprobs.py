@@ -47,3 +47,33 @@ def test_streamed_logprobs_equal_the_offline_engines(client, offline):
     assert [e.token_id for e in result.logprobs] == result.token_ids and result.prompt_logprobs is None
     assert all(e.top == [] for e in result.logprobs)
     assert client.generate(PROMPT, max_tokens=2).logprobs is None
+
+
+def test_a_stream_continued_across_an_engine_kill_keeps_its_logprobs(tiny_model_dir):
+    """fp32, so the continuation (which prefills what was decoded) meets no near-tie: the same
+    tokens as without the kill, every token with its entry, the prompt's entries once."""
+    from nanovllm_client import Client
+    from tests.service.conftest import EXACT_ARGS, TINY_ENGINE_ARGS, start_service
+    from tests.service.harness import short_tmpdir, wait_for
+    procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/lp", engine_args=TINY_ENGINE_ARGS + EXACT_ARGS)
+    kw = dict(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    try:
+        with Client(procs.url, timeout=180) as client:
+            whole = client.generate(PROMPT, **kw)
+            stream = client.stream(PROMPT, **kw)
+            deltas = [next(stream)]
+            assert not deltas[0].finished
+            procs.kill("engine_proc")
+            wait_for(lambda: client.engine_alive is False, timeout=60, what="engine reported dead")
+            procs.restart("engine_proc")
+            deltas += list(stream)
+    except BaseException:
+        print(procs.logs())
+        raise
+    finally:
+        procs.stop()
+    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+    assert all(d.logprobs is not None and len(d.logprobs) == len(d.token_ids) for d in deltas)
+    entries = [e for d in deltas for e in d.logprobs]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in whole.logprobs], abs=1e-3)
+    assert [d.prompt_logprobs is not None for d in deltas] == [True] + [False] * (len(deltas) - 1)
