@@ -136,8 +136,8 @@ class Delivery:
         # 2. 已有且那个已是终止增量（客户端刚好复用了同一个 rid）：先把该客户端的积累发出，再记下。
         # 3. 否则合并（DeltaRow 不可变，用 _replace 换成新行）：文本、
         #    打包的 token 直接拼接（顺序不变），终止字段（finish_reason、usage、error）取新的，
-        #    engine_dead 任一为真即真；logprobs 由 join_logprobs 拼接（有一段带 token 却没有 logprobs
-        #    就都不要，免得对不上），prompt_logprobs 取有的那个。
+        #    engine_dead 任一为真即真；logprobs 由 join_logprobs 拼接（有一段带 token 却没有
+        #    logprobs 就都不要，免得对不上），prompt_logprobs 取有的那个。
         # 4. 一个客户端积累超过 MAX_ROWS 个增量就立即发出，帧永远合法。
         # [ZH-END]
         box = self._outbox.setdefault(client, {})

@@ -144,7 +144,8 @@ class ModelRunner:
         #    resolve_dtype：auto 时 CPU 看指令集（AMX-BF16 / AVX512-BF16 → bf16，否则 fp32；
         #    设了 NANOVLLM_AUTO_DTYPE 就按它，好在一台机器上复现另一类 CPU 的结果），
         #    GPU 用模型自带 dtype，模型是 fp32 则改用 bf16。
-        # 3. max_model_len 按同一规则解析；workers / channel / graphs 先置空，_prompt_logprobs 为空表，
+        # 3. max_model_len 按同一规则解析；workers / channel / graphs 先置空，
+        #    _prompt_logprobs 为空表，
         #    tp 先是单卡 TensorParallel()。
         # 4. 调 _start() 真正加载；任何异常（BaseException，含 Ctrl-C）
         #    都先 _shutdown(workers_serving=False) 把已拉起的 worker 直接终止，再把异常抛出去。

@@ -55,8 +55,8 @@ class ScheduledSeq:
     # [ZH-START]
     # 调度结果里的一项：序列 + 本步要为它算的新 token 数 num_new_tokens（decode
     # 为 1，prefill 为一块）。
-    # prompt_logprob_span：请求要 prompt logprobs 时，块内哪几个位置的 logits 给还没算的 prompt token
-    # 打分（块内偏移、个数）；位置 p 的 logits 给 prompt 第 p+1 个 token 打分。
+    # prompt_logprob_span：请求要 prompt logprobs 时，块内哪几个位置的 logits 给还没算的
+    # prompt token 打分（块内偏移、个数）；位置 p 的 logits 给 prompt 第 p+1 个 token 打分。
     # samples 为真：这一块算到了序列末尾（num_computed_tokens + num_new_tokens == num_tokens），
     # 本步要为它采样一个 token；prompt 中间的分块不采样。调度时算定一次：之后 settle 可能改动
     # 序列（失败时去掉占位 token），这一项是否采样不能跟着变。ModelRunner / StepInput 只读它，不改。

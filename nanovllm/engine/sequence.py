@@ -141,8 +141,8 @@ class SamplingState:
     # [ZH-START]
     # 【职责】一个请求跨步的采样状态：logits processors（其中的 StructuredOutput 另记为 grammar，
     # 约束冲突时语法优先）、预先建好的张量（min_tokens 期间要屏蔽的 id、logit_bias 的 id 与值）、
-    # 有种子时自己的 Generator、尚未上报的 logprobs 和 prompt logprobs（及已算到第几个 prompt token）、
-    # 采样失败的原因；on_device / plain_greedy
+    # 有种子时自己的 Generator、尚未上报的 logprobs 和 prompt logprobs（及已算到第几个
+    # prompt 位置）、采样失败的原因；on_device / plain_greedy
     # 在建的时候算好一次（SamplingParams 是冻结的，不会再变）。
     # 【边界】不保存 token 序列、不知道请求何时开始结束：这些在 Sequence 和 LLMEngine。
     # 【协作者】LLMEngine.add_request 用 build 建好挂到 Sequence.sampling；
@@ -187,9 +187,9 @@ class SamplingState:
         # 3. 只有 min_tokens > 0 时才建 min_tokens_blocked 张量（stop_token_ids + 除非 ignore_eos
         #    模型的 EOS id，min_tokens 之前屏蔽）；有 bias 才建 bias_ids /
         #    bias_values，都放在采样器的设备上，之后每步直接 index_fill_ / index_add_；
-        #    processors 里的 StructuredOutput 另记为 grammar；on_device（没有 processors、logprobs、prompt_logprobs、
-        #    min_tokens，可在设备上采样）和 plain_greedy（on_device、greedy，且没有惩罚和 bias）
-        #    一次算好。
+        #    processors 里的 StructuredOutput 另记为 grammar；on_device（没有 processors、
+        #    logprobs、prompt_logprobs、min_tokens，可在设备上采样）和 plain_greedy（on_device、
+        #    greedy，且没有惩罚和 bias）一次算好。
         # [ZH-END]
         bias = [(t, b) for t, b in params.logit_bias.items() if t < vocab_size]
         if len(bias) < len(params.logit_bias):
