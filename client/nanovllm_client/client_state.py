@@ -86,6 +86,8 @@ class Delta:
     reasoning_open: bool = False
     """The chat template opened a reasoning block at the prompt's end (`<think>`): the output
     starts inside it, with no `<think>` of its own, up to `</think>`."""
+    stop_reason: str | None = None
+    """On the last delta of an answer a stop string ended: that string."""
 
     @property
     def finished(self) -> bool:
@@ -504,7 +506,7 @@ class ClientState:
         usage = None if d.usage is None else d.usage._asdict()
         return Delta(request_id=d.request_id, text=d.text, token_ids=p.unpack_token_ids(d.token_ids),
                      finish_reason=d.finish_reason, usage=usage, error=d.error, engine_dead=d.engine_dead,
-                     reasoning_open=d.reasoning_open)
+                     reasoning_open=d.reasoning_open, stop_reason=d.stop_reason)
 
 
 def merge(deltas: list[Delta], request_id: str) -> Result:
@@ -512,7 +514,7 @@ def merge(deltas: list[Delta], request_id: str) -> Result:
     for d in deltas:
         result.token_ids.extend(d.token_ids)
         if d.finished:
-            result.finish_reason, result.usage = d.finish_reason, d.usage
+            result.finish_reason, result.usage, result.stop_reason = d.finish_reason, d.usage, d.stop_reason
     return result
 
 

@@ -29,7 +29,7 @@ import msgpack
 
 from .checks import (ProtocolError, check, check_bool, check_bytes, check_depth, check_fields, check_int,
                      check_list, check_map, check_number, check_opt_str, check_str, is_int, show)
-from .sampling import SamplingParams
+from .sampling import MAX_STOP_STRING_LENGTH, SamplingParams
 from .template_kwargs import parse_template_kwargs
 
 __all__ = ["ProtocolError", "PROTOCOL_VERSION", "STAGE_PROTOCOL_VERSION", "FinishReason", "decode", "pack_token_ids",
@@ -651,6 +651,9 @@ class DeltaRow(NamedTuple):
     and may be sent again as it is."""
     reasoning_open: bool = False
     """The request's `RequestMeta.reasoning_open`: its output starts inside a reasoning block."""
+    stop_reason: str | None = None
+    """On a terminal delta with finish_reason "stop" that a stop string ended: that string (vLLM's
+    `stop_reason`); None where EOS, a stop token or a grammar ended it."""
 
     def check(self) -> None:
         check_str("delta request_id", self.request_id, MAX_ENGINE_ID_LEN)
@@ -660,6 +663,7 @@ class DeltaRow(NamedTuple):
         check_bool("delta engine_dead", self.engine_dead)
         check_bool("delta unsent", self.unsent)
         check_bool("delta reasoning_open", self.reasoning_open)
+        check_opt_str("delta stop_reason", self.stop_reason, MAX_STOP_STRING_LENGTH)
 
 
 @_message("stream")
@@ -750,7 +754,7 @@ _READERS: dict[type, tuple[tuple[int, Callable[[str, Any], Any]], ...]] = {
     OutputRow: ((3, read_finish_reason),), ResyncEntry: ((0, _META), (1, _row(OutputRow))),
     DeltaRow: ((3, read_finish_reason), (5, _row(Usage, optional=True)))}
 """Values inside rows with a type of their own: (position, reader)."""
-_NEWEST_FIELDS: dict[type, tuple[str, ...]] = {DeltaRow: ("reasoning_open",)}
+_NEWEST_FIELDS: dict[type, tuple[str, ...]] = {DeltaRow: ("stop_reason",)}
 """The trailing fields a row gained in this version, each with a default. A client often runs
 against an older service: where tolerant, a row without them is read with their defaults, so
 adding a field breaks no reader of the one-version-older row. Every other width stays an error."""

@@ -1,5 +1,5 @@
 """A client against a service one version older: its detokenizer sends delta rows without the
-field this version added (`reasoning_open`), and the client reads them, that field at its
+field this version added (`stop_reason`), and the client reads them, that field at its
 default. Real sockets, a real Client: the rows go through the decode path every stream takes.
 Every other row width is still refused."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
 
 OLDER_WIDTH = len(p.DeltaRow._fields) - 1
-"""The delta row before `reasoning_open` was appended."""
+"""The delta row before `stop_reason` was appended."""
 
 
 def older_row(*fields) -> list:
@@ -76,14 +76,14 @@ def frame(rows: list) -> bytes:
 
 def test_only_the_newest_fields_may_be_missing_and_they_take_their_defaults():
     (got,) = p.decode(frame([older_row("r", "hi")])).deltas
-    assert got == p.DeltaRow("r", "hi") and got.reasoning_open is False
-    (got,) = p.decode(frame([list(p.DeltaRow("r", "hi", reasoning_open=True))])).deltas
-    assert got.reasoning_open is True
+    assert got == p.DeltaRow("r", "hi") and got.stop_reason is None
+    (got,) = p.decode(frame([list(p.DeltaRow("r", "hi", stop_reason="\n\n"))])).deltas
+    assert got.stop_reason == "\n\n"
     for width in (OLDER_WIDTH - 1, 1):  # older than one version, or cut short: refused
         with pytest.raises(p.ProtocolError, match=f"must have {OLDER_WIDTH} to {OLDER_WIDTH + 1} items"):
             p.decode(frame([list(p.DeltaRow("r", "hi"))[:width]]))
-    with pytest.raises(p.ProtocolError, match="reasoning_open"):  # the field, where sent, is still checked
-        p.decode(frame([[*older_row("r", "hi"), "yes"]]))
+    with pytest.raises(p.ProtocolError, match="stop_reason"):  # the field, where sent, is still checked
+        p.decode(frame([[*older_row("r", "hi"), 7]]))
     # What a stage receives stays exact: a meta without its newest field is refused.
     meta = list(p.RequestMeta._field_defaults.values())
     with pytest.raises(p.ProtocolError, match="meta row must have"):

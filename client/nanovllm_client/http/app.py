@@ -130,6 +130,8 @@ class Answer:
     parser: Any = None
     reason: str | None = None
     usage: dict = field(default_factory=dict)
+    stop_reason: str | None = None
+    """The stop string that ended it, if one did."""
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -329,7 +331,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
                 else:
                     answer.text += d.text
                 if d.finished:
-                    answer.reason, usage = _finish(d.finish_reason), d.usage
+                    answer.reason, usage, answer.stop_reason = _finish(d.finish_reason), d.usage, d.stop_reason
         finally:
             stream.cancel()
             metrics.active -= 1
@@ -386,7 +388,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         return await typed_api(request, "messages", anthropic.parse_messages, anthropic.error_body,
                                lambda: anthropic.StreamBlocks(msg_id, settings.model),
                                lambda a: anthropic.message_body(a.events, a.parser.calls, a.reason, a.usage,
-                                                                settings.model, msg_id))
+                                                                settings.model, msg_id, a.stop_reason))
 
     async def completions(request: Request) -> Response:
         return await generate(request, "completions", parse_completion, False)
@@ -524,7 +526,7 @@ async def _events_sse(first: Any, events: AsyncIterator[Any], stream: Any, call:
                 usage = _usage(d.usage)
                 metrics.prompt_tokens += usage["prompt_tokens"]
                 metrics.completion_tokens += usage["completion_tokens"]
-                for chunk in writer.finish(usage, _finish(d.finish_reason), parser.calls):
+                for chunk in writer.finish(usage, _finish(d.finish_reason), parser.calls, d.stop_reason):
                     yield chunk
     except (RequestError, ServiceUnavailableError, RequestTimeoutError) as e:
         finished = True

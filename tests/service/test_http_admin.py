@@ -1,0 +1,152 @@
+"""The HTTP front's tokenizer and cache endpoints, Anthropic's stop sequences, and the typed APIs'
+streams across an engine restart: `nanovllm serve --http-port` on the tiny model in fp32 (so a
+stream continued by a new engine equals the uninterrupted one), over real sockets, with the real
+SDKs. One service for the module; the engine-restart test runs last (it kills the engine)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("uvicorn")
+
+from nanovllm_client import Client  # noqa: E402
+from tests.service.conftest import EXACT_ARGS, START_TIMEOUT, TINY_ENGINE_ARGS  # noqa: E402
+from tests.service.harness import REPO, short_tmpdir, wait_for  # noqa: E402
+from tests.service.test_http_serve import AUTH, KEY, _free_port, _get, _post  # noqa: E402
+from tests.service.test_supervisor import read_pids  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def front(tiny_model_dir):
+    runtime_dir, port = short_tmpdir(), _free_port()
+    keys = os.path.join(runtime_dir, "http-keys")
+    with open(os.open(keys, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(f"{KEY}\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", tiny_model_dir, "--runtime-dir",
+                             runtime_dir, "--log-level", "INFO", "--http-port", str(port),
+                             "--http-api-key-file", keys, *TINY_ENGINE_ARGS, *EXACT_ARGS],
+                            cwd=REPO, env=env, start_new_session=True)
+    try:
+        with Client(f"ipc://{runtime_dir}", timeout=120, connect_timeout=START_TIMEOUT) as client:
+            client.wait_engine(timeout=START_TIMEOUT)
+            wait_for(lambda: _get(port, "/health")[0] == 200, timeout=START_TIMEOUT, what="the HTTP front's /health")
+            yield proc, runtime_dir, port, client, tiny_model_dir
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        for pid in (read_pids(runtime_dir) or {}).values():
+            if isinstance(pid, int):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _stop_inside(text: str) -> str:
+    """A stop sequence that occurs in `text` after its start: three characters from its middle
+    with something other than blank space in them."""
+    for start in range(len(text) // 3, len(text) - 3):
+        piece = text[start:start + 3]
+        if piece.strip() and text.find(piece) > 0:
+            return piece
+    raise AssertionError(f"no stop sequence to pick in {text!r}")
+
+
+def test_a_stop_sequence_ends_an_anthropic_message_as_stop_sequence(front):
+    """The service names the stop string that ended an answer; the Messages API reports it as
+    stop_reason "stop_sequence" with `stop_sequence` set, streamed and not, through the SDK."""
+    anthropic = pytest.importorskip("anthropic")
+    _, _, port, client, model = front
+    chat = [{"role": "user", "content": "hello"}]
+    full = client.generate(chat, max_tokens=24, temperature=0, ignore_eos=True)
+    stop = _stop_inside(full.text)
+    cut = client.generate(chat, max_tokens=24, temperature=0, ignore_eos=True, stop=[stop, "never-in-it"])
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop and cut.text == full.text[:full.text.find(stop)]
+    assert client.generate(chat, max_tokens=4, temperature=0, ignore_eos=True).stop_reason is None
+
+    sdk = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key=KEY, max_retries=0, timeout=120)
+    args = dict(model=model, max_tokens=24, messages=chat, stop_sequences=["never-in-it", stop],
+                extra_body={"ignore_eos": True, "temperature": 0})
+    msg = sdk.messages.create(**args)
+    assert (msg.stop_reason, msg.stop_sequence, msg.content[0].text) == ("stop_sequence", stop, cut.text)
+    with sdk.messages.stream(**args) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert streamed == cut.text and (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    whole = sdk.messages.create(**dict(args, stop_sequences=["never-in-it"]))
+    assert (whole.stop_reason, whole.stop_sequence) == ("max_tokens", None)
+
+
+def _sse_events(port: int, path: str, body: dict):
+    """A streamed POST's SSE `data:` payloads, read as they come (http.client, no SDK)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", path, body=json.dumps(dict(body, stream=True)),
+                 headers={"Content-Type": "application/json", **AUTH})
+    r = conn.getresponse()
+    assert r.status == 200, r.read()
+    for line in r:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            yield json.loads(line[6:])
+    conn.close()
+
+
+def _text_of(event: dict) -> str:
+    """The generated text an event of chat, Messages or Responses carries."""
+    if event.get("object") == "chat.completion.chunk":
+        return "".join(c["delta"].get("content") or "" for c in event["choices"])
+    if event.get("type") == "content_block_delta":
+        return event["delta"].get("text", "")
+    if event.get("type") == "response.output_text.delta":
+        return event["delta"]
+    return ""
+
+
+def _ended_by_length(event: dict) -> bool:
+    return (event.get("object") == "chat.completion.chunk" and any(c.get("finish_reason") == "length"
+                                                                   for c in event["choices"])) \
+        or (event.get("type") == "message_delta" and event["delta"]["stop_reason"] == "max_tokens") \
+        or event.get("type") == "response.incomplete"
+
+
+def test_chat_messages_and_responses_streams_continue_across_an_engine_restart(front):
+    """A stream of each of chat, Anthropic's Messages and OpenAI's Responses, in flight when the
+    engine is SIGKILLed: the supervisor restarts it, each stream is continued by the new engine
+    from what the front had received, and each whole text equals the uninterrupted answer's."""
+    _, runtime_dir, port, client, model = front
+    chat = [{"role": "user", "content": "hello"}]
+    tokens = 400
+    want = client.generate(chat, max_tokens=tokens, temperature=0, ignore_eos=True).text
+    bodies = {"/v1/chat/completions": {"model": model, "messages": chat, "max_tokens": tokens},
+              "/v1/messages": {"model": model, "messages": chat, "max_tokens": tokens},
+              "/v1/responses": {"model": model, "input": "hello", "max_output_tokens": tokens}}
+    streams, texts = {}, {}
+    for path, body in bodies.items():
+        streams[path] = _sse_events(port, path, dict(body, temperature=0, ignore_eos=True))
+        texts[path] = ""
+        while not texts[path]:  # each stream has its first text: it is in the engine
+            texts[path] += _text_of(next(streams[path]))
+    engine = read_pids(runtime_dir)["engine_proc"]
+    os.kill(engine, signal.SIGKILL)
+    wait_for(lambda: client.engine_alive is False, timeout=60, what="the engine reported dead")
+    wait_for(lambda: client.engine_alive is True and read_pids(runtime_dir)["engine_proc"] != engine,
+             timeout=START_TIMEOUT, what="the restarted engine")
+    for path, events in streams.items():
+        ended = False
+        for event in events:
+            assert "error" not in event and event.get("type") != "error", (path, event)
+            texts[path] += _text_of(event)
+            ended |= _ended_by_length(event)
+        assert ended and texts[path] == want, path
+    # The new engine served the three continuations (nothing else was sent to it): the streams were
+    # cut, not finished before the kill.
+    wait_for(lambda: client.server_stats()["engine"].get("prefix_cache_queries", 0) > 0, timeout=30,
+             what="the new engine's stats showing the continued requests")
