@@ -51,7 +51,8 @@ def _terminal(reason: p.FinishReason, row: p.OutputRow) -> Final:
 class Final(NamedTuple):
     # [ZH-START]
     # 【职责】一个请求的终止字段：finish_reason、usage（prompt / 输出 / 命中缓存的 token 数）、
-    # 错误文本、结束它的 stop string（stop_reason）；delta() 把它们和最后一段文本、token 拼成一行终止 DeltaRow。
+    # 错误文本、结束它的 stop string（stop_reason）；delta() 把它们和最后一段文本、token
+    # 拼成一行终止 DeltaRow。
     # 【边界】不可变的值，不做 I/O；出错或 resync 等待期间，由调用方决定何时把它发出去。
     # 【协作者】finished()/error 路径创建；RequestStreams.advance 与 fail 用它结束一条流。
     # [ZH-END]
