@@ -299,12 +299,7 @@ class GenerateReq(Message):
         if self.prompt is not None:
             check_str("prompt", self.prompt, MAX_FRAME_BYTES, empty=True)
         if self.messages is not None:
-            check(isinstance(self.messages, list) and 0 < len(self.messages) <= MAX_CHAT_MESSAGES,
-                  f"messages must be a non-empty list of at most {MAX_CHAT_MESSAGES} chat messages")
-            for m in self.messages:
-                check(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                      and all(isinstance(k, str) for k in m),
-                      "each chat message must be a map with string 'role' and 'content'")
+            check_messages(self.messages)
         if self.prompt_token_ids is not None:
             self.prompt_token_ids = unpack_token_ids(self.prompt_token_ids)
         self.sampling = read_sampling("sampling", self._with_own_fields(self.sampling))
@@ -336,6 +331,16 @@ class GenerateReq(Message):
               "got {}", own)
         own = [own] if isinstance(own, str) else own or []
         return {"skip_special_tokens": self.skip_special_tokens, **sampling, "stop": [*self.stop, *own]}
+
+
+def check_messages(messages: Any) -> None:
+    """A chat's messages as they travel (`GenerateReq`, `TokenizeReq`)."""
+    check(isinstance(messages, list) and 0 < len(messages) <= MAX_CHAT_MESSAGES,
+          f"messages must be a non-empty list of at most {MAX_CHAT_MESSAGES} chat messages")
+    for m in messages:
+        check(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+              and all(isinstance(k, str) for k in m),
+              "each chat message must be a map with string 'role' and 'content'")
 
 
 @_message("abort")
@@ -617,6 +622,100 @@ class EngineStatus(Message):
         _check_stats(self.stats)
         _check_state("state", self.state)
         check_number("uptime_s", self.uptime_s)
+
+
+# ---------------------------------------------------------------- commands: client -> stage -> client
+
+@_message("tokenize")
+@dataclass
+class TokenizeReq(Message):
+    """Tokenize a text or a chat as a request would be (vLLM's `/tokenize`); the tokenizer stage
+    answers with a `TokenizeOutput`, or an `ErrorOutput` naming the problem, under `request_id`."""
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    """None: a prompt gets them (True), a chat does not (its template writes them), as vLLM's defaults."""
+    add_generation_prompt: bool = True
+    """With `messages`: the template's cue for the assistant's turn at the end."""
+    continue_final_message: bool = False
+    """With `messages`: the last message left open, for the model to continue (not with
+    `add_generation_prompt`)."""
+    tools: str | None = None
+    chat_template_kwargs: str | None = None
+    """With `messages`: as on `GenerateReq`."""
+    return_token_strs: bool = False
+    """Also each token's text (the tokenizer's own token strings)."""
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check((self.prompt is None) != (self.messages is None), "give exactly one of prompt, messages")
+        if self.prompt is not None:
+            check_str("prompt", self.prompt, MAX_FRAME_BYTES, empty=True)
+        if self.messages is not None:
+            check_messages(self.messages)
+        check(self.add_special_tokens is None or isinstance(self.add_special_tokens, bool),
+              "add_special_tokens must be true, false or null")
+        for name in ("add_generation_prompt", "continue_final_message", "return_token_strs"):
+            check_bool(name, getattr(self, name))
+        check(not (self.add_generation_prompt and self.continue_final_message) or self.messages is None,
+              "continue_final_message cannot be combined with add_generation_prompt (set it false)")
+        if self.tools is not None:
+            check(self.messages is not None, "tools are offered only with messages (a chat)")
+            check_str("tools", self.tools, MAX_TOOLS_CHARS)
+        if self.chat_template_kwargs is not None:
+            check(self.messages is not None, "chat_template_kwargs apply only with messages (a chat)")
+            parse_template_kwargs(self.chat_template_kwargs)
+
+
+@_message("detokenize")
+@dataclass
+class DetokenizeReq(Message):
+    """Token ids back to text (vLLM's `/detokenize`); the tokenizer stage answers with a
+    `DetokenizeOutput`, or an `ErrorOutput` naming the problem (an id outside the vocabulary)."""
+    request_id: str
+    token_ids: bytes | list[int]
+    """Packed or a plain list, as a prompt's."""
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        self.token_ids = unpack_token_ids(self.token_ids)
+
+
+@_message("tokenize_result")
+@dataclass
+class TokenizeOutput(Message):
+    """The tokenizer stage's answer to a `TokenizeReq`."""
+    TOLERANT = True
+    request_id: str
+    token_ids: bytes
+    """Packed."""
+    max_model_len: int | None = None
+    """The engine's context length as the tokenizer stage knows it."""
+    token_strs: list[str] | None = None
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check_packed("token_ids", self.token_ids, MAX_FRAME_BYTES // 4)
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, 1, 2**31)
+        if self.token_strs is not None:
+            check_list("token_strs", self.token_strs, MAX_FRAME_BYTES // 4)
+            check(len(self.token_strs) * 4 == len(self.token_ids) and all(isinstance(t, str) for t in self.token_strs),
+                  "token_strs must be one string per token")
+
+
+@_message("detokenize_result")
+@dataclass
+class DetokenizeOutput(Message):
+    """The tokenizer stage's answer to a `DetokenizeReq`."""
+    TOLERANT = True
+    request_id: str
+    text: str
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check_str("text", self.text, MAX_FRAME_BYTES, empty=True)
 
 
 # ---------------------------------------------------------------- stages -> client

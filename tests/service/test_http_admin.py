@@ -4,8 +4,10 @@ stream continued by a new engine equals the uninterrupted one), over real socket
 SDKs. One service for the module; the engine-restart test runs last (it kills the engine)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +16,7 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from nanovllm_client import Client  # noqa: E402
+from nanovllm_client import AsyncClient, Client, RequestError  # noqa: E402
 from tests.service.conftest import EXACT_ARGS, START_TIMEOUT, TINY_ENGINE_ARGS  # noqa: E402
 from tests.service.harness import REPO, short_tmpdir, wait_for  # noqa: E402
 from tests.service.test_http_serve import AUTH, KEY, _free_port, _get, _post  # noqa: E402
@@ -82,6 +84,96 @@ def test_a_stop_sequence_ends_an_anthropic_message_as_stop_sequence(front):
     assert streamed == cut.text and (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
     whole = sdk.messages.create(**dict(args, stop_sequences=["never-in-it"]))
     assert (whole.stop_reason, whole.stop_sequence) == ("max_tokens", None)
+
+
+def _curl(port: int, path: str, body: dict | None, key: str | None = KEY) -> tuple[int, dict]:
+    """A POST through real curl: (status, JSON body)."""
+    args = ["curl", "-sS", "-X", "POST", "-w", "\n%{http_code}", f"http://127.0.0.1:{port}{path}"]
+    if body is not None:  # from stdin: a large body is no argument
+        args += ["-H", "Content-Type: application/json", "--data-binary", "@-"]
+    if key is not None:
+        args += ["-H", f"Authorization: Bearer {key}"]
+    out = subprocess.run(args, input=None if body is None else json.dumps(body), capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    text, status = out.rsplit("\n", 1)
+    return int(status), json.loads(text)
+
+
+needs_curl = pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
+
+
+@needs_curl
+def test_tokenize_and_detokenize_in_vllms_shapes(front):
+    """/tokenize of a text and of a chat gives the tokenizer's own ids (a chat's count is a chat
+    request's prompt_tokens), /detokenize gives the text back; the client library's commands
+    answer the same, sync and async."""
+    from transformers import AutoTokenizer
+
+    _, _, port, client, model = front
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    text = "def add(a, b):\n    return a + b  # 你好 🙂"
+    status, out = _curl(port, "/tokenize", {"model": model, "prompt": text, "return_token_strs": True})
+    ids = tokenizer.encode(text)
+    assert status == 200 and out == {"count": len(ids), "max_model_len": client.server_stats()["engine"]["max_model_len"],
+                                     "tokens": ids, "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    status, back = _curl(port, "/detokenize", {"model": model, "tokens": ids})
+    assert status == 200 and back == {"prompt": text}
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello", "name": "ann"}]
+    status, out = _curl(port, "/tokenize", {"messages": chat})  # model is optional, as in vLLM
+    used = client.generate(chat, max_tokens=1).usage["prompt_tokens"]
+    assert status == 200 and out["count"] == used == len(out["tokens"]) and "token_strs" not in out
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert out["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+    status, bare = _curl(port, "/tokenize", {"messages": chat, "add_generation_prompt": False})
+    assert status == 200 and bare["tokens"] == out["tokens"][:bare["count"]] and bare["count"] < out["count"]
+    prefill = chat + [{"role": "assistant", "content": "Hi th"}]
+    status, cont = _curl(port, "/tokenize", {"messages": prefill, "add_generation_prompt": False,
+                                             "continue_final_message": True})
+    assert status == 200 and _curl(port, "/detokenize", {"tokens": cont["tokens"]})[1]["prompt"].endswith("Hi th")
+
+    got = client.tokenize(chat)
+    assert (got.token_ids, got.max_model_len) == (out["tokens"], out["max_model_len"])
+    assert client.detokenize(ids) == text
+    assert client.tokenize(text, return_token_strs=True).token_strs == tokenizer.convert_ids_to_tokens(ids)
+
+    async def with_async() -> tuple:
+        async with AsyncClient(client.url, timeout=60) as c:
+            return (await c.tokenize(text)).token_ids, await c.detokenize(ids)
+
+    assert asyncio.run(with_async()) == (ids, text)
+
+
+@needs_curl
+def test_tokenize_and_detokenize_refuse_bad_input_naming_the_field(front):
+    _, _, port, client, model = front
+    vocab = len(__import__("transformers").AutoTokenizer.from_pretrained(model))
+    cases = [
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "messages"),
+        ("/tokenize", {"model": model}, 400, "prompt"),
+        ("/tokenize", {"prompt": 7}, 400, "prompt"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,
+                       "continue_final_message": True}, 400, "continue_final_message"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400,
+         "chat_template"),
+        ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+        ("/tokenize", {"prompt": "x" * 600_000}, 400, "prompt"),  # past 64 characters a token of the context
+        ("/detokenize", {"tokens": [1, vocab]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1] * 100_000}, 400, "tokens"),  # more than the context
+    ]
+    for path, body, status, param in cases:
+        got, out = _curl(port, path, body)
+        assert (got, out["error"]["param"]) == (status, param), (path, body if len(str(body)) < 200 else param, out)
+    assert "outside the vocabulary" in _curl(port, "/detokenize", {"tokens": [1, vocab]})[1]["error"]["message"]
+    assert _curl(port, "/tokenize", {"prompt": "x"}, key=None)[0] == 401
+    assert _curl(port, "/detokenize", {"tokens": [1]}, key="sk-wrong")[0] == 401
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        client.detokenize([vocab + 5])
+    assert client.detokenize([1, 2]) == _curl(port, "/detokenize", {"tokens": [1, 2]})[1]["prompt"]  # serves on
 
 
 def _sse_events(port: int, path: str, body: dict):
