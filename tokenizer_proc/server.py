@@ -53,7 +53,7 @@ from .tokens import TokenAnswers
 log = logging.getLogger("tokenizer_proc")
 
 DRAINING = "the tokenizer is draining (shutting down): it takes no new requests; retry on another instance or later"
-CLIENT_MESSAGES = (p.GenerateReq, p.AbortReq, p.Ping, p.TokenizeReq, p.DetokenizeReq)
+CLIENT_MESSAGES = (p.GenerateReq, p.AbortReq, p.Ping, p.TokenizeReq, p.DetokenizeReq, p.ResetPrefixCacheReq)
 NO_ENGINE = "engine is not available (dead, restarting or not started yet); retry later"
 ENGINE_STALL_S = 10.0
 """A request waiting this long for room in the engine pipe is failed instead of held."""
@@ -224,8 +224,8 @@ class TokenizerStage:
         # [ZH-START]
         # 1. 计数，记下该客户端最近活动时间。
         # 2. intake.accept：不是恰好一帧（"multipart"）、解不开（"bad_frame"：协议版本、类型、字段、
-        #    大小与嵌套都在 decode 里查）、或不是 generate / abort / ping / tokenize / detokenize
-        #    （"wrong_type"）→ 已计数，
+        #    大小与嵌套都在 decode 里查）、或不是 generate / abort / ping / tokenize / detokenize /
+        #    reset_prefix_cache（"wrong_type"）→ 已计数，
         #    把返回的 ErrorOutput 回给客户端（能认出 request_id 就带上；认不出时带上这一帧的
         #    frame_digest，客户端据此找到是哪个请求）。
         # 3. 按类型分发：
@@ -233,7 +233,9 @@ class TokenizerStage:
         #    AbortReq → 换成引擎侧 id "<客户端身份 hex>:<request_id>"，
         #               _send_abort 直接推给引擎的 control socket（不排在 pending 后面）；
         #    Ping → 回 Pong("tokenizer", 实例 id, 引擎是否已连接, 状态, 运行时长)；
-        #    TokenizeReq / DetokenizeReq → TokenAnswers.answer 的回答直接回给这个客户端。
+        #    TokenizeReq / DetokenizeReq → TokenAnswers.answer 的回答直接回给这个客户端；
+        #    ResetPrefixCacheReq → _pass_reset：填上客户端身份，推给引擎的 control socket
+        #    （draining 或没有引擎时直接回拒绝）。
         # [ZH-END]
         self.metrics.frame_received()
         self._clients_seen[identity] = time.monotonic()
@@ -248,6 +250,8 @@ class TokenizerStage:
             self._send_abort(engine_request_id(identity, msg.request_id))
         elif isinstance(msg, (p.TokenizeReq, p.DetokenizeReq)):
             self._reply(identity, self.tokens.answer(msg))
+        elif isinstance(msg, p.ResetPrefixCacheReq):
+            self._pass_reset(identity, msg)
         else:
             self._reply(identity, p.Pong(role="tokenizer", instance_id=self.instance_id,
                                          engine_alive=self.engine_peers.connected, state=self.flush.state,
@@ -293,6 +297,21 @@ class TokenizerStage:
         self.metrics.tokenize_seconds(time.perf_counter() - started)
         self.metrics.request_forwarded()
         self._forward(identity, req.request_id, frame)
+
+    def _pass_reset(self, identity: bytes, req: p.ResetPrefixCacheReq) -> None:
+        """A cache reset to the engine's control socket, with where its answer goes (the engine
+        answers through the detokenizer); refused here while draining or with no engine."""
+        refusal = None
+        if self.flush.state == "draining":
+            refusal = p.ResetPrefixCacheOutput(request_id=req.request_id, error=DRAINING, draining=True)
+        else:
+            try:
+                self.to_control.send(p.ResetPrefixCacheReq(request_id=req.request_id, client=identity).encode(),
+                                     zmq.NOBLOCK)
+            except zmq.Again:  # no engine connected (or its control pipe full)
+                refusal = p.ResetPrefixCacheOutput(request_id=req.request_id, error=NO_ENGINE)
+        if refusal is not None:
+            self._reply(identity, refusal)
 
     def _refuse(self, identity: bytes, req: p.GenerateReq, why: str) -> None:
         """Refuse a request: its client gets `why` as the request's error."""

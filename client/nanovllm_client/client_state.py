@@ -228,7 +228,7 @@ class Reaction:
     to_detok: list[bytes] = field(default_factory=list)
 
 
-COMMAND_REPLIES = (p.TokenizeOutput, p.DetokenizeOutput)
+COMMAND_REPLIES = (p.TokenizeOutput, p.DetokenizeOutput, p.ResetPrefixCacheOutput)
 """The answers to commands (`commands.py`): one message each, under the command's request id."""
 
 

@@ -5,6 +5,8 @@ message (`ClientState.handle` hands those over as `Reaction.replies`) or for the
 it (an `ErrorOutput` under that id, routed like a failed stream's).
 
 - tokenize / detokenize (vLLM's /tokenize, /detokenize): answered by the tokenizer stage.
+- reset_prefix_cache (vLLM's /reset_prefix_cache): passed on by the tokenizer to the engine, which
+  answers through the detokenizer (refused while the service drains).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any
 from . import protocol as p
 from .checks import ProtocolError
 from .client_state import chat_extras
-from .errors import RequestError
+from .errors import RequestError, ServiceDrainingError
 
 _serial = itertools.count()
 
@@ -68,12 +70,22 @@ def detokenize_request(token_ids: list[int]) -> p.DetokenizeReq:
     return _checked(p.DetokenizeReq(request_id=command_id("detokenize"), token_ids=list(token_ids)))
 
 
+def reset_prefix_cache_request() -> p.ResetPrefixCacheReq:
+    return p.ResetPrefixCacheReq(request_id=command_id("reset"))
+
+
 def answer(reply: Any) -> Any:
-    """A command's reply as what the caller asked for; RequestError with the service's words."""
+    """A command's reply as what the caller asked for; RequestError with the service's words
+    (ServiceDrainingError for a cache reset refused during a drain)."""
     if isinstance(reply, p.TokenizeOutput):
         return Tokenized(token_ids=p.unpack_token_ids(reply.token_ids), max_model_len=reply.max_model_len,
                          token_strs=reply.token_strs)
     if isinstance(reply, p.DetokenizeOutput):
         return reply.text
+    if isinstance(reply, p.ResetPrefixCacheOutput):
+        if reply.draining:
+            raise ServiceDrainingError(reply.error or "the service is draining")
+        if reply.error is None:
+            return reply.freed_blocks
     error = getattr(reply, "error", None) or f"unexpected reply {type(reply).__name__}"
     raise RequestError(error, getattr(reply, "request_id", None))

@@ -718,6 +718,44 @@ class DetokenizeOutput(Message):
         check_str("text", self.text, MAX_FRAME_BYTES, empty=True)
 
 
+@_message("reset_prefix_cache")
+@dataclass
+class ResetPrefixCacheReq(Message):
+    """Forget every cached KV block no running request holds (vLLM's /reset_prefix_cache). A
+    client sends it to the tokenizer, which passes it to the engine's control socket with the
+    client's routing id in `client`; the engine answers a `ResetPrefixCacheOutput` through the
+    detokenizer. Refused while the service drains."""
+    request_id: str
+    client: bytes = b""
+    """Set by the tokenizer (whatever a client put there is replaced): where the answer goes."""
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check_bytes("client", self.client, 255)
+
+
+@_message("reset_prefix_cache_result")
+@dataclass
+class ResetPrefixCacheOutput(Message):
+    """The engine's answer to a `ResetPrefixCacheReq` (or the tokenizer's refusal), under its
+    request id; `client` routes it through the detokenizer, which clears it."""
+    TOLERANT = True
+    request_id: str
+    freed_blocks: int = 0
+    """Cached blocks forgotten."""
+    error: str | None = None
+    draining: bool = False
+    """With `error`: refused because the service is draining."""
+    client: bytes = b""
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check_int("freed_blocks", self.freed_blocks, 0, 2**31)
+        check_opt_str("error", self.error, MAX_ERROR_LEN)
+        check_bool("draining", self.draining)
+        check_bytes("client", self.client, 255)
+
+
 # ---------------------------------------------------------------- stages -> client
 
 class Usage(NamedTuple):

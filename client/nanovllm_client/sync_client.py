@@ -128,14 +128,14 @@ class Client(ClientBase):
     """`Client("ipc:///run/nanovllm")` or `Client("tcp://127.0.0.1:5550")`; a context manager."""
     # [ZH-START]
     # 【职责】同步客户端：对外提供 stream / generate / abort / server_stats / wait_engine / close，
-    # 以及命令 tokenize / detokenize（commands.py，一问一答）；
+    # 以及命令 tokenize / detokenize / reset_prefix_cache（commands.py，一问一答）；
     # 对内一个后台 I/O 线程持有两个 DEALER 和 ClientState，定时 ping 两个 stage，
     # 把收到的帧变成增量分发到各流。
     # 【边界】协议逻辑（分词进程重启后重发、反分词进程重启后 Resume、引擎死亡判定）
     # 在 client_state.ClientState，与 AsyncClient 共用，这里只做 I/O 和线程间传递；
     # 不重试失败的请求（引擎死不算失败：ClientState 在新引擎实例起来后把在途请求连同已收到的输出
     # 重发，由新引擎续写）；两个 DEALER 用同一个随机路由 id，以便反分词进程把输出路由回来。
-    # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping / TokenizeReq / DetokenizeReq）；
+    # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping / 命令）；
     # detok_proc（Ping / StatsReq / Resume，收 StreamOutput / Pong / EngineStatus / StatsOutput）；
     # Stream；ClientBase 提供地址、id 分配和超时；commands 建命令、读回答。
     # [ZH-END]
@@ -234,6 +234,11 @@ class Client(ClientBase):
     def detokenize(self, token_ids: list[int], *, timeout: float = 10.0) -> str:
         """Token ids back to text (special tokens kept); RequestError for an id outside the vocabulary."""
         return self._command(commands.detokenize_request(token_ids), timeout)
+
+    def reset_prefix_cache(self, *, timeout: float = 10.0) -> int:
+        """Forget every cached KV block no running request holds; returns how many.
+        ServiceDrainingError while the service drains."""
+        return self._command(commands.reset_prefix_cache_request(), timeout)
 
     def wait_engine(self, timeout: float = 60.0) -> None:
         """Block until the engine is up (e.g. right after starting the service)."""

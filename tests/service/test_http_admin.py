@@ -16,9 +16,10 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from nanovllm_client import AsyncClient, Client, RequestError  # noqa: E402
+from nanovllm_client import AsyncClient, Client, RequestError, ServiceDrainingError  # noqa: E402
+from nanovllm_client.client_state import merge  # noqa: E402
 from tests.service.conftest import EXACT_ARGS, START_TIMEOUT, TINY_ENGINE_ARGS  # noqa: E402
-from tests.service.harness import REPO, short_tmpdir, wait_for  # noqa: E402
+from tests.service.harness import REPO, fresh_engine_stats, short_tmpdir, wait_for  # noqa: E402
 from tests.service.test_http_serve import AUTH, KEY, _free_port, _get, _post  # noqa: E402
 from tests.service.test_supervisor import read_pids  # noqa: E402
 
@@ -174,6 +175,79 @@ def test_tokenize_and_detokenize_refuse_bad_input_naming_the_field(front):
     with pytest.raises(RequestError, match="outside the vocabulary"):
         client.detokenize([vocab + 5])
     assert client.detokenize([1, 2]) == _curl(port, "/detokenize", {"tokens": [1, 2]})[1]["prompt"]  # serves on
+
+
+LONG = "The quick brown fox jumps over the lazy dog, then naps under the old oak tree. " * 6
+"""A prompt of many full KV blocks (16 tokens each)."""
+
+
+@needs_curl
+def test_reset_prefix_cache_forgets_what_no_request_holds(front):
+    """/reset_prefix_cache (and /flush_cache, the client library, the CLI): the cached blocks of
+    finished requests are forgotten (the same prompt then finds none), while a request running
+    through the reset keeps its blocks, finds them shared, and answers exactly as without it."""
+    _, runtime_dir, port, client, model = front
+    client.generate(LONG, max_tokens=1)
+    assert client.generate(LONG, max_tokens=1).usage["cached_tokens"] >= 64
+    assert _curl(port, "/reset_prefix_cache", None, key=None)[0] == 401  # the key rules of every endpoint
+    assert client.generate(LONG, max_tokens=1).usage["cached_tokens"] >= 64  # ... and nothing was done
+
+    running = "def running(x):\n" + LONG
+    limit = client.server_stats()["engine"]["max_model_len"]
+    want = client.generate(running, max_tokens=600, temperature=0, ignore_eos=True)
+    stream = client.stream(running, max_tokens=limit - want.usage["prompt_tokens"] - 1, temperature=0,
+                           ignore_eos=True)
+    got = [next(stream)]
+    status, out = _curl(port, "/reset_prefix_cache", None)
+    assert status == 200 and out["freed_blocks"] >= 4, out  # LONG's blocks at least
+    assert fresh_engine_stats(client)["num_running"] == 1  # the stream ran through the reset
+    assert client.generate(running, max_tokens=1).usage["cached_tokens"] >= 64  # its blocks, kept and shared
+    assert client.generate(LONG, max_tokens=1).usage["cached_tokens"] == 0  # forgotten
+    while sum(len(d.token_ids) for d in got) < 600:
+        got.append(next(stream))
+    stream.cancel()
+    assert merge(got, "r").token_ids[:600] == want.token_ids
+
+    status, out = _curl(port, "/flush_cache", None)  # SGLang's router's name for it
+    assert status == 200 and out["freed_blocks"] > 0  # the generates above cached their blocks again
+    client.generate(LONG, max_tokens=1)
+    assert client.reset_prefix_cache() > 0 and client.reset_prefix_cache() == 0
+
+    async def with_async() -> int:
+        async with AsyncClient(client.url, timeout=60) as c:
+            await c.generate(LONG, max_tokens=1)
+            return await c.reset_prefix_cache()
+
+    assert asyncio.run(with_async()) > 0
+    client.generate(LONG, max_tokens=1)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
+    cli = subprocess.run([sys.executable, "-m", "nanovllm.cli", "reset-prefix-cache", "--url", client.url],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert cli.returncode == 0 and cli.stdout.startswith("freed ") and int(cli.stdout.split()[1]) > 0, cli
+    assert client.generate(LONG, max_tokens=1).usage["cached_tokens"] == 0
+
+
+@needs_curl
+def test_reset_prefix_cache_is_refused_while_the_engine_drains(front):
+    """SIGTERM to the engine alone: it drains the stream in flight, and a cache reset meanwhile is
+    a 503 naming the drain (the client library: ServiceDrainingError); the supervisor then starts a
+    new engine, which serves the reset again."""
+    _, runtime_dir, port, client, model = front
+    limit = client.server_stats()["engine"]["max_model_len"]
+    stream = client.stream("def slow():", max_tokens=limit - 16, ignore_eos=True)
+    next(stream)
+    engine = read_pids(runtime_dir)["engine_proc"]
+    os.kill(engine, signal.SIGTERM)
+    wait_for(lambda: client.server_stats()["engine_state"] == "draining", timeout=60, what="the engine draining")
+    status, out = _curl(port, "/reset_prefix_cache", None)
+    assert status == 503 and out["error"]["code"] == "draining" and "draining" in out["error"]["message"], out
+    with pytest.raises(ServiceDrainingError):
+        client.reset_prefix_cache()
+    stream.cancel()  # the drain ends with it
+    wait_for(lambda: client.engine_alive is True and read_pids(runtime_dir)["engine_proc"] != engine,
+             timeout=START_TIMEOUT, what="the restarted engine")
+    wait_for(lambda: _curl(port, "/reset_prefix_cache", None)[0] == 200, timeout=60,
+             what="a reset served by the new engine")
 
 
 def _sse_events(port: int, path: str, body: dict):

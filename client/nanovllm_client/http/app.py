@@ -277,6 +277,14 @@ def build_app(client: Any, settings: Settings) -> Starlette:
 
         return await command(request, "detokenize", run, "tokens")
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        """vLLM's /reset_prefix_cache (SGLang's router calls it /flush_cache): the engine forgets
+        every cached KV block no running request holds and says how many; 503 while draining."""
+        async def run() -> dict:
+            return {"freed_blocks": await client.reset_prefix_cache()}
+
+        return await command(request, "reset_prefix_cache", run, None)
+
     async def health(request: Request) -> Response:
         if settings.health is None:
             return JSONResponse({"status": "unknown"})
@@ -456,6 +464,8 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         Route("/version", version, methods=["GET"]),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        Route("/flush_cache", reset_prefix_cache, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
