@@ -141,7 +141,8 @@ def build_request(prompt: str | list[int] | list[dict] | None = None, *, message
                          chat_template_kwargs=kwargs_text)
 
 
-def chat_extras(tools: list[dict] | str | None, chat_template_kwargs: dict | str | None) -> tuple[str | None, str | None]:
+def chat_extras(tools: list[dict] | str | None,
+                chat_template_kwargs: dict | str | None) -> tuple[str | None, str | None]:
     """A chat's `tools` and `chat_template_kwargs` as they travel: JSON text (given as text, as is)."""
     tools_text = (tools if isinstance(tools, str) or tools is None
                   else json.dumps(tools, separators=(",", ":"), ensure_ascii=False))
@@ -638,7 +639,9 @@ class ClientBase:
         # 2. 都找不到（流已结束或已取消）就丢弃：旧流迟到的输出永远到不了复用同一 id 的新流。
         # [ZH-END]
         for delta in deltas:
-            target = self._streams.get(delta.request_id) or self._replies.get(delta.request_id)
+            target = self._streams.get(delta.request_id)
+            if target is None:
+                target = self._replies.get(delta.request_id)
             if target is not None:
                 target.put_nowait(delta)
 

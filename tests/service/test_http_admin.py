@@ -115,8 +115,9 @@ def test_tokenize_and_detokenize_in_vllms_shapes(front):
     text = "def add(a, b):\n    return a + b  # 你好 🙂"
     status, out = _curl(port, "/tokenize", {"model": model, "prompt": text, "return_token_strs": True})
     ids = tokenizer.encode(text)
-    assert status == 200 and out == {"count": len(ids), "max_model_len": client.server_stats()["engine"]["max_model_len"],
-                                     "tokens": ids, "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    limit = client.server_stats()["engine"]["max_model_len"]
+    assert status == 200 and out == {"count": len(ids), "max_model_len": limit, "tokens": ids,
+                                     "token_strs": tokenizer.convert_ids_to_tokens(ids)}
     status, back = _curl(port, "/detokenize", {"model": model, "tokens": ids})
     assert status == 200 and back == {"prompt": text}
 
