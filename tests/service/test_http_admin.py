@@ -5,6 +5,7 @@ SDKs. One service for the module; the engine-restart test runs last (it kills th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -251,69 +252,53 @@ def test_reset_prefix_cache_is_refused_while_the_engine_drains(front):
              what="a reset served by the new engine")
 
 
-def _sse_events(port: int, path: str, body: dict):
-    """A streamed POST's SSE `data:` payloads, read as they come (http.client, no SDK)."""
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", path, body=json.dumps(dict(body, stream=True)),
-                 headers={"Content-Type": "application/json", **AUTH})
-    r = conn.getresponse()
-    assert r.status == 200, r.read()
-    for line in r:
-        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-            yield json.loads(line[6:])
-    conn.close()
-
-
-def _text_of(event: dict) -> str:
-    """The generated text an event of chat, Messages or Responses carries."""
-    if event.get("object") == "chat.completion.chunk":
-        return "".join(c["delta"].get("content") or "" for c in event["choices"])
-    if event.get("type") == "content_block_delta":
-        return event["delta"].get("text", "")
-    if event.get("type") == "response.output_text.delta":
-        return event["delta"]
-    return ""
-
-
-def _ended_by_length(event: dict) -> bool:
-    return (event.get("object") == "chat.completion.chunk" and any(c.get("finish_reason") == "length"
-                                                                   for c in event["choices"])) \
-        or (event.get("type") == "message_delta" and event["delta"]["stop_reason"] == "max_tokens") \
-        or event.get("type") == "response.incomplete"
-
-
 def test_chat_messages_and_responses_streams_continue_across_an_engine_restart(front):
-    """A stream of each of chat, Anthropic's Messages and OpenAI's Responses, in flight when the
-    engine is SIGKILLed: the supervisor restarts it, each stream is continued by the new engine
-    from what the front had received, and each whole text equals the uninterrupted answer's."""
+    """A stream of each of chat and Responses (the openai SDK) and Anthropic's Messages (its SDK),
+    in flight when the engine is SIGKILLed: the supervisor restarts it, each stream is continued
+    by the new engine from what the front had received, and each whole text equals the
+    uninterrupted answer's, ended by its length."""
+    openai = pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
     _, runtime_dir, port, client, model = front
-    chat = [{"role": "user", "content": "hello"}]
-    tokens = 400
+    oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+    ant = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key=KEY, max_retries=0, timeout=120)
+    chat, tokens, greedy = [{"role": "user", "content": "hello"}], 400, {"ignore_eos": True, "temperature": 0}
     want = client.generate(chat, max_tokens=tokens, temperature=0, ignore_eos=True).text
-    bodies = {"/v1/chat/completions": {"model": model, "messages": chat, "max_tokens": tokens},
-              "/v1/messages": {"model": model, "messages": chat, "max_tokens": tokens},
-              "/v1/responses": {"model": model, "input": "hello", "max_output_tokens": tokens}}
-    streams, texts = {}, {}
-    for path, body in bodies.items():
-        streams[path] = _sse_events(port, path, dict(body, temperature=0, ignore_eos=True))
-        texts[path] = ""
-        while not texts[path]:  # each stream has its first text: it is in the engine
-            texts[path] += _text_of(next(streams[path]))
-    engine = read_pids(runtime_dir)["engine_proc"]
-    os.kill(engine, signal.SIGKILL)
-    wait_for(lambda: client.engine_alive is False, timeout=60, what="the engine reported dead")
-    wait_for(lambda: client.engine_alive is True and read_pids(runtime_dir)["engine_proc"] != engine,
-             timeout=START_TIMEOUT, what="the restarted engine")
-    for path, events in streams.items():
-        ended = False
-        for event in events:
-            assert "error" not in event and event.get("type") != "error", (path, event)
-            texts[path] += _text_of(event)
-            ended |= _ended_by_length(event)
-        assert ended and texts[path] == want, path
+    with contextlib.ExitStack() as opened:
+        chunks = opened.enter_context(oai.chat.completions.create(
+            model=model, messages=chat, max_tokens=tokens, stream=True, extra_body=greedy))
+        message = opened.enter_context(ant.messages.stream(model=model, messages=chat, max_tokens=tokens,
+                                                           extra_body=greedy))
+        response = opened.enter_context(oai.responses.stream(model=model, input="hello", max_output_tokens=tokens,
+                                                             extra_body=greedy))
+        texts = {"chat": _first_text(c.choices[0].delta.content for c in chunks if c.choices),
+                 "messages": _first_text(message.text_stream),
+                 "responses": _first_text(e.delta for e in response if e.type == "response.output_text.delta")}
+        engine = read_pids(runtime_dir)["engine_proc"]
+        os.kill(engine, signal.SIGKILL)  # each stream has text: each is in the engine
+        wait_for(lambda: client.engine_alive is False, timeout=60, what="the engine reported dead")
+        wait_for(lambda: client.engine_alive is True and read_pids(runtime_dir)["engine_proc"] != engine,
+                 timeout=START_TIMEOUT, what="the restarted engine")
+        reasons = {}
+        for c in chunks:
+            texts["chat"] += "".join(ch.delta.content or "" for ch in c.choices)
+            reasons["chat"] = next((ch.finish_reason for ch in c.choices if ch.finish_reason), reasons.get("chat"))
+        texts["messages"] += "".join(message.text_stream)
+        reasons["messages"] = message.get_final_message().stop_reason
+        for e in response:  # its get_final_response waits for response.completed only
+            texts["responses"] += e.delta if e.type == "response.output_text.delta" else ""
+            reasons["responses"] = e.response.status if e.type == "response.incomplete" else reasons.get("responses")
+    assert texts == dict.fromkeys(texts, want)
+    assert reasons == {"chat": "length", "messages": "max_tokens", "responses": "incomplete"}
     # The new engine served the three continuations (nothing else was sent to it): the streams were
     # cut, not finished before the kill.
     wait_for(lambda: client.server_stats()["engine"].get("prefix_cache_queries", 0) > 0, timeout=30,
              what="the new engine's stats showing the continued requests")
+
+
+def _first_text(pieces) -> str:
+    """The first non-empty piece of text a stream yields (None pieces skipped)."""
+    for piece in pieces:
+        if piece:
+            return piece
+    raise AssertionError("the stream ended without text")
