@@ -60,7 +60,8 @@ class TokenAnswers:
         #    add_special_tokens 默认 False（模板里已经带了特殊 token）；
         #    否则是 prompt 文本，默认 True。
         # 2. 文本超过 64 × max_model_len 个字符 → ValueError（与请求同一上限，分词前就拒绝）。
-        # 3. encode；要 token 字符串时 convert_ids_to_tokens。
+        # 3. encode；要 token 字符串时 convert_ids_to_tokens（最多 MAX_TOKEN_STRS 个，
+        #    多了 → ValueError：回答是一个 msgpack 数组，有长度上限）。
         # 4. 返回 TokenizeOutput(打包的 ids, max_model_len, token_strs)。
         # [ZH-END]
         if req.messages is not None:
@@ -74,6 +75,9 @@ class TokenAnswers:
             raise ValueError(f"the text has {len(text)} characters, more than max_model_len {self.max_model_len} "
                              f"tokens could hold (at most {MAX_CHARS_PER_TOKEN} characters per token are allowed for)")
         ids = self.tokenizer.encode(text, add_special_tokens=special)
+        if req.return_token_strs and len(ids) > p.MAX_TOKEN_STRS:
+            raise ValueError(f"return_token_strs is served for at most {p.MAX_TOKEN_STRS} tokens; this text has "
+                             f"{len(ids)} (ask for the ids alone)")
         strs = [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)] if req.return_token_strs else None
         return p.TokenizeOutput(request_id=req.request_id, token_ids=p.pack_token_ids(ids),
                                 max_model_len=self.max_model_len, token_strs=strs)

@@ -65,6 +65,8 @@ MAX_PROMPT_TAIL = 64
 MAX_ROWS = 1 << 16
 """Rows in one step / resync / resume message."""
 MAX_PRIORITY = 1 << 31
+MAX_TOKEN_STRS = 1 << 16
+"""Token strings one `tokenize_result` may carry (a list: msgpack's array limit is 262,144)."""
 
 
 class FinishReason(str, Enum):
@@ -700,7 +702,7 @@ class TokenizeOutput(Message):
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 1, 2**31)
         if self.token_strs is not None:
-            check_list("token_strs", self.token_strs, MAX_FRAME_BYTES // 4)
+            check_list("token_strs", self.token_strs, MAX_TOKEN_STRS)
             check(len(self.token_strs) * 4 == len(self.token_ids) and all(isinstance(t, str) for t in self.token_strs),
                   "token_strs must be one string per token")
 

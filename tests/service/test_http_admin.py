@@ -172,6 +172,11 @@ def test_tokenize_and_detokenize_refuse_bad_input_naming_the_field(front):
         got, out = _curl(port, path, body)
         assert (got, out["error"]["param"]) == (status, param), (path, body if len(str(body)) < 200 else param, out)
     assert "outside the vocabulary" in _curl(port, "/detokenize", {"tokens": [1, vocab]})[1]["error"]["message"]
+    many = "🙂" * 30_000  # more tokens than one answer carries token strings for, within the text bound
+    status, out = _curl(port, "/tokenize", {"prompt": many})
+    assert status == 200 and out["count"] > 65_536, out.get("count")
+    status, out = _curl(port, "/tokenize", {"prompt": many, "return_token_strs": True})
+    assert (status, out["error"]["param"]) == (400, "prompt") and "at most 65536 tokens" in out["error"]["message"]
     assert _curl(port, "/tokenize", {"prompt": "x"}, key=None)[0] == 401
     assert _curl(port, "/detokenize", {"tokens": [1]}, key="sk-wrong")[0] == 401
     with pytest.raises(RequestError, match="outside the vocabulary"):
