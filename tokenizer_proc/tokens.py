@@ -36,8 +36,11 @@ class TokenAnswers:
     def __init__(self, tokenizer: Any, max_model_len: int | None = None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.vocab_size = len(tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
         """Ids at or above this are outside the vocabulary (added tokens included)."""
+        return len(self.tokenizer)
 
     def answer(self, req: p.TokenizeReq | p.DetokenizeReq) -> p.Message:
         """The reply to one command; an `ErrorOutput` naming the problem if it cannot be served."""
