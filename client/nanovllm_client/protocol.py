@@ -14,7 +14,10 @@ positional arrays on the wire, named in code, read and checked in one place (`ty
 Flow (see docs/service.md): client --GenerateReq/AbortReq/Ping--> tokenizer --TokenizedReq-->
 engine (input) --StepOutput/EngineStatus/Resync--> detokenizer --StreamOutput/EngineStatus/
 Pong--> client; tokenizer --AbortReq--> engine (control); detokenizer --AbortReq/DetokHello-->
-engine (control); client --Resume--> detokenizer.
+engine (control); client --Resume--> detokenizer. Commands (one question, one answer): client
+--TokenizeReq/DetokenizeReq--> tokenizer --TokenizeOutput/DetokenizeOutput--> client; client
+--ResetPrefixCacheReq--> tokenizer --> engine (control) --ResetPrefixCacheOutput--> detokenizer
+--> client.
 """
 from __future__ import annotations
 
