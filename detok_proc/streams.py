@@ -51,7 +51,8 @@ def _terminal(reason: p.FinishReason, row: p.OutputRow) -> Final:
 class Final(NamedTuple):
     # [ZH-START]
     # 【职责】一个请求的终止字段：finish_reason、usage（prompt / 输出 / 命中缓存的 token 数）、
-    # 错误文本；delta() 把它们和最后一段文本、token 拼成一行终止 DeltaRow。
+    # 错误文本、结束它的 stop string（stop_reason）；delta() 把它们和最后一段文本、token
+    # 拼成一行终止 DeltaRow。
     # 【边界】不可变的值，不做 I/O；出错或 resync 等待期间，由调用方决定何时把它发出去。
     # 【协作者】finished()/error 路径创建；RequestStreams.advance 与 fail 用它结束一条流。
     # [ZH-END]
@@ -59,6 +60,8 @@ class Final(NamedTuple):
     finish_reason: p.FinishReason
     usage: p.Usage | None = None
     error: str | None = None
+    stop_reason: str | None = None
+    """The stop string that ended it, if one did."""
 
     def delta(self, client_request_id: str, text: str = "", token_ids: bytes = b"",
               reasoning_open: bool = False, logprobs: list[p.TokenLogprob] | None = None,
@@ -66,7 +69,8 @@ class Final(NamedTuple):
         """The terminal delta, with the last text and tokens (and their logprobs)."""
         return p.DeltaRow(request_id=client_request_id, text=text, token_ids=token_ids,
                           finish_reason=self.finish_reason, error=self.error, usage=self.usage,
-                          reasoning_open=reasoning_open, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                          reasoning_open=reasoning_open, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                          stop_reason=self.stop_reason)
 
 
 @dataclass
@@ -203,7 +207,7 @@ class RequestStreams:
         # 2. 本地不认识这个请求（已结束、客户端已走、或比 resync 还早）：若引擎仍在生成且已 resync，
         #    就 abort 这个孤儿一次；返回 (None, None)。
         # 3. 解包 token，text = detok.add(token, finished)。
-        # 4. 反分词器命中 stop string：把终止字段（STOP、此刻的 usage）
+        # 4. 反分词器命中 stop string：把终止字段（STOP、此刻的 usage、命中的 stop string）
         #    存进 state.stopped（命中在引擎最后一行上、或重启后 resync 里引擎已因旧 abort
         #    结束的请求，也照 STOP 结束）；引擎还没结束就把它放进 out.aborts，
         #    这一行的文本照常发出，但终止增量要等引擎的最后一行（它确认已丢掉这个请求）到了才发——
@@ -242,7 +246,7 @@ class RequestStreams:
             text = state.detok.add(token_ids, finished)
             state.num_prompt, state.num_output = row.num_prompt_tokens, row.num_output_tokens
             if state.detok.stopped:  # its stop string ends it, on whichever row it completes
-                state.stopped = _terminal(p.FinishReason.STOP, row)
+                state.stopped = _terminal(p.FinishReason.STOP, row)._replace(stop_reason=state.detok.stop_reason)
                 if not finished:  # the end, once the engine confirms it dropped it
                     self._abort_stopped(request_id, state, out)
         final = None

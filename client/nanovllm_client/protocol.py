@@ -14,7 +14,10 @@ positional arrays on the wire, named in code, read and checked in one place (`ty
 Flow (see docs/service.md): client --GenerateReq/AbortReq/Ping--> tokenizer --TokenizedReq-->
 engine (input) --StepOutput/EngineStatus/Resync--> detokenizer --StreamOutput/EngineStatus/
 Pong--> client; tokenizer --AbortReq--> engine (control); detokenizer --AbortReq/DetokHello-->
-engine (control); client --Resume--> detokenizer.
+engine (control); client --Resume--> detokenizer. Commands (one question, one answer): client
+--TokenizeReq/DetokenizeReq--> tokenizer --TokenizeOutput/DetokenizeOutput--> client; client
+--ResetPrefixCacheReq--> tokenizer --> engine (control) --ResetPrefixCacheOutput--> detokenizer
+--> client.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import msgpack
 
 from .checks import (ProtocolError, check, check_bool, check_bytes, check_depth, check_fields, check_int,
                      check_list, check_map, check_number, check_opt_str, check_str, is_int, show)
-from .sampling import MAX_LOGPROBS, SamplingParams
+from .sampling import MAX_LOGPROBS, MAX_STOP_STRING_LENGTH, SamplingParams
 from .template_kwargs import parse_template_kwargs
 
 __all__ = ["ProtocolError", "PROTOCOL_VERSION", "STAGE_PROTOCOL_VERSION", "FinishReason", "decode", "pack_token_ids",
@@ -67,6 +70,8 @@ MAX_ROWS = 1 << 16
 MAX_PRIORITY = 1 << 31
 MAX_TOKEN_TEXT = 1024
 """Characters of one vocabulary token's text in a logprob entry."""
+MAX_TOKEN_STRS = 1 << 16
+"""Token strings one `tokenize_result` may carry (a list: msgpack's array limit is 262,144)."""
 
 
 class FinishReason(str, Enum):
@@ -301,12 +306,7 @@ class GenerateReq(Message):
         if self.prompt is not None:
             check_str("prompt", self.prompt, MAX_FRAME_BYTES, empty=True)
         if self.messages is not None:
-            check(isinstance(self.messages, list) and 0 < len(self.messages) <= MAX_CHAT_MESSAGES,
-                  f"messages must be a non-empty list of at most {MAX_CHAT_MESSAGES} chat messages")
-            for m in self.messages:
-                check(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                      and all(isinstance(k, str) for k in m),
-                      "each chat message must be a map with string 'role' and 'content'")
+            check_messages(self.messages)
         if self.prompt_token_ids is not None:
             self.prompt_token_ids = unpack_token_ids(self.prompt_token_ids)
         self.sampling = read_sampling("sampling", self._with_own_fields(self.sampling))
@@ -338,6 +338,16 @@ class GenerateReq(Message):
               "got {}", own)
         own = [own] if isinstance(own, str) else own or []
         return {"skip_special_tokens": self.skip_special_tokens, **sampling, "stop": [*self.stop, *own]}
+
+
+def check_messages(messages: Any) -> None:
+    """A chat's messages as they travel (`GenerateReq`, `TokenizeReq`)."""
+    check(isinstance(messages, list) and 0 < len(messages) <= MAX_CHAT_MESSAGES,
+          f"messages must be a non-empty list of at most {MAX_CHAT_MESSAGES} chat messages")
+    for m in messages:
+        check(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+              and all(isinstance(k, str) for k in m),
+              "each chat message must be a map with string 'role' and 'content'")
 
 
 @_message("abort")
@@ -670,6 +680,138 @@ class EngineStatus(Message):
         check_number("uptime_s", self.uptime_s)
 
 
+# ---------------------------------------------------------------- commands: client -> stage -> client
+
+@_message("tokenize")
+@dataclass
+class TokenizeReq(Message):
+    """Tokenize a text or a chat as a request would be (vLLM's `/tokenize`); the tokenizer stage
+    answers with a `TokenizeOutput`, or an `ErrorOutput` naming the problem, under `request_id`."""
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    """None: a prompt gets them (True), a chat does not (its template writes them), as vLLM's defaults."""
+    add_generation_prompt: bool = True
+    """With `messages`: the template's cue for the assistant's turn at the end."""
+    continue_final_message: bool = False
+    """With `messages`: the last message left open, for the model to continue (not with
+    `add_generation_prompt`)."""
+    tools: str | None = None
+    chat_template_kwargs: str | None = None
+    """With `messages`: as on `GenerateReq`."""
+    return_token_strs: bool = False
+    """Also each token's text (the tokenizer's own token strings)."""
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check((self.prompt is None) != (self.messages is None), "give exactly one of prompt, messages")
+        if self.prompt is not None:
+            check_str("prompt", self.prompt, MAX_FRAME_BYTES, empty=True)
+        if self.messages is not None:
+            check_messages(self.messages)
+        check(self.add_special_tokens is None or isinstance(self.add_special_tokens, bool),
+              "add_special_tokens must be true, false or null")
+        for name in ("add_generation_prompt", "continue_final_message", "return_token_strs"):
+            check_bool(name, getattr(self, name))
+        check(not (self.add_generation_prompt and self.continue_final_message) or self.messages is None,
+              "continue_final_message cannot be combined with add_generation_prompt (set it false)")
+        if self.tools is not None:
+            check(self.messages is not None, "tools are offered only with messages (a chat)")
+            check_str("tools", self.tools, MAX_TOOLS_CHARS)
+        if self.chat_template_kwargs is not None:
+            check(self.messages is not None, "chat_template_kwargs apply only with messages (a chat)")
+            parse_template_kwargs(self.chat_template_kwargs)
+
+
+@_message("detokenize")
+@dataclass
+class DetokenizeReq(Message):
+    """Token ids back to text (vLLM's `/detokenize`); the tokenizer stage answers with a
+    `DetokenizeOutput`, or an `ErrorOutput` naming the problem (an id outside the vocabulary)."""
+    request_id: str
+    token_ids: bytes | list[int]
+    """Packed or a plain list, as a prompt's."""
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        self.token_ids = unpack_token_ids(self.token_ids)
+
+
+@_message("tokenize_result")
+@dataclass
+class TokenizeOutput(Message):
+    """The tokenizer stage's answer to a `TokenizeReq`."""
+    TOLERANT = True
+    request_id: str
+    token_ids: bytes
+    """Packed."""
+    max_model_len: int | None = None
+    """The engine's context length as the tokenizer stage knows it."""
+    token_strs: list[str] | None = None
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check_packed("token_ids", self.token_ids, MAX_FRAME_BYTES // 4)
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, 1, 2**31)
+        if self.token_strs is not None:
+            check_list("token_strs", self.token_strs, MAX_TOKEN_STRS)
+            check(len(self.token_strs) * 4 == len(self.token_ids) and all(isinstance(t, str) for t in self.token_strs),
+                  "token_strs must be one string per token")
+
+
+@_message("detokenize_result")
+@dataclass
+class DetokenizeOutput(Message):
+    """The tokenizer stage's answer to a `DetokenizeReq`."""
+    TOLERANT = True
+    request_id: str
+    text: str
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check_str("text", self.text, MAX_FRAME_BYTES, empty=True)
+
+
+@_message("reset_prefix_cache")
+@dataclass
+class ResetPrefixCacheReq(Message):
+    """Forget every cached KV block no running request holds (vLLM's /reset_prefix_cache). A
+    client sends it to the tokenizer, which passes it to the engine's control socket with the
+    client's routing id in `client`; the engine answers a `ResetPrefixCacheOutput` through the
+    detokenizer. Refused while the service drains."""
+    request_id: str
+    client: bytes = b""
+    """Set by the tokenizer (whatever a client put there is replaced): where the answer goes."""
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check_bytes("client", self.client, 255)
+
+
+@_message("reset_prefix_cache_result")
+@dataclass
+class ResetPrefixCacheOutput(Message):
+    """The engine's answer to a `ResetPrefixCacheReq` (or the tokenizer's refusal), under its
+    request id; `client` routes it through the detokenizer, which clears it."""
+    TOLERANT = True
+    request_id: str
+    freed_blocks: int = 0
+    """Cached blocks forgotten."""
+    error: str | None = None
+    draining: bool = False
+    """With `error`: refused because the service is draining."""
+    client: bytes = b""
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check_int("freed_blocks", self.freed_blocks, 0, 2**31)
+        check_opt_str("error", self.error, MAX_ERROR_LEN)
+        check_bool("draining", self.draining)
+        check_bytes("client", self.client, 255)
+
+
 # ---------------------------------------------------------------- stages -> client
 
 class Usage(NamedTuple):
@@ -744,6 +886,9 @@ class DeltaRow(NamedTuple):
     prompt_logprobs: list[TokenLogprob] | None = None
     """With prompt_logprobs, on the request's first delta: one per prompt token (the first given:
     logprob 0, no alternatives)."""
+    stop_reason: str | None = None
+    """On a terminal delta with finish_reason "stop" that a stop string ended: that string (vLLM's
+    `stop_reason`); None where EOS, a stop token or a grammar ended it."""
 
     def check(self) -> None:
         check_str("delta request_id", self.request_id, MAX_ENGINE_ID_LEN)
@@ -753,6 +898,7 @@ class DeltaRow(NamedTuple):
         check_bool("delta engine_dead", self.engine_dead)
         check_bool("delta unsent", self.unsent)
         check_bool("delta reasoning_open", self.reasoning_open)
+        check_opt_str("delta stop_reason", self.stop_reason, MAX_STOP_STRING_LENGTH)
 
 
 @_message("stream")
@@ -853,7 +999,7 @@ _READERS: dict[type, tuple[tuple[int, Callable[[str, Any], Any]], ...]] = {
     DeltaRow: ((3, read_finish_reason), (5, _row(Usage, optional=True)), (9, _LOGPROBS), (10, _LOGPROBS)),
     TokenLogprob: ((5, _rows(TopLogprob)),)}
 """Values inside rows with a type of their own: (position, reader)."""
-_NEWEST_FIELDS: dict[type, tuple[str, ...]] = {DeltaRow: ("logprobs", "prompt_logprobs")}
+_NEWEST_FIELDS: dict[type, tuple[str, ...]] = {DeltaRow: ("logprobs", "prompt_logprobs", "stop_reason")}
 """The trailing fields a row gained in this version, each with a default. A client often runs
 against an older service: where tolerant, a row without them is read with their defaults, so
 adding a field breaks no reader of the one-version-older row. Every other width stays an error."""

@@ -519,6 +519,16 @@ class LLMEngine:
         """Stop tensor-parallel workers now (a finalizer does it at exit otherwise); idempotent."""
         self.runner.close()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block no running request holds; returns how many
+        (`BlockManager.reset_prefix_cache`)."""
+        # [ZH-START]
+        # 1. 交给 BlockManager.reset_prefix_cache：空闲表里带哈希的缓存块全部清掉，
+        #    运行中请求持有的块不动。
+        # 2. 在两步之间调用（engine_proc 主循环处理 control 消息时），不与本步的调度交错。
+        # [ZH-END]
+        return self.block_manager.reset_prefix_cache()
+
     def stats(self) -> dict:
         bm = self.block_manager
         return {

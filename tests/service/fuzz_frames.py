@@ -78,6 +78,10 @@ def templates(rng: random.Random) -> list[p.Message]:
         p.Resync("fz-engine", "fz-detok", [[meta, [f"fz:{rid}", ids, False, None, 1, 1, 0, None]]], True),
         p.StreamOutput([p.error_delta(rid, "x")]), p.ErrorOutput("x"), p.Pong("detokenizer", "fz", True),
         p.StatsOutput({"a": 1}),
+        p.TokenizeReq(rid, prompt="hello", return_token_strs=True),
+        p.TokenizeReq(rid, messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False),
+        p.DetokenizeReq(rid, ids), p.ResetPrefixCacheReq(rid), p.ResetPrefixCacheReq(rid, client=b"fz-client"),
+        p.TokenizeOutput(rid, ids), p.DetokenizeOutput(rid, "x"), p.ResetPrefixCacheOutput(rid, 3, client=b"fz"),
     ]
 
 

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from ..errors import (EngineDeadError, RequestError, RequestTimeoutError, ServiceDrainingError,
                       ServiceUnavailableError)
 from ..protocol import FinishReason, join_logprobs
-from . import anthropic, chat_output, responses
+from . import anthropic, chat_output, responses, tokenize
 from . import logprobs as lp
 from .errors import ApiError, bad
 from .schema import Call, parse_chat, parse_completion
@@ -135,6 +135,8 @@ class Answer:
     """Every token's entry, when asked for (None where some were lost: `join_logprobs`)."""
     prompt_logprobs: list | None = None
     num_tokens: int = 0
+    stop_reason: str | None = None
+    """The stop string that ended it, if one did."""
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -233,6 +235,62 @@ def build_app(client: Any, settings: Settings) -> Starlette:
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": _VERSION})
+
+    async def command(request: Request, route: str, run: Callable[[], Any], field: str | None) -> Response:
+        """A route answered by one command to the service (tokenize, detokenize, the cache reset):
+        the key checked, then `run()` (which reads the body if it needs one and raises ApiError for a
+        bad one); the service's refusal a 400 naming `field`, its absence or drain a 503."""
+        try:
+            authorized(request)
+            body = await run()
+        except ApiError as e:
+            metrics.count(route, e.status)
+            return _error(e)
+        except (ServiceUnavailableError, RequestTimeoutError) as e:
+            err = _service_error(e)
+            metrics.count(route, err.status)
+            return _error(err)
+        except (RequestError, ValueError) as e:  # the service's refusal, or the client's own check
+            metrics.count(route, 400)
+            return _error(bad(str(e), field))
+        metrics.count(route, 200)
+        return JSONResponse(body)
+
+    def served_model(name: str | None) -> None:
+        if name is not None and name != settings.model:
+            raise ApiError(404, f"the model '{name[:128]}' does not exist; this server serves '{settings.model}'",
+                           "model", "model_not_found")
+
+    async def tokenize_route(request: Request) -> Response:
+        """vLLM's /tokenize, answered by the tokenizer stage (tokenize.py)."""
+        async def run() -> dict:
+            name, prompt, options = tokenize.parse_tokenize(await read_json(request))
+            served_model(name)
+            try:
+                tokenized = await client.tokenize(prompt, **options)
+            except (RequestError, ValueError) as e:
+                raise bad(str(e), "messages" if isinstance(prompt, list) else "prompt") from None
+            limit = None if tokenized.max_model_len else (await model_card()).get("max_model_len")
+            return tokenize.tokenize_body(tokenized, limit, options["return_token_strs"])
+
+        return await command(request, "tokenize", run, None)
+
+    async def detokenize_route(request: Request) -> Response:
+        """vLLM's /detokenize, answered by the tokenizer stage (tokenize.py)."""
+        async def run() -> dict:
+            name, tokens = tokenize.parse_detokenize(await read_json(request))
+            served_model(name)
+            return {"prompt": await client.detokenize(tokens)}
+
+        return await command(request, "detokenize", run, "tokens")
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        """vLLM's /reset_prefix_cache (SGLang's router calls it /flush_cache): the engine forgets
+        every cached KV block no running request holds and says how many; 503 while draining."""
+        async def run() -> dict:
+            return {"freed_blocks": await client.reset_prefix_cache()}
+
+        return await command(request, "reset_prefix_cache", run, None)
 
     async def health(request: Request) -> Response:
         if settings.health is None:
@@ -341,7 +399,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
                 answer.num_tokens += len(d.token_ids)
                 answer.prompt_logprobs = answer.prompt_logprobs or d.prompt_logprobs
                 if d.finished:
-                    answer.reason, usage = _finish(d.finish_reason), d.usage
+                    answer.reason, usage, answer.stop_reason = _finish(d.finish_reason), d.usage, d.stop_reason
         finally:
             stream.cancel()
             metrics.active -= 1
@@ -398,7 +456,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         return await typed_api(request, "messages", anthropic.parse_messages, anthropic.error_body,
                                lambda: anthropic.StreamBlocks(msg_id, settings.model),
                                lambda a: anthropic.message_body(a.events, a.parser.calls, a.reason, a.usage,
-                                                                settings.model, msg_id))
+                                                                settings.model, msg_id, a.stop_reason))
 
     async def completions(request: Request) -> Response:
         return await generate(request, "completions", parse_completion, False)
@@ -416,6 +474,10 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        Route("/flush_cache", reset_prefix_cache, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
@@ -551,7 +613,7 @@ async def _events_sse(first: Any, events: AsyncIterator[Any], stream: Any, call:
                 usage = _usage(d.usage)
                 metrics.prompt_tokens += usage["prompt_tokens"]
                 metrics.completion_tokens += usage["completion_tokens"]
-                for chunk in writer.finish(usage, _finish(d.finish_reason), parser.calls):
+                for chunk in writer.finish(usage, _finish(d.finish_reason), parser.calls, d.stop_reason):
                     yield chunk
     except (RequestError, ServiceUnavailableError, RequestTimeoutError) as e:
         finished = True
