@@ -86,6 +86,16 @@ def test_a_stop_sequence_ends_an_anthropic_message_as_stop_sequence(front):
     assert streamed == cut.text and (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
     whole = sdk.messages.create(**dict(args, stop_sequences=["never-in-it"]))
     assert (whole.stop_reason, whole.stop_sequence) == ("max_tokens", None)
+    # vLLM's stop_reason on chat and completions choices, streamed and not.
+    openai = pytest.importorskip("openai")
+    oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+    kw = dict(model=model, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    done = oai.chat.completions.create(messages=chat, **kw)
+    assert done.choices[0].model_extra["stop_reason"] == stop and done.choices[0].message.content == cut.text
+    last = [c for c in oai.chat.completions.create(messages=chat, stream=True, **kw) if c.choices][-1]
+    assert last.choices[0].finish_reason == "stop" and last.choices[0].model_extra["stop_reason"] == stop
+    plain = oai.completions.create(prompt=full.text[:8], **{**kw, "stop": ["never-in-it"], "max_tokens": 2})
+    assert plain.choices[0].model_extra["stop_reason"] is None
 
 
 def _curl(port: int, path: str, body: dict | None, key: str | None = KEY) -> tuple[int, dict]:

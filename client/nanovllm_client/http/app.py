@@ -373,7 +373,8 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             if chat:
                 choices.append({"index": o.index, "message": chat_output.message(answer.events, answer.parser.calls),
                                 "finish_reason": chat_output.finish_reason(answer.reason, answer.parser.calls),
-                                "logprobs": lp.chat_logprobs(answer.logprobs) if call.logprobs else None})
+                                "logprobs": lp.chat_logprobs(answer.logprobs) if call.logprobs else None,
+                                "stop_reason": answer.stop_reason})
             else:
                 choices.append(_completion_choice(o.index, call, call.choices()[o.index][1], answer))
         body = {"id": rid, "object": kind, "created": created, "model": settings.model, "choices": choices,
@@ -529,8 +530,8 @@ async def _sse(opened: list[Opened], call: Call, rid: str, created: int, kind: s
                                   "logprobs": _held_logprobs(held, index)}], None, call.include_usage)
                 if reason:
                     yield event([{"index": index, "delta": {}, "logprobs": _held_logprobs(held, index),
-                                  "finish_reason": chat_output.finish_reason(reason, parser.calls)}],
-                                None, call.include_usage)
+                                  "finish_reason": chat_output.finish_reason(reason, parser.calls),
+                                  "stop_reason": d.stop_reason}], None, call.include_usage)
             else:
                 if call.echo and index not in pieces:  # the prompt first: its text (and its tokens' logprobs)
                     pieces[index] = lp.CompletionLogprobs()
@@ -541,9 +542,11 @@ async def _sse(opened: list[Opened], call: Call, rid: str, created: int, kind: s
                 text, entries = ("", None) if call.echo_only else (d.text, d.logprobs)
                 reason = "length" if call.echo_only and reason else reason  # max_tokens 0 reached
                 if text or reason or (call.logprobs and entries):
-                    yield event([{"index": index, "text": text, "finish_reason": reason,
-                                  "logprobs": piece.piece(entries) if call.logprobs and entries is not None else None}],
-                                None, call.include_usage)
+                    chunk = {"index": index, "text": text, "finish_reason": reason,
+                             "logprobs": piece.piece(entries) if call.logprobs and entries is not None else None}
+                    if reason:
+                        chunk["stop_reason"] = d.stop_reason
+                    yield event([chunk], None, call.include_usage)
             if d.finished:
                 usages[index] = usage = _usage(d.usage, call.echo_only)
                 metrics.prompt_tokens += usage["prompt_tokens"]
@@ -652,7 +655,8 @@ def _completion_choice(index: int, call: Call, prompt: Any, answer: Answer) -> d
     elif call.logprobs and logprobs is None:
         logprobs = piece.piece([])
     reason = "length" if call.echo_only and answer.reason else answer.reason  # max_tokens 0 reached
-    choice = {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
+    choice = {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs,
+              "stop_reason": answer.stop_reason}
     if call.prompt_logprobs:
         choice["prompt_logprobs"] = lp.vllm_prompt_logprobs(answer.prompt_logprobs)
     return choice
