@@ -23,27 +23,30 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from nanovllm.structured import compile_format
+from nanovllm.structured import StructuredOutput, compile_format
+from nanovllm.structured.schema_check import SchemaCheck
 
 MAX_CACHED_FORMATS = 256
 
 
 class GrammarCache:
-    """For one vocabulary: response_format JSON text -> a compiled matcher to copy, or its error."""
+    """For one vocabulary: response_format JSON text -> a compiled matcher to copy (and the
+    schema's check where it compiled leniently: `compile_format`), or its error."""
     # [ZH-START]
     # 【职责】一个词表的 response_format 编译缓存：JSON 文本 → LLMatcher 模板（每个请求 deep_copy
-    # 一份）或 ValueError 文本。
+    # 一份）加宽松编译时的 SchemaCheck，或 ValueError 文本；structured(fmt) 直接给出请求的
+    # StructuredOutput（模板副本 + 校验）。
     # 【边界】不校验格式的形状（check_response_format 已做）；
     # 不跟踪任何请求的输出（StructuredOutput 的事）。
     # 【协作者】LLMEngine 持有一个（词表视图建好后惰性创建），tokenizer 阶段的 RequestBuilder
     #        也持有一个（formats）；engine_proc 输入线程经 LLMEngine.compile_response_format 调
-    #        template；LLMEngine._structured 在 add_request 时取模板。
+    #        template；LLMEngine._structured 在 add_request 时经 structured 取模板副本和校验。
     # [ZH-END]
 
     def __init__(self, lltok: Any, max_entries: int = MAX_CACHED_FORMATS):
         self.lltok = lltok
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, tuple[Any, str | None]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[Any, SchemaCheck | None, str | None]] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0
         """Formats compiled (cache misses), good or bad."""
@@ -52,6 +55,14 @@ class GrammarCache:
 
     def template(self, fmt: dict) -> Any:
         """A compiled `LLMatcher` for `fmt`, not to be advanced (copy it); ValueError naming the problem."""
+        return self._entry(fmt)[0]
+
+    def structured(self, fmt: dict) -> StructuredOutput:
+        """A request's matcher for `fmt`: a copy of the compiled one, with its schema check if any."""
+        matcher, check = self._entry(fmt)
+        return StructuredOutput(matcher, self.lltok, check)
+
+    def _entry(self, fmt: dict) -> tuple[Any, SchemaCheck | None]:
         key = json.dumps(fmt)  # key order kept: a schema's property order is the output's
         with self._lock:
             entry = self._entries.get(key)
@@ -64,21 +75,21 @@ class GrammarCache:
                 self._entries[key] = entry
                 if len(self._entries) > self.max_entries:
                     self._entries.popitem(last=False)
-        matcher, error = entry
+        matcher, check, error = entry
         if error is not None:
             with self._lock:
                 self.num_refused += 1
             raise ValueError(error)
-        return matcher
+        return matcher, check
 
-    def _compile(self, fmt: dict) -> tuple[Any, str | None]:
+    def _compile(self, fmt: dict) -> tuple[Any, SchemaCheck | None, str | None]:
         import llguidance
 
         try:
-            grammar = compile_format(fmt, self.lltok)
+            compiled = compile_format(fmt, self.lltok)
         except ValueError as e:
-            return None, str(e)
-        matcher = llguidance.LLMatcher(self.lltok, grammar, log_level=0)
+            return None, None, str(e)
+        matcher = llguidance.LLMatcher(self.lltok, compiled.grammar, log_level=0)
         if matcher.is_error():
-            return None, f"response_format does not compile: {matcher.get_error()[:500]}"
-        return matcher, None
+            return None, None, f"response_format does not compile: {matcher.get_error()[:500]}"
+        return matcher, compiled.check, None

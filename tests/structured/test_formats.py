@@ -96,7 +96,7 @@ def greedy_walk(so: StructuredOutput, tokenizer, prefer: str, steps: int = 40) -
 
 def test_the_mask_spells_only_what_the_schema_allows_then_eos(tok):
     tokenizer, lltok = tok
-    so = StructuredOutput(compile_format(check_response_format(PERSON), lltok), lltok)
+    so = StructuredOutput(compile_format(check_response_format(PERSON), lltok).grammar, lltok)
     out = greedy_walk(so, tokenizer, 'I think {"name": "Bob", "age": 7}')
     assert out[-1] == tokenizer.eos_token_id
     value = json.loads(tokenizer.decode(out[:-1]))
@@ -106,14 +106,14 @@ def test_the_mask_spells_only_what_the_schema_allows_then_eos(tok):
 def test_a_restarted_or_preempted_output_is_followed_from_the_start(tok):
     tokenizer, lltok = tok
     fmt = check_response_format({"type": "choice", "choices": ["yes", "no"]})
-    so = StructuredOutput(compile_format(fmt, lltok), lltok)
+    so = StructuredOutput(compile_format(fmt, lltok).grammar, lltok)
     yes = tokenizer.encode("yes", add_special_tokens=False)
     no = tokenizer.encode("no", add_special_tokens=False)
     assert so.allowed(yes[:1])[yes[1]] if len(yes) > 1 else so.allowed(yes)[tokenizer.eos_token_id]
     # Another output (a recomputed request, an engine continuing a client's stream) replaces it.
     allowed = so.allowed(no)
     assert allowed[tokenizer.eos_token_id] and allowed.sum() == 1
-    fresh = StructuredOutput(compile_format(fmt, lltok), lltok)
+    fresh = StructuredOutput(compile_format(fmt, lltok).grammar, lltok)
     assert (fresh.allowed(no) == allowed).all()
     with pytest.raises(ValueError, match="does not fit"):
         so.allowed(tokenizer.encode("maybe", add_special_tokens=False))
