@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 # The shape check every door runs (torch-free, in the client package), re-exported here.
 from nanovllm_client.response_format import (MAX_CHOICE_CHARS, MAX_CHOICES, MAX_FORMAT_CHARS,  # noqa: F401
-                                             MAX_SCHEMA_DEPTH, TYPES, check_response_format)
+                                             MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH, TYPES, check_response_format)
 from nanovllm.structured.schema_check import SchemaCheck
 
 
@@ -86,43 +86,51 @@ def ll_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
 
 @dataclass(frozen=True)
 class CompiledFormat:
-    """A format's grammar, and the check of its whole schema where the grammar enforces less."""
+    """A format compiled for one vocabulary: its grammar, the compiled matcher (a template to
+    copy), and the check of its whole schema where the grammar enforces less."""
 
     grammar: str
+    matcher: Any
+    """An `llguidance.LLMatcher` of `grammar`, not advanced: `StructuredOutput` copies it."""
     check: SchemaCheck | None = None
     """None where the grammar is the whole format (every format but a leniently compiled schema)."""
 
 
 def compile_format(fmt: dict, lltok: Any) -> CompiledFormat:
-    """The grammar for `fmt`, checked against the vocabulary; ValueError naming the problem.
+    """`fmt` compiled against the vocabulary; ValueError naming the problem.
 
     A JSON schema that does not compile as it is, only because of keywords the grammar cannot
     express, compiles leniently with a `SchemaCheck` of the whole schema. An unknown `format`
     alone needs no check: JSON Schema makes `format` an annotation, which validators ignore by
-    default, so the lenient grammar (the format left out) is the whole schema."""
+    default, so the lenient grammar (the format left out) is the whole schema.
+
+    llguidance recurses over a grammar's nesting as it compiles: run this where the stack is
+    deep enough for the formats allowed in (`GrammarCache` does; `COMPILE_STACK_BYTES`)."""
     # [ZH-START]
-    # 1. 严格编译（grammar_text + validate_grammar）：通过就返回，不带校验。
-    # 2. 不通过且是 json_schema：宽松编译（LENIENT：不支持的关键字不进语法，oneOf 当 anyOf），
-    #    validate_grammar_with_warnings 还报错（悬空 $ref、正则里的 lookaround……）就按第 1 步
-    #    的原因拒绝。
-    # 3. 警告里去掉 "Unknown format"（format 只是注解，规范要求忽略未知值）；剩下的就是语法没有
-    #    强制的关键字：建 SchemaCheck（完整 schema 的 jsonschema 校验器），建不出来也拒绝。
+    # 1. 严格编译：grammar_text 后直接建 LLMatcher（只编译一次，不再先 validate_grammar）；
+    #    没有错误就返回，不带校验。
+    # 2. 有错误且是 json_schema：宽松编译（LENIENT：不支持的关键字不进语法，oneOf 当 anyOf）；
+    #    还出错（悬空 $ref、正则里的 lookaround……）就按第 1 步的原因拒绝。
+    # 3. 宽松编译的警告里去掉 "Unknown format"（format 只是注解，规范要求忽略未知值）；剩下的
+    #    就是语法没有强制的关键字：建 SchemaCheck（完整 schema 的 jsonschema 校验器），
+    #    建不出来也拒绝。
     # [ZH-END]
     import llguidance
 
     grammar = grammar_text(fmt)
-    error = llguidance.LLMatcher.validate_grammar(grammar, lltok)
-    if not error:
-        return CompiledFormat(grammar)
+    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+    if not matcher.is_error():
+        return CompiledFormat(grammar, matcher)
+    error = matcher.get_error()
     if fmt["type"] == "json_schema":
         lenient = grammar_text(fmt, lenient=True)
-        failed, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(lenient, lltok)
-        if not failed:
-            relaxed = [w for w in warnings if not w.startswith("Unknown format")]
+        matcher = llguidance.LLMatcher(lltok, lenient, log_level=0)
+        if not matcher.is_error():
+            relaxed = [w for w in matcher.get_grammar_warnings() if not w.startswith("Unknown format")]
             if not relaxed:
-                return CompiledFormat(lenient)
+                return CompiledFormat(lenient, matcher)
             try:
-                return CompiledFormat(lenient, SchemaCheck(fmt["json_schema"]["schema"], relaxed))
+                return CompiledFormat(lenient, matcher, SchemaCheck(fmt["json_schema"]["schema"], relaxed))
             except Exception as e:  # a schema jsonschema cannot read: its outputs could not be checked
                 error = f"{error}; and the schema cannot be checked ({type(e).__name__}: {str(e)[:200]})"
     raise ValueError(f"response_format does not compile: {error[:500]}")
