@@ -110,7 +110,7 @@ def compile_format(fmt: dict, lltok: Any) -> CompiledFormat:
     # 1. 严格编译：grammar_text 后直接建 LLMatcher（只编译一次，不再先 validate_grammar）；
     #    没有错误就返回，不带校验。
     # 2. 有错误且是 json_schema：宽松编译（LENIENT：不支持的关键字不进语法，oneOf 当 anyOf）；
-    #    还出错（悬空 $ref、正则里的 lookaround……）就按第 1 步的原因拒绝。
+    #    还出错（悬空 $ref、正则里的 lookaround……）就以宽松编译的原因拒绝。
     # 3. 宽松编译的警告里去掉 "Unknown format"（format 只是注解，规范要求忽略未知值）；剩下的
     #    就是语法没有强制的关键字：建 SchemaCheck（完整 schema 的 jsonschema 校验器），
     #    建不出来也拒绝。
@@ -125,7 +125,9 @@ def compile_format(fmt: dict, lltok: Any) -> CompiledFormat:
     if fmt["type"] == "json_schema":
         lenient = grammar_text(fmt, lenient=True)
         matcher = llguidance.LLMatcher(lltok, lenient, log_level=0)
-        if not matcher.is_error():
+        if matcher.is_error():  # its reason: what no leniency gets past
+            error = matcher.get_error()
+        else:
             relaxed = [w for w in matcher.get_grammar_warnings() if not w.startswith("Unknown format")]
             if not relaxed:
                 return CompiledFormat(lenient, matcher)
