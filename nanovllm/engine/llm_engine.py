@@ -465,9 +465,9 @@ class LLMEngine:
                              "pass banned words as token-id lists instead") from None
 
     def _structured(self, fmt: dict) -> StructuredOutput:
-        """The matcher for a request's response_format: a copy of its compiled grammar (cached by text)."""
-        grammars = self._grammars()
-        return StructuredOutput(grammars.template(fmt), grammars.lltok)
+        """The matcher for a request's response_format: a copy of its compiled grammar (cached by text),
+        with the schema's check where it compiled leniently."""
+        return self._grammars().structured(fmt)
 
     def _grammars(self) -> GrammarCache:
         try:
