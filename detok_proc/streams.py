@@ -285,8 +285,10 @@ class RequestStreams:
         if entries is None:
             return None
         texts = self.token_texts
-        return [p.TokenLogprob(e.token_id, *texts(e.token_id), e.logprob, e.rank,
-                               [p.TopLogprob(t, *texts(t), lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)])
+        return [p.TokenLogprob(token_id=e.token_id, token=texts(e.token_id)[0], bytes=texts(e.token_id)[1],
+                               logprob=e.logprob, rank=e.rank,
+                               top=[p.TopLogprob(token_id=t, token=texts(t)[0], bytes=texts(t)[1], logprob=lp)
+                                    for t, lp in zip(e.top_token_ids, e.top_logprobs)])
                 for e in entries]
 
     def _abort_stopped(self, request_id: str, state: RequestState, out: Outcome) -> None:

@@ -394,7 +394,8 @@ class LLMEngine:
                 offset, count = item.prompt_logprob_span
                 seq, first = item.seq, item.seq.num_computed_tokens + offset
                 if first == 0:  # the first token is given, not predicted: logprob 0, no alternatives
-                    seq.sampling.prompt_logprobs.append(TokenLogprobs(seq.token_ids[0], 0.0, 1, [], []))
+                    seq.sampling.prompt_logprobs.append(TokenLogprobs(token_id=seq.token_ids[0], logprob=0.0, rank=1,
+                                                                    top_token_ids=[], top_logprobs=[]))
                 seq.sampling.prompt_logprobs.extend(entries[at:at + count])
                 seq.sampling.num_prompt_logprobs = first + count
                 at += count

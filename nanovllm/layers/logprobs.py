@@ -30,7 +30,8 @@ def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[i
     n = max(num_top)
     top_lp, top_ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], chosen.new_empty(len(chosen), 0))
     rows = zip(chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist(), num_top)
-    return [TokenLogprobs(t, lp, r, ids[:k], lps[:k]) for t, lp, r, ids, lps, k in rows]
+    return [TokenLogprobs(token_id=t, logprob=lp, rank=r, top_token_ids=ids[:k], top_logprobs=lps[:k])
+            for t, lp, r, ids, lps, k in rows]
 
 
 
