@@ -230,8 +230,8 @@ HOSTILE = {
     "sampling out of range": msgpack.packb([p.STAGE_PROTOCOL_VERSION, "tokenized", {
         "request_id": "c:r", "prompt_token_ids": b"\0" * 4, "sampling": {"temperature": -1}, "meta": meta_row()}]),
     "step row too short": p.StepOutput(instance_id="e", outputs=[["a", b"", True]]).encode(),
-    "step reason unknown": p.StepOutput(instance_id="e", outputs=[["a", b"", True, "exploded", 1, 1, 0, None]]).encode(),
-    "step reason not a string": p.StepOutput(instance_id="e", outputs=[["a", b"", True, ["stop"], 1, 1, 0, None]]).encode(),
+    "step reason unknown": p.StepOutput(instance_id="e", outputs=[["a", b"", True, "exploded", 1, 1, 0, None, None, None]]).encode(),
+    "step reason not a string": p.StepOutput(instance_id="e", outputs=[["a", b"", True, ["stop"], 1, 1, 0, None, None, None]]).encode(),
     "step started without meta": p.StepOutput(instance_id="e", started=[["a", {}]]).encode(),
     "resync entry of the old shape": p.Resync(instance_id="e", detok_instance="d", last=True, entries=[
         ["a", meta_row(), b"", False, None, 1, 0, 0, None]]).encode(),
