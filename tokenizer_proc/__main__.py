@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args, log, endpoints, stop = stage_setup(parser, argv, "tokenizer")
 
     from nanovllm.metrics import TokenizerMetrics
-    from nanovllm.models.loader import max_model_len
+    from nanovllm.models.model_files import max_model_len
     from nanovllm.models.tokenizer import load_tokenizer
 
     from .server import TokenizerStage
