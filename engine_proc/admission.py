@@ -184,7 +184,7 @@ class Admission:
         # 1. 采样参数是解帧时校验过的 req.sampling；输入线程编译 response_format 失败的
         #    （queued.error）直接走第 3 步。
         # 2. 此时才把打包的 prompt 解成 list，engine.add_request(id, prompt ids, params, priority,
-        #    output_prefix, client = 客户端身份的 hex，"fair" 调度策略按它轮流)；
+        #    output_prefix, client = _client(req)，"fair" 调度策略按它轮流)；
         #    output_prefix 是续写时客户端已收到的输出（引擎死后发给新引擎），
         #    它随第一个新 token 一起再报告一次。
         # 3. 失败：ValueError / TypeError 是请求本身的问题（参数、超过 max_model_len、
@@ -199,7 +199,7 @@ class Admission:
             try:
                 self.engine.add_request(req.request_id, p.unpack_token_ids(req.prompt_token_ids), req.sampling,
                                         priority=req.priority, output_prefix=p.unpack_token_ids(req.output_ids),
-                                        client=_client(req).hex())
+                                        client=_client(req))
             except Exception as e:  # refused (ValueError/TypeError) or failed: either way this request's own
                 error = refusal(e, req.request_id)
         if error is not None:
@@ -213,7 +213,8 @@ class Admission:
         sent.started.append(p.StartedRow(request_id=req.request_id, meta=req.meta))
 
     def _go_live(self, queued: Queued) -> None:
-        self.live[queued.req.request_id] = LiveRequest(meta=queued.req.meta, nbytes=queued.nbytes)
+        self.live[queued.req.request_id] = LiveRequest(meta=queued.req.meta, nbytes=queued.nbytes,
+                                                       client=_client(queued.req))
         self.live_bytes += queued.nbytes
         self.shares.went_live(_client(queued.req))
 
@@ -274,13 +275,14 @@ class Admission:
         if out.finished:
             del self.live[out.request_id]
             self.live_bytes -= live.nbytes
-            self.shares.ended(live.meta.client)
+            self.shares.ended(live.client)
             self.finished.add(p.ResyncEntry(meta=live.meta, output=live.output_row(out.request_id)))
 
 
-def _client(req: p.TokenizedReq) -> bytes:
-    """The client a request came from: the routing identity its tokenizer stamped into its meta."""
-    return req.meta.client
+def _client(req: p.TokenizedReq) -> str:
+    """The client a request counts as: the tenant its tokenizer named (an HTTP front's API key, a
+    CURVE key, a routing id), else its routing identity."""
+    return req.tenant or req.meta.client.hex()
 
 
 def refusal(e: Exception, request_id: str) -> str:

@@ -53,7 +53,7 @@ from nanovllm.service.stage import (REQUEST_PIPE_HWM, PeerMonitor, RejectLog, cl
                                    pipeline_push, recv_from_client)
 
 from .rate_limit import RateLimit
-from .requests import RequestBuilder, RequestRejected, engine_request_id
+from .requests import RequestBuilder, RequestRejected, engine_request_id, tenant_of
 
 log = logging.getLogger("tokenizer_proc")
 
@@ -273,11 +273,13 @@ class TokenizerStage:
 
     def _on_generate(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> None:
         # [ZH-START]
-        # 1. draining 中：回 DRAINING 错误增量；pending 已满（_holding_full）且这个客户端不能顶替
+        # 1. draining 中：回 DRAINING 错误增量；tenant_of 定下它算哪个客户端（前端说的 API key /
+        #    地址、CURVE 钥匙或路由 id；不该说 tenant 的客户端说了 → 拒绝）；以下“客户端”都指它。
+        #    pending 已满（_holding_full）且这个客户端不能顶替
         #    别人（_may_displace：占得最多的客户端比它加上这个请求还多）：
         #    回 HOLDING_FULL（overloaded）错误增量，不分词——过载时不花 CPU 在注定放不下的请求上；
         #    这个客户端在 pending 里已有 --max-pending-per-client 个：回 CLIENT_HOLDING_FULL，
-        #    别的客户端不受影响；这个客户端（钥匙，没有则路由 id）超过 --max-request-rate-per-client
+        #    别的客户端不受影响；这个客户端超过 --max-request-rate-per-client
         #    （RateLimit 令牌桶）：回限速错误，说出还要等多久。
         # 2. requests.build()（RequestBuilder）：RequestRejected → 回它的文本；
         #    其他异常（分词器或模板意外失败）
@@ -288,20 +290,25 @@ class TokenizerStage:
         if self.flush.state == "draining":
             self._refuse(identity, req, DRAINING)
             return
-        if self._holding_full() and not self._may_displace(identity):  # refused before tokenizing
+        try:
+            tenant = tenant_of(identity, req, key)
+        except RequestRejected as e:
+            self._refuse(identity, req, str(e))
+            return
+        if self._holding_full() and not self._may_displace(tenant):  # refused before tokenizing
             self._refuse(identity, req, HOLDING_FULL.format(n=len(self.pending), mib=self._pending_bytes / (1 << 20)))
             return
-        held = self.pending.count(identity)
+        held = self.pending.count(tenant)
         if self.max_pending_per_client and held >= self.max_pending_per_client:  # one client may not fill it
             self._refuse(identity, req, CLIENT_HOLDING_FULL.format(n=held, limit=self.max_pending_per_client))
             return
-        too_fast = self.rate_limit.refusal(key.encode() if key else identity, time.monotonic())
+        too_fast = self.rate_limit.refusal(tenant.encode(), time.monotonic())
         if too_fast:
             self._refuse(identity, req, too_fast)
             return
         started = time.perf_counter()
         try:
-            frame = self.requests.build(identity, req, key)
+            frame = self.requests.build(identity, req, key, tenant)
         except RequestRejected as e:
             self._refuse(identity, req, str(e))
             return
@@ -312,30 +319,30 @@ class TokenizerStage:
             return
         self.metrics.tokenize_seconds(time.perf_counter() - started)
         self.metrics.request_forwarded()
-        self._forward(identity, req.request_id, frame)
+        self._forward(identity, tenant, req.request_id, frame)
 
     def _refuse(self, identity: bytes, req: p.GenerateReq, why: str) -> None:
         """Refuse a request: its client gets `why` as the request's error."""
         self.metrics.request_rejected()
         self._reply(identity, p.StreamOutput(deltas=[p.error_delta(req.request_id, why)]))
 
-    def _forward(self, identity: bytes, request_id: str, frame: bytes) -> None:
-        self.pending.push(identity, next(self._held_ids), Held(time.monotonic(), identity, request_id, frame))
+    def _forward(self, identity: bytes, tenant: str, request_id: str, frame: bytes) -> None:
+        self.pending.push(tenant, next(self._held_ids), Held(time.monotonic(), identity, request_id, frame))
         self._pending_bytes += len(frame)
-        self._displace(identity)
+        self._displace(tenant)
         self._flush_pending()
         self.metrics.set_held(len(self.pending), self._pending_bytes)
 
     def _holding_full(self) -> bool:
         return len(self.pending) >= PENDING_MAX_FRAMES or self._pending_bytes >= PENDING_MAX_BYTES
 
-    def _may_displace(self, identity: bytes) -> bool:
-        """Whether a request of `identity` may take the place of another client's in a full
+    def _may_displace(self, tenant: str) -> bool:
+        """Whether a request of `tenant` may take the place of another client's in a full
         `pending`: the client holding the most would still hold more than it."""
         largest = self.pending.largest()
-        return largest is not None and largest[1] > self.pending.count(identity) + 1
+        return largest is not None and largest[1] > self.pending.count(tenant) + 1
 
-    def _displace(self, newcomer: bytes) -> None:
+    def _displace(self, newcomer: str) -> None:
         """Over the bounds, refuse the newest requests of the client holding the most (never the
         newcomer's: `_may_displace` let it in only below that client)."""
         while len(self.pending) > PENDING_MAX_FRAMES or self._pending_bytes > PENDING_MAX_BYTES:
@@ -345,7 +352,7 @@ class TokenizerStage:
             held = self._remove_pending(self.pending.newest(client), take=False)
             self.metrics.request_rejected()
             why = DISPLACED.format(n=len(self.pending), mib=self._pending_bytes / (1 << 20))
-            self._reply(client, p.StreamOutput(deltas=[p.error_delta(held.request_id, why)]))
+            self._reply(held.identity, p.StreamOutput(deltas=[p.error_delta(held.request_id, why)]))
 
     def _send_abort(self, engine_id: str) -> None:
         """Straight to the engine's control socket, never behind the requests held in `pending`."""
