@@ -106,15 +106,18 @@ class FairPolicy(SchedulerPolicy):
         self._now = 0
         """The virtual time: the start time of the latest request admitted."""
         self._next: dict[str, int] = {}
-        """Client -> the start time its next request gets (at least `_now`); entries at or below
-        `_now` say nothing and are dropped now and then."""
+        """Client -> the start time its next request gets. Entries at most one turn ahead of `_now`
+        are dropped now and then: such a client loses at most one turn, and a client with a
+        request each (the common case) leaves nothing behind."""
+        self._kept = 0
+        """Entries left by the last pruning of `_next`."""
 
     def key(self, seq: Sequence) -> tuple:
         # [ZH-START]
         # 1. seq.fair_tag 还没有：tag = max(_now, 它客户端的 _next)，客户端的 _next = tag + 1，
         #    写进 seq.fair_tag（之后不再变，抢占回到 waiting 时也用同一个）。
-        # 2. _next 条目比上次清理时多出一倍：丢掉已不超过 _now 的条目（它们等于没有），
-        #    闲客户端不留下状态。
+        # 2. _next 条目超过 64 且比上次清理时多出一倍：丢掉最多领先 _now 一轮的条目（这样的客户端
+        #    至多少等一轮），每次只有一个请求的客户端不留下状态。
         # 3. 返回 (fair_tag, arrival)。
         # [ZH-END]
         if seq.fair_tag is None:
@@ -122,7 +125,7 @@ class FairPolicy(SchedulerPolicy):
             self._next[seq.client] = tag + 1
             seq.fair_tag = tag
             if len(self._next) > 64 and len(self._next) > 2 * self._kept:
-                self._next = {c: t for c, t in self._next.items() if t > self._now}
+                self._next = {c: t for c, t in self._next.items() if t > self._now + 1}
                 self._kept = len(self._next)
         return (seq.fair_tag, seq.arrival)
 

@@ -43,6 +43,18 @@ def test_fair_policy_lets_clients_take_turns(tiny_model_dir):
     assert finished + finish_order(engine) == ["a0", "b0", "a1", "b1", "a2", "a3"]
 
 
+def test_fair_policy_forgets_clients_that_are_idle(tiny_model_dir):
+    """Hundreds of clients come and go (a soak found the first to pass 64 refused): the policy
+    keeps only the clients whose next turn is still ahead of the virtual time."""
+    engine = LLMEngine(model=tiny_model_dir, num_kvcache_blocks=64, block_size=8, max_num_seqs=4, scheduler_policy="fair")
+    (prompt,) = random_prompts([6], vocab=2048, seed=4)
+    for i in range(300):
+        engine.add_request(f"r{i}", prompt, GREEDY, client=f"c{i}")
+        finish_order(engine)
+    policy = engine.scheduler.policy
+    assert len(policy._next) <= 130, len(policy._next)  # pruned when it doubles past 64
+
+
 def test_fair_policy_orders_one_client_as_fcfs(tiny_model_dir):
     orders = []
     for policy in ("fair", "fcfs"):
