@@ -76,6 +76,7 @@ def test_a_flooding_client_does_not_delay_another_by_default(default_service):
         since = num_steps(other)
         mine = list(other.stream("def mine():", max_tokens=MINE_TOKENS, ignore_eos=True))
         took = num_steps(other) - since
+        print(f"the other client's request: {took} steps from its send to its end (its own: {MINE_TOKENS})")
         assert mine[-1].finish_reason == "length"
         assert took <= BOUND_STEPS, f"the other client's request took {took} steps, its own are {MINE_TOKENS}"
         for s in streams[-100:]:  # sent in order: its last ones came over its shares and are refused
