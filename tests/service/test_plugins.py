@@ -75,8 +75,11 @@ def test_a_policy_and_a_hook_from_the_operators_module(tiny_model_dir, tmp_path)
     log = tmp_path / "steps.jsonl"
     env = dict(os.environ, STEP_LOG=str(log),
                PYTHONPATH=os.pathsep.join([str(tmp_path), REPO, os.path.join(REPO, "client")]))
+    # One client: with the default live share (half of this one-sequence batch: 1) its second and
+    # third requests would wait in the stage's per-client line, in arrival order, never both in the
+    # scheduler's queue where the operator's policy orders them.
     proc, url = serve(tiny_model_dir, env, "--scheduler-policy", "operator_plugins:ShortestPromptFirst",
-                      "--post-step-hook", "operator_plugins:record")
+                      "--post-step-hook", "operator_plugins:record", "--max-live-per-client", "0")
     try:
         with Client(url, connect_timeout=START_TIMEOUT, timeout=120) as client:
             client.wait_engine(timeout=START_TIMEOUT)
