@@ -143,7 +143,8 @@ class LLMEngine:
         # 4. BlockManager(runner.num_blocks, block_size, enable_prefix_caching)。
         # 5. eos_token_ids = 模型 config 的 eos + generation_config.json 里额外的
         #    eos（去重，GGUF 不读）。
-        # 6. speculative == "ngram" 时建 Speculator（草稿长度上限、n-gram 长度、每行代价），否则 None；
+        # 6. speculative == "ngram" 时建 Speculator（草稿长度上限、n-gram 长度、每行代价），
+        #    否则 None；
         #    Scheduler：max_num_seqs、max_num_batched_tokens、max_model_len、eos，
         #    策略 make_policy(scheduler_policy)，speculator。
         # 7. 请求表、_aborted、到达计数 _arrivals、last_step / num_steps、post-step hooks 初始化；

@@ -401,7 +401,8 @@ class Scheduler:
         #    已结束的序列也占行；有草稿的项占 1 + len(draft) 行）。
         # 2. 已结束的序列（abort，或重叠时上一步刚读到它的 stop）跳过：这一步替它算的结果会被丢弃。
         # 3. 否则 num_computed_tokens += num_new_tokens - len(draft)（草稿要等 settle 接受了才算
-        #    已计算，被拒的草稿绝不能进登记到前缀缓存的块），block_manager.commit(seq) 登记刚写满的块
+        #    已计算，被拒的草稿绝不能进登记到前缀缓存的块），
+        #    block_manager.commit(seq) 登记刚写满的块
         #    （此刻除了马上要放的占位 token，序列里全是真 token：上一步已经 settle 过；块里的 K/V
         #    由在飞的这一步写，命中它的序列最早下一步才读，同一条流上排在后面）；
         #    采样的项在 token_ids 末尾追加 pending_token(row)。

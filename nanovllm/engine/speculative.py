@@ -16,7 +16,8 @@ drafted token against the token it then gets (a free observation), so its estima
 # [ZH-START]
 # 【模块定位】无草稿模型的投机解码：n-gram（prompt lookup）提议 + 每个请求每步草稿长度的决策。
 # 在引擎一步之内的位置：
-#   Scheduler.schedule ─_add_drafts：纯 decode 步、行数还有余量时→ Speculator.draft(seq.spec, token_ids, 上限)
+#   Scheduler.schedule ─_add_drafts：纯 decode 步、行数还有余量时
+#     → Speculator.draft(seq.spec, token_ids, 上限)
 #     → ScheduledSeq.draft（k 个草稿 token）→ StepInput 把它展开成 k+1 个 decode 行
 #     → ModelRunner 一次前向 → Sampler（greedy argmax，每行一个 token）
 #     → Scheduler.settle：逐位比较，接受最长相同前缀，再多一个模型自己的 token；
@@ -98,9 +99,10 @@ class Speculator:
     """Proposes drafted tokens for plain greedy requests and learns, per request, how far its
     proposals are right. The scheduler asks it for a draft; `settle` tells it what was accepted."""
     # [ZH-START]
-    # 【职责】为请求提草稿（NgramIndex；Scheduler 只为 plain greedy 的请求来问），按每个请求的接受率估计 a 和每多一行的
-    # 代价 row_cost 选草稿长度 k（最大化 (1 + a + … + a^k) / (1 + row_cost·k)，不超过 1
-    # 就不草稿）；记录接受结果，累计指标 counters。
+    # 【职责】为请求提草稿（NgramIndex；Scheduler 只为 plain greedy 的请求来问），
+    # 按每个请求的接受率估计 a 和每多一行的代价 row_cost 选草稿长度 k
+    # （最大化 (1 + a + … + a^k) / (1 + row_cost·k)，不超过 1 就不草稿）；
+    # 记录接受结果，累计指标 counters。
     # 【边界】不分配块、不决定一步能放几行（Scheduler._add_drafts 给出上限）；不验证草稿
     # （Scheduler.settle 逐位比较）；不看请求的采样参数。
     # 【协作者】Scheduler 调 new_state / draft / record / observe（状态挂在 Sequence.spec 上）；

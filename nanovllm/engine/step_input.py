@@ -59,7 +59,8 @@ class StepInput:
         # 3. 否则是 prefill 分块：记 token_ids[pos:pos+n]、起始位置 pos、block_table；
         #    num_prefill_rows 累加 n，places 记 (False, 该分块最后一行在 prefill 行中的下标)。
         # 4. 全部遍历完 decode 行数 num_decode 才确定，再算 sample_rows：每项 num_samples 行，
-        #    decode 行取其序号（有草稿的项是连续的 1 + k 行），prefill 取 num_decode + 末行下标；顺序就是 scheduled 的顺序，
+        #    decode 行取其序号（有草稿的项是连续的 1 + k 行），prefill 取 num_decode + 末行下标；
+        #    顺序就是 scheduled 的顺序，
         #    与 Sampler 收到的 seqs 一一对应。
         # [ZH-END]
         step = cls([], [], [], [], [], [], [])
