@@ -499,7 +499,16 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, num_prefill_tokens=last.num_prefill_tokens,
             num_decode_tokens=last.num_decode_tokens, num_seqs=last.num_seqs, step_time_s=step_time_s,
             num_generated_tokens=last.num_generated_tokens, queue_times_s=last.queue_times_s,
+            **self._spec_metrics(),
         )
+
+    def _spec_metrics(self) -> dict:
+        if self.speculator is None:
+            return {}
+        c = self.speculator.counters
+        return dict(spec_decode_num_drafts=c.num_drafts, spec_decode_num_draft_tokens=c.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=c.num_accepted_tokens,
+                    spec_decode_accepted_per_position=tuple(c.accepted_per_position))
 
     def close(self) -> None:
         """Stop tensor-parallel workers now (a finalizer does it at exit otherwise); idempotent."""
