@@ -206,7 +206,7 @@ class Scheduler:
         # [ZH-START]
         # 1. 本步有 prefill 分块（任一项 num_new_tokens != 1 或不采样）→ 不草稿：这样的一步已经
         #    走分块 / GEMM 路径，多几行不再便宜。
-        # 2. rows_left = max_draft_rows - 本步 decode 行数（默认 8：CPU 一次调用的 decode 步最多
+        # 2. rows_left = max_draft_rows - 本步 decode 行数（默认 8：CPU 一次调用的解码步最多
         #    8 行）；批大时 rows_left <= 0，直接不草稿——这就是"批大不草稿"的规则。
         # 3. 逐项：只有 plain greedy（无采样、惩罚、bias、logprobs、min_tokens、processors、
         #    语法）且没关投机（params.speculative）的序列才问 Speculator；上限 limit =

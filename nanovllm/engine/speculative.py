@@ -16,7 +16,7 @@ drafted token against the token it then gets (a free observation), so its estima
 # [ZH-START]
 # 【模块定位】无草稿模型的投机解码：n-gram（prompt lookup）提议 + 每个请求每步草稿长度的决策。
 # 在引擎一步之内的位置：
-#   Scheduler.schedule ─_add_drafts：纯 decode 步、行数还有余量时
+#   Scheduler.schedule ─_add_drafts：纯解码步、行数还有余量时
 #     → Speculator.draft(seq.spec, token_ids, 上限)
 #     → ScheduledSeq.draft（k 个草稿 token）→ StepInput 把它展开成 k+1 个 decode 行
 #     → ModelRunner 一次前向 → Sampler（greedy argmax，每行一个 token）
