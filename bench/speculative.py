@@ -8,7 +8,8 @@ Workloads (offline, reproducible; the chat template of the default model):
 Each child process loads the engine, warms it up on one short request, then runs the prompts one
 after another (one stream) and reports wall time, output tokens and the greedy token ids. The
 parent checks that the ids are identical with and without speculation and prints a JSON line and
-a table: output tokens/s (median of the repeats), speedup (ngram / off), and the acceptance.
+a table: output tokens/s (median of the repeats), speedup (ngram / off; also per alternating pair,
+and by process CPU seconds, which the machine's other load disturbs less), and the acceptance.
 
     python -m bench.speculative                       # default model, 2 threads, 2 repeats
     python -m bench.speculative --workloads edit --repeats 3 --max-tokens 256
@@ -67,12 +68,12 @@ def child(args: argparse.Namespace) -> None:
         prompts.append(ids if isinstance(ids, list) else ids["input_ids"])
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.generate([prompts[0][:32]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
-    outputs, start = [], time.perf_counter()
+    outputs, start, cpu_start = [], time.perf_counter(), time.process_time()
     for prompt in prompts:  # one stream: one request at a time
         outputs.append(llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"])
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     stats = llm.engine.stats()
-    print(json.dumps({"wall_s": wall, "output_tokens": sum(map(len, outputs)), "token_ids": outputs,
+    print(json.dumps({"wall_s": wall, "cpu_s": cpu, "output_tokens": sum(map(len, outputs)), "token_ids": outputs,
                       "prompt_tokens": sum(map(len, prompts)),
                       "drafted": stats.get("spec_decode_num_draft_tokens", 0),
                       "accepted": stats.get("spec_decode_num_accepted_tokens", 0)}))
@@ -109,11 +110,15 @@ def main() -> None:
             for mode in ("off", "ngram"):  # alternating, each in a fresh process
                 runs[mode].append(run_child(args, mode, name))
         tps = {m: statistics.median(r["output_tokens"] / r["wall_s"] for r in rs) for m, rs in runs.items()}
+        cpu = {m: statistics.median(r["cpu_s"] for r in rs) for m, rs in runs.items()}
+        pairs = [off["wall_s"] / on["wall_s"] for off, on in zip(runs["off"], runs["ngram"])]
         ids = {m: rs[0]["token_ids"] for m, rs in runs.items()}
         last = runs["ngram"][-1]
         result["workloads"][name] = {
             "off_tok_s": round(tps["off"], 1), "ngram_tok_s": round(tps["ngram"], 1),
             "speedup": round(tps["ngram"] / tps["off"], 3),
+            "speedup_per_pair": [round(p, 3) for p in pairs],
+            "cpu_speedup": round(cpu["off"] / cpu["ngram"], 3),
             "identical": all(r["token_ids"] == ids["off"] for rs in runs.values() for r in rs),
             "output_tokens": runs["off"][0]["output_tokens"], "prompt_tokens": runs["off"][0]["prompt_tokens"],
             "drafted": last["drafted"], "accepted": last["accepted"],
@@ -122,10 +127,10 @@ def main() -> None:
             "ngram_runs_tok_s": [round(r["output_tokens"] / r["wall_s"], 1) for r in runs["ngram"]],
         }
     print(json.dumps(result))
-    print(f"\n{'workload':<8} | {'off tok/s':>9} | {'ngram tok/s':>11} | {'speedup':>7} | {'identical':>9} | "
-          f"{'drafted':>7} | {'accepted':>8}")
+    print(f"\n{'workload':<8} | {'off tok/s':>9} | {'ngram tok/s':>11} | {'speedup':>7} | {'CPU-s speedup':>13} | "
+          f"{'identical':>9} | {'drafted':>7} | {'accepted':>8}")
     for name, w in result["workloads"].items():
-        print(f"{name:<8} | {w['off_tok_s']:>9} | {w['ngram_tok_s']:>11} | {w['speedup']:>7} | "
+        print(f"{name:<8} | {w['off_tok_s']:>9} | {w['ngram_tok_s']:>11} | {w['speedup']:>7} | {w['cpu_speedup']:>13} | "
               f"{str(w['identical']):>9} | {w['drafted']:>7} | {w['accepted']:>8}")
 
 
