@@ -68,13 +68,21 @@ def child(args: argparse.Namespace) -> None:
         prompts.append(ids if isinstance(ids, list) else ids["input_ids"])
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.generate([prompts[0][:32]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+    steps = {"steps": 0, "rows": 0}  # decode steps and the rows they computed: what load does not change
+
+    def count(m) -> None:
+        if m.num_decode_tokens and not m.num_prefill_tokens:
+            steps["steps"] += 1
+            steps["rows"] += m.num_decode_tokens
+    llm.engine.add_post_step_hook(count)
     outputs, start, cpu_start = [], time.perf_counter(), time.process_time()
     for prompt in prompts:  # one stream: one request at a time
         outputs.append(llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"])
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     stats = llm.engine.stats()
     print(json.dumps({"wall_s": wall, "cpu_s": cpu, "output_tokens": sum(map(len, outputs)), "token_ids": outputs,
-                      "prompt_tokens": sum(map(len, prompts)),
+                      "prompt_tokens": sum(map(len, prompts)), "decode_steps": steps["steps"],
+                      "decode_rows": steps["rows"],
                       "drafted": stats.get("spec_decode_num_draft_tokens", 0),
                       "accepted": stats.get("spec_decode_num_accepted_tokens", 0)}))
 
@@ -122,6 +130,8 @@ def main() -> None:
             "identical": all(r["token_ids"] == ids["off"] for rs in runs.values() for r in rs),
             "output_tokens": runs["off"][0]["output_tokens"], "prompt_tokens": runs["off"][0]["prompt_tokens"],
             "drafted": last["drafted"], "accepted": last["accepted"],
+            "decode_steps": {m: rs[0]["decode_steps"] for m, rs in runs.items()},
+            "decode_rows": {m: rs[0]["decode_rows"] for m, rs in runs.items()},
             "acceptance": round(last["accepted"] / last["drafted"], 3) if last["drafted"] else None,
             "off_runs_tok_s": [round(r["output_tokens"] / r["wall_s"], 1) for r in runs["off"]],
             "ngram_runs_tok_s": [round(r["output_tokens"] / r["wall_s"], 1) for r in runs["ngram"]],
