@@ -136,7 +136,8 @@ class Delivery:
         # 2. 已有且那个已是终止增量（客户端刚好复用了同一个 rid）：先把该客户端的积累发出，再记下。
         # 3. 否则合并（DeltaRow 不可变，用 _replace 换成新行）：文本、
         #    打包的 token 直接拼接（顺序不变），终止字段（finish_reason、usage、error）取新的，
-        #    engine_dead 任一为真即真。
+        #    engine_dead 任一为真即真；logprobs 由 join_logprobs 拼接（有一段带 token 却没有
+        #    logprobs 就都不要，免得对不上），prompt_logprobs 取有的那个。
         # 4. 一个客户端积累超过 MAX_ROWS 个增量就立即发出，帧永远合法。
         # [ZH-END]
         box = self._outbox.setdefault(client, {})
@@ -148,8 +149,10 @@ class Delivery:
         if prior is None:
             box[delta.request_id] = delta
         else:  # a prior delta of a pass is never terminal (flushed above): the later one's ending fields win
+            logprobs = p.join_logprobs(prior.logprobs, len(prior.token_ids) // 4, delta.logprobs, len(delta.token_ids) // 4)
             box[delta.request_id] = delta._replace(text=prior.text + delta.text, token_ids=prior.token_ids + delta.token_ids,
-                                                   engine_dead=prior.engine_dead or delta.engine_dead)
+                                                   engine_dead=prior.engine_dead or delta.engine_dead, logprobs=logprobs,
+                                                   prompt_logprobs=prior.prompt_logprobs or delta.prompt_logprobs)
         if len(box) >= p.MAX_ROWS:
             self.flush_client(client)
 

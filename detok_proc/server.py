@@ -72,7 +72,7 @@ from .streams import Outcome, RequestStreams
 
 log = logging.getLogger("detok_proc")
 
-ENGINE_MESSAGES = (p.EngineStatus, p.StepOutput, p.Resync)
+ENGINE_MESSAGES = (p.EngineStatus, p.StepOutput, p.Resync, p.ResetPrefixCacheOutput)
 CLIENT_MESSAGES = (p.Ping, p.StatsReq, p.Resume)
 HELLO_INTERVAL_S = 0.5
 """A new detokenizer repeats its DetokHello this often until the engine's Resync arrives."""
@@ -194,11 +194,12 @@ class DetokStage:
 
     def on_engine_frames(self, frames: list[bytes]) -> None:
         # [ZH-START]
-        # 1. accept：恰好一帧、能解码、是 EngineStatus / StepOutput / Resync 之一；
-        #    否则已按原因计数，丢弃（引擎没有回复通道）。
+        # 1. accept：恰好一帧、能解码、是 EngineStatus / StepOutput / Resync /
+        #    ResetPrefixCacheOutput 之一；否则已按原因计数，丢弃（引擎没有回复通道）。
         # 2. EngineWatch.heard（心跳超时计时）。
         # 3. EngineStatus → on_engine_status；StepOutput → 只有来自当前跟随的引擎实例
-        #    （EngineWatch.outputs）才 on_step；Resync → on_resync。
+        #    （EngineWatch.outputs）才 on_step；Resync → on_resync；
+        #    ResetPrefixCacheOutput → 清掉 client 字段后原样转给它指名的客户端。
         # [ZH-END]
         self.metrics.frame_received()
         msg = accept(frames, ENGINE_MESSAGES, self.rejects, "on the engine socket", "the detokenizer's engine socket")
@@ -210,6 +211,9 @@ class DetokStage:
         elif isinstance(msg, p.StepOutput):
             if self._act(self.engine.outputs(msg.instance_id)):
                 self.on_step(msg)
+        elif isinstance(msg, p.ResetPrefixCacheOutput):  # a command's answer, for the client that sent it
+            client, msg.client = msg.client, b""
+            self.delivery.send(client, msg.encode())
         else:
             self.on_resync(msg)
 

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from nanovllm.detokenize import IncrementalDetokenizer
+from nanovllm.detokenize import IncrementalDetokenizer, TokenTexts
 from nanovllm.metrics import DetokMetrics
 from nanovllm_client import protocol as p
 
@@ -51,7 +51,8 @@ def _terminal(reason: p.FinishReason, row: p.OutputRow) -> Final:
 class Final(NamedTuple):
     # [ZH-START]
     # 【职责】一个请求的终止字段：finish_reason、usage（prompt / 输出 / 命中缓存的 token 数）、
-    # 错误文本；delta() 把它们和最后一段文本、token 拼成一行终止 DeltaRow。
+    # 错误文本、结束它的 stop string（stop_reason）；delta() 把它们和最后一段文本、token
+    # 拼成一行终止 DeltaRow。
     # 【边界】不可变的值，不做 I/O；出错或 resync 等待期间，由调用方决定何时把它发出去。
     # 【协作者】finished()/error 路径创建；RequestStreams.advance 与 fail 用它结束一条流。
     # [ZH-END]
@@ -59,13 +60,17 @@ class Final(NamedTuple):
     finish_reason: p.FinishReason
     usage: p.Usage | None = None
     error: str | None = None
+    stop_reason: str | None = None
+    """The stop string that ended it, if one did."""
 
     def delta(self, client_request_id: str, text: str = "", token_ids: bytes = b"",
-              reasoning_open: bool = False) -> p.DeltaRow:
-        """The terminal delta, with the last text and tokens."""
+              reasoning_open: bool = False, logprobs: list[p.TokenLogprob] | None = None,
+              prompt_logprobs: list[p.TokenLogprob] | None = None) -> p.DeltaRow:
+        """The terminal delta, with the last text and tokens (and their logprobs)."""
         return p.DeltaRow(request_id=client_request_id, text=text, token_ids=token_ids,
                           finish_reason=self.finish_reason, error=self.error, usage=self.usage,
-                          reasoning_open=reasoning_open)
+                          reasoning_open=reasoning_open, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                          stop_reason=self.stop_reason)
 
 
 @dataclass
@@ -139,6 +144,7 @@ class RequestStreams:
     # [ZH-END]
     def __init__(self, tokenizer: Any, metrics: DetokMetrics):
         self.tokenizer, self.metrics = tokenizer, metrics
+        self.token_texts = TokenTexts(tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[bytes, dict[str, None]] = {}
         """Engine request ids of each client's requests in flight, in the order they began."""
@@ -201,7 +207,7 @@ class RequestStreams:
         # 2. 本地不认识这个请求（已结束、客户端已走、或比 resync 还早）：若引擎仍在生成且已 resync，
         #    就 abort 这个孤儿一次；返回 (None, None)。
         # 3. 解包 token，text = detok.add(token, finished)。
-        # 4. 反分词器命中 stop string：把终止字段（STOP、此刻的 usage）
+        # 4. 反分词器命中 stop string：把终止字段（STOP、此刻的 usage、命中的 stop string）
         #    存进 state.stopped（命中在引擎最后一行上、或重启后 resync 里引擎已因旧 abort
         #    结束的请求，也照 STOP 结束）；引擎还没结束就把它放进 out.aborts，
         #    这一行的文本照常发出，但终止增量要等引擎的最后一行（它确认已丢掉这个请求）到了才发——
@@ -211,10 +217,13 @@ class RequestStreams:
         # 5. 已结束：final = state.stopped，或 Final(finish_reason, Usage(prompt_tokens,
         #    completion_tokens, cached_tokens))，有错误（或 reason 为 ERROR）加 error。
         # 6. awaiting_resume（resync 重建、客户端还没报到）：token、文本、final 都累积起来，不发送，
-        #    返回 (state, None)。
+        #    返回 (state, None)；这期间的 logprobs 不保留（resync 的行本来就不带）。
         # 7. 有 skip_tokens / skip_chars（resume 时客户端已有、引擎将再报告的续写前缀）：
         #    先从 token 和文本开头截掉，截完什么都不剩且没结束就返回 (state, None)。
-        # 8. 否则组装增量 DeltaRow(客户端 rid, text, token_ids（原样打包）, reasoning_open)，
+        #    引擎的 logprobs 对应行里最后那些 token（续写的第一行还重复了已有的输出，那些没有）：
+        #    够每个要发的 token 一项就取最后那么多项，不够就不带。
+        # 8. 否则组装增量 DeltaRow(客户端 rid, text, token_ids（原样打包）, reasoning_open，
+        #    行里有 logprobs / prompt_logprobs 就由 _texts 配上每个 token 的文本和字节一起带上)，
         #    已结束就由 final.delta 带上终止字段；已结束就 finished（计指标、遗忘该请求）；
         #    返回 (state, 增量)，调用方按 state.client 路由。
         # [ZH-END]
@@ -230,12 +239,14 @@ class RequestStreams:
                     self._abort_stopped(request_id, state, out)
                 return state, None
             token_ids, packed_ids, text = [], b"", ""
+            logprobs = prompt_logprobs = None
         else:
+            logprobs, prompt_logprobs = self._texts(row.logprobs), self._texts(row.prompt_logprobs)
             token_ids = p.unpack_token_ids(packed_ids)
             text = state.detok.add(token_ids, finished)
             state.num_prompt, state.num_output = row.num_prompt_tokens, row.num_output_tokens
             if state.detok.stopped:  # its stop string ends it, on whichever row it completes
-                state.stopped = _terminal(p.FinishReason.STOP, row)
+                state.stopped = _terminal(p.FinishReason.STOP, row)._replace(stop_reason=state.detok.stop_reason)
                 if not finished:  # the end, once the engine confirms it dropped it
                     self._abort_stopped(request_id, state, out)
         final = None
@@ -259,11 +270,26 @@ class RequestStreams:
                 return state, None
         if token_ids:
             self.metrics.tokens_streamed(request_id, len(token_ids), time.time())
+        if logprobs is not None:  # the engine's entries cover the row's last tokens: one per token sent, or none
+            logprobs = logprobs[len(logprobs) - len(token_ids):] if len(logprobs) >= len(token_ids) else None
         if final is None:
             return state, p.DeltaRow(request_id=state.client_request_id, text=text, token_ids=packed_ids,
-                                     reasoning_open=state.reasoning_open)
+                                     reasoning_open=state.reasoning_open, logprobs=logprobs,
+                                     prompt_logprobs=prompt_logprobs)
         self.finished(request_id, state, final.finish_reason)
-        return state, final.delta(state.client_request_id, text, packed_ids, state.reasoning_open)
+        return state, final.delta(state.client_request_id, text, packed_ids, state.reasoning_open, logprobs,
+                                  prompt_logprobs)
+
+    def _texts(self, entries: list[p.TokenLogprobs] | None) -> list[p.TokenLogprob] | None:
+        """The engine's logprob entries with each token's text and bytes (`TokenTexts`)."""
+        if entries is None:
+            return None
+        texts = self.token_texts
+        return [p.TokenLogprob(token_id=e.token_id, token=texts(e.token_id)[0], bytes=texts(e.token_id)[1],
+                               logprob=e.logprob, rank=e.rank,
+                               top=[p.TopLogprob(token_id=t, token=texts(t)[0], bytes=texts(t)[1], logprob=lp)
+                                    for t, lp in zip(e.top_token_ids, e.top_logprobs)])
+                for e in entries]
 
     def _abort_stopped(self, request_id: str, state: RequestState, out: Outcome) -> None:
         state.abort_sent_at = time.monotonic()

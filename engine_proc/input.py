@@ -92,7 +92,7 @@ class Input:
         # 1. 已排队未准入的请求 >= max_queued 个，或其字节额度 >= max_queued_bytes：这一轮不读 input
         #    socket，让它填满（这条管道的 HWM 只有 64 帧），分词进程就会停下来挡住客户端；
         #    poll 只等 10 ms 就重看额度。
-        # 2. control socket 一直读（abort、DetokHello 很小），除非 inbox 里还有
+        # 2. control socket 一直读（abort、DetokHello、清前缀缓存的命令都很小），除非 inbox 里还有
         #    MAX_CONTROL_BACKLOG 条没被主线程取走。
         # 3. poll：control 可读 → _receive_control（一次最多 256 帧）；
         #    input 可读 → _receive_request（一帧）。
@@ -107,11 +107,11 @@ class Input:
             self._receive_request()
 
     def _receive_control(self) -> None:
-        """Aborts and detokenizer hellos: tiny, and read whatever the load."""
+        """Aborts, detokenizer hellos and cache resets: tiny, and read whatever the load."""
         drain(lambda: self.control_sock.recv_multipart(zmq.NOBLOCK), self._on_control, self.rejects)
 
     def _on_control(self, frames: list[bytes]) -> None:
-        msg = self._accept(frames, (p.AbortReq, p.DetokHello), "control")
+        msg = self._accept(frames, (p.AbortReq, p.DetokHello, p.ResetPrefixCacheReq), "control")
         if msg is not None:
             self.put_control(msg)
 

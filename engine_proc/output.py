@@ -30,7 +30,9 @@ def output_row(out: RequestOutput, token_ids: list[int] | array | None = None) -
     return p.OutputRow(request_id=out.request_id, token_ids=p.pack_token_ids(ids), finished=out.finished,
                        finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
                        num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens,
-                       error=p.clip(out.error) if out.error else None)
+                       error=p.clip(out.error) if out.error else None,
+                       logprobs=out.logprobs if token_ids is None else None,
+                       prompt_logprobs=out.prompt_logprobs if token_ids is None else None)
 
 
 @dataclass
@@ -127,9 +129,11 @@ class StreamHold:
 def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """One output for two consecutive ones of a request: the tokens (and logprobs) of both, the
     counts and ending of the later."""
+    # Entries cover each output's last tokens (`OutputRow.logprobs`): joined, they cover the last of both.
     logprobs = (earlier.logprobs + later.logprobs
                 if earlier.logprobs is not None and later.logprobs is not None else later.logprobs)
-    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids, logprobs=logprobs)
+    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids, logprobs=logprobs,
+                               prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs)
 
 
 class Output:

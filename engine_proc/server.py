@@ -290,6 +290,8 @@ class EngineStage:
         #    那时它记下这个 id，请求到了再结束）。
         # 4. DetokHello → 记下最新的反分词进程实例 id；
         #    与上次服务过的实例不同就计一次反分词进程重启。
+        # 5. ResetPrefixCacheReq → _reset_prefix_cache：在两步之间清掉没人持有的缓存块，
+        #    回答经输出线程、反分词进程送回发命令的客户端。
         # [ZH-END]
         timeout = 0.05 if block else 0.0
         while True:
@@ -308,6 +310,22 @@ class EngineStage:
                 if msg.instance_id != self._hello and self._last_hello and msg.instance_id != self._last_hello:
                     self.metrics.stage_restart_seen("detokenizer")
                 self._hello = msg.instance_id
+            elif isinstance(msg, p.ResetPrefixCacheReq):
+                self._reset_prefix_cache(msg)
+
+    def _reset_prefix_cache(self, req: p.ResetPrefixCacheReq) -> None:
+        """Forget the cached blocks no running request holds, and answer the client that asked
+        (through the detokenizer, which routes by `client`); refused while draining."""
+        if not req.client:  # a frame not passed on by the tokenizer: nobody to answer
+            self.rejects("bad_frame", f"reset_prefix_cache {req.request_id!r} without a client")
+            return
+        answer = p.ResetPrefixCacheOutput(request_id=req.request_id, client=req.client)
+        if self.state == "draining":
+            answer.error, answer.draining = "the engine is draining (shutting down): its cache is left as it is", True
+        else:
+            answer.freed_blocks = self.engine.reset_prefix_cache()
+            log.info("prefix cache reset: %d cached block(s) forgotten", answer.freed_blocks)
+        self._emit(answer)
 
     def _send_resync(self, detok_instance: str) -> None:
         """Everything a new detokenizer needs. At most one per `RESYNC_INTERVAL_S`, for the latest

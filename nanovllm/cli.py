@@ -1,6 +1,7 @@
 """`nanovllm` command line: `generate` runs the engine in-process, `serve` runs the service,
-`health` probes a running one, `keygen` writes CURVE key pairs for tcp, `install-systemd` installs
-the units that run it under systemd."""
+`health` probes a running one, `reset-prefix-cache` makes its engine forget the cached KV blocks no
+request holds, `keygen` writes CURVE key pairs for tcp, `install-systemd` installs the units that
+run it under systemd."""
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,8 @@ def _generate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"generate": _generate, "serve": _serve, "health": _health, "keygen": _keygen,
-                "install-systemd": _install_systemd}
+    commands = {"generate": _generate, "serve": _serve, "health": _health, "reset-prefix-cache": _reset_prefix_cache,
+                "keygen": _keygen, "install-systemd": _install_systemd}
     if not argv or argv[0] not in commands:
         print(f"usage: nanovllm {{{','.join(commands)}}} ...  (nanovllm COMMAND --help for details)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
@@ -43,6 +44,25 @@ def main(argv: list[str] | None = None) -> int:
 def _health(argv: list[str]) -> int:
     from nanovllm_client.health import health_main
     return health_main(argv)
+
+
+def _reset_prefix_cache(argv: list[str]) -> int:
+    from nanovllm_client import Client, NanovllmError, default_url
+
+    ap = argparse.ArgumentParser(prog="nanovllm reset-prefix-cache", description=(
+        "Make a running service's engine forget every cached KV block no running request holds (the "
+        "prefix cache starts empty again; requests in flight are untouched). Refused while it drains."))
+    ap.add_argument("--url", default=default_url(), help="service address (default: $NANOVLLM_URL or %(default)s)")
+    ap.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+    args = ap.parse_args(argv)
+    try:
+        with Client(args.url, connect_timeout=args.timeout) as client:
+            freed = client.reset_prefix_cache(timeout=args.timeout)
+    except NanovllmError as e:
+        print(f"nanovllm reset-prefix-cache: {e}", file=sys.stderr)
+        return 1
+    print(f"freed {freed} cached KV block(s)")
+    return 0
 
 
 def _keygen(argv: list[str]) -> int:

@@ -36,6 +36,7 @@ rebuilds a request by feeding all of its output tokens at once.
 from __future__ import annotations
 
 import collections
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -363,3 +364,61 @@ class IncrementalDetokenizer:
         released = self._held.take(kept)
         self._held = _HeldText()
         return released
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins -> the bytes they stand for: printable Latin-1 bytes
+    stand for themselves, the other 68 for characters from U+0100 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    stand_ins = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            stand_ins[chr(256 + extra)] = b
+            extra += 1
+    return stand_ins
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenTexts:
+    """Each vocabulary token's own bytes and text, for logprobs: (text, bytes) where bytes are
+    what the token adds to the output (a byte-level BPE token's real bytes, a SentencePiece
+    piece with its space, a byte-fallback token's byte) and text their UTF-8 decoding (U+FFFD
+    where a token holds part of a character). Special tokens are their own name. Cached per id."""
+    # [ZH-START]
+    # 【职责】logprobs 里每个 token 的文本和字节：byte-level BPE 的 token 还原成真实字节（可见字符 →
+    # 字节的映射反过来查），SentencePiece 的 ▁ 换成空格，<0xNN> 换成那个字节；文本是字节的 UTF-8
+    # 解码（半个字符处是 U+FFFD，和 OpenAI 一样另给 bytes）；特殊 token 就是它的名字。按 id 缓存。
+    # 【边界】只给单个 token 的文本，不做增量反分词（那是 IncrementalDetokenizer）。
+    # 【协作者】反分词进程（detok_proc/streams.py）给带 logprobs 的增量配上 token 文本。
+    # [ZH-END]
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self._alphabet = _byte_level_alphabet() if self._byte_level else {}
+        self._special = set(getattr(tokenizer, "all_special_ids", ()))
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        cached = self._cache.get(token_id)
+        if cached is None:
+            cached = self._cache[token_id] = self._text(token_id)
+        return cached
+
+    def _text(self, token_id: int) -> tuple[str, bytes]:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return "", b""
+        if token_id in self._special:
+            return piece, piece.encode()
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            raw = bytes([int(fallback.group(1), 16)])
+        elif self._byte_level and all(c in self._alphabet for c in piece):
+            raw = bytes(self._alphabet[c] for c in piece)
+        else:
+            raw = piece.replace("\u2581", " ").encode()
+        return raw.decode("utf-8", errors="replace"), raw

@@ -26,7 +26,8 @@ class LLM:
         """Generate for every prompt (text or token ids); results in prompt order.
 
         Each result has "text", "token_ids" and "finish_reason" (a `FinishReason`, equal to its
-        string), plus "logprobs" (one `TokenLogprobs` per token) when asked for, and "error" (its
+        string), plus "logprobs" (one `TokenLogprobs` per token) and "prompt_logprobs" (one per
+        prompt token, the first with logprob 0) when asked for, and "error" (its
         text) when finish_reason is "error": that request's sampling failed, the others are
         unaffected. Stop strings
         end the text (kept only with `include_stop_str_in_output`); "token_ids" keeps every
@@ -49,6 +50,8 @@ class LLM:
             results[request_id] = {"token_ids": [], "finish_reason": None}
             if p.logprobs is not None:
                 results[request_id]["logprobs"] = []
+            if p.prompt_logprobs is not None:
+                results[request_id]["prompt_logprobs"] = []
             if p.stop:
                 detoks[request_id] = IncrementalDetokenizer(self.tokenizer, p, prompt_tail=tokens)
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
@@ -71,6 +74,8 @@ class LLM:
         result["token_ids"].extend(out.new_token_ids)
         if out.logprobs is not None:
             result["logprobs"].extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            result["prompt_logprobs"].extend(out.prompt_logprobs)
         if detok is not None and not detok.stopped:
             detok.add(out.new_token_ids, finished=out.finished)
             if detok.stopped:

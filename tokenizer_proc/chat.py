@@ -112,20 +112,23 @@ def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict
 
 
 def render_chat(tokenizer: Any, messages: list[dict], tools_text: str | None,
-                template_kwargs_text: str | None = None) -> str:
+                template_kwargs_text: str | None = None, *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
     """The prompt text for a chat; ValueError for bad tools or template variables
     (`chat_template_kwargs`, passed to the template as they are), the template's own errors as
-    they come."""
+    they come. A request always ends with the generation prompt; a tokenize command may ask for
+    none, or for the last message left open (`continue_final_message`)."""
     tools = parse_tools(tools_text)
     variables = parse_template_kwargs(template_kwargs_text) if template_kwargs_text is not None else {}
+    variables.update(add_generation_prompt=add_generation_prompt, tokenize=False)
+    if continue_final_message:
+        variables["continue_final_message"] = True
     uses_tools = tools is not None or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
     if not uses_tools:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **variables)
+        return tokenizer.apply_chat_template(messages, **variables)
     if template_knows_tools(tokenizer):
-        return tokenizer.apply_chat_template(_with_arguments(messages), tools=tools, add_generation_prompt=True,
-                                             tokenize=False, **variables)
-    return tokenizer.apply_chat_template(hermes_messages(messages, tools), add_generation_prompt=True,
-                                         tokenize=False, **variables)
+        return tokenizer.apply_chat_template(_with_arguments(messages), tools=tools, **variables)
+    return tokenizer.apply_chat_template(hermes_messages(messages, tools), **variables)
 
 
 def opens_reasoning(prompt: str) -> bool:

@@ -68,12 +68,13 @@ class RequestBuilder:
         what was wrong. `key`: the client's CURVE key, which salts its cache where it is set."""
         # [ZH-START]
         # 1. priority 超过 --max-priority，或超过这把客户端钥匙在 allow-list 文件里的 max-priority →
-        #    拒绝并说出是哪个上限；要了服务尚不支持的参数（logprobs）→ 拒绝。
+        #    拒绝并说出是哪个上限。
         #    req.sampling 已是校验过的 SamplingParams（解帧时旧客户端放在帧顶层的 stop、
         #    skip_special_tokens 也已并进去）。
         # 2. 开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(客户端 CURVE
         #    公钥，没有则路由 id，客户端自己给的盐)，前缀缓存只在同一客户端（同一把钥匙）内共享。
-        # 3. ids, reasoning_open = _prompt_ids(req)。
+        # 3. ids, reasoning_open = _prompt_ids(req)；要了 prompt_logprobs 而 prompt 长度 ×
+        #    (1 + prompt_logprobs) 超过 MAX_PROMPT_SCORES（一帧装得下的分数）→ 拒绝并说明。
         # 4. meta = RequestMeta(client 身份, 客户端 rid, sampling = sampling.text_params()（stop、
         #    include_stop_str_in_output、skip_special_tokens、min_tokens，其余取默认值）,
         #    prompt_tail = prompt 最后 8 个 token（打包）, arrival = 时间,
@@ -88,14 +89,14 @@ class RequestBuilder:
         # [ZH-END]
         self._check_priority(req.priority, key)
         sampling = req.sampling
-        not_served = [name for name, why in NOT_SERVED.items() if getattr(sampling, name) is not None]
-        if not_served:
-            raise RequestRejected("; ".join(f"sampling parameter {name!r} is not supported by the service: "
-                                            f"{NOT_SERVED[name]}" for name in not_served))
         if self.cache_salt_per_client:
             sampling = dataclasses.replace(sampling, cache_salt=client_cache_salt(key or identity.hex(),
                                                                                   sampling.cache_salt))
         ids, reasoning_open = self._prompt_ids(req)
+        if sampling.prompt_logprobs is not None and len(ids) * (1 + sampling.prompt_logprobs) > MAX_PROMPT_SCORES:
+            raise RequestRejected(f"prompt_logprobs={sampling.prompt_logprobs} over a {len(ids)}-token prompt asks for "
+                                  f"{len(ids) * (1 + sampling.prompt_logprobs)} scores, more than the {MAX_PROMPT_SCORES} "
+                                  "one answer carries: ask for fewer alternatives or a shorter prompt")
         have_tokens, have_chars = (len(req.output_token_ids) // 4, req.output_chars) if req.output_token_ids else (0, 0)
         meta = p.RequestMeta(client=identity, client_request_id=req.request_id, sampling=sampling.text_params(),
                              prompt_tail=p.pack_token_ids(ids[-PROMPT_CONTEXT_TOKENS:]), arrival=time.time(),
@@ -176,9 +177,10 @@ def engine_request_id(identity: bytes, request_id: str) -> str:
     return f"{identity.hex()}:{request_id}"
 
 
-NOT_SERVED = {"logprobs": "log-probabilities are not streamed yet"}
-"""SamplingParams fields the offline API serves and the service does not carry yet (set: not None).
-(`logits_processors`, Python objects, never travel: the struct's wire form has no such field.)"""
+MAX_PROMPT_SCORES = 1 << 18
+"""Prompt tokens × (1 + prompt_logprobs) one request may ask for: the prompt's logprobs travel in
+one frame (to the client about 30 bytes a score with its token's text: 8 MiB at most, under the
+16 MiB frame limit)."""
 
 
 def client_cache_salt(client: str, own: str | None) -> str:

@@ -48,11 +48,12 @@ from nanovllm.service.stage import (REQUEST_PIPE_HWM, PeerMonitor, RejectLog, cl
 
 from .rate_limit import RateLimit
 from .requests import RequestBuilder, RequestRejected, engine_request_id
+from .tokens import TokenAnswers
 
 log = logging.getLogger("tokenizer_proc")
 
 DRAINING = "the tokenizer is draining (shutting down): it takes no new requests; retry on another instance or later"
-CLIENT_MESSAGES = (p.GenerateReq, p.AbortReq, p.Ping)
+CLIENT_MESSAGES = (p.GenerateReq, p.AbortReq, p.Ping, p.TokenizeReq, p.DetokenizeReq, p.ResetPrefixCacheReq)
 NO_ENGINE = "engine is not available (dead, restarting or not started yet); retry later"
 ENGINE_STALL_S = 10.0
 """A request waiting this long for room in the engine pipe is failed instead of held."""
@@ -77,7 +78,8 @@ class TokenizerStage:
     # [ZH-START]
     # 【职责】从客户端 ROUTER 收消息（intake.accept 检查帧），过载与每客户端限额（pending 份额、
     # 请求速率）先挡，再交 RequestBuilder 校验、分词，把 TokenizedReq 推给引擎的 input、
-    # abort 推给引擎的 control；回答 ping（带上引擎是否已连接）。
+    # abort 推给引擎的 control；回答 ping（带上引擎是否已连接）；直接回答只分词 / 只反分词的命令
+    # （TokenAnswers，不经过引擎）。
     # 【边界】不保存请求状态（只有等待管道空位的 pending 帧队列，以及供存活客户端计数用的最近活动
     # 时间）；不发送输出（那是 detok_proc）；不判断 prompt 能否放进 KV cache（引擎
     # add_request 判断）。
@@ -106,6 +108,8 @@ class TokenizerStage:
                                        cache_salt_per_client=cache_salt_per_client, max_priority=max_priority,
                                        key_max_priority=self.security.max_priority_of)
         """Checks and tokenizes each request (no I/O)."""
+        self.tokens = TokenAnswers(tokenizer, max_model_len=max_prompt_tokens)
+        """Answers tokenize and detokenize commands (no I/O)."""
         # Few request frames wait in zmq's pipes: while the engine holds us back, a client's
         # further requests wait on its side, not here (each frame may be 16 MiB).
         self.frontend = client_router(self.ctx, frontend, security=self.security, rcv_hwm=REQUEST_PIPE_HWM)
@@ -220,14 +224,18 @@ class TokenizerStage:
         # [ZH-START]
         # 1. 计数，记下该客户端最近活动时间。
         # 2. intake.accept：不是恰好一帧（"multipart"）、解不开（"bad_frame"：协议版本、类型、字段、
-        #    大小与嵌套都在 decode 里查）、或不是 generate / abort / ping（"wrong_type"）→ 已计数，
+        #    大小与嵌套都在 decode 里查）、或不是 generate / abort / ping / tokenize / detokenize /
+        #    reset_prefix_cache（"wrong_type"）→ 已计数，
         #    把返回的 ErrorOutput 回给客户端（能认出 request_id 就带上；认不出时带上这一帧的
         #    frame_digest，客户端据此找到是哪个请求）。
         # 3. 按类型分发：
         #    GenerateReq → _on_generate；
         #    AbortReq → 换成引擎侧 id "<客户端身份 hex>:<request_id>"，
         #               _send_abort 直接推给引擎的 control socket（不排在 pending 后面）；
-        #    Ping → 回 Pong("tokenizer", 实例 id, 引擎是否已连接, 状态, 运行时长)。
+        #    Ping → 回 Pong("tokenizer", 实例 id, 引擎是否已连接, 状态, 运行时长)；
+        #    TokenizeReq / DetokenizeReq → TokenAnswers.answer 的回答直接回给这个客户端；
+        #    ResetPrefixCacheReq → _pass_reset：填上客户端身份，推给引擎的 control socket
+        #    （draining 或没有引擎时直接回拒绝）。
         # [ZH-END]
         self.metrics.frame_received()
         self._clients_seen[identity] = time.monotonic()
@@ -240,6 +248,10 @@ class TokenizerStage:
             self._on_generate(identity, msg, key)
         elif isinstance(msg, p.AbortReq):
             self._send_abort(engine_request_id(identity, msg.request_id))
+        elif isinstance(msg, (p.TokenizeReq, p.DetokenizeReq)):
+            self._reply(identity, self.tokens.answer(msg))
+        elif isinstance(msg, p.ResetPrefixCacheReq):
+            self._pass_reset(identity, msg)
         else:
             self._reply(identity, p.Pong(role="tokenizer", instance_id=self.instance_id,
                                          engine_alive=self.engine_peers.connected, state=self.flush.state,
@@ -285,6 +297,21 @@ class TokenizerStage:
         self.metrics.tokenize_seconds(time.perf_counter() - started)
         self.metrics.request_forwarded()
         self._forward(identity, req.request_id, frame)
+
+    def _pass_reset(self, identity: bytes, req: p.ResetPrefixCacheReq) -> None:
+        """A cache reset to the engine's control socket, with where its answer goes (the engine
+        answers through the detokenizer); refused here while draining or with no engine."""
+        refusal = None
+        if self.flush.state == "draining":
+            refusal = p.ResetPrefixCacheOutput(request_id=req.request_id, error=DRAINING, draining=True)
+        else:
+            try:
+                self.to_control.send(p.ResetPrefixCacheReq(request_id=req.request_id, client=identity).encode(),
+                                     zmq.NOBLOCK)
+            except zmq.Again:  # no engine connected (or its control pipe full)
+                refusal = p.ResetPrefixCacheOutput(request_id=req.request_id, error=NO_ENGINE)
+        if refusal is not None:
+            self._reply(identity, refusal)
 
     def _refuse(self, identity: bytes, req: p.GenerateReq, why: str) -> None:
         """Refuse a request: its client gets `why` as the request's error."""

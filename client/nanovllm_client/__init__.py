@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .endpoints import Endpoints, UnsafeRuntimeDirError, default_url, service_endpoints
     from .errors import (EngineDeadError, NanovllmError, RequestError, RequestTimeoutError, ServiceDrainingError,
                          ServiceUnavailableError)
-    from .protocol import PROTOCOL_VERSION, FinishReason, ProtocolError
+    from .protocol import PROTOCOL_VERSION, FinishReason, ProtocolError, TokenLogprob, TopLogprob
     from .sampling import SamplingError, SamplingParams
     from .sync_client import Client, Stream
 
@@ -31,7 +31,7 @@ _HOMES = {
     "service_endpoints": "endpoints", "EngineDeadError": "errors", "NanovllmError": "errors",
     "RequestError": "errors", "RequestTimeoutError": "errors", "ServiceDrainingError": "errors",
     "ServiceUnavailableError": "errors", "PROTOCOL_VERSION": "protocol", "ProtocolError": "protocol",
-    "FinishReason": "protocol", "SamplingParams": "sampling", "SamplingError": "sampling",
+    "FinishReason": "protocol", "TokenLogprob": "protocol", "TopLogprob": "protocol", "SamplingParams": "sampling", "SamplingError": "sampling",
     "Client": "sync_client", "Stream": "sync_client"}
 __all__ = sorted(_HOMES)
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import zmq
 
+from . import commands
 from . import protocol as p
 from .client_state import ClientBase, Delta, Result, build_request, merge
 from .security import CurveKeys
@@ -153,16 +154,17 @@ class AsyncStream:
 class AsyncClient(ClientBase):
     """`async with AsyncClient(url) as c: async for d in await c.stream("hi"): ...`"""
     # [ZH-START]
-    # 【职责】异步客户端：对外提供 stream / generate / abort / server_stats / wait_engine / close；
+    # 【职责】异步客户端：对外提供 stream / generate / abort / server_stats / wait_engine / close，
+    # 以及命令 tokenize / detokenize / reset_prefix_cache（commands.py，一问一答）；
     # 对内在事件循环上持有两个 DEALER，描述符回调 _readable 收帧并分发增量，_heartbeat 任务定时 ping
     # 两个 stage，_recheck 任务兜底；发送一律 NOBLOCK，管道满时发送方等待 _readable 的唤醒（背压）。
     # 【边界】协议逻辑在 ClientState（与同步 Client 共用）；不重试失败的请求（引擎死不算失败：
     # ClientState 在新引擎实例起来后把在途请求连同已收到的输出重发，由新引擎续写）；不是线程安全的，
     # 只能在创建它的事件循环里用（从别的线程 abort 请求用 abort_nowait）。同一进程的所有 AsyncClient
     # 共用一个 zmq.Context（一个 I/O 线程），64 个客户端不会唤醒 64 个 I/O 线程。
-    # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping）；
+    # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping / 命令）；
     # detok_proc（Ping / StatsReq / Resume，收 StreamOutput / Pong / EngineStatus / StatsOutput）；
-    # AsyncStream；ClientBase 提供地址、id 分配、超时和帧处理。
+    # AsyncStream；ClientBase 提供地址、id 分配、超时和帧处理；commands 建命令、读回答。
     # [ZH-END]
 
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
@@ -266,6 +268,33 @@ class AsyncClient(ClientBase):
             return await asyncio.wait_for(self._stats.get(), timeout)
         except asyncio.TimeoutError:
             raise ServiceUnavailableError(f"no stats reply within {timeout}s") from None
+
+    async def tokenize(self, prompt: str | list[dict[str, Any]], *, timeout: float = 10.0,
+                       **options: Any) -> commands.Tokenized:
+        """As `Client.tokenize`."""
+        return await self._command(commands.tokenize_request(prompt, **options), timeout)
+
+    async def detokenize(self, token_ids: list[int], *, timeout: float = 10.0) -> str:
+        """As `Client.detokenize`."""
+        return await self._command(commands.detokenize_request(token_ids), timeout)
+
+    async def reset_prefix_cache(self, *, timeout: float = 10.0) -> int:
+        """As `Client.reset_prefix_cache`."""
+        return await self._command(commands.reset_prefix_cache_request(), timeout)
+
+    async def _command(self, msg: p.Message, timeout: float) -> Any:
+        """Send a command to the tokenizer and wait for its answer (`commands.answer`)."""
+        await self._wait_ready()
+        replies: asyncio.Queue = asyncio.Queue()
+        self._replies[msg.request_id] = replies
+        try:
+            await self._send(self._tok, msg.encode())
+            reply = await asyncio.wait_for(replies.get(), timeout)
+        except asyncio.TimeoutError:
+            raise ServiceUnavailableError(f"no answer to the {msg.TYPE} command within {timeout}s") from None
+        finally:
+            self._replies.pop(msg.request_id, None)
+        return commands.answer(reply)
 
     async def wait_engine(self, timeout: float = 60.0) -> None:
         """Wait until the engine is up (e.g. right after starting the service)."""

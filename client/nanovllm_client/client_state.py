@@ -86,6 +86,15 @@ class Delta:
     reasoning_open: bool = False
     """The chat template opened a reasoning block at the prompt's end (`<think>`): the output
     starts inside it, with no `<think>` of its own, up to `</think>`."""
+    logprobs: list[p.TokenLogprob] | None = None
+    """With `logprobs`: one entry per token of `token_ids` (token text, bytes, logprob, rank, top
+    alternatives). None on a delta whose tokens the service rebuilt after its detokenizer
+    restarted (their logprobs were lost with it)."""
+    prompt_logprobs: list[p.TokenLogprob] | None = None
+    """With `prompt_logprobs`, on the first delta: one entry per prompt token. The first token is
+    given, not predicted: its entry has logprob 0 and no alternatives."""
+    stop_reason: str | None = None
+    """On the last delta of an answer a stop string ended: that string."""
 
     @property
     def finished(self) -> bool:
@@ -109,6 +118,9 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     usage: dict[str, int] | None = None
+    logprobs: list[p.TokenLogprob] | None = None
+    """With `logprobs`: every delta's entries, in order (see `Delta.logprobs`)."""
+    prompt_logprobs: list[p.TokenLogprob] | None = None
 
 
 def build_request(prompt: str | list[int] | list[dict] | None = None, *, messages: list[dict] | None = None,
@@ -133,12 +145,19 @@ def build_request(prompt: str | list[int] | list[dict] | None = None, *, message
     elif isinstance(prompt, list):
         prompt_token_ids, prompt = prompt, None
     ids = p.pack_token_ids(prompt_token_ids) if prompt_token_ids is not None else None
-    tools_text = (tools if isinstance(tools, str) or tools is None
-                  else json.dumps(tools, separators=(",", ":"), ensure_ascii=False))
+    tools_text, kwargs_text = chat_extras(tools, chat_template_kwargs)
     return p.GenerateReq(request_id=request_id or uuid.uuid4().hex, prompt=prompt, messages=messages,
                          prompt_token_ids=ids, sampling=sampling, priority=priority, tools=tools_text,
-                         chat_template_kwargs=(template_kwargs_text(chat_template_kwargs)
-                                               if isinstance(chat_template_kwargs, dict) else chat_template_kwargs))
+                         chat_template_kwargs=kwargs_text)
+
+
+def chat_extras(tools: list[dict] | str | None,
+                chat_template_kwargs: dict | str | None) -> tuple[str | None, str | None]:
+    """A chat's `tools` and `chat_template_kwargs` as they travel: JSON text (given as text, as is)."""
+    tools_text = (tools if isinstance(tools, str) or tools is None
+                  else json.dumps(tools, separators=(",", ":"), ensure_ascii=False))
+    return tools_text, (template_kwargs_text(chat_template_kwargs) if isinstance(chat_template_kwargs, dict)
+                        else chat_template_kwargs)
 
 
 def wire_request(req: p.GenerateReq) -> tuple[str, bytes, bytes]:
@@ -176,6 +195,8 @@ class InFlight:
             return self.resend_frame
         req = p.decode(self.resend_frame)
         req.output_token_ids, req.output_chars = p.pack_token_ids(self.ids), self.chars
+        if req.sampling.prompt_logprobs is not None:  # they came with the first output, received
+            req.sampling = replace(req.sampling, prompt_logprobs=None)
         if req.prompt_token_ids is not None:  # decoding unpacked them
             req.prompt_token_ids = p.pack_token_ids(req.prompt_token_ids)
         return req.encode()
@@ -209,13 +230,19 @@ class Reaction:
     """What one incoming frame (or a heartbeat) means for the client."""
     # [ZH-START]
     # 处理一帧（或一次心跳）的结果：要交给各流的 Delta、
-    # 要发给分词进程的帧（to_tokenizer），以及统计。
+    # 要发给分词进程的帧（to_tokenizer），以及统计和命令的回答（replies）。
     # [ZH-END]
     deltas: list[Delta] = field(default_factory=list)
     """To route to their streams (by wire id)."""
     stats: dict[str, Any] | None = None
+    replies: list[p.Message] = field(default_factory=list)
+    """Answers to commands (`commands.py`), for whoever waits under their request id."""
     to_tokenizer: list[bytes] = field(default_factory=list)
     to_detok: list[bytes] = field(default_factory=list)
+
+
+COMMAND_REPLIES = (p.TokenizeOutput, p.DetokenizeOutput, p.ResetPrefixCacheOutput)
+"""The answers to commands (`commands.py`): one message each, under the command's request id."""
 
 
 class ClientState:
@@ -297,7 +324,7 @@ class ClientState:
         # 4. Pong：_on_pong（反分词进程在回应；分词进程换了实例就重发没回答的请求）。
         # 5. EngineStatus：记下引擎状态和实例，更新"引擎是否活着"（loading
         #    时记为未知），再 _unpark。
-        # 6. StatsOutput：把统计交给调用方。
+        # 6. StatsOutput：把统计交给调用方；命令的回答（COMMAND_REPLIES）：交给等它的调用方。
         # [ZH-END]
         try:
             msg = p.decode(frame)
@@ -330,6 +357,8 @@ class ClientState:
             return reaction
         if isinstance(msg, p.StatsOutput):
             return Reaction(stats=msg.stats)
+        if isinstance(msg, COMMAND_REPLIES):
+            return Reaction(replies=[msg])
         log.warning("unexpected %r message from the service", msg.TYPE)
         return Reaction()
 
@@ -504,15 +533,19 @@ class ClientState:
         usage = None if d.usage is None else d.usage._asdict()
         return Delta(request_id=d.request_id, text=d.text, token_ids=p.unpack_token_ids(d.token_ids),
                      finish_reason=d.finish_reason, usage=usage, error=d.error, engine_dead=d.engine_dead,
-                     reasoning_open=d.reasoning_open)
+                     reasoning_open=d.reasoning_open, logprobs=d.logprobs, prompt_logprobs=d.prompt_logprobs,
+                     stop_reason=d.stop_reason)
 
 
 def merge(deltas: list[Delta], request_id: str) -> Result:
     result = Result(request_id=request_id, text="".join(d.text for d in deltas))
     for d in deltas:
+        result.logprobs = p.join_logprobs(result.logprobs, len(result.token_ids), d.logprobs, len(d.token_ids))
         result.token_ids.extend(d.token_ids)
+        if d.prompt_logprobs is not None:
+            result.prompt_logprobs = d.prompt_logprobs
         if d.finished:
-            result.finish_reason, result.usage = d.finish_reason, d.usage
+            result.finish_reason, result.usage, result.stop_reason = d.finish_reason, d.usage, d.stop_reason
     return result
 
 
@@ -546,6 +579,9 @@ class ClientBase:
         self._state = ClientState(stage_timeout=stage_timeout, engine_restart_wait_s=engine_restart_wait_s)
         self._wire_ids: dict[str, str] = {}
         """Caller's request id -> wire id of its stream in flight."""
+        self._replies: dict[str, Any] = {}
+        """Request id of a command waiting for its answer -> the queue its answer goes to (a
+        `queue.Queue` or an `asyncio.Queue`, each client its own kind)."""
 
     @property
     def engine_alive(self) -> bool | None:
@@ -606,15 +642,22 @@ class ClientBase:
             self._ready.set()
         if reaction.stats is not None:
             self._stats.put_nowait(reaction.stats)
+        for reply in reaction.replies:
+            waiter = self._replies.get(reply.request_id)
+            if waiter is not None:
+                waiter.put_nowait(reply)
         return reaction
 
     def _route(self, deltas: list[Delta]) -> None:
         # [ZH-START]
-        # 1. 按增量的 wire id 找到流的队列并放入。
-        # 2. 找不到（流已结束或已取消）就丢弃：旧流迟到的输出永远到不了复用同一 id 的新流。
+        # 1. 按增量的 wire id 找到流的队列并放入；不是流的，可能是等回答的命令（出错时它的
+        #    ErrorOutput 变成一个失败的增量），放进它的回答队列。
+        # 2. 都找不到（流已结束或已取消）就丢弃：旧流迟到的输出永远到不了复用同一 id 的新流。
         # [ZH-END]
         for delta in deltas:
             target = self._streams.get(delta.request_id)
+            if target is None:
+                target = self._replies.get(delta.request_id)
             if target is not None:
                 target.put_nowait(delta)
 

@@ -14,7 +14,10 @@ positional arrays on the wire, named in code, read and checked in one place (`ty
 Flow (see docs/service.md): client --GenerateReq/AbortReq/Ping--> tokenizer --TokenizedReq-->
 engine (input) --StepOutput/EngineStatus/Resync--> detokenizer --StreamOutput/EngineStatus/
 Pong--> client; tokenizer --AbortReq--> engine (control); detokenizer --AbortReq/DetokHello-->
-engine (control); client --Resume--> detokenizer.
+engine (control); client --Resume--> detokenizer. Commands (one question, one answer): client
+--TokenizeReq/DetokenizeReq--> tokenizer --TokenizeOutput/DetokenizeOutput--> client; client
+--ResetPrefixCacheReq--> tokenizer --> engine (control) --ResetPrefixCacheOutput--> detokenizer
+--> client.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import msgpack
 
 from .checks import (ProtocolError, check, check_bool, check_bytes, check_depth, check_fields, check_int,
                      check_list, check_map, check_number, check_opt_str, check_str, is_int, show)
-from .sampling import SamplingParams
+from .sampling import MAX_LOGPROBS, MAX_STOP_STRING_LENGTH, SamplingParams
 from .template_kwargs import parse_template_kwargs
 
 __all__ = ["ProtocolError", "PROTOCOL_VERSION", "STAGE_PROTOCOL_VERSION", "FinishReason", "decode", "pack_token_ids",
@@ -40,11 +43,11 @@ PROTOCOL_VERSION = 2
 resumes, deltas, pongs, errors, engine status), also used between stages where they are the same.
 2: a stream's deltas and a resume's requests are positional rows (`DeltaRow`, `ResumeRow`), where
 version 1 sent maps and bare lists."""
-STAGE_PROTOCOL_VERSION = 3
+STAGE_PROTOCOL_VERSION = 4
 """The messages only stages exchange (`TokenizedReq`, `DetokHello`, `StepOutput`, `Resync`). 3: the
 sampling parameters travel as one typed struct (`SamplingParams`), and a request's meta carries
 its text-side part instead of copies of those fields; a resync entry is a meta and an output row.
-Versioned apart from the client protocol, so a change between the stages leaves clients working;
+4: an output row carries its tokens' logprobs and the prompt's (`TokenLogprobs`). Versioned apart from the client protocol, so a change between the stages leaves clients working;
 each message type has one version, and a frame of another is refused naming both."""
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 """Largest frame any stage accepts (ZMQ_MAXMSGSIZE on every receiving socket)."""
@@ -65,6 +68,10 @@ MAX_PROMPT_TAIL = 64
 MAX_ROWS = 1 << 16
 """Rows in one step / resync / resume message."""
 MAX_PRIORITY = 1 << 31
+MAX_TOKEN_TEXT = 1024
+"""Characters of one vocabulary token's text in a logprob entry."""
+MAX_TOKEN_STRS = 1 << 16
+"""Token strings one `tokenize_result` may carry (a list: msgpack's array limit is 262,144)."""
 
 
 class FinishReason(str, Enum):
@@ -299,12 +306,7 @@ class GenerateReq(Message):
         if self.prompt is not None:
             check_str("prompt", self.prompt, MAX_FRAME_BYTES, empty=True)
         if self.messages is not None:
-            check(isinstance(self.messages, list) and 0 < len(self.messages) <= MAX_CHAT_MESSAGES,
-                  f"messages must be a non-empty list of at most {MAX_CHAT_MESSAGES} chat messages")
-            for m in self.messages:
-                check(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                      and all(isinstance(k, str) for k in m),
-                      "each chat message must be a map with string 'role' and 'content'")
+            check_messages(self.messages)
         if self.prompt_token_ids is not None:
             self.prompt_token_ids = unpack_token_ids(self.prompt_token_ids)
         self.sampling = read_sampling("sampling", self._with_own_fields(self.sampling))
@@ -336,6 +338,16 @@ class GenerateReq(Message):
               "got {}", own)
         own = [own] if isinstance(own, str) else own or []
         return {"skip_special_tokens": self.skip_special_tokens, **sampling, "stop": [*self.stop, *own]}
+
+
+def check_messages(messages: Any) -> None:
+    """A chat's messages as they travel (`GenerateReq`, `TokenizeReq`)."""
+    check(isinstance(messages, list) and 0 < len(messages) <= MAX_CHAT_MESSAGES,
+          f"messages must be a non-empty list of at most {MAX_CHAT_MESSAGES} chat messages")
+    for m in messages:
+        check(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+              and all(isinstance(k, str) for k in m),
+              "each chat message must be a map with string 'role' and 'content'")
 
 
 @_message("abort")
@@ -481,6 +493,46 @@ class RejectedRow(NamedTuple):
         check_str("rejection text", self.error, MAX_ERROR_LEN)
 
 
+def check_logprob(name: str, value: Any) -> None:
+    """A log-probability: a number <= 0 (a hair above for rounding), -inf allowed, NaN not."""
+    check((is_int(value) or isinstance(value, float)) and value <= 1e-3, f"{name} must be a number <= 0, got {{}}",
+          value)
+
+
+class TokenLogprobs(NamedTuple):
+    """One token's log-probability under the raw model distribution (before penalties,
+    constraints and temperature), its rank (1: the most likely) and the most likely alternatives:
+    what the engine computes (`SamplingParams.logprobs` / `prompt_logprobs`) and sends the
+    detokenizer (`OutputRow`)."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+    def check(self) -> None:
+        check_int("logprob token_id", self.token_id, 0, 2**31)
+        check_logprob("logprob", self.logprob)
+        check_int("logprob rank", self.rank, 1, 2**31)
+        check_list("top_token_ids", self.top_token_ids, MAX_LOGPROBS)
+        check(isinstance(self.top_logprobs, list) and len(self.top_logprobs) == len(self.top_token_ids),
+              "top_logprobs must be a list as long as top_token_ids")
+        for token_id, logprob in zip(self.top_token_ids, self.top_logprobs):
+            check_int("top token id", token_id, 0, 2**31)
+            check_logprob("top logprob", logprob)
+
+
+def join_logprobs(first: list | None, first_tokens: int, second: list | None, second_tokens: int) -> list | None:
+    """The logprob entries of two consecutive pieces of one output joined (an entry per token, or
+    None where a piece with tokens has none, as a resync's rows do: then the joined piece has
+    none either, since entries no longer line up with tokens)."""
+    if first is None and not first_tokens:
+        return second
+    if second is None and not second_tokens:
+        return first
+    return None if first is None or second is None else first + second
+
+
 class OutputRow(NamedTuple):
     """What one request produced in a step (`StepOutput.outputs`)."""
     request_id: str
@@ -492,6 +544,13 @@ class OutputRow(NamedTuple):
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None
+    logprobs: list[TokenLogprobs] | None = None
+    """When the request asked for logprobs: the entries of the row's last tokens, one per token
+    the engine sampled since the last row (a continued request's first row also repeats the
+    output it continues from, which has none; a resync's row: none at all)."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With prompt_logprobs, on the request's first output: one per prompt token (the first given:
+    logprob 0, no alternatives)."""
 
     def check(self) -> None:
         check_str("output request_id", self.request_id, MAX_ENGINE_ID_LEN)
@@ -500,6 +559,8 @@ class OutputRow(NamedTuple):
         for count in (self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens):
             check_int("output token count", count, 0, 2**31)
         check_opt_str("output error", self.error, MAX_ERROR_LEN)
+        check(self.logprobs is None or len(self.logprobs) <= len(self.token_ids) // 4,
+              "output logprobs must have at most one entry per token")
 
 
 class ResyncEntry(NamedTuple):
@@ -619,6 +680,138 @@ class EngineStatus(Message):
         check_number("uptime_s", self.uptime_s)
 
 
+# ---------------------------------------------------------------- commands: client -> stage -> client
+
+@_message("tokenize")
+@dataclass
+class TokenizeReq(Message):
+    """Tokenize a text or a chat as a request would be (vLLM's `/tokenize`); the tokenizer stage
+    answers with a `TokenizeOutput`, or an `ErrorOutput` naming the problem, under `request_id`."""
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    """None: a prompt gets them (True), a chat does not (its template writes them), as vLLM's defaults."""
+    add_generation_prompt: bool = True
+    """With `messages`: the template's cue for the assistant's turn at the end."""
+    continue_final_message: bool = False
+    """With `messages`: the last message left open, for the model to continue (not with
+    `add_generation_prompt`)."""
+    tools: str | None = None
+    chat_template_kwargs: str | None = None
+    """With `messages`: as on `GenerateReq`."""
+    return_token_strs: bool = False
+    """Also each token's text (the tokenizer's own token strings)."""
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check((self.prompt is None) != (self.messages is None), "give exactly one of prompt, messages")
+        if self.prompt is not None:
+            check_str("prompt", self.prompt, MAX_FRAME_BYTES, empty=True)
+        if self.messages is not None:
+            check_messages(self.messages)
+        check(self.add_special_tokens is None or isinstance(self.add_special_tokens, bool),
+              "add_special_tokens must be true, false or null")
+        for name in ("add_generation_prompt", "continue_final_message", "return_token_strs"):
+            check_bool(name, getattr(self, name))
+        check(not (self.add_generation_prompt and self.continue_final_message) or self.messages is None,
+              "continue_final_message cannot be combined with add_generation_prompt (set it false)")
+        if self.tools is not None:
+            check(self.messages is not None, "tools are offered only with messages (a chat)")
+            check_str("tools", self.tools, MAX_TOOLS_CHARS)
+        if self.chat_template_kwargs is not None:
+            check(self.messages is not None, "chat_template_kwargs apply only with messages (a chat)")
+            parse_template_kwargs(self.chat_template_kwargs)
+
+
+@_message("detokenize")
+@dataclass
+class DetokenizeReq(Message):
+    """Token ids back to text (vLLM's `/detokenize`); the tokenizer stage answers with a
+    `DetokenizeOutput`, or an `ErrorOutput` naming the problem (an id outside the vocabulary)."""
+    request_id: str
+    token_ids: bytes | list[int]
+    """Packed or a plain list, as a prompt's."""
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        self.token_ids = unpack_token_ids(self.token_ids)
+
+
+@_message("tokenize_result")
+@dataclass
+class TokenizeOutput(Message):
+    """The tokenizer stage's answer to a `TokenizeReq`."""
+    TOLERANT = True
+    request_id: str
+    token_ids: bytes
+    """Packed."""
+    max_model_len: int | None = None
+    """The engine's context length as the tokenizer stage knows it."""
+    token_strs: list[str] | None = None
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check_packed("token_ids", self.token_ids, MAX_FRAME_BYTES // 4)
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, 1, 2**31)
+        if self.token_strs is not None:
+            check_list("token_strs", self.token_strs, MAX_TOKEN_STRS)
+            check(len(self.token_strs) * 4 == len(self.token_ids) and all(isinstance(t, str) for t in self.token_strs),
+                  "token_strs must be one string per token")
+
+
+@_message("detokenize_result")
+@dataclass
+class DetokenizeOutput(Message):
+    """The tokenizer stage's answer to a `DetokenizeReq`."""
+    TOLERANT = True
+    request_id: str
+    text: str
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check_str("text", self.text, MAX_FRAME_BYTES, empty=True)
+
+
+@_message("reset_prefix_cache")
+@dataclass
+class ResetPrefixCacheReq(Message):
+    """Forget every cached KV block no running request holds (vLLM's /reset_prefix_cache). A
+    client sends it to the tokenizer, which passes it to the engine's control socket with the
+    client's routing id in `client`; the engine answers a `ResetPrefixCacheOutput` through the
+    detokenizer. Refused while the service drains."""
+    request_id: str
+    client: bytes = b""
+    """Set by the tokenizer (whatever a client put there is replaced): where the answer goes."""
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check_bytes("client", self.client, 255)
+
+
+@_message("reset_prefix_cache_result")
+@dataclass
+class ResetPrefixCacheOutput(Message):
+    """The engine's answer to a `ResetPrefixCacheReq` (or the tokenizer's refusal), under its
+    request id; `client` routes it through the detokenizer, which clears it."""
+    TOLERANT = True
+    request_id: str
+    freed_blocks: int = 0
+    """Cached blocks forgotten."""
+    error: str | None = None
+    draining: bool = False
+    """With `error`: refused because the service is draining."""
+    client: bytes = b""
+
+    def validate(self) -> None:
+        check_str("request_id", self.request_id, MAX_ID_LEN)
+        check_int("freed_blocks", self.freed_blocks, 0, 2**31)
+        check_opt_str("error", self.error, MAX_ERROR_LEN)
+        check_bool("draining", self.draining)
+        check_bytes("client", self.client, 255)
+
+
 # ---------------------------------------------------------------- stages -> client
 
 class Usage(NamedTuple):
@@ -630,6 +823,42 @@ class Usage(NamedTuple):
     def check(self) -> None:
         for name, count in zip(self._fields, self):
             check_int(f"usage {name}", count, 0, 2**31)
+
+
+class TopLogprob(NamedTuple):
+    """One of the most likely alternatives at a position (`TokenLogprob.top`)."""
+    token_id: int
+    token: str
+    """The token's text (`bytes` decoded; U+FFFD where it holds part of a character)."""
+    bytes: bytes
+    """What the token adds to the output, byte for byte."""
+    logprob: float
+
+    def check(self) -> None:
+        check_int("top token_id", self.token_id, 0, 2**31)
+        check_str("top token", self.token, MAX_TOKEN_TEXT, empty=True)
+        check_bytes("top bytes", self.bytes, MAX_TOKEN_TEXT * 4)
+        check_logprob("top logprob", self.logprob)
+
+
+class TokenLogprob(NamedTuple):
+    """A streamed token's log-probability with its text (`DeltaRow.logprobs`): the detokenizer
+    adds the texts to the engine's `TokenLogprobs`."""
+    token_id: int
+    token: str
+    bytes: bytes
+    logprob: float
+    rank: int
+    """1 for the most likely token."""
+    top: list[TopLogprob]
+    """The most likely alternatives, most likely first (as many as asked for)."""
+
+    def check(self) -> None:
+        check_int("logprob token_id", self.token_id, 0, 2**31)
+        check_str("logprob token", self.token, MAX_TOKEN_TEXT, empty=True)
+        check_bytes("logprob bytes", self.bytes, MAX_TOKEN_TEXT * 4)
+        check_logprob("logprob", self.logprob)
+        check_int("logprob rank", self.rank, 1, 2**31)
 
 
 class DeltaRow(NamedTuple):
@@ -651,6 +880,15 @@ class DeltaRow(NamedTuple):
     and may be sent again as it is."""
     reasoning_open: bool = False
     """The request's `RequestMeta.reasoning_open`: its output starts inside a reasoning block."""
+    logprobs: list[TokenLogprob] | None = None
+    """With logprobs: one per token of `token_ids` (None for tokens the detokenizer rebuilt from a
+    resync, whose logprobs died with its predecessor)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With prompt_logprobs, on the request's first delta: one per prompt token (the first given:
+    logprob 0, no alternatives)."""
+    stop_reason: str | None = None
+    """On a terminal delta with finish_reason "stop" that a stop string ended: that string (vLLM's
+    `stop_reason`); None where EOS, a stop token or a grammar ended it."""
 
     def check(self) -> None:
         check_str("delta request_id", self.request_id, MAX_ENGINE_ID_LEN)
@@ -660,6 +898,7 @@ class DeltaRow(NamedTuple):
         check_bool("delta engine_dead", self.engine_dead)
         check_bool("delta unsent", self.unsent)
         check_bool("delta reasoning_open", self.reasoning_open)
+        check_opt_str("delta stop_reason", self.stop_reason, MAX_STOP_STRING_LENGTH)
 
 
 @_message("stream")
@@ -744,13 +983,23 @@ def _row(row_type: type, optional: bool = False) -> Callable[[str, Any], Any]:
     return read
 
 
+def _rows(row_type: type) -> Callable[[str, Any], Any]:
+    """The reader of an optional list of rows nested in a row."""
+    def read(name: str, value: Any) -> Any:
+        return None if value is None else typed_rows(name, value, row_type)
+    return read
+
+
 _META = _row(RequestMeta)
+_ENGINE_LOGPROBS, _LOGPROBS = _rows(TokenLogprobs), _rows(TokenLogprob)
 _READERS: dict[type, tuple[tuple[int, Callable[[str, Any], Any]], ...]] = {
     RequestMeta: ((2, read_sampling),), StartedRow: ((1, _META),), RejectedRow: ((1, _META),),
-    OutputRow: ((3, read_finish_reason),), ResyncEntry: ((0, _META), (1, _row(OutputRow))),
-    DeltaRow: ((3, read_finish_reason), (5, _row(Usage, optional=True)))}
+    OutputRow: ((3, read_finish_reason), (8, _ENGINE_LOGPROBS), (9, _ENGINE_LOGPROBS)),
+    ResyncEntry: ((0, _META), (1, _row(OutputRow))),
+    DeltaRow: ((3, read_finish_reason), (5, _row(Usage, optional=True)), (9, _LOGPROBS), (10, _LOGPROBS)),
+    TokenLogprob: ((5, _rows(TopLogprob)),)}
 """Values inside rows with a type of their own: (position, reader)."""
-_NEWEST_FIELDS: dict[type, tuple[str, ...]] = {DeltaRow: ("reasoning_open",)}
+_NEWEST_FIELDS: dict[type, tuple[str, ...]] = {DeltaRow: ("logprobs", "prompt_logprobs", "stop_reason")}
 """The trailing fields a row gained in this version, each with a default. A client often runs
 against an older service: where tolerant, a row without them is read with their defaults, so
 adding a field breaks no reader of the one-version-older row. Every other width stays an error."""

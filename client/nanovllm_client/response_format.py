@@ -11,7 +11,13 @@ import json
 from typing import Any
 
 MAX_FORMAT_CHARS = 64 * 1024
-"""A response_format's JSON text (schema, regex or grammar included) is at most this long."""
+"""A response_format's JSON text (regex or grammar included) is at most this long; a json_schema's
+may be up to MAX_SCHEMA_CHARS."""
+MAX_SCHEMA_CHARS = 1024 * 1024
+"""A json_schema format's JSON text is at most this long: real schemas reach it (Kubernetes,
+JsonSchemaStore), and every schema of JSONSchemaBench under it compiled within a second and 30
+MiB but one (`docs/benchmarks.md`, `bench/jsonschema_bench.py --compile`). Regex and Lark
+formats keep MAX_FORMAT_CHARS: a 1 MiB regex held 185 MiB compiled."""
 MAX_SCHEMA_DEPTH = 64
 """Containers (maps and lists) nested deeper than this in a response_format are refused."""
 MAX_CHOICES = 256
@@ -37,9 +43,9 @@ def check_response_format(value: Any) -> dict | None:
     """The format as a plain dict (None for none / {"type": "text"}); ValueError naming the problem."""
     if value is None:
         return None
-    if isinstance(value, str):  # JSON text, as the wire carries it
-        if len(value) > MAX_FORMAT_CHARS:
-            raise ValueError(f"response_format is {len(value)} characters of JSON, at most {MAX_FORMAT_CHARS}")
+    if isinstance(value, str):  # JSON text, as the wire carries it (the kind's own limit follows)
+        if len(value) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"response_format is {len(value)} characters of JSON, at most {MAX_SCHEMA_CHARS}")
         try:
             value = json.loads(value)
         except ValueError as e:
@@ -52,9 +58,11 @@ def check_response_format(value: Any) -> dict | None:
         text = json.dumps(value)
     except (TypeError, ValueError) as e:
         raise ValueError(f"response_format must be JSON-serializable: {e}") from None
-    if len(text) > MAX_FORMAT_CHARS:
-        raise ValueError(f"response_format is {len(text)} characters of JSON, at most {MAX_FORMAT_CHARS}")
     kind = value.get("type")
+    limit = MAX_SCHEMA_CHARS if kind == "json_schema" else MAX_FORMAT_CHARS
+    if len(text) > limit:
+        raise ValueError(f"response_format is {len(text)} characters of JSON, at most {limit}"
+                         + (" for a json_schema" if kind == "json_schema" else f" ({MAX_SCHEMA_CHARS} for a json_schema)"))
     if kind == "text":
         return None
     if kind not in TYPES:

@@ -143,6 +143,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     """Return the log-probability of each generated token plus this many top alternatives."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of each prompt token (given the tokens before it; the first is
+    given: logprob 0, no alternatives) plus this many top alternatives. The prompt is computed
+    whole: no prefix-cache hits."""
     skip_special_tokens: bool = True
     banned_words: list[str | list[int]] = field(default_factory=list)
     """Strings (never appear in the output text) or token-id sequences (never generated)."""
@@ -202,6 +206,9 @@ class SamplingParams:
                "seed must be null or an integer in [-2**63, 2**64), got {}", self.seed)
         _check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
                f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {{}}", self.logprobs)
+        _check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", f"prompt_logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {{}}",
+               self.prompt_logprobs)
 
     def _validate_penalties(self) -> None:
         _in_range("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,

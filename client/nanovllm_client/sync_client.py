@@ -28,6 +28,7 @@ from typing import Any
 
 import zmq
 
+from . import commands
 from . import protocol as p
 from .client_state import ClientBase, Delta, Result, build_request, merge
 from .security import CurveKeys
@@ -36,7 +37,7 @@ from .errors import EngineDeadError, RequestError, RequestTimeoutError, ServiceU
 
 log = logging.getLogger("nanovllm_client")
 
-_GENERATE, _ABORT, _TO_STREAM, _STOP = b"g", b"a", b"s", b"x"
+_GENERATE, _ABORT, _TO_STREAM, _TO_TOKENIZER, _STOP = b"g", b"a", b"s", b"t", b"x"
 READ_BATCH = 256
 """Most frames the I/O thread reads from one socket before it turns to its heartbeat and commands."""
 _instances = itertools.count()
@@ -126,16 +127,17 @@ class Stream:
 class Client(ClientBase):
     """`Client("ipc:///run/nanovllm")` or `Client("tcp://127.0.0.1:5550")`; a context manager."""
     # [ZH-START]
-    # 【职责】同步客户端：对外提供 stream / generate / abort / server_stats / wait_engine / close；
+    # 【职责】同步客户端：对外提供 stream / generate / abort / server_stats / wait_engine / close，
+    # 以及命令 tokenize / detokenize / reset_prefix_cache（commands.py，一问一答）；
     # 对内一个后台 I/O 线程持有两个 DEALER 和 ClientState，定时 ping 两个 stage，
     # 把收到的帧变成增量分发到各流。
     # 【边界】协议逻辑（分词进程重启后重发、反分词进程重启后 Resume、引擎死亡判定）
     # 在 client_state.ClientState，与 AsyncClient 共用，这里只做 I/O 和线程间传递；
     # 不重试失败的请求（引擎死不算失败：ClientState 在新引擎实例起来后把在途请求连同已收到的输出
     # 重发，由新引擎续写）；两个 DEALER 用同一个随机路由 id，以便反分词进程把输出路由回来。
-    # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping）；
+    # 【协作者】tokenizer_proc（GenerateReq / AbortReq / Ping / 命令）；
     # detok_proc（Ping / StatsReq / Resume，收 StreamOutput / Pong / EngineStatus / StatsOutput）；
-    # Stream；ClientBase 提供地址、id 分配和超时。
+    # Stream；ClientBase 提供地址、id 分配和超时；commands 建命令、读回答。
     # [ZH-END]
 
     def __init__(self, url: str | None = None, *, timeout: float | None = 600.0,
@@ -223,6 +225,21 @@ class Client(ClientBase):
         except queue.Empty:
             raise ServiceUnavailableError(f"no stats reply within {timeout}s") from None
 
+    def tokenize(self, prompt: str | list[dict[str, Any]], *, timeout: float = 10.0,
+                 **options: Any) -> commands.Tokenized:
+        """`prompt` (a text, or a chat's messages) as the service tokenizes it; `options`:
+        `commands.tokenize_request`'s. RequestError with the service's words if it refuses."""
+        return self._command(commands.tokenize_request(prompt, **options), timeout)
+
+    def detokenize(self, token_ids: list[int], *, timeout: float = 10.0) -> str:
+        """Token ids back to text (special tokens kept); RequestError for an id outside the vocabulary."""
+        return self._command(commands.detokenize_request(token_ids), timeout)
+
+    def reset_prefix_cache(self, *, timeout: float = 10.0) -> int:
+        """Forget every cached KV block no running request holds; returns how many.
+        ServiceDrainingError while the service drains."""
+        return self._command(commands.reset_prefix_cache_request(), timeout)
+
     def wait_engine(self, timeout: float = 60.0) -> None:
         """Block until the engine is up (e.g. right after starting the service)."""
         deadline = time.monotonic() + timeout
@@ -275,6 +292,21 @@ class Client(ClientBase):
     def _end_stream(self, app_id: str, wire_id: str) -> None:
         self._streams.pop(wire_id, None)
         self._release(app_id, wire_id)
+
+    def _command(self, msg: p.Message, timeout: float) -> Any:
+        """Send a command to the tokenizer and wait for its answer (`commands.answer`)."""
+        self._wait_ready()
+        replies: queue.Queue = queue.Queue()
+        self._replies[msg.request_id] = replies
+        try:
+            self._send(_TO_TOKENIZER, msg.encode())
+            try:
+                reply = replies.get(timeout=timeout)
+            except queue.Empty:
+                raise ServiceUnavailableError(f"no answer to the {msg.TYPE} command within {timeout}s") from None
+        finally:
+            self._replies.pop(msg.request_id, None)
+        return commands.answer(reply)
 
     def _send(self, *command: bytes) -> None:
         # [ZH-START]
@@ -383,6 +415,7 @@ class Client(ClientBase):
         # 4. _ABORT：ClientState.forget(wire id)，abort 帧进同一队列（与请求同一队列，顺序不乱）。
         # 5. _TO_STREAM（StatsReq）：反分词进程有空位就 NOBLOCK 发出；没有（有积压或管道满）
         #    就丢弃并记警告，server_stats() 等不到回复会报超时。
+        # 6. _TO_TOKENIZER（命令帧，如 TokenizeReq）：进分词进程的积压队列，与请求同序发出。
         # [ZH-END]
         while True:
             try:
@@ -398,6 +431,8 @@ class Client(ClientBase):
             elif kind == _ABORT:
                 self._state.forget(command[1].decode())
                 backlog[tok].append(command[2])
+            elif kind == _TO_TOKENIZER:
+                backlog[tok].append(command[1])
             elif backlog[out] or not _send_now(out, command[1]):  # a stats request the detokenizer has no room for
                 self._warnings.warn("stats", "the detokenizer takes no frames: a stats request was dropped")
 

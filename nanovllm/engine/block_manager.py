@@ -236,6 +236,31 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no sequence holds (they stay free, now as blank blocks);
+        returns how many. Blocks of running sequences keep their hashes: they are in use, and a
+        prompt that shares them still finds them. Paged KV has no external fragmentation, so this
+        is the whole of the pool's manual clean-up."""
+        # [ZH-START]
+        # 1. 只看空闲表里的块（ref_count == 0）：带着哈希的就是"已释放但仍可命中"的缓存块。
+        # 2. 哈希表仍指向它 → 删掉这条映射；清空它的 hash、token_ids；计数。
+        #    它本来就在空闲表里，位置不变：KV 占用率不变，只是不再能被前缀命中。
+        # 3. 正在运行的序列持有的块（ref_count > 0）不动：它们的哈希照样有效，共享前缀的新请求
+        #    仍能命中。
+        # 4. 返回清掉的块数。分页 KV 没有外部碎片（任何空闲块都能给任何序列），无需搬移整理，
+        #    "碎片整理"在这里只剩把缓存池交还。
+        # [ZH-END]
+        freed = 0
+        for block_id in self.free_block_ids:
+            block = self.blocks[block_id]
+            if block.hash is None:
+                continue
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash = block.token_ids = None
+            freed += 1
+        return freed
+
     # -- internals ---------------------------------------------------------------------------
 
     def blocks_short(self, seq: Sequence, num_new_tokens: int) -> int:

@@ -82,7 +82,8 @@ class RequestOutput:
     # step() 交给调用方的一条输出：只带本步新增的 token（new_token_ids，增量）和计数，不带文本——
     # 文本在反分词进程（或离线 LLM 里）才解码。finished 为真时 finish_reason（FinishReason）
     # 必有值，error 只在 ERROR 时有值（abort 也可能带原因）；logprobs 每个新 token 一项
-    # （请求要了才有）。
+    # （请求要了才有）；prompt_logprobs（请求要了才有）是 prompt 每个 token 一项，全在请求的
+    # 第一条输出上；第一个 token 是给定的、不是预测的：logprob 为 0、没有候选。
     # engine_proc 把一步的所有 RequestOutput 打包成一个 StepOutput 帧发给 detok_proc。
     # [ZH-END]
     request_id: str
@@ -97,6 +98,10 @@ class RequestOutput:
     """One entry per new token when the request asked for logprobs."""
     error: str | None = None
     """Why the request failed, with FinishReason.ERROR (e.g. its logits processor raised)."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With `SamplingParams.prompt_logprobs`: an entry per prompt token, all on the request's first
+    output (None on the others). The first token is given, not predicted: its entry has logprob 0
+    and no alternatives."""
 
 
 @dataclass(slots=True)
@@ -386,7 +391,24 @@ class LLMEngine:
             self.sampler.prepare(rows)  # grammar masks, computed while the forward runs
             logits = self.runner.run(scheduled, previous)
             launched.sampled = self.sampler(logits, rows) if rows else []
+            self._keep_prompt_logprobs(scheduled)
         return launched
+
+    def _keep_prompt_logprobs(self, scheduled: list[ScheduledSeq]) -> None:
+        """Hand the step's prompt logprobs (`ModelRunner.take_prompt_logprobs`, in the order of the
+        items' `prompt_logprob_span`s) to their requests; called before `Scheduler.advance`."""
+        entries = self.runner.take_prompt_logprobs()
+        at = 0
+        for item in scheduled:
+            if item.prompt_logprob_span is not None:
+                offset, count = item.prompt_logprob_span
+                seq, first = item.seq, item.seq.num_computed_tokens + offset
+                if first == 0:  # the first token is given, not predicted: logprob 0, no alternatives
+                    seq.sampling.prompt_logprobs.append(TokenLogprobs(token_id=seq.token_ids[0], logprob=0.0, rank=1,
+                                                                    top_token_ids=[], top_logprobs=[]))
+                seq.sampling.prompt_logprobs.extend(entries[at:at + count])
+                seq.sampling.num_prompt_logprobs = first + count
+                at += count
 
     def _settle(self, launched: LaunchedStep, outputs: list[RequestOutput]) -> int:
         """Land a launched step (`Scheduler.advance` ran for it): its tokens into its sequences,
@@ -425,7 +447,9 @@ class LLMEngine:
         # [ZH-START]
         # 1. new = 还没报告的输出 token：token_ids[num_prompt_tokens + num_sent_tokens:]；
         #    然后 num_sent_tokens = num_output_tokens。
-        # 2. 请求要了 logprobs：seq.sampling.take_logprobs()（取走即清），否则 None。
+        # 2. 请求要了 logprobs：seq.sampling.take_logprobs()（取走即清），否则 None；
+        #    要了 prompt logprobs：take_prompt_logprobs()，算完 prompt 后的第一条输出带走全部，
+        #    之后为空（None）。
         # 3. finish_reason 是 ERROR 时 error = seq.sampling.take_error()，
         #    取不到就写 "sampling failed"。
         # 4. 按关键字组装 RequestOutput：新 token、是否结束及原因、prompt / 输出 / 前缀缓存命中的
@@ -434,13 +458,14 @@ class LLMEngine:
         new = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
         seq.num_sent_tokens = seq.num_output_tokens
         logprobs = seq.sampling.take_logprobs() if seq.params.logprobs is not None else None
+        prompt = seq.sampling.take_prompt_logprobs() if seq.params.prompt_logprobs is not None else []
         error = None
         if seq.finish_reason is FinishReason.ERROR:
             error = seq.sampling.take_error() or "sampling failed"
         return RequestOutput(request_id=seq.request_id, new_token_ids=new, finished=seq.is_finished,
                              finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
                              num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
-                             logprobs=logprobs, error=error)
+                             logprobs=logprobs, error=error, prompt_logprobs=prompt or None)
 
     def _words(self) -> WordIndex:
         """The vocabulary's token bytes, for string `banned_words`; waits if still being built."""
@@ -451,9 +476,9 @@ class LLMEngine:
                              "pass banned words as token-id lists instead") from None
 
     def _structured(self, fmt: dict) -> StructuredOutput:
-        """The matcher for a request's response_format: a copy of its compiled grammar (cached by text)."""
-        grammars = self._grammars()
-        return StructuredOutput(grammars.template(fmt), grammars.lltok)
+        """The matcher for a request's response_format: a copy of its compiled grammar (cached by text),
+        with the schema's check where it compiled leniently."""
+        return self._grammars().structured(fmt)
 
     def _grammars(self) -> GrammarCache:
         try:
@@ -513,6 +538,16 @@ class LLMEngine:
     def close(self) -> None:
         """Stop tensor-parallel workers now (a finalizer does it at exit otherwise); idempotent."""
         self.runner.close()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block no running request holds; returns how many
+        (`BlockManager.reset_prefix_cache`)."""
+        # [ZH-START]
+        # 1. 交给 BlockManager.reset_prefix_cache：空闲表里带哈希的缓存块全部清掉，
+        #    运行中请求持有的块不动。
+        # 2. 在两步之间调用（engine_proc 主循环处理 control 消息时），不与本步的调度交错。
+        # [ZH-END]
+        return self.block_manager.reset_prefix_cache()
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -54,6 +54,7 @@ from nanovllm.layers.attention import PagedAttention
 from nanovllm.layers.cpu_gemm import pack_linear_weights, packs
 from nanovllm.layers.cpu_kernels import CpuAttentionKernel, CpuOps, auto_cpu_dtype
 from nanovllm.layers.host_copy import upload
+from nanovllm.layers.logprobs import TokenLogprobs, prompt_logprobs
 from nanovllm.layers.pending import resolve_pending
 from nanovllm.layers.quant import quantize_model_int8
 from nanovllm.models.decoder import DecoderForCausalLM
@@ -144,6 +145,7 @@ class ModelRunner:
         #    设了 NANOVLLM_AUTO_DTYPE 就按它，好在一台机器上复现另一类 CPU 的结果），
         #    GPU 用模型自带 dtype，模型是 fp32 则改用 bf16。
         # 3. max_model_len 按同一规则解析；workers / channel / graphs 先置空，
+        #    _prompt_logprobs 为空表，
         #    tp 先是单卡 TensorParallel()。
         # 4. 调 _start() 真正加载；任何异常（BaseException，含 Ctrl-C）
         #    都先 _shutdown(workers_serving=False) 把已拉起的 worker 直接终止，再把异常抛出去。
@@ -163,6 +165,7 @@ class ModelRunner:
         self.channel: StepChannel | None = None
         self.tp = TensorParallel()
         self.graphs: DecodeGraphs | None = None
+        self._prompt_logprobs: list[TokenLogprobs] = []
         try:
             self._start(model_path)
         except BaseException:
@@ -425,6 +428,11 @@ class ModelRunner:
             self.channel.send(["step", step.to_wire()])
         return self._execute(step, previous)  # (B, V) for the sampled rows
 
+    def take_prompt_logprobs(self) -> list[TokenLogprobs]:
+        """The prompt logprobs of the last step's `StepInput.prompt_rows`, in their order, once."""
+        out, self._prompt_logprobs = self._prompt_logprobs, []
+        return out
+
     def serve_steps(self) -> None:
         """Worker ranks: run each step rank 0 broadcasts, in lockstep, until it sends "exit"."""
         # [ZH-START]
@@ -452,7 +460,10 @@ class ModelRunner:
         #    None（走 torch 注意力）时才额外生成 mask 和 slot 列表。eager 前向得到 hidden (T, C)。
         #    两条路径都一样：给了 previous（重叠调度时上一步在设备上的采样结果）且 decode 行里有
         #    占位 token 时，resolve_pending 在设备上把它们换成真 token，再做前向。
-        # 3. 没有 sample_rows → 返回 None（纯 prefill 分块的步）。
+        # 3. 有 prompt_rows（要 prompt logprobs 的位置）：取出这些行的 hidden，prompt_logprobs
+        #    分片算出每个 prompt token 的 logprob（每个 rank 都算：lm_head 跨 rank gather），
+        #    rank 0 的结果留在 _prompt_logprobs，引擎用 take_prompt_logprobs 取走。
+        #    没有 sample_rows → 返回 None（纯 prefill 分块的步）。
         # 4. hidden[sample_rows] → (B, C) → compute_logits → rank 0 上 (B, V)
         #    float32，其他 rank 为 None。
         #    sample_rows 恰为 0..T-1（纯解码步的常态）时直接用 hidden，不建索引；
@@ -470,6 +481,10 @@ class ModelRunner:
                    and self.graphs.can_run(step.num_decode, meta.decode_block_tables.shape[1]))
         forward = self.graphs.run if graphed else self.model
         hidden = forward(input_ids, positions, meta)  # (T, C)
+        if step.prompt_rows:  # every rank: the vocabulary-parallel head gathers across them
+            rows = hidden[upload(step.prompt_rows, torch.long, self.device)]
+            self._prompt_logprobs = prompt_logprobs(rows, step.prompt_targets, step.prompt_top,
+                                                    self.model.compute_logits)
         if not step.sample_rows:
             return None
         if len(step.sample_rows) == hidden.shape[0] and step.sample_rows == list(range(hidden.shape[0])):

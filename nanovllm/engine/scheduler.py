@@ -56,6 +56,8 @@ class ScheduledSeq:
     # [ZH-START]
     # 调度结果里的一项：序列 + 本步要为它算的新 token 数 num_new_tokens（decode
     # 为 1，prefill 为一块）。
+    # prompt_logprob_span：请求要 prompt logprobs 时，块内哪几个位置的 logits 给还没算的
+    # prompt token 打分（块内偏移、个数）；位置 p 的 logits 给 prompt 第 p+1 个 token 打分。
     # samples 为真：这一块算到了序列末尾（num_computed_tokens + num_new_tokens - len(draft)
     # == num_tokens），本步要为它采样；prompt 中间的分块不采样。
     # draft：投机解码的草稿 token（算在 num_new_tokens 里），每个草稿各占一个采样行，
@@ -70,9 +72,19 @@ class ScheduledSeq:
     samples: bool = field(init=False)
     """Whether this chunk reaches the end of the sequence, so a token is sampled after it; fixed
     when scheduled."""
+    prompt_logprob_span: tuple[int, int] | None = field(init=False)
+    """(offset in the chunk, count): the chunk's positions whose logits score a prompt token the
+    request still wants the logprob of (`SamplingParams.prompt_logprobs`), or None."""
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.seq.num_tokens
+        seq, first = self.seq, self.seq.num_computed_tokens
+        self.samples = first + self.num_new_tokens - len(self.draft) == seq.num_tokens
+        self.prompt_logprob_span = None
+        start = seq.prompt_logprob_start
+        if start is not None:
+            lo, hi = max(first, start), min(first + self.num_new_tokens, seq.num_prompt_tokens - 1)
+            if lo < hi:
+                self.prompt_logprob_span = (lo - first, hi - lo)
 
     @property
     def num_samples(self) -> int:
@@ -333,7 +345,8 @@ class Scheduler:
         # 循环条件：waiting 非空、budget > 0、len(running) < max_num_seqs。
         # 1. 看堆顶 seq；已 FINISHED（排队时被 abort 的死条目）→ 弹出，
         #    _num_dead_waiting -= 1，继续。
-        # 2. hits = block_manager.match_prefix(seq)：前缀缓存命中的块。
+        # 2. hits = block_manager.match_prefix(seq)：前缀缓存命中的块；还要算 prompt logprobs 的
+        #    请求不用缓存（整段 prompt 都要算出 logits），hits 为空。
         # 3. num_new = min(num_tokens - 命中块数 × block_size, budget)：剩下的 token 本步算多少，
         #    超出预算的部分以后作为 running 分块继续算（prefill 分块）。
         # 4. can_allocate(num_new, hits, keep_free) 不满足 → break：严格按 policy 顺序接纳，
@@ -352,7 +365,8 @@ class Scheduler:
                 heapq.heappop(self.waiting)
                 self._num_dead_waiting -= 1
                 continue
-            hits = self.block_manager.match_prefix(seq)
+            # A prompt whose logprobs are wanted is computed whole, its cached blocks unused.
+            hits = self.block_manager.match_prefix(seq) if seq.prompt_logprob_start is None else []
             num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
             # An idle engine admits whatever fits, so no request waits forever on the watermark.
             keep_free = self.watermark_blocks if self.num_running else 0

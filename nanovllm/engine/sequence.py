@@ -121,6 +121,15 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def prompt_logprob_start(self) -> int | None:
+        """The first position whose logits give a prompt logprob still to compute (position p
+        scores prompt token p + 1), or None when the request asked for none or has them all."""
+        if self.params.prompt_logprobs is None or self.sampling is None:
+            return None
+        start = self.sampling.num_prompt_logprobs
+        return start if start < self.num_prompt_tokens - 1 else None
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -137,7 +146,8 @@ class SamplingState:
     # [ZH-START]
     # 【职责】一个请求跨步的采样状态：logits processors（其中的 StructuredOutput 另记为 grammar，
     # 约束冲突时语法优先）、预先建好的张量（min_tokens 期间要屏蔽的 id、logit_bias 的 id 与值）、
-    # 有种子时自己的 Generator、尚未上报的 logprobs、采样失败的原因；on_device / plain_greedy
+    # 有种子时自己的 Generator、尚未上报的 logprobs 和 prompt logprobs（及已算到第几个
+    # prompt 位置）、采样失败的原因；on_device / plain_greedy
     # 在建的时候算好一次（SamplingParams 是冻结的，不会再变）。
     # 【边界】不保存 token 序列、不知道请求何时开始结束：这些在 Sequence 和 LLMEngine。
     # 【协作者】LLMEngine.add_request 用 build 建好挂到 Sequence.sampling；
@@ -161,6 +171,10 @@ class SamplingState:
     min_tokens): a batch of such rows is one argmax."""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     """Computed but not yet reported by the engine."""
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Prompt tokens' logprobs (`SamplingParams.prompt_logprobs`) computed but not yet reported."""
+    num_prompt_logprobs: int = 0
+    """Prompt positions scored so far (position p scores token p + 1; the first token is given)."""
     error: str | None = None
     """Why the request's row could not be sampled, once it could not."""
 
@@ -178,9 +192,9 @@ class SamplingState:
         # 3. 只有 min_tokens > 0 时才建 min_tokens_blocked 张量（stop_token_ids + 除非 ignore_eos
         #    模型的 EOS id，min_tokens 之前屏蔽）；有 bias 才建 bias_ids /
         #    bias_values，都放在采样器的设备上，之后每步直接 index_fill_ / index_add_；
-        #    processors 里的 StructuredOutput 另记为 grammar；on_device（没有 processors、logprobs、
-        #    min_tokens，可在设备上采样）和 plain_greedy（on_device、greedy，且没有惩罚和 bias）
-        #    一次算好。
+        #    processors 里的 StructuredOutput 另记为 grammar；on_device（没有 processors、
+        #    logprobs、prompt_logprobs、min_tokens，可在设备上采样）和 plain_greedy（on_device、
+        #    greedy，且没有惩罚和 bias）一次算好。
         # [ZH-END]
         bias = [(t, b) for t, b in params.logit_bias.items() if t < vocab_size]
         if len(bias) < len(params.logit_bias):
@@ -194,7 +208,8 @@ class SamplingState:
         if params.min_tokens:
             blocked = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
             min_tokens_blocked = torch.tensor([t for t in blocked if t < vocab_size], dtype=torch.long, device=device)
-        on_device = not (processors or params.logprobs is not None or params.min_tokens)
+        on_device = not (processors or params.logprobs is not None or params.prompt_logprobs is not None
+                         or params.min_tokens)
         return cls(
             processors=list(processors),
             min_tokens_blocked=min_tokens_blocked,
@@ -209,6 +224,11 @@ class SamplingState:
     def take_logprobs(self) -> list[TokenLogprobs]:
         """The logprobs computed since the last call."""
         out, self.logprobs = self.logprobs, []
+        return out
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs]:
+        """The prompt logprobs computed since the last call."""
+        out, self.prompt_logprobs = self.prompt_logprobs, []
         return out
 
     def take_error(self) -> str | None:

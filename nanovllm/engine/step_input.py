@@ -18,7 +18,7 @@ sequence), then prefill chunks in scheduled order.
 # [ZH-END]
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
 
 import torch
 
@@ -46,6 +46,13 @@ class StepInput:
     prefill_block_tables: list[list[int]]
     sample_rows: list[int]
     """Batch rows whose hidden state is sampled, in scheduled order."""
+    prompt_rows: list[int] = field(default_factory=list)
+    """Batch rows whose logits score prompt tokens (`ScheduledSeq.prompt_logprob_span`), in
+    scheduled order; empty unless a request asked for prompt logprobs."""
+    prompt_targets: list[int] = field(default_factory=list)
+    """The prompt token each of `prompt_rows` scores (the one after its position)."""
+    prompt_top: list[int] = field(default_factory=list)
+    """Alternatives wanted for each of `prompt_rows` (its request's `prompt_logprobs`)."""
 
     @classmethod
     def from_scheduled(cls, scheduled: list[ScheduledSeq]) -> "StepInput":
@@ -62,6 +69,9 @@ class StepInput:
         #    decode 行取其序号（有草稿的项是连续的 1 + k 行），prefill 取 num_decode + 末行下标；
         #    顺序就是 scheduled 的顺序，
         #    与 Sampler 收到的 seqs 一一对应。
+        # 5. 有 prompt_logprob_span 的项：从它那一块的第一行起，按（偏移、个数）把对应的行号依次
+        #    记进 prompt_rows（这些行的 logits 给 prompt token 打分），每行要打分的 token（它位置
+        #    之后的那个 prompt token）记进 prompt_targets，候选个数记进 prompt_top。
         # [ZH-END]
         step = cls([], [], [], [], [], [], [])
         places: list[tuple[bool, int]] = []  # (is_decode, first row among decodes / last row among prefill rows)
@@ -85,6 +95,14 @@ class StepInput:
         num_decode = len(step.decode_token_ids)
         step.sample_rows = [row + i if is_decode else num_decode + row
                             for item, (is_decode, row) in zip(scheduled, places) for i in range(item.num_samples)]
+        for item, (is_decode, row) in zip(scheduled, places):
+            if item.prompt_logprob_span is not None:
+                offset, count = item.prompt_logprob_span
+                first = row if is_decode else num_decode + row - item.num_new_tokens + 1  # the chunk's first row
+                step.prompt_rows.extend(range(first + offset, first + offset + count))
+                position = item.seq.num_computed_tokens + offset  # the first scoring position
+                step.prompt_targets.extend(item.seq.token_ids[position + 1:position + 1 + count])
+                step.prompt_top.extend([item.seq.params.prompt_logprobs] * count)
         return step
 
     @property

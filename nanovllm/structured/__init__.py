@@ -23,20 +23,29 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Sequence
 
 # The shape check every door runs (torch-free, in the client package), re-exported here.
 from nanovllm_client.response_format import (MAX_CHOICE_CHARS, MAX_CHOICES, MAX_FORMAT_CHARS,  # noqa: F401
-                                             MAX_SCHEMA_DEPTH, TYPES, check_response_format)
+                                             MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH, TYPES, check_response_format)
+from nanovllm.structured.schema_check import SchemaCheck
 
 
 def _lark_string(s: str) -> str:
     return json.dumps(s)  # a Lark string literal: JSON's escapes are Lark's
 
 
+STRICT = {"whitespace_flexible": False}
+"""llguidance's JSON options: compact JSON, every keyword enforced or an error."""
+LENIENT = {**STRICT, "lenient": True, "coerce_one_of": True}
+"""The same, with the keywords the grammar cannot express left out and `oneOf` taken as `anyOf`:
+used only with a `SchemaCheck` of the whole schema (unknown `format`s aside, see compile_format)."""
+
+
 @lru_cache(maxsize=256)
-def _grammar(text: str) -> str:
+def _grammar(text: str, lenient: bool = False) -> str:
     import llguidance
 
     fmt = json.loads(text)
@@ -47,7 +56,7 @@ def _grammar(text: str) -> str:
     if kind == "json_schema":
         schema = fmt["json_schema"]["schema"]
         return M.grammar_from_json_schema(schema if isinstance(schema, dict) else {},
-                                          defaults={"whitespace_flexible": False})
+                                          defaults=LENIENT if lenient else STRICT)
     if kind == "regex":
         return M.grammar_from_regex(fmt["regex"])
     if kind == "grammar":
@@ -55,10 +64,10 @@ def _grammar(text: str) -> str:
     return M.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in fmt["choices"]))
 
 
-def grammar_text(fmt: dict) -> str:
+def grammar_text(fmt: dict, lenient: bool = False) -> str:
     """The llguidance grammar of a checked format, cached by the format's JSON text."""
     try:
-        return _grammar(json.dumps(fmt))  # key order kept: a schema's property order is the output's
+        return _grammar(json.dumps(fmt), lenient)  # key order kept: a schema's property order is the output's
     except ValueError as e:
         raise ValueError(f"response_format does not compile: {str(e)[:500]}") from None
 
@@ -75,15 +84,58 @@ def ll_tokenizer(tokenizer: Any, n_vocab: int) -> Any:
     return _ll_tokenizer(tokenizer, n_vocab)
 
 
-def compile_format(fmt: dict, lltok: Any) -> str:
-    """The grammar for `fmt`, checked against the vocabulary; ValueError naming the problem."""
+@dataclass(frozen=True)
+class CompiledFormat:
+    """A format compiled for one vocabulary: its grammar, the compiled matcher (a template to
+    copy), and the check of its whole schema where the grammar enforces less."""
+
+    grammar: str
+    matcher: Any
+    """An `llguidance.LLMatcher` of `grammar`, not advanced: `StructuredOutput` copies it."""
+    check: SchemaCheck | None = None
+    """None where the grammar is the whole format (every format but a leniently compiled schema)."""
+
+
+def compile_format(fmt: dict, lltok: Any) -> CompiledFormat:
+    """`fmt` compiled against the vocabulary; ValueError naming the problem.
+
+    A JSON schema that does not compile as it is, only because of keywords the grammar cannot
+    express, compiles leniently with a `SchemaCheck` of the whole schema. An unknown `format`
+    alone needs no check: JSON Schema makes `format` an annotation, which validators ignore by
+    default, so the lenient grammar (the format left out) is the whole schema.
+
+    llguidance recurses over a grammar's nesting as it compiles: run this where the stack is
+    deep enough for the formats allowed in (`GrammarCache` does; `COMPILE_STACK_BYTES`)."""
+    # [ZH-START]
+    # 1. 严格编译：grammar_text 后直接建 LLMatcher（只编译一次，不再先 validate_grammar）；
+    #    没有错误就返回，不带校验。
+    # 2. 有错误且是 json_schema：宽松编译（LENIENT：不支持的关键字不进语法，oneOf 当 anyOf）；
+    #    还出错（悬空 $ref、正则里的 lookaround……）就以宽松编译的原因拒绝。
+    # 3. 宽松编译的警告里去掉 "Unknown format"（format 只是注解，规范要求忽略未知值）；剩下的
+    #    就是语法没有强制的关键字：建 SchemaCheck（完整 schema 的 jsonschema 校验器），
+    #    建不出来也拒绝。
+    # [ZH-END]
     import llguidance
 
     grammar = grammar_text(fmt)
-    error = llguidance.LLMatcher.validate_grammar(grammar, lltok)
-    if error:
-        raise ValueError(f"response_format does not compile: {error[:500]}")
-    return grammar
+    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+    if not matcher.is_error():
+        return CompiledFormat(grammar, matcher)
+    error = matcher.get_error()
+    if fmt["type"] == "json_schema":
+        lenient = grammar_text(fmt, lenient=True)
+        matcher = llguidance.LLMatcher(lltok, lenient, log_level=0)
+        if matcher.is_error():  # its reason: what no leniency gets past
+            error = matcher.get_error()
+        else:
+            relaxed = [w for w in matcher.get_grammar_warnings() if not w.startswith("Unknown format")]
+            if not relaxed:
+                return CompiledFormat(lenient, matcher)
+            try:
+                return CompiledFormat(lenient, matcher, SchemaCheck(fmt["json_schema"]["schema"], relaxed))
+            except Exception as e:  # a schema jsonschema cannot read: its outputs could not be checked
+                error = f"{error}; and the schema cannot be checked ({type(e).__name__}: {str(e)[:200]})"
+    raise ValueError(f"response_format does not compile: {error[:500]}")
 
 
 class StructuredOutput:
@@ -94,13 +146,19 @@ class StructuredOutput:
     applies it. Called for an output it has not prepared, it computes the mask itself: the mask
     is a function of the output alone, so both ways give the same logits. The sampler calls it
     for rows with other constraints too; rows with the grammar alone take `bits` (the packed
-    mask) and are masked all at once (`constraints.mask_grammar_rows`)."""
+    mask) and are masked all at once (`constraints.mask_grammar_rows`).
+
+    With a `check` (a schema compiled leniently), wherever the grammar would let the output end
+    the JSON so far is checked against the whole schema; one that fails may not end there (EOS
+    is masked), and where the grammar then allows nothing, `bits` raises the check's reason."""
     # [ZH-START]
     # 【职责】一个请求的语法约束：跟踪已生成 token（新 token 逐个 consume；输出变短或位置 seen-1 的
     #        token 变了，即不再延续已见的输出时 reset 重来，如续写），算出"下一个 token"的 blocked
     #        掩码，把不允许的 logits 设为 -inf。
     # 【边界】不编译语法（compile_format / GrammarCache 已编译并校验）；语法完成后只剩 EOS
-    #        可选，请求以 stop 结束。
+    #        可选，请求以 stop 结束。有 check（宽松编译的 schema）时，在语法可结束处用完整
+    #        schema 校验已生成的文本：不满足就去掉 EOS 位；一个 token 都不剩时 bits 抛出原因，
+    #        请求以 error 结束。
     #        prepare 可在掩码线程上提前算（与前向重叠），__call__ 遇到没准备好的输出就自己算——
     #        掩码只取决于输出，结果相同。
     # 【协作者】build_logits_processors 在有 response_format 时创建；MaskPrefetcher 调 prepare；
@@ -109,8 +167,9 @@ class StructuredOutput:
     #        时 Sampler 只保留语法掩码（语法优先）。
     # [ZH-END]
 
-    def __init__(self, grammar: str | Any, lltok: Any):
-        """`grammar`: llguidance grammar text, or a compiled `LLMatcher` to copy (`GrammarCache`)."""
+    def __init__(self, grammar: str | Any, lltok: Any, check: SchemaCheck | None = None):
+        """`grammar`: llguidance grammar text, or a compiled `LLMatcher` to copy (`GrammarCache`);
+        `check`: the whole schema where the grammar enforces less (`CompiledFormat.check`)."""
         import llguidance
         import llguidance.numpy as lln
 
@@ -123,6 +182,10 @@ class StructuredOutput:
         if self.matcher.is_error():
             raise ValueError(f"response_format does not compile: {self.matcher.get_error()[:500]}")
         self.n_vocab = lltok.vocab_size
+        self.lltok = lltok
+        self.check = check
+        self.violation: str | None = None
+        """Why the output may not end where the grammar would let it (`check`), for the current mask."""
         self.bitmask = lln.allocate_token_bitmask(1, self.n_vocab)
         self.seen: list[int] = []
         self._bits: Any = None
@@ -156,6 +219,16 @@ class StructuredOutput:
         self._set_bits(self.bitmask[0].copy())
 
     def _set_bits(self, bits: Any) -> None:
+        self.violation = None
+        if self.check is not None and self.matcher.is_accepting():
+            self.violation = self.check.violation(self.lltok.decode_bytes(self.seen))
+            if self.violation is not None:  # it may not end here: EOS masked (bits is this row's own)
+                import numpy as np
+
+                words = bits.view(np.uint32)
+                for eos in self.lltok.eos_tokens:
+                    if eos < self.n_vocab:
+                        words[eos // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (eos % 32)))
         self._bits, self._blocked, self._bits_at = bits, None, len(self.seen)
 
     def bits(self, output: Sequence[int]) -> Any:
@@ -164,6 +237,8 @@ class StructuredOutput:
         self._follow(output)
         if self._bits_at != len(self.seen):
             self.prepare(output)
+        if self.violation is not None and not self._bits.any():
+            raise ValueError(self.violation)
         return self._bits
 
     def blocked(self, output: Sequence[int]) -> Any:

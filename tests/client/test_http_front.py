@@ -128,9 +128,20 @@ def test_mapping_names_and_refusals():
     plain = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": False,
                         "top_logprobs": None})
     assert plain.kwargs == {} and plain.sampling == SamplingParams()
-    with pytest.raises(ApiError) as e:
-        parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True})
-    assert e.value.status == 400 and e.value.param == "logprobs"
+    hi = [{"role": "user", "content": "hi"}]
+    assert parse_chat({"model": "m", "messages": hi, "logprobs": True}).sampling.logprobs == 0
+    wanted = parse_chat({"model": "m", "messages": hi, "logprobs": True, "top_logprobs": 5})
+    assert wanted.logprobs and wanted.sampling.logprobs == 5 and wanted.sampling.prompt_logprobs is None
+    echo = parse_completion({"model": "m", "prompt": [5, 6], "echo": True, "max_tokens": 0})
+    assert echo.echo_only and echo.sampling.max_tokens == 1 and echo.sampling.prompt_logprobs == 0  # its text
+    assert parse_completion({"model": "m", "prompt": "a", "echo": True}).sampling.prompt_logprobs is None
+    assert parse_completion({"model": "m", "prompt": "a", "echo": True, "logprobs": 3}).sampling.prompt_logprobs == 3
+    for body, param in [({"model": "m", "messages": hi, "logprobs": 1}, "logprobs"),
+                        ({"model": "m", "messages": hi, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+                        ({"model": "m", "messages": hi, "top_logprobs": 2}, "top_logprobs")]:
+        with pytest.raises(ApiError) as e:
+            parse_chat(body)
+        assert e.value.status == 400 and e.value.param == param
     schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}
     call = parse_completion({"model": "m", "prompt": "a", "response_format": schema})
     assert call.sampling.response_format == schema
@@ -138,9 +149,11 @@ def test_mapping_names_and_refusals():
     for body, param in [({"model": "m", "prompt": "a", "response_format": "json_object"}, "response_format"),
                         ({"model": "m", "prompt": "a", "response_format": {"schema": {}}}, "response_format"),
                         ({"model": "m", "prompt": "a", "response_format": too_big}, "response_format"),
-                        ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs"),
-                        ({"model": "m", "prompt": "a", "logprobs": 0}, "logprobs"),
-                        ({"model": "m", "prompt": "a", "echo": True}, "echo"),
+                        ({"model": "m", "prompt": "a", "logprobs": 21}, "logprobs"),
+                        ({"model": "m", "prompt": "a", "logprobs": True}, "logprobs"),
+                        ({"model": "m", "prompt": "a", "echo": 1}, "echo"),
+                        ({"model": "m", "prompt": "a", "max_tokens": 0}, "max_tokens"),
+                        ({"model": "m", "prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
                         ({"model": "m", "prompt": "a", "n": 17}, "n"),
                         ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),
                         ({"model": "m", "prompt": "a", "temperature": float("nan")}, "temperature"),

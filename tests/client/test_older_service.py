@@ -1,6 +1,7 @@
 """A client against a service one version older: its detokenizer sends delta rows without the
-field this version added (`reasoning_open`), and the client reads them, that field at its
-default. Real sockets, a real Client: the rows go through the decode path every stream takes.
+fields this version added (`logprobs`, `prompt_logprobs`, `stop_reason`), and the client reads
+them, those fields at their defaults. Real sockets, a real Client: the rows go through the decode
+path every stream takes.
 Every other row width is still refused."""
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from nanovllm_client import Client
 from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
 
-OLDER_WIDTH = len(p.DeltaRow._fields) - 1
-"""The delta row before `reasoning_open` was appended."""
+NEWEST = ("logprobs", "prompt_logprobs", "stop_reason")
+OLDER_WIDTH = len(p.DeltaRow._fields) - len(NEWEST)
+"""The delta row before the logprobs fields and `stop_reason` were appended."""
 
 
-def older_row(*fields) -> list:
-    return list(p.DeltaRow(*fields))[:OLDER_WIDTH]
+def older_row(*fields, **named) -> list:
+    return list(p.DeltaRow(*fields, **named))[:OLDER_WIDTH]
 
 
 def older_service(url: str, stop) -> None:
@@ -75,15 +77,22 @@ def frame(rows: list) -> bytes:
 
 
 def test_only_the_newest_fields_may_be_missing_and_they_take_their_defaults():
-    (got,) = p.decode(frame([older_row("r", "hi")])).deltas
-    assert got == p.DeltaRow("r", "hi") and got.reasoning_open is False
-    (got,) = p.decode(frame([list(p.DeltaRow("r", "hi", reasoning_open=True))])).deltas
-    assert got.reasoning_open is True
+    assert p.DeltaRow._fields[-len(NEWEST):] == NEWEST
+    (got,) = p.decode(frame([older_row("r", "hi", reasoning_open=True)])).deltas
+    assert got == p.DeltaRow("r", "hi", reasoning_open=True) and got.logprobs is None and got.prompt_logprobs is None
+    assert got.stop_reason is None
+    entry = p.TokenLogprob(5, "a", b"a", -0.5, 1, [p.TopLogprob(5, "a", b"a", -0.5)])
+    (got,) = p.decode(frame([list(p.DeltaRow("r", "a", p.pack_token_ids([5]), logprobs=[entry]))])).deltas
+    assert got.logprobs == [entry]
+    (got,) = p.decode(frame([list(p.DeltaRow("r", "hi", stop_reason="\n\n"))])).deltas
+    assert got.stop_reason == "\n\n"
     for width in (OLDER_WIDTH - 1, 1):  # older than one version, or cut short: refused
-        with pytest.raises(p.ProtocolError, match=f"must have {OLDER_WIDTH} to {OLDER_WIDTH + 1} items"):
+        with pytest.raises(p.ProtocolError, match=f"must have {OLDER_WIDTH} to {OLDER_WIDTH + len(NEWEST)} items"):
             p.decode(frame([list(p.DeltaRow("r", "hi"))[:width]]))
-    with pytest.raises(p.ProtocolError, match="reasoning_open"):  # the field, where sent, is still checked
-        p.decode(frame([[*older_row("r", "hi"), "yes"]]))
+    with pytest.raises(p.ProtocolError, match="logprob"):  # the fields, where sent, are still checked
+        p.decode(frame([[*older_row("r", "hi"), [[5, "a", b"a", 0.5, 1, []]]]]))
+    with pytest.raises(p.ProtocolError, match="stop_reason"):
+        p.decode(frame([[*older_row("r", "hi"), None, None, 7]]))
     # What a stage receives stays exact: a meta without its newest field is refused.
     meta = list(p.RequestMeta._field_defaults.values())
     with pytest.raises(p.ProtocolError, match="meta row must have"):

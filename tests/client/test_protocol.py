@@ -33,7 +33,7 @@ def test_typed_rows_travel_as_plain_arrays_and_come_back_named():
     sampling struct as the map of its non-default fields, a finish reason as its string)."""
     meta = [b"\x01\x02", "r", {"stop": ["x"], "skip_special_tokens": False}, p.pack_token_ids([1]), 1.5, 0, 0, False]
     as_lists = p.StepOutput(instance_id="e1", started=[["a", meta]], rejected=[["b", meta, "no"]],
-                            outputs=[["a", p.pack_token_ids([5]), True, "stop", 1, 1, 0, None]])
+                            outputs=[["a", p.pack_token_ids([5]), True, "stop", 1, 1, 0, None, None, None]])
     assert STEP.encode() == as_lists.encode()
     assert p.decode(as_lists.encode()) == STEP
     step = p.decode(as_lists.encode())
@@ -42,9 +42,20 @@ def test_typed_rows_travel_as_plain_arrays_and_come_back_named():
     assert step.started[0].meta.sampling.stop == ["x"] and not step.started[0].meta.sampling.skip_special_tokens
     entry = p.decode(RESYNC.encode()).entries[0]
     assert entry.output == LIVE and entry.request_id == "a" and entry.meta == META
-    for bad, why in (([["a", meta]], "each outputs row must have 8 items"),
-                     ([["a", b"123", True, "stop", 1, 1, 0, None]], "multiple of 4 bytes"),
-                     ([["a", b"", True, "done", 1, 1, 0, None]], "finish_reason must be null or one of")):
+    logprobs = [[5, -0.25, 1, [5, 9], [-0.25, -2.0]]]
+    with_logprobs = p.decode(p.StepOutput(instance_id="e1", outputs=[
+        ["a", p.pack_token_ids([5]), False, None, 1, 1, 0, None, logprobs, logprobs]]).encode()).outputs[0]
+    assert with_logprobs.logprobs == [p.TokenLogprobs(5, -0.25, 1, [5, 9], [-0.25, -2.0])]
+    assert with_logprobs.prompt_logprobs[0].top_token_ids == [5, 9]
+    five = p.pack_token_ids([5])
+    for bad, why in (([["a", meta]], "each outputs row must have 10 items"),
+                     ([["a", b"123", True, "stop", 1, 1, 0, None, None, None]], "multiple of 4 bytes"),
+                     ([["a", b"", True, "done", 1, 1, 0, None, None, None]], "finish_reason must be null or one of"),
+                     ([["a", five, True, "stop", 1, 1, 0, None, [[5, -1.0, 1, [5], []]], None]],
+                      "top_logprobs must be a list as long as top_token_ids"),
+                     ([["a", five, True, "stop", 1, 1, 0, None, [[5, float("nan"), 1, [], []]], None]],
+                      "logprob must be a number <= 0"),
+                     ([["a", five, True, "stop", 1, 1, 0, None, logprobs * 2, None]], "at most one entry per token")):
         with pytest.raises(p.ProtocolError, match=why):
             p.decode(p.StepOutput(instance_id="e1", outputs=bad).encode())
 
@@ -95,18 +106,20 @@ def test_a_client_of_the_previous_release_keeps_working():
 
 
 def test_each_message_type_has_one_version_and_a_frame_of_another_is_refused_naming_both():
-    """The messages between stages changed shape (version 3); a stage of the previous release
+    """The messages between stages changed shape (version 4); a stage of the previous release
     sending one to a stage of this release, or the other way round, is refused by name."""
     assert {m.VERSION for m in (p.TokenizedReq, p.StepOutput, p.Resync, p.DetokHello)} == {p.STAGE_PROTOCOL_VERSION}
     assert {m.VERSION for m in (p.GenerateReq, p.StreamOutput, p.Pong, p.AbortReq)} == {p.PROTOCOL_VERSION}
     old_step = msgpack.packb([2, "step", {"instance_id": "e1"}])
     with pytest.raises(p.ProtocolError, match="protocol version 2 is not supported for 'step' messages; this service "
-                                              "speaks version 3 for them"):
+                                              "speaks version 4 for them"):
         p.decode(old_step)
-    with pytest.raises(p.ProtocolError, match="protocol version 3 is not supported for 'ping' messages"):
-        p.decode(msgpack.packb([3, "ping", {}]))
+    with pytest.raises(p.ProtocolError, match="protocol version 3 is not supported; this service speaks version 2 "):
+        p.decode(msgpack.packb([3, "step", {"instance_id": "e1"}]))  # the previous release's stages
+    with pytest.raises(p.ProtocolError, match="protocol version 4 is not supported for 'ping' messages"):
+        p.decode(msgpack.packb([4, "ping", {}]))
     with pytest.raises(p.ProtocolError, match="protocol version 9 is not supported; this service speaks version 2 "
-                                              r"\(clients\) and 3 \(between its stages\)"):
+                                              r"\(clients\) and 4 \(between its stages\)"):
         p.decode(msgpack.packb([9, "ping", {}]))
 
 
@@ -217,8 +230,8 @@ HOSTILE = {
     "sampling out of range": msgpack.packb([p.STAGE_PROTOCOL_VERSION, "tokenized", {
         "request_id": "c:r", "prompt_token_ids": b"\0" * 4, "sampling": {"temperature": -1}, "meta": meta_row()}]),
     "step row too short": p.StepOutput(instance_id="e", outputs=[["a", b"", True]]).encode(),
-    "step reason unknown": p.StepOutput(instance_id="e", outputs=[["a", b"", True, "exploded", 1, 1, 0, None]]).encode(),
-    "step reason not a string": p.StepOutput(instance_id="e", outputs=[["a", b"", True, ["stop"], 1, 1, 0, None]]).encode(),
+    "step reason unknown": p.StepOutput(instance_id="e", outputs=[["a", b"", True, "exploded", 1, 1, 0, None, None, None]]).encode(),
+    "step reason not a string": p.StepOutput(instance_id="e", outputs=[["a", b"", True, ["stop"], 1, 1, 0, None, None, None]]).encode(),
     "step started without meta": p.StepOutput(instance_id="e", started=[["a", {}]]).encode(),
     "resync entry of the old shape": p.Resync(instance_id="e", detok_instance="d", last=True, entries=[
         ["a", meta_row(), b"", False, None, 1, 0, 0, None]]).encode(),
@@ -252,7 +265,7 @@ def test_nesting_a_real_message_needs_is_allowed_and_one_level_more_is_not():
 
 def test_frames_within_splits_only_what_does_not_fit_and_keeps_the_order():
     rows = [[f"c:r{i}", p.pack_token_ids([i] * (100 + i))] for i in range(40)]
-    make = lambda part: p.StepOutput(instance_id="e1", outputs=[[rid, ids, False, None, 1, 1, 0, None]
+    make = lambda part: p.StepOutput(instance_id="e1", outputs=[[rid, ids, False, None, 1, 1, 0, None, None, None]
                                                                 for rid, ids in part])
     (whole,) = p.frames_within(make, rows)  # fits: one frame, encoded once
     assert whole == (rows, make(rows).encode())
@@ -323,6 +336,14 @@ def test_a_check_that_passes_never_builds_its_message(monkeypatch):
     frame = p.StreamOutput(deltas=[p.DeltaRow(request_id=f"c:{i}", text="x", token_ids=p.pack_token_ids([i]))
                                    for i in range(16)]).encode()
     assert len(p.decode(frame).deltas) == 16 and shown == []
-    width = len(p.DeltaRow._fields)  # a row one version older may lack the newest field
-    with pytest.raises(ProtocolError, match=rf"each deltas row must have {width - 1} to {width} items \(request_id, "):
+    width = len(p.DeltaRow._fields)  # a row one version older may lack the newest fields
+    with pytest.raises(ProtocolError, match=rf"each deltas row must have {width - len(p._NEWEST_FIELDS[p.DeltaRow])} to {width} items \(request_id, "):
         p.decode(p.StreamOutput(deltas=[7]).encode())
+
+
+def test_logprobs_of_pieces_join_only_while_they_line_up_with_the_tokens():
+    a, b = [p.TokenLogprobs(1, -0.1, 1, [], [])], [p.TokenLogprobs(2, -0.2, 1, [], [])]
+    assert p.join_logprobs(a, 1, b, 1) == a + b
+    assert p.join_logprobs(None, 0, b, 1) == b and p.join_logprobs(a, 1, None, 0) == a  # a piece without tokens
+    assert p.join_logprobs(None, 3, b, 1) is None and p.join_logprobs(a, 1, None, 2) is None  # a resync's tokens
+    assert p.join_logprobs(None, 1, None, 1) is None

@@ -123,3 +123,23 @@ def test_hit_on_a_free_block_takes_it_out_of_the_free_list():
     admit(bm, b)
     assert a.block_table == [] and b.block_table[0] not in bm.free_block_ids
     assert bm.num_free_blocks == 1000 - 3
+
+
+def test_reset_prefix_cache_forgets_free_cached_blocks_and_keeps_held_ones():
+    bm = BlockManager(16, BS)
+    done, running = seq(list(range(9)), "done"), seq(list(range(100, 109)), "running")
+    for s in (done, running):
+        admit(bm, s)
+        finish_step(bm, s)
+    bm.free(done)  # its two full blocks stay cached while free
+    free_before = bm.num_free_blocks
+    assert len(bm.match_prefix(seq(list(range(9)), "again"))) == 2
+    assert bm.reset_prefix_cache() == 2
+    assert bm.num_free_blocks == free_before  # the same free blocks, now blank
+    assert bm.match_prefix(seq(list(range(9)), "again")) == []
+    # The running sequence's blocks keep their hashes: a prompt sharing them still finds them.
+    assert bm.match_prefix(seq(list(range(100, 109)), "shares")) == running.block_table[:2]
+    assert bm.reset_prefix_cache() == 0  # nothing left to forget
+    bm.free(running)
+    assert bm.reset_prefix_cache() == 2 and bm.num_free_blocks == 16
+    assert not bm.hash_to_block_id and all(b.hash is None for b in bm.blocks)

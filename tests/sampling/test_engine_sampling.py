@@ -82,6 +82,49 @@ def test_logprobs_match_hf_log_softmax(llm, hf_model):
         assert lp.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
+def _check_prompt_logprobs(entries, prompt, hf_model, k):
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1], dim=-1)  # position p scores p + 1
+    assert [e.token_id for e in entries] == prompt
+    first, entries = entries[0], entries[1:]  # the first token is given: logprob 0, no alternatives
+    assert (first.logprob, first.rank, first.top_token_ids) == (0.0, 1, [])
+    for j, e in enumerate(entries):
+        assert e.logprob == pytest.approx(ref[j, e.token_id].item(), abs=1e-4)
+        assert e.rank == int((ref[j] > ref[j, e.token_id]).sum()) + 1
+        top = ref[j].topk(k) if k else None
+        assert e.top_token_ids == (top.indices.tolist() if k else [])
+        assert e.top_logprobs == pytest.approx(top.values.tolist() if k else [], abs=1e-4)
+
+
+def test_prompt_logprobs_match_hf_log_softmax(llm, hf_model):
+    out = llm.generate([PROMPTS[4], PROMPTS[1]], [SamplingParams(max_tokens=2, prompt_logprobs=3),
+                                                  SamplingParams(max_tokens=2, prompt_logprobs=0)], use_tqdm=False)
+    _check_prompt_logprobs(out[0]["prompt_logprobs"], PROMPTS[4], hf_model, 3)
+    _check_prompt_logprobs(out[1]["prompt_logprobs"], PROMPTS[1], hf_model, 0)
+    assert "prompt_logprobs" not in greedy(llm, PROMPTS[4], 2)
+
+
+def test_prompt_logprobs_over_chunks_and_a_cached_prefix(tiny_model_dir, hf_model):
+    """Chunked prefill scores every position once, in order; a prompt already in the prefix
+    cache is computed whole again (its cached blocks would skip the positions to score), and
+    the request after it, without prompt logprobs, still hits the cache."""
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=8, num_kvcache_blocks=256, max_num_batched_tokens=16,
+              max_num_seqs=4)
+    prompt = random_prompts([45], vocab=2048, seed=3)[0]
+    plain = llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # fills the prefix cache
+    assert plain[0]["token_ids"]
+    out = llm.generate([prompt, PROMPTS[3]], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2), use_tqdm=False)
+    _check_prompt_logprobs(out[0]["prompt_logprobs"], prompt, hf_model, 2)
+    _check_prompt_logprobs(out[1]["prompt_logprobs"], PROMPTS[3], hf_model, 2)
+    assert out[0]["token_ids"] == llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]["token_ids"]
+    engine = llm.engine
+    engine.add_request("again", prompt, SamplingParams(max_tokens=1))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].num_cached_tokens >= 40 and outputs[-1].prompt_logprobs is None
+
+
 def test_repetition_penalty_matches_hf_generate(llm, hf_model):
     prompt = PROMPTS[3]
     ours = greedy(llm, prompt, 20, repetition_penalty=1.8, min_tokens=20)["token_ids"]

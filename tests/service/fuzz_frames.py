@@ -73,11 +73,15 @@ def templates(rng: random.Random) -> list[p.Message]:
         p.GenerateReq(rid, prompt_token_ids=ids, sampling={"max_tokens": 1}),
         p.AbortReq(rid), p.Ping(), p.StatsReq(), p.Resume([[rid, 1, 2]]), p.DetokHello("fz"),
         p.TokenizedReq(f"fz:{rid}", ids, {"max_tokens": 1}, meta),
-        p.StepOutput("fz-engine", [[f"fz:{rid}", meta]], [], [[f"fz:{rid}", ids, False, None, 1, 1, 0, None]]),
+        p.StepOutput("fz-engine", [[f"fz:{rid}", meta]], [], [[f"fz:{rid}", ids, False, None, 1, 1, 0, None, None, None]]),
         p.EngineStatus(True, "fz-engine", "", {"num_running": 1}),
-        p.Resync("fz-engine", "fz-detok", [[meta, [f"fz:{rid}", ids, False, None, 1, 1, 0, None]]], True),
+        p.Resync("fz-engine", "fz-detok", [[meta, [f"fz:{rid}", ids, False, None, 1, 1, 0, None, None, None]]], True),
         p.StreamOutput([p.error_delta(rid, "x")]), p.ErrorOutput("x"), p.Pong("detokenizer", "fz", True),
         p.StatsOutput({"a": 1}),
+        p.TokenizeReq(rid, prompt="hello", return_token_strs=True),
+        p.TokenizeReq(rid, messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False),
+        p.DetokenizeReq(rid, ids), p.ResetPrefixCacheReq(rid), p.ResetPrefixCacheReq(rid, client=b"fz-client"),
+        p.TokenizeOutput(rid, ids), p.DetokenizeOutput(rid, "x"), p.ResetPrefixCacheOutput(rid, 3, client=b"fz"),
     ]
 
 

@@ -77,10 +77,10 @@ def feed_engine_steps(tok, stage, engine_out, identity, small_client: bytes | No
     for k in range(NUM_STEPS):
         chunk = ids[k * TOKENS_PER_STEP:(k + 1) * TOKENS_PER_STEP]
         last = k == NUM_STEPS - 1
-        rows = [["c:r1", p.pack_token_ids(chunk), last, "length" if last else None, 5, (k + 1) * TOKENS_PER_STEP, 0, None]]
+        rows = [["c:r1", p.pack_token_ids(chunk), last, "length" if last else None, 5, (k + 1) * TOKENS_PER_STEP, 0, None, None, None]]
         started = [["c:r1", meta]] if k == 0 else []
         if small_client is not None:
-            rows.append(["c:s1", p.pack_token_ids(ids[k:k + 1]), last, "length" if last else None, 5, k + 1, 0, None])
+            rows.append(["c:s1", p.pack_token_ids(ids[k:k + 1]), last, "length" if last else None, 5, k + 1, 0, None, None, None])
             started += [["c:s1", meta._replace(client=small_client, client_request_id="s1")]] if k == 0 else []
         frames.append(p.StepOutput(instance_id="fake-engine", started=started, outputs=rows).encode())
     for frame in frames:

@@ -55,7 +55,7 @@ def step(rows: list[list], started: list[list] = ()) -> bytes:
 
 
 def row(engine_id: str, token: int, k: int, last: bool) -> list:
-    return [engine_id, p.pack_token_ids([token]), last, "length" if last else None, 7, k + 1, 0, None]
+    return [engine_id, p.pack_token_ids([token]), last, "length" if last else None, 7, k + 1, 0, None, None, None]
 
 
 def test_steps_handled_in_one_pass_reach_the_client_as_one_frame(rig):
@@ -112,10 +112,10 @@ TEXT = "Hello there, world! 🚀🎉 done."
 def continued_rows(ids: list[int], have: int) -> list[list]:
     """What an engine continuing from `ids[:have]` reports: that output again with its first new
     token, then one token a step."""
-    rows = [["c:x", p.pack_token_ids(ids[:have + 1]), False, None, 7, have + 1, 0, None]]
+    rows = [["c:x", p.pack_token_ids(ids[:have + 1]), False, None, 7, have + 1, 0, None, None, None]]
     for k in range(have + 1, len(ids)):
         last = k == len(ids) - 1
-        rows.append(["c:x", p.pack_token_ids([ids[k]]), last, "length" if last else None, 7, k + 1, 0, None])
+        rows.append(["c:x", p.pack_token_ids([ids[k]]), last, "length" if last else None, 7, k + 1, 0, None, None, None])
     return rows
 
 
@@ -157,7 +157,7 @@ def test_a_continued_stream_survives_a_detokenizer_restart(rig, reported):
     client_has = have + reported  # it received every reported token before the restart
     chars = len(tok.decode(ids[:client_has]))
     stage.on_engine_frames([p.Resync(instance_id=ENGINE, detok_instance=stage.instance_id, last=True, entries=[
-        [meta, ["c:x", p.pack_token_ids(output), False, None, 7, len(output), 0, None]]]).encode()])
+        [meta, ["c:x", p.pack_token_ids(output), False, None, 7, len(output), 0, None, None, None]]]).encode()])
     stage.on_client_frames(identity, [p.Resume([["x", client_has, chars]]).encode()])
     for r in rows[reported:]:  # rows[0] holds the output again and the first new token
         stage.on_engine_frames([step([r])])

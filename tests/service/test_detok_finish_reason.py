@@ -14,7 +14,7 @@ TEXT = "one two three four"
 
 def rows_of(ids: list[int], last_reason: str) -> list[list]:
     return [["c:x", p.pack_token_ids([t]), k == len(ids) - 1, last_reason if k == len(ids) - 1 else None,
-             3, k + 1, 0, None] for k, t in enumerate(ids)]
+             3, k + 1, 0, None, None, None] for k, t in enumerate(ids)]
 
 
 def test_a_stop_string_completed_by_the_last_row_ends_with_stop(rig):
@@ -40,7 +40,7 @@ def test_a_resynced_request_the_engine_ended_on_a_stop_abort_ends_with_stop(rig)
     ids = tok.encode(TEXT, add_special_tokens=False)
     stop = tok.decode(ids[2:3])
     meta = p.RequestMeta(client=identity, client_request_id="x", sampling=SamplingParams(stop=[stop]))
-    entry = [meta, ["c:x", p.pack_token_ids(ids[:3]), True, "abort", 3, 3, 0, None]]
+    entry = [meta, ["c:x", p.pack_token_ids(ids[:3]), True, "abort", 3, 3, 0, None, None, None]]
     stage.on_engine_frames([p.Resync(instance_id=ENGINE, detok_instance=stage.instance_id, entries=[entry],
                                      last=True).encode()])
     stage.on_client_frames(identity, [p.Resume(requests=[["x", 1, len(tok.decode(ids[:1]))]]).encode()])

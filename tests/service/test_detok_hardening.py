@@ -100,7 +100,7 @@ def test_a_client_gone_before_the_resync_does_not_stop_the_others_resumes(tokeni
         leaving.close()
         time.sleep(0.3)
         meta = p.RequestMeta(client=staying_id, client_request_id="v1")
-        entry = [meta, ["c:v1", p.pack_token_ids([65, 66, 67]), True, "length", 3, 3, 0, None]]
+        entry = [meta, ["c:v1", p.pack_token_ids([65, 66, 67]), True, "length", 3, 3, 0, None, None, None]]
         engine_out.send(p.Resync("E1", stage.instance_id, [entry], True).encode())
         while True:
             msg = reply(staying)
@@ -141,13 +141,13 @@ def test_outputs_for_a_client_not_connected_yet_wait_for_it_instead_of_ending_it
         identity = uuid.uuid4().bytes
         meta = p.RequestMeta(client=identity, client_request_id="r1")
         engine_out.send(p.StepOutput("E1", [["c:r1", meta]], [], [["c:r1", p.pack_token_ids([65]), False, None,
-                                                                   3, 1, 0, None]]).encode())
+                                                                   3, 1, 0, None, None, None]]).encode())
         wait_for(lambda: stage.engine.instance == "E1", timeout=60, what="the step applied")
         time.sleep(0.3)  # the stage tries to send, and finds no socket for the client
         out = raw_socket(ctx, zmq.DEALER, eps.stream, identity)
         out.send(p.Ping().encode())
         engine_out.send(p.StepOutput("E1", [], [], [["c:r1", p.pack_token_ids([66]), True, "length",
-                                                     3, 2, 0, None]]).encode())
+                                                     3, 2, 0, None, None, None]]).encode())
         got, finish = b"", None
         while finish is None:
             msg = reply(out)

@@ -211,7 +211,7 @@ def test_malformed_stage_frames_are_dropped_and_counted(service, client, ctx):
     detok = raw_socket(ctx, zmq.PUSH, eps.detok)
     for meta in bad_metas:
         detok.send(msgpack.packb([v, "step", {"instance_id": "x", "started": [["c:r", meta]]}]))
-    detok.send(p.StepOutput(instance_id="x", outputs=[["c:r", b"abc", True, "stop", 1, 1, 0, None]]).encode())
+    detok.send(p.StepOutput(instance_id="x", outputs=[["c:r", b"abc", True, "stop", 1, 1, 0, None, None, None]]).encode())
 
     def counted():
         stats = client.server_stats()
@@ -249,7 +249,7 @@ def test_a_client_the_detokenizer_gave_up_on_is_told_when_it_returns(tokenizer_d
         out.send(p.Ping().encode())
         assert isinstance(reply(out), p.Pong)
         meta = p.RequestMeta(client=identity, client_request_id="lost")
-        row = ["c:lost", p.pack_token_ids([65, 66]), False, None, 3, 2, 0, None]
+        row = ["c:lost", p.pack_token_ids([65, 66]), False, None, 3, 2, 0, None, None, None]
         engine_out.send(p.StepOutput(instance_id="engine-1", started=[["c:lost", meta]], outputs=[row]).encode())
         assert isinstance(reply(out), p.EngineStatus)  # the stage now follows engine-1
         assert isinstance(reply(out), p.StreamOutput)

@@ -104,8 +104,10 @@ def test_models_health_and_greedy_equal_to_the_zmq_client(front):
     assert status == 200 and out["choices"][0]["message"]["content"] == want.text
     status, out = _post(port, "/v1/completions", {"model": model, "prompt": [10**9]})  # refused by a stage
     assert status == 400 and "request failed" in out["error"]["message"], out
-    status, out = _post(port, "/v1/completions", {"model": model, "prompt": "x", "logprobs": 1})
-    assert status == 400 and out["error"]["param"] == "logprobs"
+    status, out = _post(port, "/v1/completions", {"model": model, "prompt": "x", "logprobs": 21})
+    assert status == 400 and out["error"]["param"] == "logprobs" and "between 0 and 20" in out["error"]["message"]
+    status, out = _post(port, "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 0})  # only with echo
+    assert status == 400 and out["error"]["param"] == "max_tokens"
 
 
 def test_the_openai_sdk(front):
@@ -129,8 +131,11 @@ def test_the_openai_sdk(front):
     with pytest.raises(openai.NotFoundError):
         sdk.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError) as e:
-        sdk.chat.completions.create(model=model, messages=messages, logprobs=True)
-    assert e.value.body["param"] == "logprobs"
+        sdk.chat.completions.create(model=model, messages=messages, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs" and "needs 'logprobs': true" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model=model, messages=messages, stream=True, extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"
 
 
 PERSON = {"type": "object", "properties": {
@@ -540,7 +545,7 @@ def test_the_agent_loop_sends_messages_back_as_they_were_returned(front):
     plain = [{"role": m["role"], "content": m["content"]} if isinstance(m, dict) else
              {"role": "assistant", "content": m.content} for m in messages]
     assert last.choices[0].message.content == client.generate(plain, max_tokens=6, temperature=0, ignore_eos=True).text
-    for field, value in [("best_of", 2), ("reasoning_effort", "low"), ("top_logprobs", 3)]:
+    for field, value in [("best_of", 2), ("reasoning_effort", "low"), ("suffix", "x")]:
         with pytest.raises(openai.BadRequestError) as e:
             sdk.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body={field: value})
         assert e.value.body["param"] == field and "not supported" in e.value.body["message"]
@@ -626,6 +631,71 @@ def test_a_closed_connection_frees_its_kv_blocks(front):
     wait_for(lambda: engine_idle(client), timeout=60, what="the engine idle, every KV block free, after the close")
 
 
+def test_logprobs_through_the_openai_sdk_streamed_equal_whole(front):
+    """Chat's logprobs/top_logprobs and completions' logprobs, streamed and not: the same tokens,
+    each entry's text the output's text piece by piece, the alternatives as asked."""
+    openai = pytest.importorskip("openai")
+    _, _, port, client, model = front
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "count to five"}]
+    kw = dict(model=model, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+              extra_body={"ignore_eos": True})
+    whole = sdk.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 12 and "".join(c.token for c in content) == whole.choices[0].message.content
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    assert all(bytes(c.bytes).decode("utf-8", "replace") == c.token for c in content)
+    chunks = list(sdk.chat.completions.create(**kw, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, round(c.logprob, 3)) for c in streamed] == [(c.token, round(c.logprob, 3)) for c in content]
+    assert sdk.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None}).choices[0].logprobs is None
+    done = sdk.completions.create(model=model, prompt="def f():", max_tokens=10, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lists = done.choices[0].logprobs
+    assert "".join(lists.tokens) == done.choices[0].text and len(lists.token_logprobs) == 10
+    assert lists.text_offset == [sum(len(t) for t in lists.tokens[:i]) for i in range(10)]
+    assert all(len(top) <= 2 and max(top.values()) >= lp - 1e-6 for top, lp in zip(lists.top_logprobs,
+                                                                                   lists.token_logprobs))
+    pieces = list(sdk.completions.create(model=model, prompt="def f():", max_tokens=10, temperature=0, logprobs=2,
+                                         stream=True, extra_body={"ignore_eos": True}))
+    assert [t for c in pieces if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lists.tokens
+
+
+def test_loglikelihood_as_an_evaluation_harness_asks_for_it(front, tiny_model_dir):
+    """lm-eval's loglikelihood requests: echo + logprobs with max_tokens 0 (and 1), the prompt as
+    token ids or text; the prompt's logprobs equal the offline engine's, the first token null,
+    nothing generated counted."""
+    from nanovllm import LLM, SamplingParams
+    from tests.engine.conftest import random_prompts
+    _, _, port, client, model = front
+    prompts = random_prompts([7, 19], vocab=2048, seed=5)
+    llm = LLM(tiny_model_dir)
+    offline = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    llm.engine.close()
+    status, out = _post(port, "/v1/completions", {"model": model, "prompt": prompts, "echo": True, "logprobs": 1,
+                                                  "max_tokens": 0, "temperature": 0})
+    assert status == 200, out
+    for prompt, choice, ref in zip(prompts, out["choices"], offline):
+        lists = choice["logprobs"]
+        assert choice["finish_reason"] == "length" and len(lists["tokens"]) == len(prompt)
+        assert lists["token_logprobs"][0] is None and lists["top_logprobs"][0] is None
+        assert lists["token_logprobs"][1:] == pytest.approx([e.logprob for e in ref["prompt_logprobs"][1:]], abs=0.05)
+        assert choice["text"] == "".join(lists["tokens"])
+    assert out["usage"]["completion_tokens"] == 0 and out["usage"]["prompt_tokens"] == 26
+    status, one = _post(port, "/v1/completions", {"model": model, "prompt": "The capital of France is",
+                                                  "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0})
+    lists = one["choices"][0]["logprobs"]
+    assert status == 200 and one["choices"][0]["text"].startswith("The capital of France is")
+    assert len(lists["tokens"]) == one["usage"]["prompt_tokens"] + 1 and lists["token_logprobs"][0] is None
+    assert lists["text_offset"][-1] == len("The capital of France is")  # the generated token follows the prompt
+    status, vllm = _post(port, "/v1/completions", {"model": model, "prompt": prompts[0], "max_tokens": 1,
+                                                   "prompt_logprobs": 2})
+    scores = vllm["choices"][0]["prompt_logprobs"]
+    assert status == 200 and scores[0] is None and len(scores) == len(prompts[0])
+    for token, entry in zip(prompts[0][1:], scores[1:]):
+        assert str(token) in entry and len(entry) <= 3
+
+
 def test_sigterm_drains_the_streams_in_flight_then_serve_stops(front):
     proc, runtime_dir, port, client, model = front
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
@@ -639,3 +709,4 @@ def test_sigterm_drains_the_streams_in_flight_then_serve_stops(front):
     rest = r.read().decode()
     assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in rest
     assert stopped(proc, runtime_dir, timeout=90) == 0
+

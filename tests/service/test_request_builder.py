@@ -38,14 +38,16 @@ def test_a_request_becomes_the_engines_frame_with_the_meta_the_detokenizer_needs
 
 
 @pytest.mark.parametrize("fields, why", [
-    (dict(sampling=SamplingParams(logprobs=2)), "'logprobs' is not supported by the service"),
+    (dict(prompt_token_ids=p.pack_token_ids([7] * 14_000), prompt=None, sampling=SamplingParams(prompt_logprobs=19)),
+     "prompt_logprobs=19 over a 14000-token prompt asks for 280000 scores, more than the 262144"),
     (dict(priority=11), "above this service's ceiling of 10"),
     (dict(prompt="x" * 10_000), "more than max_model_len"),
     (dict(prompt=""), "prompt is empty"),
 ])
 def test_each_bad_request_is_refused_naming_the_problem(tokenizer, fields, why):
     with pytest.raises(RequestRejected) as caught:
-        builder(tokenizer, max_prompt_tokens=64, max_priority=10).build(CLIENT, received(**{
+        builder(tokenizer, max_prompt_tokens=64 if "prompt_logprobs" not in why else None,
+                max_priority=10).build(CLIENT, received(**{
             "request_id": "r", "prompt": "hi", **fields}))
     assert why in str(caught.value)
 

@@ -1,5 +1,6 @@
 """response_format through the three-stage service on the real default model: sync and async
-clients, a refused bad format (the service serves on), a stream continued across an engine kill
+clients, a refused bad format (the service serves on), schemas past what the grammar expresses
+(unknown formats, `not`, `uniqueItems`, past 64 KiB), a stream continued across an engine kill
 and across a detokenizer restart, a prompt prefilled in chunks and then found in the prefix
 cache, and what wins where a constraint conflicts with the grammar."""
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import zmq
 
 from nanovllm_client import AsyncClient, Client
+from nanovllm_client.errors import RequestError
 from nanovllm_client import protocol as p
 from nanovllm_client.endpoints import service_endpoints
 from tests.service.conftest import start_service
@@ -88,6 +90,30 @@ def test_a_bad_format_is_refused_and_the_service_serves_on(procs, bad, message):
             deep = {"type": "object", "properties": {"a": deep}}
         ok = client.generate("hi", max_tokens=4, response_format=fmt(deep))
         assert ok.text.startswith("{")
+    procs.assert_running()
+
+
+def test_schemas_past_what_the_grammar_expresses_are_accepted_and_never_end_invalid(procs):
+    blob = {"type": "object", "properties": {"blob": {"type": "string", "format": "byte", "maxLength": 12},
+                                             "home": {"type": "string", "format": "uri-reference", "maxLength": 12}},
+            "required": ["blob", "home"], "additionalProperties": False}
+    no_b = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["a"],
+            "additionalProperties": False, "not": {"required": ["b"]}}
+    ones = {"type": "array", "items": {"const": 1}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+    wide = {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 8, "description": "x" * 4000}
+                                             for i in range(20)}, "required": [f"field_{i}" for i in range(20)]}
+    assert len(json.dumps(wide)) > 64 * 1024  # documented schemas are mostly descriptions
+    with Client(procs.url, timeout=120) as client:
+        for schema in (blob, no_b):  # an unknown format ignored; `not` checked on the output
+            out = client.generate(chat("Reply in JSON."), max_tokens=48, temperature=0, response_format=fmt(schema))
+            assert out.finish_reason == "stop", out
+            jsonschema.validate(json.loads(out.text), schema)
+        # The grammar (uniqueItems left out) allows only [1,1], which the schema does not: the
+        # request fails naming why instead of finishing with an invalid output.
+        with pytest.raises(RequestError, match=r"does not satisfy the schema at \$: \[1, 1\] has non-unique.*uniqueItems"):
+            client.generate(chat("Two ones."), max_tokens=16, response_format=fmt(ones))
+        big = client.generate(chat("Reply in JSON."), max_tokens=8, temperature=0, response_format=fmt(wide))
+        assert big.text.startswith("{") and big.finish_reason in ("stop", "length"), big
     procs.assert_running()
 
 

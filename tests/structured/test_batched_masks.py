@@ -44,7 +44,7 @@ def tok():
 
     t = load_tokenizer("default")
     lltok = ll_tokenizer(t, len(t))
-    return t, lltok, compile_format(PERSON, lltok), compile_format(YES_NO, lltok)
+    return t, lltok, compile_format(PERSON, lltok).grammar, compile_format(YES_NO, lltok).grammar
 
 
 def mixed_rows(tok) -> list[tuple[str, SamplingParams, list, list[int]]]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.structured import (MAX_CHOICES, MAX_FORMAT_CHARS, MAX_SCHEMA_DEPTH, StructuredOutput,
+from nanovllm.structured import (MAX_CHOICES, MAX_FORMAT_CHARS, MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH, StructuredOutput,
                                  check_response_format, compile_format, ll_tokenizer)
 
 PERSON = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
@@ -96,7 +96,7 @@ def greedy_walk(so: StructuredOutput, tokenizer, prefer: str, steps: int = 40) -
 
 def test_the_mask_spells_only_what_the_schema_allows_then_eos(tok):
     tokenizer, lltok = tok
-    so = StructuredOutput(compile_format(check_response_format(PERSON), lltok), lltok)
+    so = StructuredOutput(compile_format(check_response_format(PERSON), lltok).grammar, lltok)
     out = greedy_walk(so, tokenizer, 'I think {"name": "Bob", "age": 7}')
     assert out[-1] == tokenizer.eos_token_id
     value = json.loads(tokenizer.decode(out[:-1]))
@@ -106,14 +106,14 @@ def test_the_mask_spells_only_what_the_schema_allows_then_eos(tok):
 def test_a_restarted_or_preempted_output_is_followed_from_the_start(tok):
     tokenizer, lltok = tok
     fmt = check_response_format({"type": "choice", "choices": ["yes", "no"]})
-    so = StructuredOutput(compile_format(fmt, lltok), lltok)
+    so = StructuredOutput(compile_format(fmt, lltok).grammar, lltok)
     yes = tokenizer.encode("yes", add_special_tokens=False)
     no = tokenizer.encode("no", add_special_tokens=False)
     assert so.allowed(yes[:1])[yes[1]] if len(yes) > 1 else so.allowed(yes)[tokenizer.eos_token_id]
     # Another output (a recomputed request, an engine continuing a client's stream) replaces it.
     allowed = so.allowed(no)
     assert allowed[tokenizer.eos_token_id] and allowed.sum() == 1
-    fresh = StructuredOutput(compile_format(fmt, lltok), lltok)
+    fresh = StructuredOutput(compile_format(fmt, lltok).grammar, lltok)
     assert (fresh.allowed(no) == allowed).all()
     with pytest.raises(ValueError, match="does not fit"):
         so.allowed(tokenizer.encode("maybe", add_special_tokens=False))
@@ -135,3 +135,110 @@ def test_the_tokenizer_stage_passes_a_format_on_checked_and_leaves_the_compile_t
             "print('llguidance' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=pathlib.Path(__file__).parents[2]).stdout.strip() == "False"
+
+
+def schema_format(schema: dict) -> dict:
+    return check_response_format({"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+
+
+def follow(so: StructuredOutput, lltok, text: str):
+    """The allowed-token mask after the tokens of `text` (which the grammar must allow)."""
+    return so.allowed(lltok.tokenize_str(text))
+
+
+def test_unknown_formats_are_ignored_as_json_schema_says(tok):
+    """`format` is an annotation: a value this compiler does not know constrains nothing, and
+    needs no check of the output (a known one, `date`, is still enforced)."""
+    tokenizer, lltok = tok
+    schema = {"type": "object", "properties": {"data": {"type": "string", "format": "byte"},
+                                               "link": {"type": "string", "format": "uri-reference"},
+                                               "day": {"type": "string", "format": "date"}},
+              "required": ["data", "link", "day"], "additionalProperties": False}
+    compiled = compile_format(schema_format(schema), lltok)
+    assert compiled.check is None
+    so = StructuredOutput(compiled.grammar, lltok)
+    out = greedy_walk(so, tokenizer, '{"data":"not base64!","link":"../up","day":"2026-12-07"}', steps=80)
+    assert out[-1] == tokenizer.eos_token_id
+    assert json.loads(tokenizer.decode(out[:-1])) == {"data": "not base64!", "link": "../up", "day": "2026-12-07"}
+    with pytest.raises(ValueError, match="does not fit"):
+        so.allowed(lltok.tokenize_str('{"data":"a","link":"b","day":"yesterday"'))
+
+
+UNIQUE_PAIR = {"type": "array", "items": {"enum": [1, 2]}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+
+
+def test_a_keyword_the_grammar_cannot_express_is_checked_where_the_output_would_end(tok):
+    tokenizer, lltok = tok
+    compiled = compile_format(schema_format(UNIQUE_PAIR), lltok)
+    assert compiled.check is not None and "uniqueItems" in compiled.check.relaxed[0]
+    allowed = follow(StructuredOutput(compiled.grammar, lltok, compiled.check), lltok, "[1,2]")
+    assert allowed[tokenizer.eos_token_id] and allowed.sum() == 1
+    # [1,1] is the grammar's (items from the enum, two of them) but not the schema's: it may not
+    # end, and the grammar allows nothing else, so the request fails with the reason.
+    so = StructuredOutput(compiled.grammar, lltok, compiled.check)
+    with pytest.raises(ValueError, match=r"does not satisfy the schema at \$: \[1, 1\] has non-unique.*uniqueItems"):
+        follow(so, lltok, "[1,1]")
+    # Followed again from its start (a recomputed request), another output ends where it may.
+    assert follow(so, lltok, "[2")[tokenizer.eos_token_id] == 0 and follow(so, lltok, "[2,1]")[tokenizer.eos_token_id]
+
+
+def test_a_oneof_it_cannot_prove_exclusive_may_end_only_where_exactly_one_branch_holds(tok):
+    tokenizer, lltok = tok
+    compiled = compile_format(schema_format({"oneOf": [{"type": "integer"}, {"minimum": 2}]}), lltok)
+    assert compiled.check is not None and "oneOf" in compiled.check.relaxed[0]
+
+    def after(text: str):
+        return follow(StructuredOutput(compiled.grammar, lltok, compiled.check), lltok, text)
+
+    assert after("1")[tokenizer.eos_token_id]  # an integer below 2: one branch
+    three = after("3")  # both branches: the output goes on (3.5 holds one) instead of ending
+    assert not three[tokenizer.eos_token_id] and three.sum() > 0
+    assert after("3.5")[tokenizer.eos_token_id]
+
+
+def test_a_schema_past_the_old_64_kib_compiles_and_one_past_the_limit_is_refused(tok):
+    def wide(n: int) -> dict:
+        return {"type": "object", "properties": {f"field_{i:05d}": {"type": "string", "description": "x" * 40}
+                                                 for i in range(n)}}
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "string", "description": "x" * 4000}
+                                            for i in range(20)}, "required": [f"field_{i}" for i in range(20)]}
+    assert len(json.dumps(big)) > 64 * 1024
+    so = StructuredOutput(compile_format(schema_format(big), tok[1]).grammar, tok[1])
+    assert so.allowed(tok[1].tokenize_str('{"field_0":"a","field_1":"'))[tok[1].tokenize_str("b")[0]]
+    too_big = wide(MAX_SCHEMA_CHARS // 60)
+    assert len(json.dumps(too_big)) > MAX_SCHEMA_CHARS
+    with pytest.raises(ValueError, match=f"characters of JSON, at most {MAX_SCHEMA_CHARS} for a json_schema"):
+        schema_format(too_big)
+    with pytest.raises(ValueError, match=f"at most {MAX_FORMAT_CHARS} \\({MAX_SCHEMA_CHARS} for a json_schema\\)"):
+        check_response_format({"type": "regex", "regex": "a" * (MAX_FORMAT_CHARS + 1)})
+
+
+def test_a_ref_chain_that_overflows_a_default_thread_stack_compiles_on_the_cache_thread(tok):
+    """llguidance recurses over nesting as it compiles: 1,500 chained `$ref`s (~110 KB) overflow
+    an 8 MiB stack and would kill the process. The cache compiles on its own deep-stack thread,
+    in a child process here so that a regression fails this test instead of the whole run."""
+    code = """if True:
+        import json, threading
+        threading.stack_size(8 << 20)  # the default of a Linux thread, whatever this shell's ulimit
+        from nanovllm.models.tokenizer import load_tokenizer
+        from nanovllm.structured import check_response_format, ll_tokenizer
+        from nanovllm.structured.cache import GrammarCache
+        t = load_tokenizer("default")
+        n = 1500
+        defs = {f"d{i}": {"type": "object", "properties": {"n": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+        defs[f"d{n}"] = {"type": "string"}
+        fmt = check_response_format({"type": "json_schema", "json_schema": {"name": "c", "schema": {
+            "$defs": defs, "$ref": "#/$defs/d0"}}})
+        result = {}
+        def run():
+            so = GrammarCache(ll_tokenizer(t, len(t))).structured(fmt)
+            result["ok"] = bool(so.allowed([]).any())
+        th = threading.Thread(target=run)
+        th.start()
+        th.join()
+        print(json.dumps(result))
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=pathlib.Path(__file__).parents[2])
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"ok": True}

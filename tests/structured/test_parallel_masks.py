@@ -32,7 +32,7 @@ def grammars():
 
     tok = load_tokenizer("default")
     lltok = ll_tokenizer(tok, len(tok))
-    return lltok, [compile_format(f, lltok) for f in FORMATS]
+    return lltok, [compile_format(f, lltok).grammar for f in FORMATS]
 
 
 def walk(grammar: StructuredOutput, steps: int, rng: random.Random) -> list[int]:

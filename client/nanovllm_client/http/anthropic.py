@@ -10,9 +10,11 @@ as Anthropic's SSE events (`message_start`, `content_block_start` / `_delta` / `
 `message_delta`, `message_stop`). Errors have Anthropic's shape,
 `{"type": "error", "error": {"type", "message"}}`.
 
+A stop sequence that ends the answer gives `stop_reason` "stop_sequence" and `stop_sequence` the
+matched string, as the service's last delta names it (`stop_reason`).
+
 Not here: images and documents (refused), `thinking` enabled (the model reasons or not by its
-template; refused rather than ignored), and `stop_reason` "stop_sequence": a stop sequence ends
-the answer as `end_turn` (the service drops the matched text before the front sees it).
+template; refused rather than ignored).
 """
 from __future__ import annotations
 
@@ -143,13 +145,21 @@ def parse_messages(body: Any) -> Call:
     return parse_chat(chat)
 
 
-def stop_reason(reason: str | None, calls: list) -> str | None:
-    """Anthropic's stop_reason for the service's finish reason."""
+def stop_reason(reason: str | None, calls: list, stop_sequence: str | None = None) -> str | None:
+    """Anthropic's stop_reason for the service's finish reason (and the stop string that ended the
+    answer, if one did)."""
     if reason is None:
         return None
     if calls and reason == "stop":
         return "tool_use"
+    if stop_sequence is not None and reason == "stop":
+        return "stop_sequence"
     return "max_tokens" if reason == "length" else "end_turn"
+
+
+def _matched(reason: str | None, calls: list, stop_sequence: str | None) -> str | None:
+    """The `stop_sequence` field: the matched string where stop_reason is "stop_sequence"."""
+    return stop_sequence if stop_reason(reason, calls, stop_sequence) == "stop_sequence" else None
 
 
 def _input(arguments: str) -> dict:
@@ -160,8 +170,9 @@ def _input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def message_body(events: list, calls: list, reason: str | None, usage: dict, model: str, msg_id: str) -> dict:
-    """The whole answer as a Messages response."""
+def message_body(events: list, calls: list, reason: str | None, usage: dict, model: str, msg_id: str,
+                 stop_sequence: str | None = None) -> dict:
+    """The whole answer as a Messages response (`stop_sequence`: the stop string that ended it)."""
     content: list[dict] = []
     reasoning = "".join(e.text for e in events if e.kind == "reasoning")
     text = "".join(e.text for e in events if e.kind == "content")
@@ -171,7 +182,8 @@ def message_body(events: list, calls: list, reason: str | None, usage: dict, mod
         content.append({"type": "text", "text": text})
     content += [{"type": "tool_use", "id": c.call_id, "name": c.name, "input": _input(c.arguments)} for c in calls]
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason(reason, calls), "stop_sequence": None,
+            "stop_reason": stop_reason(reason, calls, stop_sequence),
+            "stop_sequence": _matched(reason, calls, stop_sequence),
             "usage": {"input_tokens": usage.get("prompt_tokens", 0),
                       "output_tokens": usage.get("completion_tokens", 0)}}
 
@@ -195,10 +207,11 @@ class StreamBlocks:
             "id": self.msg_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})]
 
-    def finish(self, usage: dict, reason: str | None, calls: list) -> list[bytes]:
+    def finish(self, usage: dict, reason: str | None, calls: list, stop_sequence: str | None = None) -> list[bytes]:
         return self.close() + [
             sse("message_delta", {"type": "message_delta",
-                                  "delta": {"stop_reason": stop_reason(reason, calls), "stop_sequence": None},
+                                  "delta": {"stop_reason": stop_reason(reason, calls, stop_sequence),
+                                            "stop_sequence": _matched(reason, calls, stop_sequence)},
                                   "usage": {"input_tokens": usage["prompt_tokens"],
                                             "output_tokens": usage["completion_tokens"]}}),
             sse("message_stop", {"type": "message_stop"})]

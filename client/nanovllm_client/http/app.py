@@ -18,8 +18,9 @@ from starlette.routing import Route
 
 from ..errors import (EngineDeadError, RequestError, RequestTimeoutError, ServiceDrainingError,
                       ServiceUnavailableError)
-from ..protocol import FinishReason
-from . import anthropic, chat_output, responses
+from ..protocol import FinishReason, join_logprobs
+from . import anthropic, chat_output, responses, tokenize
+from . import logprobs as lp
 from .errors import ApiError, bad
 from .schema import Call, parse_chat, parse_completion
 
@@ -130,6 +131,12 @@ class Answer:
     parser: Any = None
     reason: str | None = None
     usage: dict = field(default_factory=dict)
+    logprobs: list | None = None
+    """Every token's entry, when asked for (None where some were lost: `join_logprobs`)."""
+    prompt_logprobs: list | None = None
+    num_tokens: int = 0
+    stop_reason: str | None = None
+    """The stop string that ended it, if one did."""
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -152,9 +159,11 @@ def _service_error(e: Exception) -> ApiError:
     return ApiError(500, f"request failed: {e}")
 
 
-def _usage(u: dict | None) -> dict:
+def _usage(u: dict | None, echo_only: bool = False) -> dict:
+    """OpenAI's usage for the service's; `echo_only`: the token made past the echoed prompt was
+    dropped (`Call.echo_only`), so none counts."""
     u = u or {}
-    prompt, completion = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
+    prompt, completion = u.get("prompt_tokens", 0), 0 if echo_only else u.get("completion_tokens", 0)
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if u.get("cached_tokens"):
         out["prompt_tokens_details"] = {"cached_tokens": u["cached_tokens"]}
@@ -226,6 +235,62 @@ def build_app(client: Any, settings: Settings) -> Starlette:
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": _VERSION})
+
+    async def command(request: Request, route: str, run: Callable[[], Any], field: str | None) -> Response:
+        """A route answered by one command to the service (tokenize, detokenize, the cache reset):
+        the key checked, then `run()` (which reads the body if it needs one and raises ApiError for a
+        bad one); the service's refusal a 400 naming `field`, its absence or drain a 503."""
+        try:
+            authorized(request)
+            body = await run()
+        except ApiError as e:
+            metrics.count(route, e.status)
+            return _error(e)
+        except (ServiceUnavailableError, RequestTimeoutError) as e:
+            err = _service_error(e)
+            metrics.count(route, err.status)
+            return _error(err)
+        except (RequestError, ValueError) as e:  # the service's refusal, or the client's own check
+            metrics.count(route, 400)
+            return _error(bad(str(e), field))
+        metrics.count(route, 200)
+        return JSONResponse(body)
+
+    def served_model(name: str | None) -> None:
+        if name is not None and name != settings.model:
+            raise ApiError(404, f"the model '{name[:128]}' does not exist; this server serves '{settings.model}'",
+                           "model", "model_not_found")
+
+    async def tokenize_route(request: Request) -> Response:
+        """vLLM's /tokenize, answered by the tokenizer stage (tokenize.py)."""
+        async def run() -> dict:
+            name, prompt, options = tokenize.parse_tokenize(await read_json(request))
+            served_model(name)
+            try:
+                tokenized = await client.tokenize(prompt, **options)
+            except (RequestError, ValueError) as e:
+                raise bad(str(e), "messages" if isinstance(prompt, list) else "prompt") from None
+            limit = None if tokenized.max_model_len else (await model_card()).get("max_model_len")
+            return tokenize.tokenize_body(tokenized, limit, options["return_token_strs"])
+
+        return await command(request, "tokenize", run, None)
+
+    async def detokenize_route(request: Request) -> Response:
+        """vLLM's /detokenize, answered by the tokenizer stage (tokenize.py)."""
+        async def run() -> dict:
+            name, tokens = tokenize.parse_detokenize(await read_json(request))
+            served_model(name)
+            return {"prompt": await client.detokenize(tokens)}
+
+        return await command(request, "detokenize", run, "tokens")
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        """vLLM's /reset_prefix_cache (SGLang's router calls it /flush_cache): the engine forgets
+        every cached KV block no running request holds and says how many; 503 while draining."""
+        async def run() -> dict:
+            return {"freed_blocks": await client.reset_prefix_cache()}
+
+        return await command(request, "reset_prefix_cache", run, None)
 
     async def health(request: Request) -> Response:
         if settings.health is None:
@@ -308,13 +373,16 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             if chat:
                 choices.append({"index": o.index, "message": chat_output.message(answer.events, answer.parser.calls),
                                 "finish_reason": chat_output.finish_reason(answer.reason, answer.parser.calls),
-                                "logprobs": None})
+                                "logprobs": lp.chat_logprobs(answer.logprobs) if call.logprobs else None,
+                                "stop_reason": answer.stop_reason})
             else:
-                choices.append({"index": o.index, "text": answer.text, "finish_reason": answer.reason,
-                                "logprobs": None})
+                choices.append(_completion_choice(o.index, call, call.choices()[o.index][1], answer))
+        body = {"id": rid, "object": kind, "created": created, "model": settings.model, "choices": choices,
+                "usage": _summed_usage([a.usage for a in answers], call.n)}
+        if chat and call.prompt_logprobs:  # vLLM's: beside the choices (one prompt)
+            body["prompt_logprobs"] = lp.vllm_prompt_logprobs(answers[0].prompt_logprobs)
         metrics.count(route, 200)
-        return JSONResponse({"id": rid, "object": kind, "created": created, "model": settings.model,
-                             "choices": choices, "usage": _summed_usage([a.usage for a in answers], call.n)})
+        return JSONResponse(body)
 
     async def collect(stream: Any, call: Call, chat: bool) -> Answer:
         """A whole answer: chat's through the same parser a stream goes through, fed as the text
@@ -328,12 +396,15 @@ def build_app(client: Any, settings: Settings) -> Starlette:
                     answer.events += _parse(parser, d, stream)
                 else:
                     answer.text += d.text
+                answer.logprobs = join_logprobs(answer.logprobs, answer.num_tokens, d.logprobs, len(d.token_ids))
+                answer.num_tokens += len(d.token_ids)
+                answer.prompt_logprobs = answer.prompt_logprobs or d.prompt_logprobs
                 if d.finished:
-                    answer.reason, usage = _finish(d.finish_reason), d.usage
+                    answer.reason, usage, answer.stop_reason = _finish(d.finish_reason), d.usage, d.stop_reason
         finally:
             stream.cancel()
             metrics.active -= 1
-        answer.usage = _usage(usage)
+        answer.usage = _usage(usage, call.echo_only)
         metrics.prompt_tokens += answer.usage["prompt_tokens"]
         metrics.completion_tokens += answer.usage["completion_tokens"]
         if chat:
@@ -386,7 +457,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         return await typed_api(request, "messages", anthropic.parse_messages, anthropic.error_body,
                                lambda: anthropic.StreamBlocks(msg_id, settings.model),
                                lambda a: anthropic.message_body(a.events, a.parser.calls, a.reason, a.usage,
-                                                                settings.model, msg_id))
+                                                                settings.model, msg_id, a.stop_reason))
 
     async def completions(request: Request) -> Response:
         return await generate(request, "completions", parse_completion, False)
@@ -404,6 +475,10 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        Route("/flush_cache", reset_prefix_cache, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
@@ -434,8 +509,11 @@ async def _sse(opened: list[Opened], call: Call, rid: str, created: int, kind: s
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
     streams = {o.index: o.stream for o in opened}
+    prompts = {index: prompt for index, prompt, _ in call.choices()}
     # every delta carries reasoning_open
     parsers = {o.index: call.output_parser(o.first.reasoning_open) for o in opened} if chat else {}
+    held: dict[int, list] = {}  # chat: logprob entries of tokens whose text the parser still holds
+    pieces: dict[int, lp.CompletionLogprobs] = {}
     usages: dict[int, dict] = {}
     try:
         for index in parsers:
@@ -445,18 +523,32 @@ async def _sse(opened: list[Opened], call: Call, rid: str, created: int, kind: s
             reason = _finish(d.finish_reason) if d.finished else None
             parser = parsers.get(index)
             if parser is not None:  # reasoning, tool calls and content, each in its own chunk
+                if call.logprobs and d.logprobs:
+                    held.setdefault(index, []).extend(d.logprobs)
                 for e in _parse(parser, d, streams[index]) + (parser.finish() if d.finished else []):
                     yield event([{"index": index, "delta": chat_output.delta(e), "finish_reason": None,
-                                  "logprobs": None}], None, call.include_usage)
+                                  "logprobs": _held_logprobs(held, index)}], None, call.include_usage)
                 if reason:
-                    yield event([{"index": index, "delta": {}, "logprobs": None,
-                                  "finish_reason": chat_output.finish_reason(reason, parser.calls)}],
+                    yield event([{"index": index, "delta": {}, "logprobs": _held_logprobs(held, index),
+                                  "finish_reason": chat_output.finish_reason(reason, parser.calls),
+                                  "stop_reason": d.stop_reason}], None, call.include_usage)
+            else:
+                if call.echo and index not in pieces:  # the prompt first: its text (and its tokens' logprobs)
+                    pieces[index] = lp.CompletionLogprobs()
+                    echoed = _echo(call, prompts[index], d.prompt_logprobs, pieces[index])
+                    yield event([{"index": index, "text": echoed[0], "finish_reason": None, "logprobs": echoed[1]}],
                                 None, call.include_usage)
-            elif d.text or reason:
-                yield event([{"index": index, "text": d.text, "finish_reason": reason, "logprobs": None}],
-                            None, call.include_usage)
+                piece = pieces.setdefault(index, lp.CompletionLogprobs())
+                text, entries = ("", None) if call.echo_only else (d.text, d.logprobs)
+                reason = "length" if call.echo_only and reason else reason  # max_tokens 0 reached
+                if text or reason or (call.logprobs and entries):
+                    chunk = {"index": index, "text": text, "finish_reason": reason,
+                             "logprobs": piece.piece(entries) if call.logprobs and entries is not None else None}
+                    if reason:
+                        chunk["stop_reason"] = d.stop_reason
+                    yield event([chunk], None, call.include_usage)
             if d.finished:
-                usages[index] = usage = _usage(d.usage)
+                usages[index] = usage = _usage(d.usage, call.echo_only)
                 metrics.prompt_tokens += usage["prompt_tokens"]
                 metrics.completion_tokens += usage["completion_tokens"]
         if call.include_usage:
@@ -524,7 +616,7 @@ async def _events_sse(first: Any, events: AsyncIterator[Any], stream: Any, call:
                 usage = _usage(d.usage)
                 metrics.prompt_tokens += usage["prompt_tokens"]
                 metrics.completion_tokens += usage["completion_tokens"]
-                for chunk in writer.finish(usage, _finish(d.finish_reason), parser.calls):
+                for chunk in writer.finish(usage, _finish(d.finish_reason), parser.calls, d.stop_reason):
                     yield chunk
     except (RequestError, ServiceUnavailableError, RequestTimeoutError) as e:
         finished = True
@@ -532,6 +624,42 @@ async def _events_sse(first: Any, events: AsyncIterator[Any], stream: Any, call:
             yield chunk
     finally:
         _ended(finished, [stream], metrics)
+
+
+def _held_logprobs(held: dict[int, list], index: int) -> dict | None:
+    """Chat's logprobs for a chunk: the entries held for its choice since its last chunk (the
+    tokens a chunk's text came from arrive with it or before it), taken."""
+    entries = held.pop(index, None)
+    return lp.chat_logprobs(entries) if entries else None
+
+
+def _echo(call: Call, prompt: Any, entries: list | None, piece: lp.CompletionLogprobs) -> tuple[str, dict | None]:
+    """Completions' echo: the prompt's text (as given, or its tokens' text for token ids) and,
+    with logprobs, its tokens' (the first null); `piece` then counts offsets past it."""
+    text = prompt if isinstance(prompt, str) else lp.prompt_text(entries or [])
+    logprobs = piece.piece(entries, first_given=True) if call.logprobs and entries is not None else None
+    piece.offset = len(text)
+    return text, logprobs
+
+
+def _completion_choice(index: int, call: Call, prompt: Any, answer: Answer) -> dict:
+    """A whole completion's choice: its text (after the echoed prompt), logprobs in the legacy
+    lists, and vLLM's prompt_logprobs where asked."""
+    piece = lp.CompletionLogprobs()
+    text, logprobs = _echo(call, prompt, answer.prompt_logprobs, piece) if call.echo else ("", None)
+    if not call.echo_only:
+        text += answer.text
+        if call.logprobs and answer.logprobs is not None:
+            mine = piece.piece(answer.logprobs)
+            logprobs = mine if logprobs is None else lp.joined(logprobs, mine)
+    elif call.logprobs and logprobs is None:
+        logprobs = piece.piece([])
+    reason = "length" if call.echo_only and answer.reason else answer.reason  # max_tokens 0 reached
+    choice = {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs,
+              "stop_reason": answer.stop_reason}
+    if call.prompt_logprobs:
+        choice["prompt_logprobs"] = lp.vllm_prompt_logprobs(answer.prompt_logprobs)
+    return choice
 
 
 def _ended(finished: bool, streams: list, metrics: Metrics) -> None:

@@ -248,7 +248,10 @@ class StreamItems:
     def error(self, e: Any) -> list[bytes]:
         return [self.event("error", code=e.code, message=e.message, param=e.param)]
 
-    def finish(self, usage: dict, reason: str | None, calls: list | None = None) -> list[bytes]:
+    def finish(self, usage: dict, reason: str | None, calls: list | None = None,
+               stop_sequence: str | None = None) -> list[bytes]:
+        """The last events (`stop_sequence`, the stop string that ended the answer, has no place in a
+        response: its status is "completed" either way)."""
         out = self.close()
         if not self.items:  # nothing at all: an empty message, as the whole answer has
             out += self._add(("content", 0), output_items([], [])[0]) + self.close()

@@ -24,7 +24,7 @@ import logging
 from ..checks import ProtocolError, check_int
 from ..protocol import MAX_PRIORITY, MAX_TOOLS_CHARS
 from ..response_format import MAX_FORMAT_CHARS
-from ..sampling import SamplingError, SamplingParams
+from ..sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from ..template_kwargs import template_kwargs_text
 from .chat_output import ChatOutputParser
 from .errors import bad
@@ -59,19 +59,18 @@ IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "saf
 # asks for nothing (null, or these; routers such as SGLang's smg fill in "logprobs": false), else
 # refused with a 400 naming the field. Values compare by type too (True is not 1).
 NEUTRAL: dict[str, tuple] = {
-    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",),
+    "best_of": (1,), "suffix": ("",),
     "functions": (), "function_call": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
     "verbosity": (), "web_search_options": (), "use_beam_search": (False,), "length_penalty": (1.0, 1),
-    "prompt_logprobs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "guided_decoding_backend": (), "structured_outputs": (), "truncate_prompt_tokens": (), "documents": (),
     "chat_template": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
     "return_tokens_as_token_ids": (False,), "bad_words": ([],), "allowed_token_ids": (), "mm_processor_kwargs": (),
     "return_token_ids": (False,), "kv_transfer_params": (), "vllm_xargs": ()}
-_COMPLETION_NEUTRAL = {**NEUTRAL, "logprobs": ()}  # completions' logprobs 0 asks for the chosen token's logprob
-_COMMON = set(_SAMPLING) | {"model", "stream", "stream_options", "priority", "n"}
-COMPLETION_FIELDS = _COMMON | {"prompt"}
+_COMMON = set(_SAMPLING) | {"model", "stream", "stream_options", "priority", "n", "prompt_logprobs"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = _COMMON | set(_CHAT_SAMPLING) | {"messages", "tools", "tool_choice", "parallel_tool_calls",
-                                                "chat_template_kwargs"}
+                                                "chat_template_kwargs", "logprobs", "top_logprobs"}
 log = logging.getLogger("nanovllm_client.http")
 _LOGGED: set[str] = set()
 """Field names already logged as ignored (each once per process)."""
@@ -138,6 +137,15 @@ class Call:
     """Completions given a list of prompts: all of them (`prompt` is the first); else empty."""
     n: int = 1
     """Choices per prompt."""
+    logprobs: bool = False
+    """The answer carries its tokens' logprobs (`sampling.logprobs` alternatives each)."""
+    echo: bool = False
+    """Completions: the prompt (text, and with logprobs its tokens' logprobs) comes first."""
+    echo_only: bool = False
+    """Completions' echo with max_tokens 0: the prompt alone; the one token the engine makes
+    (it makes at least one) is dropped, and counted as none."""
+    prompt_logprobs: bool = False
+    """vLLM's `prompt_logprobs` was asked for: the answer carries them in vLLM's shape."""
 
     def choices(self) -> list[tuple[int, Any, SamplingParams]]:
         """(index, prompt, sampling) of each choice, OpenAI's order: prompt i's j-th choice is index
@@ -216,10 +224,31 @@ def _sampling(body: dict, names: dict[str, str], **override: Any) -> SamplingPar
         raise bad(str(e), given.get(e.field, (e.field,))[0]) from None
 
 
+def _logprob_fields(body: dict, stream: bool, chat: bool) -> tuple[dict, bool]:
+    """The sampling fields the body's logprob fields ask for, and whether it asks for logprobs:
+    chat's `logprobs` (a boolean) with `top_logprobs` alternatives, completions' `logprobs` (the
+    number of alternatives); vLLM's `prompt_logprobs` (not with stream, as vLLM)."""
+    fields: dict[str, int] = {}
+    if chat:
+        wanted = body.get("logprobs") is not None and _bool("logprobs", body["logprobs"])
+        top = 0 if body.get("top_logprobs") is None else _integer("top_logprobs", body["top_logprobs"], 0, MAX_LOGPROBS)
+        if top and not wanted:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if wanted:
+            fields["logprobs"] = top
+    elif body.get("logprobs") is not None:
+        fields["logprobs"] = _integer("logprobs", body["logprobs"], 0, MAX_LOGPROBS)
+    if body.get("prompt_logprobs") is not None:
+        if stream:
+            raise bad("'prompt_logprobs' is not available with 'stream'", "prompt_logprobs")
+        fields["prompt_logprobs"] = _integer("prompt_logprobs", body["prompt_logprobs"], 0, MAX_LOGPROBS)
+    return fields, "logprobs" in fields
+
+
 def parse_completion(body: Any) -> Call:
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
-    model, stream, usage, kw = _common(body, COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
+    model, stream, usage, kw = _common(body, COMPLETION_FIELDS, NEUTRAL)
     prompt = body.get("prompt")
     prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
     for p in prompts:
@@ -229,9 +258,17 @@ def parse_completion(body: Any) -> Call:
         elif not isinstance(p, str) or not p:
             raise bad("'prompt' is required and must be a non-empty string, a list of token ids, or a list of "
                       "either", "prompt")
+    extra, logprobs = _logprob_fields(body, stream, chat=False)
+    echo = body.get("echo") is not None and _bool("echo", body["echo"])
+    echo_only = echo and body.get("max_tokens") == 0 and not isinstance(body["max_tokens"], bool)
+    if echo_only:
+        extra["max_tokens"] = 1
+    if echo and "prompt_logprobs" not in extra and (logprobs or any(isinstance(q, list) for q in prompts)):
+        extra["prompt_logprobs"] = extra.get("logprobs", 0)  # the prompt's tokens (and their text)
     call = Call(model=model, stream=stream, include_usage=usage, prompt=prompts[0],
-                sampling=_sampling(body, _SAMPLING), kwargs=kw, prompts=prompts if len(prompts) > 1 else [],
-                n=_n(body))
+                sampling=_sampling(body, _SAMPLING, **extra), kwargs=kw, prompts=prompts if len(prompts) > 1 else [],
+                n=_n(body), logprobs=logprobs, echo=echo, echo_only=echo_only,
+                prompt_logprobs=body.get("prompt_logprobs") is not None)
     if len(prompts) * call.n > MAX_CHOICES:
         raise bad(f"{len(prompts)} prompts x n={call.n} is more than {MAX_CHOICES} choices in one request", "prompt")
     return call
@@ -377,7 +414,8 @@ def parse_chat(body: Any) -> Call:
             raise bad("the forced tools' parameter schemas nest too deep", "tools") from None
         if len(grammar["response_format"]) > MAX_FORMAT_CHARS:
             raise bad("the forced tools' parameter schemas are too large", "tool_choice")
-    sampling = _sampling(body, _CHAT_SAMPLING, **grammar)
+    extra, logprobs = _logprob_fields(body, stream, chat=True)
+    sampling = _sampling(body, _CHAT_SAMPLING, **grammar, **extra)
     if body.get("chat_template_kwargs") is not None:  # vLLM's: variables for the chat template
         try:
             kw["chat_template_kwargs"] = template_kwargs_text(body["chat_template_kwargs"])
@@ -431,4 +469,4 @@ def parse_chat(body: Any) -> Call:
     # parallel_tool_calls false: one call at most. A forced call is one already (its grammar).
     return Call(model=model, stream=stream, include_usage=usage, prompt=out, sampling=sampling, kwargs=kw,
                 tools=tools is not None, max_tool_calls=None if parallel or tools is None else 1, forced=bool(forced),
-                n=_n(body))
+                n=_n(body), logprobs=logprobs, prompt_logprobs=body.get("prompt_logprobs") is not None)
