@@ -263,7 +263,9 @@ class HttpService(Service):
     def __init__(self, model: str, engine_args: list[str]):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        super().__init__(model, [*engine_args, "--http-port", str(self.port)])
+        # One tenant's load (every request from this host, no API key), measured as the whole batch
+        # as before fair share: by default one client may hold half of it.
+        super().__init__(model, [*engine_args, "--max-live-per-client", "0", "--http-port", str(self.port)])
 
     def run_http(self, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
         return with_cpu(self.proc.pid, lambda: run_loop(run_http(self.base, prompts, output_len, concurrency,

@@ -34,6 +34,16 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> list[str]:
     return names
 
 
+DEFAULT_MAX_QUEUED_PER_CLIENT = 1024
+"""A quarter of --max-queued's default: four clients flooding at once still leave the engine reading."""
+
+
+def live_per_client(flag: int | None, max_num_seqs: int) -> int:
+    """--max-live-per-client as given, or by default half the batch: one client that floods
+    leaves room for another's request at the next step."""
+    return max(1, max_num_seqs // 2) if flag is None else flag
+
+
 def main(argv: list[str] | None = None) -> int:
     from nanovllm.config import Config
 
@@ -48,17 +58,20 @@ def main(argv: list[str] | None = None) -> int:
     add_flag(parser, "--max-queued", "most requests received but not yet admitted (beyond --max-live) before "
              "the engine stops reading its input", default=4096, type=int)
     add_flag(parser, "--max-live-per-client", "most requests of one client held by the engine at once; its others "
-             "wait while other clients' requests are admitted past them (0: no per-client limit)", default=0, type=int)
+             "wait while other clients' requests are admitted past them (default: half of --max-num-seqs, so a "
+             "newcomer finds a free row in the batch; 0: no per-client limit)", type=int)
     add_flag(parser, "--max-queued-per-client", "most requests of one client waiting for admission; more are refused "
-             "with an error naming this limit (0: no per-client limit)", default=0, type=int)
+             "with an error naming this limit, so one client cannot fill the backlog every client shares "
+             "(0: no per-client limit)", default=DEFAULT_MAX_QUEUED_PER_CLIENT, type=int)
     add_flag(parser, "--max-live-mib", "most MiB of requests held by the engine at once: each is charged its frame "
              "plus 40 bytes a prompt token", default=2048, type=int)
     add_flag(parser, "--max-queued-mib", "most MiB of requests received but not yet admitted before the engine stops "
              "reading its input", default=512, type=int)
     add_flag(parser, "--drain-timeout", "seconds a stopping engine lets requests in flight finish before it aborts "
              "them", default=30.0, type=float)
-    add_flag(parser, "--scheduler-policy", "admission/preemption order: fcfs, priority, or package.module:Class "
-             "(a nanovllm.engine.policy.SchedulerPolicy)", default="fcfs")
+    add_flag(parser, "--scheduler-policy", "admission/preemption order: fair (clients take turns; arrival order "
+             "within a client), fcfs, priority, or package.module:Class (a nanovllm.engine.policy.SchedulerPolicy)",
+             default="fair")
     parser.add_argument("--post-step-hook", action="append", metavar="package.module:function",
                         default=[h for h in os.environ.get("NANOVLLM_POST_STEP_HOOK", "").split(",") if h],
                         help="call this with every step's StepMetrics (repeatable; env NANOVLLM_POST_STEP_HOOK, "
@@ -83,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                            heartbeat_s=args.heartbeat_s, stream_interval=args.stream_interval,
                            max_live=args.max_live, max_queued=args.max_queued, max_live_bytes=args.max_live_mib << 20,
                            max_queued_bytes=args.max_queued_mib << 20, drain_timeout_s=args.drain_timeout,
-                           max_live_per_client=args.max_live_per_client,
+                           max_live_per_client=live_per_client(args.max_live_per_client, config.max_num_seqs),
                            max_queued_per_client=args.max_queued_per_client,
                            ctx=ctx, security=security, metrics=metrics)
     stage = build_stage(log, "engine", args, EngineMetrics, make)

@@ -6,7 +6,8 @@ and each output of the engine's step (`record`), and asks it to admit what fits 
 the detokenizer must hear of that comes back in one `StepMessages` (typed rows, filled as
 requests start, are refused or end), which the output thread encodes. Admission keeps
 `max_live` requests and `max_live_bytes` of them in the engine at most, each client within its
-share (`ClientShares`); an abort takes a request out of the backlog at once, and one that
+share (`ClientShares`), the clients taking turns (`FairQueue`: a client's flood delays another's
+request by one of its own, not all of them); an abort takes a request out of the backlog at once, and one that
 overtook its request on the control socket ends that request the moment it arrives.
 """
 # [ZH-START]
@@ -15,7 +16,8 @@ overtook its request on the control socket ends that request the moment it arriv
 #   再让 admit 准入放得下的；反分词进程要知道的（开始、拒绝、结束）都记进同一个 StepMessages（带
 #   名字的行），由输出线程编码发出。
 #   准入闸门：引擎里最多 max_live 个、max_live_bytes 字节的请求，
-#   每个客户端不超过它的份额（ClientShares）；abort 把 backlog 里的请求立即拿出来；
+#   每个客户端不超过它的份额（ClientShares），客户端轮流准入（FairQueue：一个客户端的洪水只让别人的
+#   请求多等它的一个请求，而不是全部）；abort 把 backlog 里的请求立即拿出来；
 #   比请求先到的 abort 先记下，请求一到就结束它。
 # [ZH-END]
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from nanovllm.engine.llm_engine import LLMEngine, RequestOutput
+from nanovllm.service.fair_queue import FairQueue
 from nanovllm.service.stage import RejectLog
 from nanovllm_client import protocol as p
 from nanovllm_client.protocol import FinishReason
@@ -69,7 +72,8 @@ class Queued:
 
 class Admission:
     # [ZH-START]
-    # 【职责】请求在引擎 stage 里的一生：backlog（收到、未准入，保持到达顺序）
+    # 【职责】请求在引擎 stage 里的一生：backlog（收到、未准入；FairQueue：每个客户端按到达顺序，
+    # 客户端之间轮流，同一客户端内 priority 高的先）
     # → live（已加入引擎，记着 meta 和已输出 token）
     # → FinishedRing（结束后保留一分钟，供重启的反分词进程 resync）；
     # 还管字节额度、客户端份额、提前到达的 abort、stage 自己 abort 的原因（abort_notes）。
@@ -89,7 +93,8 @@ class Admission:
         self.rejects = rejects
         self.dequeued = dequeued
         """Called when a queued request leaves the backlog or is refused: the input thread's counts."""
-        self.backlog: collections.OrderedDict[str, Queued] = collections.OrderedDict()
+        self.backlog: FairQueue[Queued] = FairQueue()
+        """Requests received and not admitted, by client: the clients take turns at admission."""
         self.live: dict[str, LiveRequest] = {}
         """request id -> its meta and output so far, for every request added and not yet finished."""
         self.live_bytes = 0
@@ -102,7 +107,7 @@ class Admission:
 
     def in_flight(self) -> list[str]:
         """Every request live or waiting."""
-        return list(self.live) + list(self.backlog)
+        return list(self.live) + list(self.backlog.keys())
 
     def resync_entries(self) -> list[p.ResyncEntry]:
         """Everything a new detokenizer needs: each live request's output so far, and those that
@@ -118,7 +123,7 @@ class Admission:
         # 3. 这个客户端排队的已达 --max-queued-per-client：若它在引擎里的还没到
         #    --max-live-per-client（一批请求同时到，还没来得及准入），先 admit 再数一次；
         #    仍满 → 拒绝并说出限额。
-        #    否则放进 backlog（OrderedDict，保持到达顺序）。
+        #    否则放进 backlog（FairQueue：排在它客户端的队尾，rank = priority）。
         # 4. 它的 abort 已经先到（early_aborts 里，且不超过 EARLY_ABORT_S）：立即 abort：
         #    请求刚加入就结束，开始和结束在同一条输出里发出。
         # [ZH-END]
@@ -145,45 +150,42 @@ class Admission:
             self.dequeued(queued)
             sent.rejected.append(p.RejectedRow(request_id=rid, meta=req.meta, error=why))
             return
-        self.backlog[rid] = queued
+        self.backlog.push(_client(req), rid, queued, rank=req.priority)
         self.shares.queued(_client(req))
         aborted_at = self.early_aborts.pop(rid, None)
         if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_S:
             self.abort(rid, sent)  # its abort overtook it on the control socket
 
     def admit(self, sent: StepMessages) -> None:
-        """Admit the oldest queued requests while the live ones stay within `max_live` and
-        `max_live_bytes` (one is always admitted when none is live, whatever its size), passing
-        over those whose client has its share live: they wait, the clients behind them do not."""
+        """Admit queued requests, the clients taking turns, while the live ones stay within
+        `max_live` and `max_live_bytes` (one is always admitted when none is live, whatever its
+        size), passing over clients that have their share live: they wait, the others do not."""
         # [ZH-START]
-        # 1. live 不到 max_live 个时，取 backlog 里最早的、其客户端还没占满 live
-        #    份额的请求（_next_admissible）；没有就停。
+        # 1. live 不到 max_live 个时，backlog.peek 按客户端轮流给出下一个请求（跳过 live 份额已满的
+        #    客户端；同一客户端内 priority 高的先）；没有就停。
         # 2. 已有 live 请求且加上它会超过 max_live_bytes：停（没有 live 时总放一个，不管多大）。
-        # 3. 移出 backlog、退回客户端的排队份额和输入线程的排队计数（dequeued），_add 加入引擎。
+        # 3. backlog.take 取走（它的客户端排到轮转队尾），退回客户端的排队份额和输入线程的
+        #    排队计数（dequeued），_add 加入引擎。
         # [ZH-END]
         while self.backlog and len(self.live) < self.max_live:
-            queued = self._next_admissible()
-            if queued is None or (self.live and self.live_bytes + queued.nbytes > self.max_live_bytes):
+            head = self.backlog.peek(self.shares.may_go_live)
+            if head is None:
                 return
-            del self.backlog[queued.req.request_id]
+            rid, queued = head
+            if self.live and self.live_bytes + queued.nbytes > self.max_live_bytes:
+                return
+            self.backlog.take(rid)
             self.shares.unqueued(_client(queued.req))
             self.dequeued(queued)
             self._add(queued, sent)
-
-    def _next_admissible(self) -> Queued | None:
-        """The oldest queued request whose client is under its live share. At the head in the
-        common case; past a saturated client's requests (at most its queued share each) else."""
-        for queued in self.backlog.values():
-            if self.shares.may_go_live(_client(queued.req)):
-                return queued
-        return None
 
     def _add(self, queued: Queued, sent: StepMessages) -> None:
         # [ZH-START]
         # 1. 采样参数是解帧时校验过的 req.sampling；输入线程编译 response_format 失败的
         #    （queued.error）直接走第 3 步。
         # 2. 此时才把打包的 prompt 解成 list，engine.add_request(id, prompt ids, params, priority,
-        #    output_prefix)；output_prefix 是续写时客户端已收到的输出（引擎死后发给新引擎），
+        #    output_prefix, client = _client(req)，"fair" 调度策略按它轮流)；
+        #    output_prefix 是续写时客户端已收到的输出（引擎死后发给新引擎），
         #    它随第一个新 token 一起再报告一次。
         # 3. 失败：ValueError / TypeError 是请求本身的问题（参数、超过 max_model_len、
         #    永远放不进 KV cache、词表外 id），其他异常额外记 traceback；都作为 RejectedRow(id,
@@ -196,7 +198,8 @@ class Admission:
         if error is None:
             try:
                 self.engine.add_request(req.request_id, p.unpack_token_ids(req.prompt_token_ids), req.sampling,
-                                        priority=req.priority, output_prefix=p.unpack_token_ids(req.output_ids))
+                                        priority=req.priority, output_prefix=p.unpack_token_ids(req.output_ids),
+                                        client=_client(req))
             except Exception as e:  # refused (ValueError/TypeError) or failed: either way this request's own
                 error = refusal(e, req.request_id)
         if error is not None:
@@ -210,7 +213,8 @@ class Admission:
         sent.started.append(p.StartedRow(request_id=req.request_id, meta=req.meta))
 
     def _go_live(self, queued: Queued) -> None:
-        self.live[queued.req.request_id] = LiveRequest(meta=queued.req.meta, nbytes=queued.nbytes)
+        self.live[queued.req.request_id] = LiveRequest(meta=queued.req.meta, nbytes=queued.nbytes,
+                                                       client=_client(queued.req))
         self.live_bytes += queued.nbytes
         self.shares.went_live(_client(queued.req))
 
@@ -224,7 +228,7 @@ class Admission:
         #    并 record——
         #    开始和结束在同一条输出里发出，客户端立刻得到终止增量，abort 不必等准入。
         # [ZH-END]
-        queued = self.backlog.pop(request_id, None)
+        queued = self.backlog.remove(request_id)
         if queued is None:
             if request_id in self.live:
                 self.engine.abort(request_id)  # idempotent; its final output comes from the next step
@@ -271,13 +275,14 @@ class Admission:
         if out.finished:
             del self.live[out.request_id]
             self.live_bytes -= live.nbytes
-            self.shares.ended(live.meta.client)
+            self.shares.ended(live.client)
             self.finished.add(p.ResyncEntry(meta=live.meta, output=live.output_row(out.request_id)))
 
 
-def _client(req: p.TokenizedReq) -> bytes:
-    """The client a request came from: the routing identity its tokenizer stamped into its meta."""
-    return req.meta.client
+def _client(req: p.TokenizedReq) -> str:
+    """The client a request counts as: the tenant its tokenizer named (an HTTP front's API key, a
+    CURVE key, a routing id), else its routing identity."""
+    return req.tenant or req.meta.client.hex()
 
 
 def refusal(e: Exception, request_id: str) -> str:

@@ -3,8 +3,8 @@
 the limits every client shares.
 
 Pure bookkeeping, no I/O: `Admission` asks it before queueing and admitting, and tells it
-when a request goes live or ends. A client is the routing identity the tokenizer stamped into
-each request's meta. Counts are dropped at zero, so nothing stays behind for a client gone.
+when a request goes live or ends. A client is the tenant the tokenizer named for each request
+(an HTTP front's API key, a CURVE key, else a routing id). Counts are dropped at zero, so nothing stays behind for a client gone.
 """
 from __future__ import annotations
 
@@ -26,29 +26,29 @@ class ClientShares:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (0: no limit), got {value!r}")
         self.max_live, self.max_queued = max_live, max_queued
-        self._live: collections.Counter[bytes] = collections.Counter()
-        self._queued: collections.Counter[bytes] = collections.Counter()
+        self._live: collections.Counter[str] = collections.Counter()
+        self._queued: collections.Counter[str] = collections.Counter()
 
-    def refusal(self, client: bytes) -> str | None:
+    def refusal(self, client: str) -> str | None:
         """Why a new request of `client` is refused, or None: its queued share is full."""
         if self.max_queued and self._queued[client] >= self.max_queued:
             return (f"this client already has {self._queued[client]} requests waiting for admission, its limit "
                     f"(--max-queued-per-client {self.max_queued}); retry when some have started")
         return None
 
-    def may_go_live(self, client: bytes) -> bool:
+    def may_go_live(self, client: str) -> bool:
         return not self.max_live or self._live[client] < self.max_live
 
-    def queued(self, client: bytes) -> None:
+    def queued(self, client: str) -> None:
         self._queued[client] += 1
 
-    def unqueued(self, client: bytes) -> None:
+    def unqueued(self, client: str) -> None:
         _decrement(self._queued, client)
 
-    def went_live(self, client: bytes) -> None:
+    def went_live(self, client: str) -> None:
         self._live[client] += 1
 
-    def ended(self, client: bytes) -> None:
+    def ended(self, client: str) -> None:
         _decrement(self._live, client)
 
     @property
@@ -57,7 +57,7 @@ class ClientShares:
         return len(self._live.keys() | self._queued.keys())
 
 
-def _decrement(counts: collections.Counter[bytes], client: bytes) -> None:
+def _decrement(counts: collections.Counter[str], client: str) -> None:
     counts[client] -= 1
     if counts[client] <= 0:
         del counts[client]

@@ -21,6 +21,8 @@ class LiveRequest:
     meta: RequestMeta
     nbytes: int = 0
     """What the request is charged against the stage's byte budget (`request_bytes`)."""
+    client: str = ""
+    """The client it counts as (`admission._client`): its share is given back when it ends."""
     tokens: array = field(default_factory=lambda: array("I"))
     """Output token ids so far (for a resync)."""
     last: RequestOutput | None = None

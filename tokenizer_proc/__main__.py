@@ -8,6 +8,8 @@ import zmq
 
 from nanovllm.service.stage import add_flag, build_stage, stage_setup
 
+from .server import DEFAULT_MAX_PENDING_PER_CLIENT
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tokenizer_proc", description=__doc__)
@@ -16,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
              "else its routing id), so no client's cached_tokens reveal another's prompts; a prompt shared by "
              "several clients is then computed once per client", default=False, type=bool)
     add_flag(parser, "--max-pending-per-client", "most requests of one client the tokenizer holds while the engine "
-             "takes none; more are refused as overloaded (0: only the stage's own bounds)", default=0, type=int)
+             "takes none; more are refused as overloaded (0: only the stage's own bounds)",
+             default=DEFAULT_MAX_PENDING_PER_CLIENT, type=int)
     add_flag(parser, "--max-priority", "the highest priority a request may ask for (the priority scheduling policy "
              "admits higher first); higher is refused with an error naming this ceiling (default: any)", type=int)
     add_flag(parser, "--max-request-rate-per-client", "requests a second one client may send on average, in bursts "
@@ -28,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args, log, endpoints, stop = stage_setup(parser, argv, "tokenizer")
 
     from nanovllm.metrics import TokenizerMetrics
-    from nanovllm.models.loader import max_model_len
+    from nanovllm.models.model_files import max_model_len
     from nanovllm.models.tokenizer import load_tokenizer
 
     from .server import TokenizerStage

@@ -63,16 +63,18 @@ class RequestBuilder:
         allow-listed key's file may set a lower one for that key (`key_max_priority`)."""
         self.key_max_priority = key_max_priority
 
-    def build(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> bytes:
+    def build(self, identity: bytes, req: p.GenerateReq, key: str | None = None, tenant: str | None = None) -> bytes:
         """Validate and tokenize: the TokenizedReq frame for the engine, or `RequestRejected` saying
-        what was wrong. `key`: the client's CURVE key, which salts its cache where it is set."""
+        what was wrong. `key`: the client's CURVE key (its priority ceiling); `tenant`: the client
+        it counts as (`tenant_of`, worked out here if not given), which salts its cache."""
         # [ZH-START]
         # 1. priority 超过 --max-priority，或超过这把客户端钥匙在 allow-list 文件里的 max-priority →
         #    拒绝并说出是哪个上限。
         #    req.sampling 已是校验过的 SamplingParams（解帧时旧客户端放在帧顶层的 stop、
         #    skip_special_tokens 也已并进去）。
-        # 2. 开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(客户端 CURVE
-        #    公钥，没有则路由 id，客户端自己给的盐)，前缀缓存只在同一客户端（同一把钥匙）内共享。
+        # 2. tenant（没给就 tenant_of 算：前端说的 API key / 地址、CURVE 公钥或路由 id）；
+        #    开了 --cache-salt-per-client：sampling.cache_salt 换成 client_cache_salt(tenant,
+        #    客户端自己给的盐)，前缀缓存只在同一客户端（同一把钥匙、同一个 API key）内共享。
         # 3. ids, reasoning_open = _prompt_ids(req)；要了 prompt_logprobs 而 prompt 长度 ×
         #    (1 + prompt_logprobs) 超过 MAX_PROMPT_SCORES（一帧装得下的分数）→ 拒绝并说明。
         # 4. meta = RequestMeta(client 身份, 客户端 rid, sampling = sampling.text_params()（stop、
@@ -83,15 +85,15 @@ class RequestBuilder:
         #    线上是按位置的数组；
         #    引擎原样转给反分词进程，用来建 IncrementalDetokenizer 和路由输出。
         # 5. 建 TokenizedReq(引擎侧 id, 打包的 prompt ids, sampling, meta, priority, resend,
-        #    output_ids = 续写时客户端已收到的输出 token)，先用引擎自己的 validate 检查一遍，
-        #    再编码、检查帧长：超过 16 MiB 的帧引擎的 socket 会连同连接一起丢掉，在这里就拒绝并
-        #    说明原因；通过则返回编码好的帧。
+        #    output_ids = 续写时客户端已收到的输出 token, tenant)，先用引擎自己的 validate
+        #    检查一遍，再编码、检查帧长：超过 16 MiB 的帧引擎的 socket 会连同连接一起丢掉，
+        #    在这里就拒绝并说明原因；通过则返回编码好的帧。
         # [ZH-END]
         self._check_priority(req.priority, key)
         sampling = req.sampling
+        tenant = tenant or tenant_of(identity, req, key)
         if self.cache_salt_per_client:
-            sampling = dataclasses.replace(sampling, cache_salt=client_cache_salt(key or identity.hex(),
-                                                                                  sampling.cache_salt))
+            sampling = dataclasses.replace(sampling, cache_salt=client_cache_salt(tenant, sampling.cache_salt))
         ids, reasoning_open = self._prompt_ids(req)
         if sampling.prompt_logprobs is not None and len(ids) * (1 + sampling.prompt_logprobs) > MAX_PROMPT_SCORES:
             raise RequestRejected(f"prompt_logprobs={sampling.prompt_logprobs} over a {len(ids)}-token prompt asks for "
@@ -103,7 +105,7 @@ class RequestBuilder:
                              have_tokens=have_tokens, have_chars=have_chars, reasoning_open=reasoning_open)
         out = p.TokenizedReq(request_id=engine_request_id(identity, req.request_id),
                              prompt_token_ids=p.pack_token_ids(ids), sampling=sampling, meta=meta, priority=req.priority, resend=req.resend,
-                             output_ids=req.output_token_ids or b"")
+                             output_ids=req.output_token_ids or b"", tenant=tenant)
         try:  # the engine's own checks: a frame it would drop (it cannot answer the client) is refused here
             out.validate()
         except ProtocolError as e:
@@ -170,6 +172,29 @@ class RequestBuilder:
                                   f"{self.max_prompt_tokens} tokens could hold (at most {MAX_CHARS_PER_TOKEN} "
                                   "characters per token are allowed for)")
         return text
+
+
+UNTRUSTED_TENANT = ("refused: only the service's HTTP front, connected with the service's own key (or to a service "
+                    "without CURVE), may say whom a request is for ('tenant'); this connection has a client key of "
+                    "its own: send the request without it")
+
+
+def tenant_of(identity: bytes, req: p.GenerateReq, key: str | None) -> str:
+    """The client a request counts as for fair turns, per-client limits and the per-client cache
+    salt: whom the HTTP front says it is for ('front:' + its `tenant`), trusted only from a
+    connection with no key of its own (`key` None: the service's own key, or no CURVE); else the
+    sender's CURVE key ('key:'), else its routing id ('id:'). RequestRejected for a `tenant`
+    from any other client."""
+    # [ZH-START]
+    # 1. 请求带 tenant：发送者有自己的 CURVE 钥匙（key 不是 None）→ 拒绝（UNTRUSTED_TENANT），
+    #    只有用服务自己钥匙（或没开 CURVE）的 HTTP 前端说了算；否则 "front:" + tenant。
+    # 2. 没带：有钥匙 → "key:" + 钥匙；否则 "id:" + 路由 id 的 hex。
+    # [ZH-END]
+    if req.tenant is not None:
+        if key is not None:
+            raise RequestRejected(UNTRUSTED_TENANT)
+        return "front:" + req.tenant
+    return "key:" + key if key else "id:" + identity.hex()
 
 
 def engine_request_id(identity: bytes, request_id: str) -> str:

@@ -11,8 +11,10 @@ request arrives). Holds no per-request state: a restarted tokenizer loses nothin
 already past it.
 
 Backpressure: while the engine pipe is full, requests wait here in `pending`, up to
-`PENDING_MAX_FRAMES` requests or `PENDING_MAX_BYTES`; past that, new requests are refused at once
-as overloaded. The stage never stops reading its clients, so pings are answered and aborts passed
+`PENDING_MAX_FRAMES` requests or `PENDING_MAX_BYTES`, and go on to the engine with the clients
+taking turns (`FairQueue`). Past those bounds a new request is held in place of the newest
+request of the client holding the most, which is refused as overloaded; a request of that client
+itself is refused at once. The stage never stops reading its clients, so pings are answered and aborts passed
 on whatever the load. With no engine connected at all, requests are refused after a short grace.
 """
 # [ZH-START]
@@ -23,15 +25,18 @@ on whatever the load. With no engine connected at all, requests are refused afte
 # socket；abort 推给引擎的 control socket：引擎再忙也读它，abort 不会排在请求后面（比请求先到的
 # abort 由引擎记住，请求一到就结束它）。
 # 本进程不保存任何请求状态：重启只会丢掉还没推给引擎的请求，而客户端发现分词进程实例换了会重发它们。
-# 背压：引擎管道满时请求在 pending 里等，最多 PENDING_MAX_FRAMES 个或 PENDING_MAX_BYTES 字节；
-# 再来的新请求立即以 HOLDING_FULL（"overloaded"）拒绝。本进程从不停止读客户端：负载再高，
-# ping 照样回答（健康探针不会超时），abort 照样转发；完全没有引擎连接时，请求在 1 秒宽限后被拒绝。
+# 背压：引擎管道满时请求在 pending 里等，最多 PENDING_MAX_FRAMES 个或 PENDING_MAX_BYTES 字节，
+# 按客户端轮流推给引擎（FairQueue）；满了以后，新请求顶替占得最多的客户端的最新一个请求
+# （被顶替的以 HOLDING_FULL（"overloaded"）拒绝）；新请求本身就来自占得最多的客户端则立即拒绝。
+# 本进程从不停止读客户端：负载再高，ping 照样回答（健康探针不会超时），abort 照样转发；
+# 完全没有引擎连接时，请求在 1 秒宽限后被拒绝。
 # [ZH-END]
 from __future__ import annotations
 
-import collections
+import itertools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -40,6 +45,7 @@ from prometheus_client import CollectorRegistry
 
 from nanovllm.metrics import TokenizerMetrics
 from nanovllm_client import protocol as p
+from nanovllm.service.fair_queue import FairQueue
 from nanovllm.service.intake import accept, drain
 from nanovllm.service.notify import Flush, Notifier
 from nanovllm.service.security import ServiceSecurity, claimed_id, show_client
@@ -47,7 +53,7 @@ from nanovllm.service.stage import (REQUEST_PIPE_HWM, PeerMonitor, RejectLog, cl
                                    pipeline_push, recv_from_client)
 
 from .rate_limit import RateLimit
-from .requests import RequestBuilder, RequestRejected, engine_request_id
+from .requests import RequestBuilder, RequestRejected, engine_request_id, tenant_of
 from .tokens import TokenAnswers
 
 log = logging.getLogger("tokenizer_proc")
@@ -64,8 +70,13 @@ ENGINE_RECONNECT_GRACE_S = 1.0
 it is refused."""
 PENDING_MAX_FRAMES = 1024
 PENDING_MAX_BYTES = 64 << 20
-"""Requests held for room in the engine pipe, at most; past either bound new requests are refused
-(`HOLDING_FULL`), while pings and aborts are still read and answered."""
+"""Requests held for room in the engine pipe, at most; past either bound the client holding the
+most has its newest refused (`HOLDING_FULL`), while pings and aborts are still read and answered."""
+DISPLACED = ("overloaded: the tokenizer holds {n} requests ({mib:.1f} MiB) that the engine has no room for, this "
+             "client's the most; its newest was refused to make room for another client's request; retry later")
+"""What the client holding the most hears for the request it loses to another client's."""
+DEFAULT_MAX_PENDING_PER_CLIENT = 256
+"""A quarter of `PENDING_MAX_FRAMES`: one client that floods leaves the rest to the others."""
 HOLDING_FULL = ("the tokenizer already holds {n} requests ({mib:.1f} MiB) that the engine has no room for: "
                 "the service is overloaded; retry later or on another instance")
 CLIENT_HOLDING_FULL = ("overloaded: the tokenizer holds {n} requests of this client for the engine, its limit "
@@ -73,6 +84,21 @@ CLIENT_HOLDING_FULL = ("overloaded: the tokenizer holds {n} requests of this cli
 """One client's part of what the tokenizer holds, when `--max-pending-per-client` sets one."""
 CLAIMED_ID = ("refused: this routing id belongs to another CURVE key (a client's routing id starts with its key's "
               "tag); connect with a routing id of your own")
+
+@dataclass(slots=True)
+class Held:
+    """A tokenized request waiting for room in the engine pipe."""
+    # [ZH-START]
+    # 【职责】pending 里等引擎管道空位的一个已分词请求：入队时间、客户端身份、客户端的 request_id、
+    # 编码好的 TokenizedReq 帧。
+    # 【边界】只是数据；轮流、顶替、超时都由 TokenizerStage 决定。
+    # 【协作者】TokenizerStage._forward 创建；_flush_pending、_displace 读它。
+    # [ZH-END]
+    queued_at: float
+    identity: bytes
+    request_id: str
+    frame: bytes
+
 
 class TokenizerStage:
     # [ZH-START]
@@ -94,12 +120,11 @@ class TokenizerStage:
                  max_priority: int | None = None, max_request_rate_per_client: float = 0.0):
         self.rate_limit = RateLimit(max_request_rate_per_client)
         """Each client's request rate (0: no limit)."""
-        if not isinstance(max_pending_per_client, int) or max_pending_per_client < 0:
+        if not isinstance(max_pending_per_client, int) or isinstance(max_pending_per_client, bool) \
+                or max_pending_per_client < 0:
             raise ValueError(f"max_pending_per_client must be an integer >= 0 (0: no limit), got {max_pending_per_client!r}")
         self.max_pending_per_client = max_pending_per_client
         """Most requests of one client held in `pending` (0: only the stage's own bounds)."""
-        self._pending_of: collections.Counter[bytes] = collections.Counter()
-        """Client identity -> its requests in `pending`."""
         self.instance_id = new_instance_id()
         self.ctx = ctx or zmq.Context.instance()
         self.metrics = metrics or TokenizerMetrics(CollectorRegistry())
@@ -117,8 +142,9 @@ class TokenizerStage:
         self.engine_peers = PeerMonitor(self.to_engine)  # before connecting: an earlier handshake is never reported
         self.to_engine.connect(engine)
         self.to_control = pipeline_push(self.ctx, control, security=self.security)
-        self.pending: collections.deque[tuple[float, bytes, str, bytes]] = collections.deque()
-        """(time, client identity, client request id, frame) waiting for room in the engine pipe."""
+        self.pending: FairQueue[Held] = FairQueue()
+        """Requests waiting for room in the engine pipe, by client identity: the clients take turns."""
+        self._held_ids = itertools.count()
         self._pending_bytes = 0
         self._last_taken = float("-inf")
         """When the engine pipe last took a request: a request held behind others has waited for
@@ -259,33 +285,42 @@ class TokenizerStage:
 
     def _on_generate(self, identity: bytes, req: p.GenerateReq, key: str | None = None) -> None:
         # [ZH-START]
-        # 1. draining 中：回 DRAINING 错误增量；pending 已满（_holding_full）：
+        # 1. draining 中：回 DRAINING 错误增量；tenant_of 定下它算哪个客户端（前端说的 API key /
+        #    地址、CURVE 钥匙或路由 id；不该说 tenant 的客户端说了 → 拒绝）；以下“客户端”都指它。
+        #    pending 已满（_holding_full）且这个客户端不能顶替
+        #    别人（_may_displace：占得最多的客户端比它加上这个请求还多）：
         #    回 HOLDING_FULL（overloaded）错误增量，不分词——过载时不花 CPU 在注定放不下的请求上；
         #    这个客户端在 pending 里已有 --max-pending-per-client 个：回 CLIENT_HOLDING_FULL，
-        #    别的客户端不受影响；这个客户端（钥匙，没有则路由 id）超过 --max-request-rate-per-client
+        #    别的客户端不受影响；这个客户端超过 --max-request-rate-per-client
         #    （RateLimit 令牌桶）：回限速错误，说出还要等多久。
         # 2. requests.build()（RequestBuilder）：RequestRejected → 回它的文本；
         #    其他异常（分词器或模板意外失败）
         #    → 记 "internal"，回 "could not tokenize"。
-        # 3. 记录分词耗时，_forward 把 TokenizedReq 帧排队推给引擎。
+        # 3. 记录分词耗时，_forward 把 TokenizedReq 帧排进 pending（超出上限时顶替占得最多的客户端
+        #    的最新请求），推给引擎。
         # [ZH-END]
         if self.flush.state == "draining":
             self._refuse(identity, req, DRAINING)
             return
-        if self._holding_full():  # refused before tokenizing: an overloaded stage spends nothing on it
+        try:
+            tenant = tenant_of(identity, req, key)
+        except RequestRejected as e:
+            self._refuse(identity, req, str(e))
+            return
+        if self._holding_full() and not self._may_displace(tenant):  # refused before tokenizing
             self._refuse(identity, req, HOLDING_FULL.format(n=len(self.pending), mib=self._pending_bytes / (1 << 20)))
             return
-        held = self._pending_of[identity]
+        held = self.pending.count(tenant)
         if self.max_pending_per_client and held >= self.max_pending_per_client:  # one client may not fill it
             self._refuse(identity, req, CLIENT_HOLDING_FULL.format(n=held, limit=self.max_pending_per_client))
             return
-        too_fast = self.rate_limit.refusal(key.encode() if key else identity, time.monotonic())
+        too_fast = self.rate_limit.refusal(tenant.encode(), time.monotonic())
         if too_fast:
             self._refuse(identity, req, too_fast)
             return
         started = time.perf_counter()
         try:
-            frame = self.requests.build(identity, req, key)
+            frame = self.requests.build(identity, req, key, tenant)
         except RequestRejected as e:
             self._refuse(identity, req, str(e))
             return
@@ -296,7 +331,7 @@ class TokenizerStage:
             return
         self.metrics.tokenize_seconds(time.perf_counter() - started)
         self.metrics.request_forwarded()
-        self._forward(identity, req.request_id, frame)
+        self._forward(identity, tenant, req.request_id, frame)
 
     def _pass_reset(self, identity: bytes, req: p.ResetPrefixCacheReq) -> None:
         """A cache reset to the engine's control socket, with where its answer goes (the engine
@@ -318,15 +353,33 @@ class TokenizerStage:
         self.metrics.request_rejected()
         self._reply(identity, p.StreamOutput(deltas=[p.error_delta(req.request_id, why)]))
 
-    def _forward(self, identity: bytes, request_id: str, frame: bytes) -> None:
-        self.pending.append((time.monotonic(), identity, request_id, frame))
-        self._pending_of[identity] += 1
+    def _forward(self, identity: bytes, tenant: str, request_id: str, frame: bytes) -> None:
+        self.pending.push(tenant, next(self._held_ids), Held(time.monotonic(), identity, request_id, frame))
         self._pending_bytes += len(frame)
+        self._displace(tenant)
         self._flush_pending()
         self.metrics.set_held(len(self.pending), self._pending_bytes)
 
     def _holding_full(self) -> bool:
         return len(self.pending) >= PENDING_MAX_FRAMES or self._pending_bytes >= PENDING_MAX_BYTES
+
+    def _may_displace(self, tenant: str) -> bool:
+        """Whether a request of `tenant` may take the place of another client's in a full
+        `pending`: the client holding the most would still hold more than it."""
+        largest = self.pending.largest()
+        return largest is not None and largest[1] > self.pending.count(tenant) + 1
+
+    def _displace(self, newcomer: str) -> None:
+        """Over the bounds, refuse the newest requests of the client holding the most (never the
+        newcomer's: `_may_displace` let it in only below that client)."""
+        while len(self.pending) > PENDING_MAX_FRAMES or self._pending_bytes > PENDING_MAX_BYTES:
+            client, _ = self.pending.largest()
+            if client == newcomer:
+                return
+            held = self._remove_pending(self.pending.newest(client), take=False)
+            self.metrics.request_rejected()
+            why = DISPLACED.format(n=len(self.pending), mib=self._pending_bytes / (1 << 20))
+            self._reply(held.identity, p.StreamOutput(deltas=[p.error_delta(held.request_id, why)]))
 
     def _send_abort(self, engine_id: str) -> None:
         """Straight to the engine's control socket, never behind the requests held in `pending`."""
@@ -337,26 +390,27 @@ class TokenizerStage:
 
     def _flush_pending(self) -> None:
         # [ZH-START]
-        # 1. 按顺序取队头 (入队时间, 客户端身份, request_id, 帧)，NOBLOCK 推给引擎；
-        #    成功就出队，继续下一个。
+        # 1. pending.peek 按客户端轮流给出下一个 Held(入队时间, 客户端身份, request_id, 帧)，
+        #    NOBLOCK 推给引擎；成功就出队（它的客户端排到轮转队尾），继续下一个。
         # 2. zmq.Again（管道满或没有引擎）：已等时间 < 上限就返回，继续持有；
         #    已等时间从"入队"和"引擎上次收下一帧" 两者中较晚的算起——排在长队后面的请求不因前面的等待
         #    被算作引擎停滞；上限 = 引擎连着时 10 秒（ENGINE_STALL_S），
         #    没连着时 1 秒（ENGINE_RECONNECT_GRACE_S，给重启的引擎重连）。
-        # 3. 超过上限：丢弃队头，回错误增量：引擎连着（只是忙、队列满）→ ENGINE_BUSY，
+        # 3. 超过上限：丢弃它，回错误增量：引擎连着（只是忙、队列满）→ ENGINE_BUSY，
         #    不标 engine_dead（客户端不能因此认为引擎死了）；没连着 → NO_ENGINE 并标 engine_dead 和
         #    unsent（请求没到过任何引擎，客户端可以原样再发）。
         # [ZH-END]
         while self.pending:
-            queued_at, identity, request_id, frame = self.pending[0]
+            key, held = self.pending.peek()
+            identity, request_id = held.identity, held.request_id
             try:
-                self.to_engine.send(frame, zmq.NOBLOCK)
+                self.to_engine.send(held.frame, zmq.NOBLOCK)
             except zmq.Again:
-                waited = time.monotonic() - max(queued_at, self._last_taken)
+                waited = time.monotonic() - max(held.queued_at, self._last_taken)
                 connected = self.engine_peers.connected
                 if waited < (ENGINE_STALL_S if connected else ENGINE_RECONNECT_GRACE_S):
                     return  # engine busy (backpressure) or reconnecting: hold
-                self._pop_pending()
+                self._remove_pending(key)
                 # A connected engine that reads nothing is busy, not dead: the client must not
                 # take it for dead (it would refuse every request until a new engine appears).
                 delta = (p.error_delta(request_id, ENGINE_BUSY) if connected
@@ -365,16 +419,15 @@ class TokenizerStage:
                          waited, "the engine took nothing (busy)" if connected else "no engine connected")
                 self._reply(identity, p.StreamOutput(deltas=[delta]))
                 continue
-            self._pop_pending()
+            self._remove_pending(key)
             self._last_taken = time.monotonic()
 
-    def _pop_pending(self) -> None:
-        _, identity, _, frame = self.pending.popleft()
-        self._pending_bytes -= len(frame)
-        self._pending_of[identity] -= 1
-        if not self._pending_of[identity]:
-            del self._pending_of[identity]
+    def _remove_pending(self, key: int, take: bool = True) -> Held:
+        """Out of `pending`: by its turn (`take`: its client goes to the back), or out of turn."""
+        held = self.pending.take(key) if take else self.pending.remove(key)
+        self._pending_bytes -= len(held.frame)
         self.metrics.set_held(len(self.pending), self._pending_bytes)
+        return held
 
     def _reply(self, identity: bytes, msg: p.Message) -> None:
         # [ZH-START]

@@ -126,7 +126,7 @@ class Result:
 def build_request(prompt: str | list[int] | list[dict] | None = None, *, messages: list[dict] | None = None,
                   prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
                   tools: list[dict] | str | None = None, chat_template_kwargs: dict | str | None = None,
-                  sampling: SamplingParams | None = None, **params: Any) -> p.GenerateReq:
+                  sampling: SamplingParams | None = None, tenant: str | None = None, **params: Any) -> p.GenerateReq:
     """The GenerateReq for one call. `prompt` may be text, a chat message list or token ids.
 
     Sampling is `sampling` (one `SamplingParams`), or its fields as keywords (`max_tokens=64,
@@ -134,7 +134,9 @@ def build_request(prompt: str | list[int] | list[dict] | None = None, *, message
     default), validated here by the struct's own checks: a bad value raises `SamplingError`
     naming it before anything is sent. `tools` (OpenAI's list, with a chat) is sent as JSON text;
     the model's chat template renders them into the prompt. `chat_template_kwargs` (with a
-    chat): extra variables for that template, e.g. {"enable_thinking": False}, sent as JSON text."""
+    chat): extra variables for that template, e.g. {"enable_thinking": False}, sent as JSON text.
+    `tenant`: whom the request is for (`GenerateReq.tenant`; the HTTP front's, honoured only from
+    a connection with the service's own key)."""
     if sampling is None:
         sampling = SamplingParams.from_dict({k: v for k, v in params.items() if v is not None})
     elif params:
@@ -147,7 +149,7 @@ def build_request(prompt: str | list[int] | list[dict] | None = None, *, message
     ids = p.pack_token_ids(prompt_token_ids) if prompt_token_ids is not None else None
     tools_text, kwargs_text = chat_extras(tools, chat_template_kwargs)
     return p.GenerateReq(request_id=request_id or uuid.uuid4().hex, prompt=prompt, messages=messages,
-                         prompt_token_ids=ids, sampling=sampling, priority=priority, tools=tools_text,
+                         prompt_token_ids=ids, sampling=sampling, priority=priority, tools=tools_text, tenant=tenant,
                          chat_template_kwargs=kwargs_text)
 
 

@@ -54,6 +54,8 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_ID_LEN = 256
 """A client's request id."""
 MAX_ENGINE_ID_LEN = 2 * 255 + 1 + MAX_ID_LEN
+MAX_TENANT_LEN = 128
+"""Characters of a `GenerateReq.tenant` (an HTTP front names an API key by a 32-character digest)."""
 """'<routing id hex>:<request id>'; zmq routing ids are at most 255 bytes."""
 MAX_INSTANCE_ID_LEN = 64
 MAX_ERROR_LEN = 4096
@@ -298,6 +300,11 @@ class GenerateReq(Message):
     tokenizer renders them through the model's chat template."""
     chat_template_kwargs: str | None = None
     """With `messages`: extra variables for the chat template, as JSON text (`template_kwargs`)."""
+    tenant: str | None = None
+    """Whom the request is for, as the service's HTTP front says (an API key's digest, else the
+    peer's address): the client it counts as for fair turns, per-client limits and the per-client
+    cache salt. Honoured only from a connection with the service's own key, or without CURVE (the
+    service's own user); any other client's request that sets it is refused."""
 
     def validate(self) -> None:
         check_str("request_id", self.request_id, MAX_ID_LEN)
@@ -322,6 +329,8 @@ class GenerateReq(Message):
         if self.chat_template_kwargs is not None:
             check(self.messages is not None, "chat_template_kwargs apply only with messages (a chat)")
             parse_template_kwargs(self.chat_template_kwargs)
+        if self.tenant is not None:
+            check_str("tenant", self.tenant, MAX_TENANT_LEN)
 
     def _with_own_fields(self, sampling: Any) -> Any:
         """The sampling map with this message's own `stop` and `skip_special_tokens` folded in."""
@@ -448,6 +457,9 @@ class TokenizedReq(Message):
     resend: bool = False
     output_ids: bytes = b""
     """Packed output the request already has (`GenerateReq.output_token_ids`), continued from."""
+    tenant: str = ""
+    """The client it counts as for fair turns and per-client limits, as the tokenizer tells
+    (`TokenizerStage.tenant_of`); empty: its routing id (`meta.client`)."""
 
     def validate(self) -> None:
         check_str("request_id", self.request_id, MAX_ENGINE_ID_LEN)
@@ -457,6 +469,7 @@ class TokenizedReq(Message):
         self.meta = typed_meta(self.meta)
         check_int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
         check_bool("resend", self.resend)
+        check_str("tenant", self.tenant, 2 * 255 + 8, empty=True)  # the longest: 'id:' + a 255-byte routing id's hex
 
 
 # ---------------------------------------------------------------- detokenizer -> engine

@@ -217,10 +217,11 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    priority: int = 0, output_prefix: list[int] | None = None) -> None:
+                    priority: int = 0, output_prefix: list[int] | None = None, client: str = "") -> None:
         """Queue a request; raises ValueError naming the problem if it can never be served.
 
-        `priority` matters under the "priority" scheduling policy: higher runs first.
+        `priority` matters under the "priority" scheduling policy: higher runs first. `client`
+        (who sent it) under the "fair" one: clients take turns.
         `output_prefix`: output the request already has (a stream continued after the engine that
         ran it died). It counts as output (`max_tokens`, `min_tokens`, penalties, usage), is
         prefilled with the prompt, and is reported again with the first new token; greedy and
@@ -237,9 +238,9 @@ class LLMEngine:
         #    → ValueError：这种请求永远放不下，接进来只会被反复抢占。
         # 4. build_logits_processors 为它构造 logits 处理器，SamplingState.build 建采样状态
         #    （bias / min_tokens 张量、有种子时自己的 Generator）。
-        # 5. 创建 Sequence(params, sampling=状态)（arrival = _arrivals，随后 _arrivals += 1），
-        #    放进 requests；采样状态不是 on_device（要 host 采样）就记进 _host_sampled；
-        #    scheduler.add 入 waiting 堆。
+        # 5. 创建 Sequence(params, sampling=状态, client)（arrival = _arrivals，
+        #    随后 _arrivals += 1），放进 requests；采样状态不是 on_device（要 host 采样）
+        #    就记进 _host_sampled；scheduler.add 入 waiting 堆。
         # 6. 续写（output_prefix，引擎死后客户端把已收到的输出发回来）：先校验（比 max_tokens 少、
         #    prompt + 前缀 < max_model_len、id 在词表内），再接到 token_ids 后面——
         #    它们算输出（num_prompt_tokens 不变），和被抢占的序列一样整段 prefill；有种子的
@@ -266,7 +267,7 @@ class LLMEngine:
         processors = build_logits_processors(params, vocab, device, self._words, self._structured)
         sampling = SamplingState.build(params, processors, self.eos_token_ids, vocab, device, len(prefix))
         seq = Sequence(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, arrival=self._arrivals,
-                       priority=priority, sampling=sampling)
+                       priority=priority, sampling=sampling, client=client)
         seq.token_ids.extend(prefix)
         self._arrivals += 1
         self.requests[request_id] = seq

@@ -8,6 +8,10 @@ keeps the two decisions consistent (what is admitted first is preempted last).
 - `FCFSPolicy` (default): arrival order, so preemption takes the latest arrival.
 - `PriorityPolicy`: higher `priority` first, arrival order among equals; preemption takes the
   lowest priority first.
+- `FairPolicy`: clients (`Sequence.client`) take turns, one request each (start-time fair
+  queuing); a client's own requests in arrival order; preemption takes the request furthest
+  ahead of its client's fair share. With a single client it orders exactly as FCFS. The service's
+  engine stage uses it by default.
 
 Custom policies subclass `SchedulerPolicy` and pass an instance as `scheduler_policy`. A key is
 read when a sequence enters the waiting queue and on each step for running ones, so it must not
@@ -22,6 +26,8 @@ change while the request lives (key on `arrival`, `priority`, `num_prompt_tokens
 # 只有一个排序键 key(seq)：键小的先接纳、后抢占；键大的后接纳、先抢占。
 # 一个键管两件事，两者就不会矛盾——最先接纳的最后被踢。
 #   FCFSPolicy：(arrival,)      PriorityPolicy：(-priority, arrival)
+#   FairPolicy：(fair_tag, arrival)——按客户端轮流（start-time fair queuing），
+#   只有一个客户端时等于 FCFS。
 # [ZH-END]
 from __future__ import annotations
 
@@ -43,6 +49,10 @@ class SchedulerPolicy(ABC):
     @abstractmethod
     def key(self, seq: Sequence) -> tuple:
         """Smaller is admitted earlier and preempted later."""
+
+    def admitted(self, seq: Sequence) -> None:
+        """The scheduler moved `seq` from waiting to running (a policy with a clock of its own
+        advances it here)."""
 
 
 class FCFSPolicy(SchedulerPolicy):
@@ -74,7 +84,56 @@ class PriorityPolicy(SchedulerPolicy):
         return (-seq.priority, seq.arrival)
 
 
-POLICIES: dict[str, type[SchedulerPolicy]] = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}
+class FairPolicy(SchedulerPolicy):
+    """Start-time fair queuing across clients, one request one unit of work. Each request gets a
+    virtual start time once, when the policy first sees it: its client's next free slot, but never
+    earlier than the virtual time now (the start time of the latest request admitted), so a client
+    that was idle cannot claim the turns it missed. A client with a thousand requests waiting
+    holds start times now .. now + 999; another client's one request gets now and goes next."""
+    # [ZH-START]
+    # 【职责】按客户端公平轮流：每个请求第一次被看到时得到一个虚拟开始时间 fair_tag =
+    # max(当前虚拟时间, 它客户端的下一个空位)，之后不变；key = (fair_tag, arrival)。
+    # 当前虚拟时间 = 最近被接纳的请求的 fair_tag（admitted 推进），所以闲了一阵的客户端
+    # 不能补回错过的轮次。排了 1000 个请求的客户端占着 now..now+999，别的客户端的一个请求拿到 now，
+    # 下一个就轮到它；抢占先踢 fair_tag 最大的（离自己份额最远的）。只有一个客户端时就是 FCFS。
+    # 【边界】只看 seq.client；不知道客户端是谁、不限额（限额在引擎 stage 的 ClientShares）。
+    # 【协作者】Scheduler（add / 每步排序时读 key，接纳时调 admitted）；
+    # LLMEngine.add_request 给出 client。
+    # [ZH-END]
+    name = "fair"
+
+    def __init__(self) -> None:
+        self._now = 0
+        """The virtual time: the start time of the latest request admitted."""
+        self._next: dict[str, int] = {}
+        """Client -> the start time its next request gets. Entries at most one turn ahead of `_now`
+        are dropped now and then: such a client loses at most one turn, and a client with a
+        request each (the common case) leaves nothing behind."""
+        self._kept = 0
+        """Entries left by the last pruning of `_next`."""
+
+    def key(self, seq: Sequence) -> tuple:
+        # [ZH-START]
+        # 1. seq.fair_tag 还没有：tag = max(_now, 它客户端的 _next)，客户端的 _next = tag + 1，
+        #    写进 seq.fair_tag（之后不再变，抢占回到 waiting 时也用同一个）。
+        # 2. _next 条目超过 64 且比上次清理时多出一倍：丢掉最多领先 _now 一轮的条目（这样的客户端
+        #    至多少等一轮），每次只有一个请求的客户端不留下状态。
+        # 3. 返回 (fair_tag, arrival)。
+        # [ZH-END]
+        if seq.fair_tag is None:
+            tag = max(self._now, self._next.get(seq.client, 0))
+            self._next[seq.client] = tag + 1
+            seq.fair_tag = tag
+            if len(self._next) > 64 and len(self._next) > 2 * self._kept:
+                self._next = {c: t for c, t in self._next.items() if t > self._now + 1}
+                self._kept = len(self._next)
+        return (seq.fair_tag, seq.arrival)
+
+    def admitted(self, seq: Sequence) -> None:
+        self._now = max(self._now, seq.fair_tag or 0)
+
+
+POLICIES: dict[str, type[SchedulerPolicy]] = {"fcfs": FCFSPolicy, "priority": PriorityPolicy, "fair": FairPolicy}
 
 
 def make_policy(policy: str | SchedulerPolicy | None) -> SchedulerPolicy:

@@ -353,7 +353,7 @@ class Scheduler:
         #    不跳过堆顶去接纳后面的小请求。keep_free = watermark_blocks（kv_watermark 与
         #    preempt_ratio 取大）：有序列在跑时接纳后至少留这么多空闲块；引擎空闲时为 0，
         #    装得下的请求总能跑起来。
-        # 5. 弹出堆顶，allocate(seq, num_new, hits)，status = RUNNING；
+        # 5. 弹出堆顶，allocate(seq, num_new, hits)，status = RUNNING，告诉 policy.admitted；
         #    第一次被调度时记 first_scheduled_time，并把排队时间追加到 queue_times
         #    （抢占后重新接纳不算）。
         # 6. num_waiting -= 1，num_running += 1，追加到 running 和 scheduled，budget -= num_new。
@@ -375,6 +375,7 @@ class Scheduler:
             heapq.heappop(self.waiting)
             self.block_manager.allocate(seq, num_new, hits)
             seq.status = SequenceStatus.RUNNING
+            self.policy.admitted(seq)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
                 self.queue_times.append(seq.first_scheduled_time - seq.arrival_time)

@@ -59,13 +59,14 @@ class Sequence:
     # Scheduler、BlockManager 修改它；StepInput 读它组批；Sampler 读 params、sampling、token_ids。
     # [ZH-END]
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
-                 priority: int = 0, sampling: SamplingState | None = None):
+                 priority: int = 0, sampling: SamplingState | None = None, client: str = ""):
         # [ZH-START]
         # 1. token_ids 复制一份 prompt，之后的输出 token 直接追加在后面；num_prompt_tokens 记 prompt
         #    长度，所以输出就是 token_ids[num_prompt_tokens:]。
         # 2. arrival：LLMEngine 递增分配的到达序号（FCFS 的排序键）；arrival_time 记单调时钟，
         #    首次被调度时写 first_scheduled_time，两者之差就是排队时间（抢占后重新接纳不再改）。
-        # 3. priority 只在 "priority" 策略下起作用；status = WAITING，
+        # 3. priority 只在 "priority" 策略下起作用；client 是公平分享的单位（"fair" 策略按它轮流），
+        #    fair_tag 由 FairPolicy 第一次看到它时写下；status = WAITING，
         #    finish_reason = None，block_table 为空；sampling 是引擎建好的 SamplingState
         #    （只排队、不采样的测试可以不给，采样时没有就报错）。
         # 4. 进度计数都从 0 开始：
@@ -91,6 +92,10 @@ class Sequence:
         """When it was first admitted (monotonic); re-admissions after a preemption keep it."""
         self.priority = priority
         """Higher runs first under the priority scheduling policy."""
+        self.client = client
+        """Who sent it: the unit the "fair" scheduling policy shares the engine between."""
+        self.fair_tag: int | None = None
+        """Its virtual start time under the "fair" policy, set when that policy first sees it."""
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []

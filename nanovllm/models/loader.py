@@ -8,7 +8,6 @@ copy of the model.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Iterator
 
@@ -16,37 +15,10 @@ import torch
 
 from nanovllm.layers.linear import default_weight_loader
 from nanovllm.models.decoder import DecoderForCausalLM
-from nanovllm.models.model_config import ModelConfig, resolve_max_model_len
+from nanovllm.models.model_config import ModelConfig
+from nanovllm.models.model_files import is_gguf, max_model_len, read_hf_config, resolve_model_path  # noqa: F401
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def resolve_model_path(model: str) -> str:
-    if model == "default":
-        from nanovllm.models.default_model import resolve_default_model
-        return resolve_default_model()
-    if not os.path.exists(model):
-        raise FileNotFoundError(
-            f"model {model!r} not found: pass 'default', a local HF model folder or a .gguf file "
-            "(no model hub is used)"
-        )
-    return os.path.abspath(model)
-
-
-def is_gguf(path: str) -> bool:
-    return os.path.isfile(path) and path.endswith(".gguf")
-
-
-def read_hf_config(path: str) -> dict:
-    """The model's config as an HF-style dict, from config.json or GGUF metadata."""
-    if is_gguf(path):
-        from nanovllm.models.gguf_loader import read_gguf_config
-        return read_gguf_config(path)
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"{path!r} has no config.json; expected an HF model folder or a .gguf file")
-    with open(config_file, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def iter_weights(path: str, packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -98,10 +70,3 @@ def load_weights(model: DecoderForCausalLM, weights: Iterator[tuple[str, torch.T
             model.lm_head.quant, model.lm_head.weight = embedding.quant, embedding.weight
     if unloaded:
         raise ValueError(f"checkpoint is missing weights: {sorted(unloaded)[:8]}")
-
-
-def max_model_len(model: str, requested: int | None = None) -> int:
-    """The engine's max_model_len for a model named as the engine takes it ("default", a folder, a
-    .gguf) and its `--max-model-len` (None: the default), read from the config alone (no weights),
-    so a stage before the engine refuses what the engine would."""
-    return resolve_max_model_len(requested, ModelConfig.from_hf_dict(read_hf_config(resolve_model_path(model))))

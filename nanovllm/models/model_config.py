@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.models.model_files import cap_model_len, context_length
+
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
 }
-MAX_DEFAULT_MODEL_LEN = 4096
-"""Cap on the default max_model_len, so a 128k-context model does not size everything for 128k."""
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 """dtype names as configs and `Config.dtype` spell them."""
 
@@ -70,7 +70,7 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or hidden // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=context_length(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             qk_norm=arch == "qwen3",
@@ -81,9 +81,4 @@ class ModelConfig:
 
 def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
     """The engine's max_model_len: as requested, else the model's context length capped at 4096."""
-    limit = model.max_position_embeddings
-    if requested is None:
-        return min(limit, MAX_DEFAULT_MODEL_LEN)
-    if requested > limit:
-        raise ValueError(f"max_model_len={requested} exceeds the model's context length {limit}")
-    return requested
+    return cap_model_len(requested, model.max_position_embeddings)

@@ -22,6 +22,7 @@ from nanovllm_client.http.app import Settings, build_app  # noqa: E402
 from nanovllm_client.http.schema import parse_chat, parse_completion  # noqa: E402
 from nanovllm_client.http.errors import ApiError  # noqa: E402
 from nanovllm_client.http.server import build_server  # noqa: E402
+from nanovllm_client.http.tenant import tenant_of  # noqa: E402
 
 
 class FakeStream:
@@ -231,7 +232,10 @@ def test_models_completion_chat(front):
     out = json.loads(body)
     assert status == 200 and out["choices"][0]["text"] == "Hello!" and out["choices"][0]["finish_reason"] == "length"
     assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
-    assert client.calls[-1] == ("hi", {"sampling": SamplingParams(max_tokens=3)})
+    # The service is told which API key the request came with (a digest): the client it counts as.
+    assert client.calls[-1] == ("hi", {"sampling": SamplingParams(max_tokens=3), "tenant": tenant_of("secret", None)})
+    assert tenant_of("secret", "10.0.0.1").startswith("key:") and "secret" not in tenant_of("secret", None)
+    assert tenant_of("k1", None) != tenant_of("secret", None) and tenant_of(None, "10.0.0.1") == "peer:10.0.0.1"
     status, body = _req(port, "POST", "/v1/chat/completions",
                         {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert status == 200 and json.loads(body)["choices"][0]["message"] == {"role": "assistant", "content": "Hello!"}

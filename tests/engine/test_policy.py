@@ -32,6 +32,41 @@ def test_priority_admits_high_priority_before_earlier_low_priority(tiny_model_di
     assert order + finish_order(engine) == expected
 
 
+def test_fair_policy_lets_clients_take_turns(tiny_model_dir):
+    engine = LLMEngine(model=tiny_model_dir, num_kvcache_blocks=64, block_size=8, max_num_seqs=1, scheduler_policy="fair")
+    prompts = random_prompts([6] * 6, vocab=2048, seed=1)
+    for rid, prompt in zip(["a0", "a1", "a2", "a3"], prompts):
+        engine.add_request(rid, prompt, GREEDY, client="a")
+    finished = [o.request_id for o in engine.step() if o.finished]  # a0 runs
+    engine.add_request("b0", prompts[4], GREEDY, client="b")  # came last, goes next: a has had its turn
+    engine.add_request("b1", prompts[5], GREEDY, client="b")
+    assert finished + finish_order(engine) == ["a0", "b0", "a1", "b1", "a2", "a3"]
+
+
+def test_fair_policy_forgets_clients_that_are_idle(tiny_model_dir):
+    """Hundreds of clients come and go (a soak found the first to pass 64 refused): the policy
+    keeps only the clients whose next turn is still ahead of the virtual time."""
+    engine = LLMEngine(model=tiny_model_dir, num_kvcache_blocks=64, block_size=8, max_num_seqs=4, scheduler_policy="fair")
+    (prompt,) = random_prompts([6], vocab=2048, seed=4)
+    for i in range(300):
+        engine.add_request(f"r{i}", prompt, GREEDY, client=f"c{i}")
+        finish_order(engine)
+    policy = engine.scheduler.policy
+    assert len(policy._next) <= 130, len(policy._next)  # pruned when it doubles past 64
+
+
+def test_fair_policy_orders_one_client_as_fcfs(tiny_model_dir):
+    orders = []
+    for policy in ("fair", "fcfs"):
+        engine = LLMEngine(model=tiny_model_dir, num_kvcache_blocks=64, block_size=8, max_num_seqs=1,
+                           scheduler_policy=policy)
+        for i, prompt in enumerate(random_prompts([6] * 4, vocab=2048, seed=3)):
+            engine.add_request(f"r{i}", prompt, GREEDY, priority=i)
+        orders.append(finish_order(engine))
+    assert orders[0] == orders[1] == ["r0", "r1", "r2", "r3"]
+    assert first_preempted("fair", tiny_model_dir) == "high"  # one client: the latest arrival, as FCFS
+
+
 def first_preempted(policy: str, model_dir: str) -> str:
     # Room for both prompts but not both outputs: the scheduler must preempt one of them.
     engine = LLMEngine(model=model_dir, num_kvcache_blocks=8, block_size=4, scheduler_policy=policy)

@@ -17,12 +17,9 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from nanovllm.models.default_model import resolve_default_model  # noqa: E402
-from nanovllm.models.gguf_loader import (  # noqa: E402
-    _hf_architecture,
-    iter_gguf_weights,
-    read_gguf_config,
-)
-from nanovllm.models.tokenizer import load_gguf_tokenizer  # noqa: E402
+from nanovllm.models.gguf_header import _hf_architecture, read_gguf_config  # noqa: E402
+from nanovllm.models.gguf_loader import iter_gguf_weights  # noqa: E402
+from nanovllm.models.tokenizer import convert_gguf_tokenizer, load_gguf_tokenizer  # noqa: E402
 
 @pytest.fixture(scope="module")
 def default_gguf() -> str:
@@ -47,7 +44,7 @@ def tokenizer(default_gguf, tmp_path_factory):
     # A private cache: this is a fresh conversion from the GGUF file, not an earlier cached copy.
     os.environ["NANOVLLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     try:
-        return load_gguf_tokenizer(default_gguf)
+        return convert_gguf_tokenizer(default_gguf)
     finally:
         del os.environ["NANOVLLM_CACHE_DIR"]
 

@@ -61,7 +61,9 @@ def test_the_tokenizer_answers_pings_while_it_holds_requests_back(tiny_model_dir
     from tokenizer_proc.server import PENDING_MAX_FRAMES
     port = free_tcp_base_port()
     procs = start_service(tiny_model_dir, f"ipc://{short_tmpdir()}/svc", engine_args=FULL_AT_ONE,
-                          env={"tokenizer_proc": {"NANOVLLM_METRICS_PORT": str(port)}})
+                          # One client fills the stage's own bound: no per-client share of it.
+                          env={"tokenizer_proc": {"NANOVLLM_METRICS_PORT": str(port),
+                                                  "NANOVLLM_MAX_PENDING_PER_CLIENT": "0"}})
     try:
         with Client(procs.url, timeout=300) as c:
             # 3.6 KB frames: more than the pipes and the kernel's socket buffers hold, and more

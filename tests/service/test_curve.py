@@ -251,3 +251,14 @@ def test_the_request_rate_is_counted_per_key_not_per_connection(curve_service, k
         # Both connections draw on one bucket of RATE (plus what refills while the burst is sent).
         assert refused >= burst - 2 * RATE, f"{refused} of {burst} refused"
         assert list(mine)[-1].finish_reason == "length"
+
+
+def test_only_the_services_own_key_may_say_whom_a_request_is_for(curve_service, keys):
+    """The HTTP front, with the service's own key, names each request's API key (`tenant`); an
+    allowed client with a key of its own is refused if it tries, so it cannot take another's
+    share or cache salt."""
+    with Client(curve_service.url, curve=keys["alice"], connect_timeout=60, timeout=60) as alice:
+        with pytest.raises(RequestError, match="only the service's HTTP front, connected with the service's own key"):
+            alice.generate("x", max_tokens=2, tenant="key:someone-else")
+    with Client(curve_service.url, curve=keys["service"], connect_timeout=60, timeout=60) as front:
+        assert front.generate("x", max_tokens=2, ignore_eos=True, tenant="key:a").finish_reason == "length"

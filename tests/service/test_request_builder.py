@@ -82,3 +82,20 @@ def test_cache_salts_part_clients_and_keep_each_clients_own_salt_apart(tokenizer
     assert salt(CLIENT, key="k") == salt(b"\x08" * 5, key="k")  # one key, one client, whatever its routing id
     assert salt(CLIENT, own="a") != salt(CLIENT, own="b") != salt(CLIENT)
     assert p.decode(builder(tokenizer).build(CLIENT, received(request_id="r", prompt="hi"))).sampling.cache_salt is None
+
+
+def test_a_tenant_is_taken_only_from_a_connection_without_a_key_of_its_own(tokenizer):
+    """The HTTP front (the service's own key, or no CURVE: `key` None) names whom a request is for;
+    a client with a key of its own may not, or it could take another's share and cache salt."""
+    build = builder(tokenizer, cache_salt_per_client=True).build
+
+    def sent(tenant: str | None, key: str | None = None, client: bytes = CLIENT) -> p.TokenizedReq:
+        return p.decode(build(client, received(request_id="r", prompt="hi", tenant=tenant), key))
+    a, b = sent("key:aaaa"), sent("key:bbbb")
+    assert a.tenant == "front:key:aaaa" and b.tenant == "front:key:bbbb"  # one front, two clients
+    assert a.sampling.cache_salt != b.sampling.cache_salt == sent("key:bbbb", client=b"\x08" * 5).sampling.cache_salt
+    assert sent(None).tenant == "id:" + CLIENT.hex() and sent(None, key="k").tenant == "key:k"
+    with pytest.raises(RequestRejected, match="only the service's HTTP front.*may say whom a request is for"):
+        sent("key:aaaa", key="k")
+    with pytest.raises(p.ProtocolError, match="tenant must be a non-empty string of at most 128"):
+        received(request_id="r", prompt="hi", tenant="x" * 129)

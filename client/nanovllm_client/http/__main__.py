@@ -134,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     async def serve() -> None:
         client = AsyncClient(args.url, timeout=args.request_timeout, curve=curve, insecure_tcp=args.insecure_tcp)
         await client.start()
+        # With a key pair of its own the front is one more client: the service does not take its word for whom
+        # a request is for (it does with the service's own pair, or without CURVE).
+        own_key = curve is not None and curve[0].public != curve[1]
         settings = Settings(model=args.model, api_keys=keys, max_body_bytes=args.max_body_bytes,
-                            max_streams=args.max_streams, allowed_origins=args.allowed_origins,
+                            max_streams=args.max_streams, allowed_origins=args.allowed_origins, tenants=not own_key,
                             health=lambda: check_health(args.url, 5.0, curve))
         server = build_server(build_app(client, settings), host=args.host, port=args.port,
                               max_connections=args.max_connections, idle_timeout=args.idle_timeout,

@@ -23,6 +23,7 @@ from . import anthropic, chat_output, responses, tokenize
 from . import logprobs as lp
 from .errors import ApiError, bad
 from .schema import Call, parse_chat, parse_completion
+from .tenant import tenant_of
 
 
 @dataclass
@@ -35,6 +36,9 @@ class Settings:
     """Blocking: returns a HealthReport (run in a thread)."""
     allowed_origins: tuple[str, ...] = ()
     """Origins whose browser pages may call the API (CORS headers and preflights); none by default."""
+    tenants: bool = True
+    """Tell the service whom each request is for (`tenant_of`): off for a front with a CURVE key of
+    its own, whose word the service does not take."""
 
 
 @dataclass
@@ -179,9 +183,11 @@ def build_app(client: Any, settings: Settings) -> Starlette:
     """`client`: a started AsyncClient (or anything with its `stream`)."""
     metrics = Metrics()
 
-    def authorized(request: Request) -> None:
+    def authorized(request: Request) -> str | None:
+        """The request's tenant (None where the service is not told), or ApiError 401."""
+        peer = request.client.host if request.client else None
         if not settings.api_keys:
-            return
+            return tenant_of(None, peer) if settings.tenants else None
         header = request.headers.get("authorization", "")
         # Bearer (OpenAI's SDKs) or x-api-key (Anthropic's): the same keys either way.
         given = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("x-api-key", "").strip()
@@ -190,6 +196,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             ok |= hmac.compare_digest(given.encode(), key.encode())
         if not ok:
             raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
+        return tenant_of(given, peer) if settings.tenants else None
 
     async def read_json(request: Request) -> Any:
         length = request.headers.get("content-length")
@@ -314,7 +321,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
         call: Call | None = None
         opened: list[Opened] = []
         try:
-            authorized(request)
+            tenant = authorized(request)
             call = parse(await read_json(request))
             if call.model != settings.model:
                 raise ApiError(404, f"the model '{call.model[:128]}' does not exist; this server serves "
@@ -325,7 +332,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             for index, prompt, sampling in choices:
                 metrics.active += 1
                 try:
-                    stream = await client.stream(prompt, sampling=sampling, **call.kwargs)
+                    stream = await client.stream(prompt, sampling=sampling, tenant=tenant, **call.kwargs)
                 except BaseException:
                     metrics.active -= 1
                     raise
