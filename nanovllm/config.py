@@ -81,6 +81,22 @@ class Config:
     otherwise that step runs synchronously. None: on
     with CUDA on one rank, off on CPU (where the forward runs on the host's own cores, so nothing
     overlaps it). Not with tensor parallelism."""
+    speculative: str = "off"
+    """Speculative decoding without a draft model: "ngram" (prompt lookup: the continuation of the
+    latest earlier occurrence of a request's last tokens in its prompt and output is verified in
+    the same forward) or "off". Output is the same either way; it applies to plain greedy
+    requests in decode-only steps of at most 8 rows, and runs steps synchronously (no
+    overlap_scheduling). Off by default: on CPU verifying k tokens costs about 1 + 0.55 k
+    decode steps (docs/benchmarks.md), so it pays only on text the model copies."""
+    speculative_tokens: int = 4
+    """Most drafted tokens a request verifies in one step (fewer when its acceptance is low)."""
+    speculative_ngram_min: int = 2
+    """Shortest suffix (tokens) looked up for a proposal."""
+    speculative_ngram_max: int = 4
+    """Longest suffix looked up first."""
+    speculative_row_cost: float = 0.55
+    """A verification row's cost beyond the first, as a share of a 1-row decode step: sets the
+    draft length a request's acceptance rate pays for (`bench/spec_verify_cost.py` measures it)."""
     tensor_parallel_size: int = 1
     """Ranks (processes, one GPU each on CUDA) the model is split over; must divide the heads,
     the key/value heads and the MLP width."""
@@ -116,5 +132,17 @@ class Config:
             raise ValueError(f"overlap_scheduling must be true, false or null (auto), got {self.overlap_scheduling!r}")
         if self.overlap_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("overlap_scheduling does not run with tensor_parallel_size > 1")
+        if self.speculative not in ("off", "ngram"):
+            raise ValueError(f"speculative must be 'off' or 'ngram', got {self.speculative!r}")
+        if self.speculative != "off" and self.overlap_scheduling:
+            raise ValueError("speculative decoding runs synchronous steps: it cannot be combined with "
+                             "overlap_scheduling=True (leave overlap_scheduling unset or false)")
+        _positive("speculative_tokens", self.speculative_tokens)
+        _positive("speculative_ngram_min", self.speculative_ngram_min)
+        if self.speculative_ngram_max < self.speculative_ngram_min:
+            raise ValueError(f"speculative_ngram_max ({self.speculative_ngram_max!r}) must be >= "
+                             f"speculative_ngram_min ({self.speculative_ngram_min!r})")
+        if not (isinstance(self.speculative_row_cost, (int, float)) and 0 <= self.speculative_row_cost <= 10):
+            raise ValueError(f"speculative_row_cost must be a number in [0, 10], got {self.speculative_row_cost!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be one of auto, cpu, cuda; got {self.device!r}")

@@ -138,19 +138,38 @@ class EngineMetrics(_StageMetrics):
         self.request_bytes_queued = Gauge(PREFIX + "request_bytes_queued",
                                           "Bytes charged to the requests waiting for admission (against "
                                           "--max-queued-mib).", registry=r)
-        self._last_cumulative = (0, 0, 0)
+        self.spec_decode_num_drafts = Counter(PREFIX + "spec_decode_num_drafts",
+                                              "Verifications of drafted tokens (speculative decoding).", registry=r)
+        self.spec_decode_num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens",
+                                                    "Drafted tokens verified.", registry=r)
+        self.spec_decode_num_accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens",
+                                                       "Drafted tokens accepted.", registry=r)
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, by position in the draft.",
+            ["position"], registry=r)
+        self._last_cumulative = (0, 0, 0, 0, 0, 0)
+        self._last_per_position: tuple[int, ...] = ()
         self.set_state("loading")
 
     def __call__(self, m: StepMetrics) -> None:
         self.num_requests_running.set(m.num_running)
         self.num_requests_waiting.set(m.num_waiting)
         self.kv_cache_usage.set(m.kv_cache_usage)
-        cumulative = (m.prefix_cache_queries, m.prefix_cache_hits, m.num_preemptions)
-        for counter, now, before in zip((self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions),
-                                        cumulative, self._last_cumulative):
+        cumulative = (m.prefix_cache_queries, m.prefix_cache_hits, m.num_preemptions, m.spec_decode_num_drafts,
+                      m.spec_decode_num_draft_tokens, m.spec_decode_num_accepted_tokens)
+        counters = (self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions,
+                    self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens, self.spec_decode_num_accepted_tokens)
+        for counter, now, before in zip(counters, cumulative, self._last_cumulative):
             # Below the last value: a new engine reports to this hook, counting from zero again.
             counter.inc(now - before if now >= before else now)
         self._last_cumulative = cumulative
+        if m.spec_decode_accepted_per_position != self._last_per_position:
+            before = self._last_per_position
+            for i, now in enumerate(m.spec_decode_accepted_per_position):
+                last = before[i] if i < len(before) else 0
+                self.spec_decode_num_accepted_tokens_per_pos.labels(position=str(i)).inc(
+                    now - last if now >= last else now)
+            self._last_per_position = m.spec_decode_accepted_per_position
         self.prompt_tokens.inc(m.num_prefill_tokens)
         self.generation_tokens.inc(m.num_generated_tokens)
         for seconds in m.queue_times_s:

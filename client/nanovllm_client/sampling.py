@@ -164,6 +164,10 @@ class SamplingParams:
     """Prefix-cache isolation: a request with a salt shares cached prompt blocks only with requests
     that carry the same salt (and one without, only with others without). The service can salt
     every request by its client (`--cache-salt-per-client`)."""
+    speculative: bool = True
+    """False: never verify drafted tokens for this request (speculative decoding, when the engine
+    runs it, applies only to greedy requests without penalties, bias, logprobs, min_tokens or
+    processors, and its output is the same either way; this opts out of its cost)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -230,7 +234,7 @@ class SamplingParams:
                f"max_tokens must be an integer in [1, {MAX_COUNT}], got {{}}", self.max_tokens)
         _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                "min_tokens must be an integer in [0, max_tokens={}], got {}", self.max_tokens, self.min_tokens)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             _check(isinstance(getattr(self, name), bool), name, f"{name} must be true or false, got {{}}",
                    getattr(self, name))
 

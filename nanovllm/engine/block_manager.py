@@ -201,6 +201,26 @@ class BlockManager:
                 self.hash_to_block_id[block_hash] = own
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
+    def trim(self, seq: Sequence) -> None:
+        """Return the blocks past those that hold `seq`'s computed tokens: after a verification
+        they held only rejected drafted tokens. They were taken this step and never registered,
+        so they go to the front of the free list (reused first, sparing cached blocks)."""
+        # [ZH-START]
+        # 1. keep = blocks_for(num_computed_tokens)：装下已计算 token 所需的块数（和一次普通
+        #    decode 之后一样多）。
+        # 2. block_table 超出 keep 的尾块逐个弹出、_unref：它们是本步 append_slots 刚拿的私有块
+        #    （ref_count 1，没有哈希：commit 只登记 num_computed_tokens 以内的满块），回到空闲表；
+        #    再 move_to_end(last=False) 放到表头，下次先用它们，前缀缓存里的旧块多留一会儿。
+        # 被拒草稿写在保留块里的 K/V 不用清：它们在 num_computed_tokens 之后，注意力读不到，
+        # 之后会被真 token 覆盖，块写满（才会登记）之前早已覆盖完。
+        # [ZH-END]
+        keep = self.blocks_for(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            self._unref(block_id)
+            if self.blocks[block_id].ref_count == 0:
+                self.free_block_ids.move_to_end(block_id, last=False)
+
     def free(self, seq: Sequence) -> None:
         # [ZH-START]
         # 1. 倒序遍历 block_table 逐块 _unref：ref_count 降到 0 的块追加到 free_block_ids 末尾。

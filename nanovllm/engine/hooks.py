@@ -42,6 +42,14 @@ class StepMetrics:
     queue_times_s: tuple[float, ...] = ()
     """For each sequence scheduled for the first time in this step, the seconds it waited since
     `add_request` (monotonic clock). A preempted sequence admitted again is not counted again."""
+    spec_decode_num_drafts: int = 0
+    """Cumulative verifications of drafted tokens (speculative decoding; 0 when it is off)."""
+    spec_decode_num_draft_tokens: int = 0
+    """Cumulative drafted tokens verified."""
+    spec_decode_num_accepted_tokens: int = 0
+    """Cumulative drafted tokens accepted."""
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
+    """Cumulative accepted drafts per position in the draft (the i-th drafted token)."""
 
     @property
     def num_tokens(self) -> int:

@@ -44,6 +44,7 @@ from nanovllm.engine.policy import SchedulerPolicy, make_policy
 from nanovllm.engine.sampler import SAMPLE_FAILED, Sampler
 from nanovllm.engine.scheduler import ScheduledSeq, Scheduler
 from nanovllm.engine.sequence import SamplingState, Sequence
+from nanovllm.engine.speculative import Speculator
 from nanovllm.layers.host_copy import Download
 from nanovllm.layers.logits_processors import WordIndex, build_logits_processors
 from nanovllm.layers.logprobs import TokenLogprobs
@@ -147,10 +148,13 @@ class LLMEngine:
         # 4. BlockManager(runner.num_blocks, block_size, enable_prefix_caching)。
         # 5. eos_token_ids = 模型 config 的 eos + generation_config.json 里额外的
         #    eos（去重，GGUF 不读）。
-        # 6. Scheduler：max_num_seqs、max_num_batched_tokens、max_model_len、eos，
-        #    策略 make_policy(scheduler_policy)。
+        # 6. speculative == "ngram" 时建 Speculator（草稿长度上限、n-gram 长度、每行代价），
+        #    否则 None；
+        #    Scheduler：max_num_seqs、max_num_batched_tokens、max_model_len、eos，
+        #    策略 make_policy(scheduler_policy)，speculator。
         # 7. 请求表、_aborted、到达计数 _arrivals、last_step / num_steps、post-step hooks 初始化；
-        #    overlap = config.overlap_scheduling，为 None 时按设备定（CUDA 且单 rank 才开），
+        #    overlap = config.overlap_scheduling，为 None 时按设备定（CUDA 且单 rank、
+        #    没开投机解码才开：验证要在 host 上逐位比较，同步执行），
         #    _pending = None，_host_sampled 为空集。
         # 8. start_word_index：先在本线程 import 加载分词器要用的 transformers 模块
         #    （两个线程同时 import transformers 的惰性模块不安全），再由后台线程加载分词器、
@@ -168,13 +172,18 @@ class LLMEngine:
                                cpu_ops=self.runner.sample_ops)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = self.model_config.eos_token_ids + self._generation_eos_ids()
+        self.speculator = (Speculator(config.speculative_tokens, config.speculative_ngram_min,
+                                      config.speculative_ngram_max, config.speculative_row_cost)
+                           if config.speculative == "ngram" else None)
+        """Proposes drafted tokens (Config.speculative), or None."""
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids, make_policy(scheduler_policy),
-                                   config.kv_watermark, config.preempt_ratio)
+                                   config.kv_watermark, config.preempt_ratio, speculator=self.speculator)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.overlap = (config.overlap_scheduling if config.overlap_scheduling is not None
-                        else self.runner.device.type == "cuda" and config.tensor_parallel_size == 1)
+                        else self.runner.device.type == "cuda" and config.tensor_parallel_size == 1
+                        and self.speculator is None)
         """Whether steps overlap (Config.overlap_scheduling, resolved for this device)."""
         self._pending: LaunchedStep | None = None
         """The overlapped step launched last, settled by the next `step()`."""
@@ -327,7 +336,7 @@ class LLMEngine:
         #    logprobs、min_tokens、processors、语法），或调度将要抢占（被抢占的序列要
         #    重算，需要真 token）→ 先 _settle 它（等设备、读回 token）。
         # 3. scheduled = scheduler.schedule()；统计 decode / prefill token 数：decode 是
-        #    num_computed_tokens >= num_prompt_tokens 的项，各 1 个；
+        #    num_computed_tokens >= num_prompt_tokens 的项，各 1 + len(draft) 个；
         #    抢占后重新接纳的从 0 重算，算 prefill。
         # 4. 有调度项就 _launch：前向 + 采样都发射出去（重叠时 token 留在设备上，下一步的输入
         #    直接在设备上取用上一步的 token）。
@@ -345,7 +354,8 @@ class LLMEngine:
             generated += self._settle(self._pending, outputs)  # this step needs its tokens on the host
             self._pending = None
         scheduled = self.scheduler.schedule()
-        decode_tokens = sum(1 for s in scheduled if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
+        decode_tokens = sum(1 + len(s.draft) for s in scheduled
+                            if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
         prefill_tokens = sum(s.num_new_tokens for s in scheduled) - decode_tokens
         launched = self._launch(scheduled) if scheduled else None
         if self._pending is not None:  # the device runs `launched` meanwhile
@@ -368,7 +378,7 @@ class LLMEngine:
     def _launch(self, scheduled: list[ScheduledSeq]) -> LaunchedStep:
         """The step's forward and sampling: on the device with nothing read back when overlapping
         (no live request needs the host's sampler), else sampled on the host path."""
-        rows = [item.seq for item in scheduled if item.samples]
+        rows = [item.seq for item in scheduled for _ in range(item.num_samples)]  # a verification: 1 + k rows
         previous = self._pending.tokens if self._pending is not None else None
         launched = LaunchedStep(scheduled, rows)
         if self.overlap and not self._host_sampled:
@@ -515,7 +525,16 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, num_prefill_tokens=last.num_prefill_tokens,
             num_decode_tokens=last.num_decode_tokens, num_seqs=last.num_seqs, step_time_s=step_time_s,
             num_generated_tokens=last.num_generated_tokens, queue_times_s=last.queue_times_s,
+            **self._spec_metrics(),
         )
+
+    def _spec_metrics(self) -> dict:
+        if self.speculator is None:
+            return {}
+        c = self.speculator.counters
+        return dict(spec_decode_num_drafts=c.num_drafts, spec_decode_num_draft_tokens=c.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=c.num_accepted_tokens,
+                    spec_decode_accepted_per_position=tuple(c.accepted_per_position))
 
     def close(self) -> None:
         """Stop tensor-parallel workers now (a finalizer does it at exit otherwise); idempotent."""
@@ -546,7 +565,17 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "formats_compiled": self._grammar_cache.num_compiled if self._grammar_cache else 0,
             "formats_refused": self._grammar_cache.num_refused if self._grammar_cache else 0,
+            **self._spec_stats(),
         }
+
+    def _spec_stats(self) -> dict:
+        """Speculative decoding's totals (vLLM's spec_decode metric names), when it is on."""
+        if self.speculator is None:
+            return {}
+        c = self.speculator.counters
+        return {"spec_decode_num_drafts": c.num_drafts, "spec_decode_num_draft_tokens": c.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": c.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(c.accepted_per_position)}
 
 
 def start_word_index(model_path: str, vocab_size: int, device: torch.device) -> Future:

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.policy import FCFSPolicy, SchedulerPolicy
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.speculative import Speculator
 from nanovllm.layers.pending import is_pending, pending_token
 from nanovllm.engine.sampler import SAMPLE_FAILED
 from nanovllm_client.protocol import FinishReason
@@ -57,12 +58,17 @@ class ScheduledSeq:
     # 为 1，prefill 为一块）。
     # prompt_logprob_span：请求要 prompt logprobs 时，块内哪几个位置的 logits 给还没算的
     # prompt token 打分（块内偏移、个数）；位置 p 的 logits 给 prompt 第 p+1 个 token 打分。
-    # samples 为真：这一块算到了序列末尾（num_computed_tokens + num_new_tokens == num_tokens），
-    # 本步要为它采样一个 token；prompt 中间的分块不采样。调度时算定一次：之后 settle 可能改动
+    # samples 为真：这一块算到了序列末尾（num_computed_tokens + num_new_tokens - len(draft)
+    # == num_tokens），本步要为它采样；prompt 中间的分块不采样。
+    # draft：投机解码的草稿 token（算在 num_new_tokens 里），每个草稿各占一个采样行，
+    # 所以 num_samples = 1 + len(draft)。调度时算定一次：之后 settle 可能改动
     # 序列（失败时去掉占位 token），这一项是否采样不能跟着变。ModelRunner / StepInput 只读它，不改。
     # [ZH-END]
     seq: Sequence
     num_new_tokens: int
+    draft: list[int] = field(default_factory=list)
+    """Drafted tokens verified after the sequence's last token (speculative decoding): they
+    are among `num_new_tokens`, and each gets a sampled row of its own."""
     samples: bool = field(init=False)
     """Whether this chunk reaches the end of the sequence, so a token is sampled after it; fixed
     when scheduled."""
@@ -72,13 +78,18 @@ class ScheduledSeq:
 
     def __post_init__(self) -> None:
         seq, first = self.seq, self.seq.num_computed_tokens
-        self.samples = first + self.num_new_tokens == seq.num_tokens
+        self.samples = first + self.num_new_tokens - len(self.draft) == seq.num_tokens
         self.prompt_logprob_span = None
         start = seq.prompt_logprob_start
         if start is not None:
             lo, hi = max(first, start), min(first + self.num_new_tokens, seq.num_prompt_tokens - 1)
             if lo < hi:
                 self.prompt_logprob_span = (lo - first, hi - lo)
+
+    @property
+    def num_samples(self) -> int:
+        """Rows sampled for this item: one per drafted token plus one, when it samples."""
+        return 1 + len(self.draft) if self.samples else 0
 
 
 class Scheduler:
@@ -95,8 +106,13 @@ class Scheduler:
     # [ZH-END]
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...], policy: SchedulerPolicy | None = None,
-                 kv_watermark: float = 0.0, preempt_ratio: float = 0.0):
+                 kv_watermark: float = 0.0, preempt_ratio: float = 0.0, speculator: Speculator | None = None,
+                 max_draft_rows: int = 8):
         self.block_manager = block_manager
+        self.speculator = speculator
+        """Proposes drafted tokens (speculative decoding), or None when it is off."""
+        self.max_draft_rows = max_draft_rows
+        """Most rows a decode-only step may reach with drafts (the one-call CPU decode step's range)."""
         self.preempt_blocks = _share_of(preempt_ratio, block_manager.num_total_blocks)
         """Blocks a step that preempts leaves free (Config.preempt_ratio)."""
         self.watermark_blocks = max(_share_of(kv_watermark, block_manager.num_total_blocks), self.preempt_blocks)
@@ -191,7 +207,47 @@ class Scheduler:
         budget -= sum(s.num_new_tokens for s in scheduled)
         if not preempted:
             self._schedule_waiting(scheduled, budget)
+        if self.speculator is not None:
+            self._add_drafts(scheduled, self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled))
         return scheduled
+
+    def _add_drafts(self, scheduled: list[ScheduledSeq], budget: int) -> None:
+        """Give plain greedy sequences of a decode-only step drafted tokens to verify, while the
+        step stays within `max_draft_rows` rows and the token budget, and only where the blocks
+        for them are free now: drafting never preempts."""
+        # [ZH-START]
+        # 1. 本步有 prefill 分块（任一项 num_new_tokens != 1 或不采样）→ 不草稿：这样的一步已经
+        #    走分块 / GEMM 路径，多几行不再便宜。
+        # 2. rows_left = max_draft_rows - 本步 decode 行数（默认 8：CPU 一次调用的解码步最多
+        #    8 行）；批大时 rows_left <= 0，直接不草稿——这就是"批大不草稿"的规则。
+        # 3. 逐项：只有 plain greedy（无采样、惩罚、bias、logprobs、min_tokens、processors、
+        #    语法）且没关投机（params.speculative）的序列才问 Speculator；上限 limit =
+        #    min(rows_left, budget, max_tokens 还剩的输出数 - 1, max_model_len - num_tokens - 1)：
+        #    这一步最多产出 k+1 个 token，不超过长度上限。第一次问时建 seq.spec。
+        # 4. 拿到草稿且 can_append(seq, 1 + k)（块现在就够，不为草稿抢占任何人）→
+        #    append_slots 补块，把这一项换成 ScheduledSeq(seq, 1 + k, draft)；
+        #    rows_left、budget 各减 k。
+        # [ZH-END]
+        if any(item.num_new_tokens != 1 or not item.samples for item in scheduled):
+            return  # a step with prefill chunks takes the chunk / GEMM path, where rows are not cheap
+        rows_left = self.max_draft_rows - len(scheduled)
+        for i, item in enumerate(scheduled):
+            if rows_left <= 0 or budget <= 0:
+                break
+            seq = item.seq
+            if seq.sampling is None or not seq.sampling.plain_greedy or not seq.params.speculative:
+                continue
+            limit = min(rows_left, budget, seq.params.max_tokens - seq.num_output_tokens - 1,
+                        self.max_model_len - seq.num_tokens - 1)
+            if seq.spec is None:
+                seq.spec = self.speculator.new_state()
+            draft = self.speculator.draft(seq.spec, seq.token_ids, limit)
+            if not draft or not self.block_manager.can_append(seq, 1 + len(draft)):
+                continue
+            self.block_manager.append_slots(seq, 1 + len(draft))
+            scheduled[i] = ScheduledSeq(seq, 1 + len(draft), draft)
+            rows_left -= len(draft)
+            budget -= len(draft)
 
     def _schedule_running(self, scheduled: list[ScheduledSeq], budget: int) -> bool:
         """Schedule running sequences in policy order; returns whether any was preempted."""
@@ -356,10 +412,12 @@ class Scheduler:
         # 同步的一步里 advance 之后紧接着 settle；重叠的一步里，settle 要等下一步发射之后才做，
         # 中间这段时间序列末尾是占位 token，下一步的输入在设备上把它换成真
         # token（layers/pending.py 的 resolve_pending）。
-        # 1. 对每一项：samples 为真就分给它下一个采样行号 row（与 Sampler 的行序一致，
-        #    已结束的序列也占一行）。
+        # 1. 对每一项：它的采样行从 row 开始，共 num_samples 行（与 Sampler 的行序一致，
+        #    已结束的序列也占行；有草稿的项占 1 + len(draft) 行）。
         # 2. 已结束的序列（abort，或重叠时上一步刚读到它的 stop）跳过：这一步替它算的结果会被丢弃。
-        # 3. 否则 num_computed_tokens += num_new_tokens，block_manager.commit(seq) 登记刚写满的块
+        # 3. 否则 num_computed_tokens += num_new_tokens - len(draft)（草稿要等 settle 接受了才算
+        #    已计算，被拒的草稿绝不能进登记到前缀缓存的块），
+        #    block_manager.commit(seq) 登记刚写满的块
         #    （此刻除了马上要放的占位 token，序列里全是真 token：上一步已经 settle 过；块里的 K/V
         #    由在飞的这一步写，命中它的序列最早下一步才读，同一条流上排在后面）；
         #    采样的项在 token_ids 末尾追加 pending_token(row)。
@@ -367,14 +425,16 @@ class Scheduler:
         row = 0
         for item in scheduled:
             seq = item.seq
-            if item.samples:
-                row += 1
+            first_row = row
+            row += item.num_samples
             if seq.is_finished:
                 continue
-            seq.num_computed_tokens += item.num_new_tokens
+            # Drafted tokens count as computed only once `settle` accepts them: a rejected one
+            # must never reach a block offered to the prefix cache.
+            seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
             self.block_manager.commit(seq)  # every token but the stand-in below is real by now
             if item.samples:
-                seq.token_ids.append(pending_token(row - 1))
+                seq.token_ids.append(pending_token(first_row))
 
     def settle(self, scheduled: list[ScheduledSeq], sampled: list[int]) -> int:
         """After a step's tokens reached the host (`advance` ran for it): write each token in
@@ -385,7 +445,10 @@ class Scheduler:
         # [ZH-START]
         # sampled 只含"本步采样了的"项的 token，按 scheduled 顺序排列，所以用迭代器按需取。
         # 对 scheduled 里的每一项：
-        # 1. samples 为真就先取出它的 token（已结束的序列也要取，行序才对得上）。
+        # 0. 有草稿的项取出它的 1 + len(draft) 个 token，交给 _settle_draft（接受最长相同前缀、
+        #    退回被拒草稿的块），下一项。
+        # 1. samples 为真就先取出它的 token（已结束的序列也要取，行序才对得上）；
+        #    序列有投机状态时 Speculator.observe 拿它对照上一步没草稿的提议。
         # 2. 序列已结束（这一步在飞时被 abort，或重叠时上一步就停了）→ 丢弃，跳过。
         # 3. 不采样（prompt 中间的分块）→ 下一项（块已在 advance 里登记）。
         # 4. token 等于 SAMPLE_FAILED → finish(seq, FinishReason.ERROR)（finish 会去掉占位 token；
@@ -400,10 +463,18 @@ class Scheduler:
         any_finished = False
         samples = iter(sampled)
         for item in scheduled:
+            if item.draft:
+                tokens = [next(samples) for _ in range(item.num_samples)]
+                if not item.seq.is_finished:
+                    num_appended += self._settle_draft(item.seq, item.draft, tokens)
+                    any_finished = any_finished or item.seq.is_finished
+                continue
             token = next(samples) if item.samples else None
             seq = item.seq
             if seq.is_finished or token is None:
                 continue  # ended meanwhile, or a prompt chunk that does not reach the end yet
+            if seq.spec is not None and self.speculator is not None:
+                self.speculator.observe(seq.spec, token)
             if token == SAMPLE_FAILED:
                 self.finish(seq, FinishReason.ERROR)
                 any_finished = True
@@ -417,6 +488,48 @@ class Scheduler:
         if any_finished:  # now, not at the next schedule(): an idle engine would hold them (and their state)
             self._drop_finished_running()
         return num_appended
+
+    def _settle_draft(self, seq: Sequence, draft: list[int], tokens: list[int]) -> int:
+        """Land a verification: `tokens[i]` is what greedy sampling picked after the last token
+        and `draft[:i]`. The drafts that equal those picks are kept, plus the pick after them
+        (the model's own token), each checked for a stop as if decoded one by one; the blocks
+        that held only rejected drafts go back, and blocks now full of accepted tokens go to the
+        prefix cache. Returns the tokens written."""
+        # [ZH-START]
+        # 进来时：num_computed_tokens 已含最后一个 token（advance 只加了 1），token_ids 末尾是
+        # 占位；本步 K/V 已写到 最后位置 .. 最后位置 + k。
+        # 1. accepted = 最长的 i，使 draft[:i] == tokens[:i]（greedy 在每个位置选的正是草稿）。
+        # 2. 依次写 tokens[0..accepted]：第 0 个替换占位，之后的追加；每写第 i >= 1 个，
+        #    说明草稿 i-1 被接受、它的 K/V 有效 → num_computed_tokens += 1。
+        #    每个 token 都按 _finish_reason 判停（EOS / stop id / max_tokens / max_model_len），
+        #    停了就 finish（块全部释放），后面的 token 不要——与逐个 decode 完全一样。
+        #    SAMPLE_FAILED → finish(ERROR)。
+        # 3. 没结束：block_manager.trim 退回只装着被拒草稿的块（它们没登记过哈希），
+        #    再 commit：刚被接受的 token 写满的块登记进前缀缓存。
+        # 4. Speculator.record(seq.spec, k, accepted)，返回写入的 token 数。
+        # [ZH-END]
+        accepted = 0
+        while accepted < len(draft) and tokens[accepted] == draft[accepted]:
+            accepted += 1
+        self.speculator.record(seq.spec, len(draft), accepted)
+        written = 0
+        for i, token in enumerate(tokens[:accepted + 1]):
+            if token == SAMPLE_FAILED:
+                self.finish(seq, FinishReason.ERROR)
+                return written
+            if i == 0:
+                seq.token_ids[-1] = token  # the stand-in `advance` put there
+            else:
+                seq.num_computed_tokens += 1  # draft i-1 was accepted: its K/V hold the real token
+                seq.token_ids.append(token)
+            written += 1
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                return written
+        self.block_manager.trim(seq)
+        self.block_manager.commit(seq)
+        return written
 
     def _drop_finished_running(self) -> None:
         """`running` without the sequences `finish` left in it (it never removes one: O(1) per finish)."""

@@ -29,6 +29,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from nanovllm.engine.speculative import SpecState
 from nanovllm.layers.logits_processors import LogitsProcessor
 from nanovllm.layers.logprobs import TokenLogprobs
 from nanovllm.sampling_params import SamplingParams
@@ -74,6 +75,7 @@ class Sequence:
         #    block_hashes：前面各满块的链式哈希，算一次存一次；
         #    num_registered_blocks：已登记进前缀缓存的前导块数；
         #    num_sent_tokens：step() 已经报告给调用方的输出 token 数。
+        # 5. spec：投机解码的状态（n-gram 索引、接受率），第一次可能草稿时由 Scheduler 建。
         # [ZH-END]
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -107,6 +109,9 @@ class Sequence:
         """Leading blocks already offered to the prefix cache."""
         self.num_sent_tokens = 0
         """Output tokens already reported by `step()`."""
+        self.spec: SpecState | None = None
+        """Speculative decoding's state (n-gram index, acceptance estimate), made when it first
+        may draft."""
 
     @property
     def num_tokens(self) -> int:

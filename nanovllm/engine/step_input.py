@@ -60,26 +60,32 @@ class StepInput:
         # 1. 遍历 scheduled，pos = seq.num_computed_tokens（本次第一个新 token 的位置）。
         # 2. num_new_tokens == 1 → 当作 decode 行：记 token_ids[pos]、pos、seq.block_table；
         #    places 记 (True, 它在 decode 行中的序号)。只剩 1 个 token 的 prefill
-        #    分块也走这里，算法相同。
+        #    分块也走这里，算法相同。有草稿（投机解码的验证）→ k+1 个 decode 行：
+        #    token_ids[pos] 和 k 个草稿，位置 pos..pos+k，同一张块表；places 记第一行的序号。
+        #    各行的 K/V 都先写进 cache 再做注意力，所以第 i 行看得到它前面的行（因果）。
         # 3. 否则是 prefill 分块：记 token_ids[pos:pos+n]、起始位置 pos、block_table；
         #    num_prefill_rows 累加 n，places 记 (False, 该分块最后一行在 prefill 行中的下标)。
-        # 4. 全部遍历完 decode 行数 num_decode 才确定，再算 sample_rows：对 item.samples 为真的项，
-        #    decode 行取其序号，prefill 取 num_decode + 末行下标；顺序就是 scheduled 的顺序，
+        # 4. 全部遍历完 decode 行数 num_decode 才确定，再算 sample_rows：每项 num_samples 行，
+        #    decode 行取其序号（有草稿的项是连续的 1 + k 行），prefill 取 num_decode + 末行下标；
+        #    顺序就是 scheduled 的顺序，
         #    与 Sampler 收到的 seqs 一一对应。
         # 5. 有 prompt_logprob_span 的项：从它那一块的第一行起，按（偏移、个数）把对应的行号依次
         #    记进 prompt_rows（这些行的 logits 给 prompt token 打分），每行要打分的 token（它位置
         #    之后的那个 prompt token）记进 prompt_targets，候选个数记进 prompt_top。
         # [ZH-END]
         step = cls([], [], [], [], [], [], [])
-        places: list[tuple[bool, int]] = []  # (is_decode, row among decodes / last row among prefill rows)
+        places: list[tuple[bool, int]] = []  # (is_decode, first row among decodes / last row among prefill rows)
         num_prefill_rows = 0
         for item in scheduled:
             seq, pos = item.seq, item.seq.num_computed_tokens
-            if item.num_new_tokens == 1:
+            if item.num_new_tokens == 1 or item.draft:
+                # A verification is k+1 decode rows of one sequence: each row's K/V is stored
+                # before any row attends, so row i sees the rows before it.
                 places.append((True, len(step.decode_token_ids)))
                 step.decode_token_ids.append(seq.token_ids[pos])
-                step.decode_positions.append(pos)
-                step.decode_block_tables.append(seq.block_table)
+                step.decode_token_ids.extend(item.draft)
+                step.decode_positions.extend(range(pos, pos + item.num_new_tokens))
+                step.decode_block_tables.extend([seq.block_table] * item.num_new_tokens)
             else:
                 num_prefill_rows += item.num_new_tokens
                 places.append((False, num_prefill_rows - 1))
@@ -87,8 +93,8 @@ class StepInput:
                 step.prefill_starts.append(pos)
                 step.prefill_block_tables.append(seq.block_table)
         num_decode = len(step.decode_token_ids)
-        step.sample_rows = [row if is_decode else num_decode + row
-                            for item, (is_decode, row) in zip(scheduled, places) if item.samples]
+        step.sample_rows = [row + i if is_decode else num_decode + row
+                            for item, (is_decode, row) in zip(scheduled, places) for i in range(item.num_samples)]
         for item, (is_decode, row) in zip(scheduled, places):
             if item.prompt_logprob_span is not None:
                 offset, count = item.prompt_logprob_span

@@ -124,3 +124,23 @@ def test_engine_states_and_shared_stage_metrics():
     assert got("nanovllm:frames_rejected_total", reason="duplicate") == 1.0
     assert got.labels_of("nanovllm:stage_restarts_total") == [{"stage": "detokenizer"}]
     assert not got.has("nanovllm:live_clients")  # the engine has no clients
+
+
+def test_speculative_decoding_metrics_count_what_the_speculator_counted(tiny_model_dir):
+    engine = LLMEngine(model=tiny_model_dir, num_kvcache_blocks=256, block_size=4, speculative="ngram",
+                       speculative_ngram_min=1, dtype="float32")
+    metrics = EngineMetrics(CollectorRegistry())
+    engine.add_post_step_hook(metrics)
+    phrase = random_prompts([5], vocab=2048, seed=23)[0]
+    for i, prompt in enumerate([phrase * 5, phrase[:3] * 6]):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    run_to_end(engine)
+    c = engine.speculator.counters
+    assert c.num_accepted_tokens > 0
+    with serve_metrics(metrics.registry) as server:
+        scrape = Scrape(server.port)
+        assert scrape("nanovllm:spec_decode_num_drafts_total") == c.num_drafts
+        assert scrape("nanovllm:spec_decode_num_draft_tokens_total") == c.num_draft_tokens
+        assert scrape("nanovllm:spec_decode_num_accepted_tokens_total") == c.num_accepted_tokens
+        assert scrape("nanovllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") == \
+            c.accepted_per_position[0]
