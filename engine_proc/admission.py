@@ -223,7 +223,8 @@ class Admission:
         # 1. 不在 backlog：在 live 里就 engine.abort(id)（幂等；最终输出由下一步产生）；
         #    也不在 live、不在 FinishedRing：请求还没到（abort 走 control socket 超过了它），
         #    _remember_early_abort 记下。
-        # 2. 在 backlog（从未准入）：移出、计数和字节额度退回；记进 live 并加入 started，再合成一个
+        # 2. 在 backlog（从未准入）：移出、计数和字节额度退回（shares.unqueued：它的客户端少算一个
+        #    排队的）；记进 live 并加入 started，再合成一个
         #    RequestOutput(finished=True, FinishReason.ABORT, prompt 长度) 放进 sent.outputs
         #    并 record——
         #    开始和结束在同一条输出里发出，客户端立刻得到终止增量，abort 不必等准入。

@@ -195,7 +195,9 @@ class Scheduler:
         # 4. budget 减去已分出去的 token 数。
         # 5. 本步没发生抢占才 _schedule_waiting 接纳新序列：刚因为块不够踢了人，
         #    再接纳只会互相抢占、来回抖动。
-        # 6. 返回 scheduled：前面是 running 的，后面是新接纳的。
+        # 6. 开了投机解码（speculator 不为空）：_add_drafts 在剩下的 token 预算内给 plain greedy 的
+        #    decode 项加上草稿 token。
+        # 7. 返回 scheduled：前面是 running 的，后面是新接纳的。
         # [ZH-END]
         self._drop_finished_running()
         self.running.sort(key=self.policy.key)  # already sorted under FCFS: a linear check
