@@ -285,11 +285,16 @@ class RequestStreams:
         if entries is None:
             return None
         texts = self.token_texts
-        return [p.TokenLogprob(token_id=e.token_id, token=texts(e.token_id)[0], bytes=texts(e.token_id)[1],
-                               logprob=e.logprob, rank=e.rank,
-                               top=[p.TopLogprob(token_id=t, token=texts(t)[0], bytes=texts(t)[1], logprob=lp)
-                                    for t, lp in zip(e.top_token_ids, e.top_logprobs)])
-                for e in entries]
+        out = []
+        for e in entries:
+            text, raw = texts(e.token_id)
+            top = []
+            for t, lp in zip(e.top_token_ids, e.top_logprobs):
+                top_text, top_raw = texts(t)
+                top.append(p.TopLogprob(token_id=t, token=top_text, bytes=top_raw, logprob=lp))
+            out.append(p.TokenLogprob(token_id=e.token_id, token=text, bytes=raw, logprob=e.logprob, rank=e.rank,
+                                      top=top))
+        return out
 
     def _abort_stopped(self, request_id: str, state: RequestState, out: Outcome) -> None:
         state.abort_sent_at = time.monotonic()

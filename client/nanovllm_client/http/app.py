@@ -540,12 +540,13 @@ async def _sse(opened: list[Opened], call: Call, rid: str, created: int, kind: s
                                   "finish_reason": chat_output.finish_reason(reason, parser.calls),
                                   "stop_reason": d.stop_reason}], None, call.include_usage)
             else:
-                if call.echo and index not in pieces:  # the prompt first: its text (and its tokens' logprobs)
-                    pieces[index] = lp.CompletionLogprobs()
-                    echoed = _echo(call, prompts[index], d.prompt_logprobs, pieces[index])
-                    yield event([{"index": index, "text": echoed[0], "finish_reason": None, "logprobs": echoed[1]}],
-                                None, call.include_usage)
-                piece = pieces.setdefault(index, lp.CompletionLogprobs())
+                piece = pieces.get(index)
+                if piece is None:  # the choice's first delta
+                    piece = pieces[index] = lp.CompletionLogprobs()
+                    if call.echo:  # the prompt first: its text (and its tokens' logprobs)
+                        echoed = _echo(call, prompts[index], d.prompt_logprobs, piece)
+                        yield event([{"index": index, "text": echoed[0], "finish_reason": None,
+                                      "logprobs": echoed[1]}], None, call.include_usage)
                 text, entries = ("", None) if call.echo_only else (d.text, d.logprobs)
                 reason = "length" if call.echo_only and reason else reason  # max_tokens 0 reached
                 if text or reason or (call.logprobs and entries):
