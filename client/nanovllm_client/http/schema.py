@@ -181,11 +181,11 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
-def _common(body: dict, allowed: set[str], neutral: dict[str, tuple]) -> tuple[str, bool, bool, dict]:
+def _common(body: dict, allowed: set[str]) -> tuple[str, bool, bool, dict]:
     """The body's model, stream and include_usage, and the call's keywords other than sampling."""
     for name in sorted(str(k) for k in body if k not in allowed):
-        if name in neutral:
-            check_neutral(name, body[name], neutral[name])
+        if name in NEUTRAL:
+            check_neutral(name, body[name], NEUTRAL[name])
         else:
             _ignored("request", name, name in IGNORED)
     model = body.get("model")
@@ -248,7 +248,7 @@ def _logprob_fields(body: dict, stream: bool, chat: bool) -> tuple[dict, bool]:
 def parse_completion(body: Any) -> Call:
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
-    model, stream, usage, kw = _common(body, COMPLETION_FIELDS, NEUTRAL)
+    model, stream, usage, kw = _common(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
     for p in prompts:
@@ -398,7 +398,7 @@ def _tool_calls(i: int, calls: Any) -> list[dict]:
 def parse_chat(body: Any) -> Call:
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
-    model, stream, usage, kw = _common(body, CHAT_FIELDS, NEUTRAL)
+    model, stream, usage, kw = _common(body, CHAT_FIELDS)
     tools, forced = _tools(body)
     parallel = body.get("parallel_tool_calls")
     parallel = True if parallel is None else _bool("parallel_tool_calls", parallel)
