@@ -17,40 +17,21 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from nanovllm_client import AsyncClient, Client, RequestError, ServiceDrainingError  # noqa: E402
+from nanovllm_client import AsyncClient, RequestError, ServiceDrainingError  # noqa: E402
 from nanovllm_client.client_state import merge  # noqa: E402
 from tests.service.conftest import EXACT_ARGS, START_TIMEOUT, TINY_ENGINE_ARGS  # noqa: E402
-from tests.service.harness import REPO, fresh_engine_stats, short_tmpdir, wait_for  # noqa: E402
-from tests.service.test_http_serve import AUTH, KEY, _free_port, _get, _post  # noqa: E402
+from tests.service.harness import REPO, fresh_engine_stats, wait_for  # noqa: E402
+from tests.service.test_fair_share import SLOW  # noqa: E402
+from tests.service.test_http_serve import KEY, serve_with_front  # noqa: E402
 from tests.service.test_supervisor import read_pids  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def front(tiny_model_dir):
-    runtime_dir, port = short_tmpdir(), _free_port()
-    keys = os.path.join(runtime_dir, "http-keys")
-    with open(os.open(keys, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        f.write(f"{KEY}\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
-    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", tiny_model_dir, "--runtime-dir",
-                             runtime_dir, "--log-level", "INFO", "--http-port", str(port),
-                             "--http-api-key-file", keys, *TINY_ENGINE_ARGS, *EXACT_ARGS],
-                            cwd=REPO, env=env, start_new_session=True)
-    try:
-        with Client(f"ipc://{runtime_dir}", timeout=120, connect_timeout=START_TIMEOUT) as client:
-            client.wait_engine(timeout=START_TIMEOUT)
-            wait_for(lambda: _get(port, "/health")[0] == 200, timeout=START_TIMEOUT, what="the HTTP front's /health")
-            yield proc, runtime_dir, port, client, tiny_model_dir
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        for pid in (read_pids(runtime_dir) or {}).values():
-            if isinstance(pid, int):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+    # Steps of at least 10 ms (SLOW): the restart test's 400-token streams last 4 s or more, so its
+    # kill lands while they run even when the test process itself is slow to read their first text.
+    with serve_with_front(tiny_model_dir, [*TINY_ENGINE_ARGS, *EXACT_ARGS, *SLOW], f"{KEY}\n") as served:
+        yield (*served, tiny_model_dir)
 
 
 def _stop_inside(text: str) -> str:

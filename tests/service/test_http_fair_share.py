@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 
 import pytest
 
 pytest.importorskip("uvicorn")
 
-from nanovllm_client import Client  # noqa: E402
-from tests.service.conftest import START_TIMEOUT, TINY_ENGINE_ARGS  # noqa: E402
-from tests.service.harness import REPO, fresh_engine_stats, num_steps, short_tmpdir, wait_for  # noqa: E402
+from tests.service.conftest import TINY_ENGINE_ARGS  # noqa: E402
+from tests.service.harness import fresh_engine_stats, num_steps, wait_for  # noqa: E402
 from tests.service.test_fair_share import BOUND_STEPS, HEARTBEAT, MINE_TOKENS, SLOW  # noqa: E402
-from tests.service.test_http_serve import _free_port, _get  # noqa: E402
-from tests.service.test_supervisor import read_pids  # noqa: E402
+from tests.service.test_http_serve import serve_with_front  # noqa: E402
 
 FLOODER, OTHER = "sk-flood-0123456789", "sk-other-9876543210"
 FLOOD = 100
@@ -30,28 +24,9 @@ the front's --max-streams (256), so the front passes them all on and the service
 
 @pytest.fixture(scope="module")
 def front(tiny_model_dir):
-    runtime_dir, port = short_tmpdir(), _free_port()
-    keys = os.path.join(runtime_dir, "http-keys")
-    with open(os.open(keys, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        f.write(f"{FLOODER}\n{OTHER}\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
-    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", tiny_model_dir, "--runtime-dir",
-                             runtime_dir, "--log-level", "INFO", "--http-port", str(port), "--http-api-key-file", keys,
-                             *TINY_ENGINE_ARGS, *SLOW, *HEARTBEAT], cwd=REPO, env=env, start_new_session=True)
-    try:
-        with Client(f"ipc://{runtime_dir}", timeout=120, connect_timeout=START_TIMEOUT) as client:
-            client.wait_engine(timeout=START_TIMEOUT)
-            wait_for(lambda: _get(port, "/health")[0] == 200, timeout=START_TIMEOUT, what="the HTTP front's /health")
-            yield port, client
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        for pid in (read_pids(runtime_dir) or {}).values():
-            if isinstance(pid, int):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+    with serve_with_front(tiny_model_dir, [*TINY_ENGINE_ARGS, *SLOW, *HEARTBEAT], f"{FLOODER}\n{OTHER}\n") as served:
+        _, _, port, client = served
+        yield port, client
 
 
 def _open_stream(port: int, model: str, key: str, prompt: str, max_tokens: int) -> http.client.HTTPConnection:

@@ -10,8 +10,6 @@ import http.client
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,11 +18,10 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from nanovllm_client import Client  # noqa: E402
-from tests.service.conftest import EXACT_ARGS, START_TIMEOUT, TINY_ENGINE_ARGS  # noqa: E402
-from tests.service.harness import REPO, engine_idle, short_tmpdir, wait_for  # noqa: E402
+from tests.service.conftest import EXACT_ARGS, TINY_ENGINE_ARGS  # noqa: E402
+from tests.service.harness import engine_idle, wait_for  # noqa: E402
 from tests.service.test_fair_share import SLOW  # noqa: E402
-from tests.service.test_http_serve import _free_port, _get  # noqa: E402
+from tests.service.test_http_serve import _get, serve_with_front  # noqa: E402
 from tests.service.test_supervisor import read_pids  # noqa: E402
 
 MAX_TOKENS = 150
@@ -49,25 +46,8 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    runtime_dir, port = short_tmpdir(), _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
-    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", tiny_model_dir, "--runtime-dir",
-                             runtime_dir, "--log-level", "INFO", "--http-port", str(port),
-                             *TINY_ENGINE_ARGS, *EXACT_ARGS, *SLOW], cwd=REPO, env=env, start_new_session=True)
-    try:
-        with Client(f"ipc://{runtime_dir}", timeout=120, connect_timeout=START_TIMEOUT) as client:
-            client.wait_engine(timeout=START_TIMEOUT)
-            wait_for(lambda: _get(port, "/health")[0] == 200, timeout=START_TIMEOUT, what="the HTTP front's /health")
-            yield runtime_dir, port, client, tiny_model_dir
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        for pid in (read_pids(runtime_dir) or {}).values():
-            if isinstance(pid, int):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+    with serve_with_front(tiny_model_dir, [*TINY_ENGINE_ARGS, *EXACT_ARGS, *SLOW]) as (_, runtime_dir, port, client):
+        yield runtime_dir, port, client, tiny_model_dir
 
 
 def _stream(port: int, model: str, kind: str, temperature: float, i: int, out: Outcome) -> None:

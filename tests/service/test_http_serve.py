@@ -3,6 +3,7 @@ against the tiny model: output equal to the ZeroMQ client's, SSE through real cu
 connection frees its KV blocks, SIGTERM drains. One service for the module."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -31,22 +32,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def front(tiny_model_dir):
+@contextlib.contextmanager
+def serve_with_front(model: str, engine_args: list[str], keys: str | None = None):
+    """`nanovllm serve --http-port` on `model` (with `keys` as its API-key file's text, if given),
+    ready: yields (supervisor process, runtime dir, port, a ZeroMQ client); every process killed
+    after, whatever the test did to them."""
     runtime_dir, port = short_tmpdir(), _free_port()
-    keys = os.path.join(runtime_dir, "http-keys")
-    with open(os.open(keys, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        f.write(f"# the front's keys\nother-key\n{KEY}\n")
+    key_args = []
+    if keys is not None:
+        key_file = os.path.join(runtime_dir, "http-keys")
+        with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(keys)
+        key_args = ["--http-api-key-file", key_file]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "client")]))
-    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", tiny_model_dir, "--runtime-dir",
-                             runtime_dir, "--log-level", "INFO", "--http-port", str(port),
-                             "--http-api-key-file", keys, *TINY_ENGINE_ARGS],
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.supervisor", "--model", model, "--runtime-dir",
+                             runtime_dir, "--log-level", "INFO", "--http-port", str(port), *key_args, *engine_args],
                             cwd=REPO, env=env, start_new_session=True)
     try:
         with Client(f"ipc://{runtime_dir}", timeout=120, connect_timeout=START_TIMEOUT) as client:
             client.wait_engine(timeout=START_TIMEOUT)
             wait_for(lambda: _get(port, "/health")[0] == 200, timeout=START_TIMEOUT, what="the HTTP front's /health")
-            yield proc, runtime_dir, port, client, tiny_model_dir
+            yield proc, runtime_dir, port, client
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -57,6 +63,12 @@ def front(tiny_model_dir):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+@pytest.fixture(scope="module")
+def front(tiny_model_dir):
+    with serve_with_front(tiny_model_dir, TINY_ENGINE_ARGS, f"# the front's keys\nother-key\n{KEY}\n") as served:
+        yield (*served, tiny_model_dir)
 
 
 KEY = "sk-test-0123456789"

@@ -376,6 +376,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
             metrics.count(route, err.status)
             return _error(err)
         choices = []
+        prompts = [prompt for _, prompt, _ in call.choices()] if not chat else []
         for o, answer in zip(opened, answers):
             if chat:
                 choices.append({"index": o.index, "message": chat_output.message(answer.events, answer.parser.calls),
@@ -383,7 +384,7 @@ def build_app(client: Any, settings: Settings) -> Starlette:
                                 "logprobs": lp.chat_logprobs(answer.logprobs) if call.logprobs else None,
                                 "stop_reason": answer.stop_reason})
             else:
-                choices.append(_completion_choice(o.index, call, call.choices()[o.index][1], answer))
+                choices.append(_completion_choice(o.index, call, prompts[o.index], answer))
         body = {"id": rid, "object": kind, "created": created, "model": settings.model, "choices": choices,
                 "usage": _summed_usage([a.usage for a in answers], call.n)}
         if chat and call.prompt_logprobs:  # vLLM's: beside the choices (one prompt)
@@ -516,7 +517,7 @@ async def _sse(opened: list[Opened], call: Call, rid: str, created: int, kind: s
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
     streams = {o.index: o.stream for o in opened}
-    prompts = {index: prompt for index, prompt, _ in call.choices()}
+    prompts = {index: prompt for index, prompt, _ in call.choices()} if call.echo else {}  # what echo shows
     # every delta carries reasoning_open
     parsers = {o.index: call.output_parser(o.first.reasoning_open) for o in opened} if chat else {}
     held: dict[int, list] = {}  # chat: logprob entries of tokens whose text the parser still holds
